@@ -1,0 +1,95 @@
+"""comfy-env: run functions in long-lived, crash-isolated worker processes, one per env.
+
+Quick use::
+
+    import comfy_env
+    w = comfy_env.get_worker("/path/to/venv")        # nothing is spawned yet
+    w.call("numpy:add", 1, 2)                        # spawns, verifies, calls
+    w.run("pkg.mod:slow", (x,), timeout=5.0)         # per-call deadline
+
+Importing this package starts no thread, registers no atexit handler and touches no file; all of
+that happens when a pool is first used.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ._config import PoolConfig
+from ._envs import EnvSpec, resolve_env
+from ._errors import (
+    CallCancelled,
+    CallTimeout,
+    ComfyEnvError,
+    EnvAbandonedError,
+    EnvError,
+    PoolClosedError,
+    ProtocolError,
+    RemoteError,
+    RemoteTraceback,
+    SerializationError,
+    StaleGenerationError,
+    WorkerCrashed,
+    WorkerError,
+    WorkerStartError,
+)
+from ._pool import EnvStats, Pool, WorkerStats
+from ._worker import Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CallCancelled",
+    "CallTimeout",
+    "ComfyEnvError",
+    "EnvAbandonedError",
+    "EnvError",
+    "EnvSpec",
+    "EnvStats",
+    "Pool",
+    "PoolClosedError",
+    "PoolConfig",
+    "ProtocolError",
+    "RemoteError",
+    "RemoteTraceback",
+    "SerializationError",
+    "StaleGenerationError",
+    "Worker",
+    "WorkerCrashed",
+    "WorkerError",
+    "WorkerStartError",
+    "WorkerStats",
+    "default_pool",
+    "get_worker",
+    "resolve_env",
+    "shutdown",
+]
+
+_default_pool: Pool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> Pool:
+    """The process-wide pool behind ``get_worker``, created (from ``COMFY_ENV_*`` settings) on
+    first use. After ``shutdown()`` the next use creates a fresh one."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool.closed:
+            _default_pool = Pool(PoolConfig())
+        return _default_pool
+
+
+def get_worker(env: str | os.PathLike[str] | None = None) -> Worker:
+    """A handle on ``env`` (None: the current interpreter) in the default pool. Spawns nothing;
+    the first call does. Raises ``EnvError`` if the env has no interpreter."""
+    return default_pool().get_worker(env)
+
+
+def shutdown() -> None:
+    """Close the default pool (it also closes at interpreter exit)."""
+    global _default_pool
+    with _default_lock:
+        pool, _default_pool = _default_pool, None
+    if pool is not None:
+        pool.close()

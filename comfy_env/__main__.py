@@ -1,0 +1,7 @@
+"""``python -m comfy_env`` runs the CLI."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

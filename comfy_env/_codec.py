@@ -1,0 +1,155 @@
+"""Host-side codec: call messages out, replies and remote exceptions in.
+
+A call message is one pickle (protocol 5) of ``(target, args, kwargs)``:
+
+- ``target`` is a ``"module:qualname"`` string when the caller passed one, or when the caller
+  passed a function that is importable by that name (a module-level function of a real module).
+  The worker imports it once and caches it: the cheapest and the most portable form, since it
+  works across Python versions.
+- Otherwise (a lambda, a closure, a function from ``__main__``) ``target`` is the function pickled
+  *by value* with cloudpickle, which only loads in the same Python major.minor; the pool checks
+  that against the worker's hello before sending.
+
+Arguments are pickled with the C pickler; only if that fails (a lambda among the arguments, say)
+with cloudpickle. An argument that cannot be pickled either way raises ``SerializationError`` in
+the caller before anything is sent.
+
+Replies: ``REPLY_OK`` carries the pickled result; ``REPLY_ERR`` carries the record built by
+``comfy_env_worker.main.error_record``. A remote ``Exception`` whose class unpickles here is
+re-raised as itself with the remote traceback as its ``__cause__``; anything else (unknown class,
+unpicklable, or a bare ``BaseException`` such as ``SystemExit`` that must not unwind the host)
+becomes ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from comfy_env_worker.protocol import FrameType
+
+from ._errors import RemoteError, RemoteTraceback, SerializationError
+
+PICKLE_PROTOCOL = 5
+
+# Function -> "module:qualname" for functions found importable by name (weakly keyed would be
+# nicer, but functions are rarely collected; bounded instead).
+_REFERENCE_CACHE: dict[Callable[..., Any], str | None] = {}
+_REFERENCE_CACHE_MAX = 4096
+
+_TARGET_EXAMPLE = "'package.module:function'"
+
+
+def target_label(target: str | Callable[..., Any]) -> str:
+    """How a target is named in errors and stats."""
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or "?"
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}:{qualname}"
+
+
+def reference_name(fn: Callable[..., Any]) -> str | None:
+    """``"module:qualname"`` if ``fn`` can be found again by that name, else None."""
+    try:
+        cached = _REFERENCE_CACHE.get(fn)
+    except TypeError:  # unhashable callable object
+        return None
+    if cached is not None or fn in _REFERENCE_CACHE:
+        return cached
+    name = _lookup_reference(fn)
+    if len(_REFERENCE_CACHE) >= _REFERENCE_CACHE_MAX:
+        _REFERENCE_CACHE.clear()
+    _REFERENCE_CACHE[fn] = name
+    return name
+
+
+def _lookup_reference(fn: Callable[..., Any]) -> str | None:
+    module_name = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module_name or not qualname or module_name == "__main__" or "<" in qualname:
+        return None
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    try:
+        import cloudpickle
+
+        if module_name in getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", ()):
+            return None  # the user asked for this module's functions to travel by value
+    except ImportError:  # pragma: no cover - cloudpickle is a dependency
+        pass
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return f"{module_name}:{qualname}" if obj is fn else None
+
+
+def encode_call(
+    target: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bytes, bool]:
+    """Pickle a call. Returns ``(payload, by_value)``; ``by_value`` means the payload holds
+    cloudpickled code and needs a worker on the host's Python major.minor."""
+    if isinstance(target, str):
+        module, sep, qualname = target.partition(":")
+        if not sep or not module or not qualname:
+            raise ValueError(f"call target {target!r} is not of the form {_TARGET_EXAMPLE}")
+        wire_target: str | Callable[..., Any] = target
+    elif callable(target):
+        ref = reference_name(target)
+        if ref is None:
+            # By value: the whole message goes through cloudpickle (code and arguments).
+            payload = _cloudpickle((target, args, kwargs), f"the callable {target_label(target)}")
+            return payload, True
+        wire_target = ref
+    else:
+        raise TypeError(
+            f"call target must be a callable or a string {_TARGET_EXAMPLE}, "
+            f"not {type(target).__name__}"
+        )
+    message = (wire_target, args, kwargs)
+    try:
+        return pickle.dumps(message, protocol=PICKLE_PROTOCOL), False
+    except Exception:  # noqa: BLE001 - retry with cloudpickle, which knows lambdas and closures
+        payload = _cloudpickle(message, f"the arguments of {target_label(target)}")
+        return payload, True
+
+
+def _cloudpickle(obj: Any, what: str) -> bytes:
+    import cloudpickle
+
+    try:
+        return bytes(cloudpickle.dumps(obj, protocol=PICKLE_PROTOCOL))
+    except Exception as exc:  # noqa: BLE001
+        raise SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}") from exc
+
+
+def decode_reply(ftype: int, payload: bytes | bytearray, label: str) -> Any:
+    """Return the call's result, or raise what the function raised."""
+    if ftype == FrameType.REPLY_OK:
+        try:
+            return pickle.loads(payload)
+        except Exception as exc:  # noqa: BLE001
+            raise SerializationError(
+                f"the result of {label} could not be unpickled in the host: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+    raise_remote(payload)
+
+
+def raise_remote(payload: bytes | bytearray) -> NoReturn:
+    qualname, module, message, tb_text, pickled = pickle.loads(payload)
+    cause = RemoteTraceback(tb_text)
+    if pickled is not None:
+        try:
+            exc = pickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - class missing here or broken reduce: keep the text
+            exc = None
+        if isinstance(exc, Exception):
+            raise exc from cause
+    type_name = qualname if module in ("builtins", None) else f"{module}.{qualname}"
+    raise RemoteError(type_name, message, tb_text) from cause

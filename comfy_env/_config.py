@@ -1,0 +1,110 @@
+"""``PoolConfig``: every knob of a pool, validated once, overridable by environment variables.
+
+Precedence: a value passed to ``PoolConfig(...)`` wins over ``COMFY_ENV_<FIELD>`` in the
+environment, which wins over the default. Environment values are strings: numbers parse as
+numbers, ``none`` (or an empty string) means None for optional fields, ``sys_path`` is an
+``os.pathsep``-separated list and ``env_vars`` a JSON object. A bad value raises pydantic's
+``ValidationError`` naming the field and, for environment values, the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+ENV_PREFIX = "COMFY_ENV_"
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class PoolConfig(BaseModel):
+    """Settings of a ``Pool``. Immutable; every field also reads ``COMFY_ENV_<FIELD>``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    call_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Default total deadline of a call in seconds (queue wait included); "
+        "None waits forever. Per call: Worker.run(timeout=...).",
+    )
+    start_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Deadline for a worker to start, handshake and pass the canary. Generous: "
+        "an env that imports torch with CUDA takes seconds.",
+    )
+    max_workers_per_env: int = Field(
+        1, ge=1, le=256, description="Workers an env may run in parallel; callers queue FIFO."
+    )
+    max_frame_bytes: int = Field(
+        2 * 1024**3,
+        ge=1024 * 1024,
+        le=2**62,
+        description="Largest frame (pickled call or reply) accepted in either direction.",
+    )
+    kill_grace: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds between SIGTERM and SIGKILL when a worker's process group is "
+        "stopped on timeout or close.",
+    )
+    close_timeout: float = Field(
+        5.0, ge=0, description="One bounded wait for all workers to exit in Pool.close()."
+    )
+    stderr_tail_lines: int = Field(
+        40, ge=0, le=10000, description="Lines of worker output kept for crash reports."
+    )
+    sys_path: tuple[str, ...] = Field(
+        (), description="Extra sys.path entries for every worker (after its runtime dir)."
+    )
+    cwd: str | None = Field(None, description="Working directory of workers (default: host's).")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables for workers."
+    )
+    log_level: str = Field("INFO", description="Level of the worker's root logger.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_environment(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, field in cls.model_fields.items():
+            if name in merged:
+                continue
+            var = ENV_PREFIX + name.upper()
+            raw = os.environ.get(var)
+            if raw is None:
+                continue
+            merged[name] = _parse_env_value(var, raw, field.annotation)
+        return merged
+
+    @model_validator(mode="after")
+    def _check_log_level(self) -> PoolConfig:
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
+        return self
+
+
+def _parse_env_value(var: str, raw: str, annotation: Any) -> Any:
+    text = raw.strip()
+    if annotation == dict[str, str]:
+        try:
+            value = json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{var}={raw!r} is not a JSON object: {exc}") from None
+        return value
+    if annotation == tuple[str, ...]:
+        return tuple(p for p in text.split(os.pathsep) if p)
+    optional = "None" in repr(annotation)
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        return TypeAdapter(annotation).validate_python(text)
+    except ValidationError as exc:
+        detail = exc.errors()[0].get("msg", str(exc))
+        raise ValueError(f"{var}={raw!r}: {detail}") from None

@@ -1,0 +1,102 @@
+"""Env resolution: what the caller passed -> (env key, interpreter path).
+
+An env is named by one of:
+- ``None``: the current interpreter (``sys.executable``; key ``sys.prefix``);
+- an env directory: a venv (``bin/python``, ``Scripts/python.exe``), a conda env (``bin/python``
+  or ``python.exe``), a pixi project (``.pixi/envs/default/...``);
+- an interpreter path: its env directory is the parent of ``bin``/``Scripts``, else its folder.
+
+The env key (the pool's key) is the absolute env directory, not symlink-resolved: two venvs
+sharing a base interpreter are two envs. The interpreter path is kept as found, never
+``realpath``-ed, because a venv's ``bin/python`` symlink is what makes Python pick up the venv's
+``pyvenv.cfg``; launching the resolved base binary would silently run the base env.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._errors import EnvError
+
+# Interpreter locations inside an env directory, in the order they are tried.
+INTERPRETER_CANDIDATES: tuple[str, ...] = (
+    "bin/python",
+    "bin/python3",
+    "Scripts/python.exe",
+    "python.exe",
+    ".pixi/envs/default/bin/python",
+    ".pixi/envs/default/bin/python3",
+    ".pixi/envs/default/python.exe",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSpec:
+    """A resolved env: ``key`` names it in the pool, ``interpreter`` is what gets launched."""
+
+    key: str
+    interpreter: str
+    is_current: bool
+
+    @property
+    def name(self) -> str:
+        """A short label for logs: the env directory's name (``"current"`` for the host's)."""
+        return "current" if self.is_current else (Path(self.key).name or self.key)
+
+
+def current_env() -> EnvSpec:
+    return EnvSpec(key=os.path.abspath(sys.prefix), interpreter=sys.executable, is_current=True)
+
+
+def _is_interpreter(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def resolve_env(env: str | os.PathLike[str] | None) -> EnvSpec:
+    """Resolve ``env`` or raise ``EnvError`` listing every path that was tried."""
+    if env is None:
+        return current_env()
+    if not isinstance(env, (str, os.PathLike)):
+        raise EnvError(
+            f"env must be None, an env directory or an interpreter path, not {type(env).__name__}"
+        )
+    raw = os.fspath(env)
+    if not raw:
+        raise EnvError("env is an empty string; pass None for the current interpreter")
+    path = Path(os.path.abspath(os.path.expanduser(raw)))
+    if path.is_dir():
+        tried = []
+        for rel in INTERPRETER_CANDIDATES:
+            candidate = path / rel
+            tried.append(str(candidate))
+            if _is_interpreter(candidate):
+                return _spec(path, candidate)
+        raise EnvError(
+            f"no Python interpreter found in env directory {path}; tried:\n  "
+            + "\n  ".join(tried),
+            env=str(path),
+            tried=tuple(tried),
+        )
+    if path.exists():
+        if not _is_interpreter(path):
+            raise EnvError(
+                f"{path} is neither an env directory nor an executable interpreter",
+                env=str(path),
+                tried=(str(path),),
+            )
+        folder = path.parent
+        env_dir = folder.parent if folder.name in ("bin", "Scripts") else folder
+        return _spec(env_dir, path)
+    raise EnvError(f"env {path} does not exist", env=str(path), tried=(str(path),))
+
+
+def _spec(env_dir: Path, interpreter: Path) -> EnvSpec:
+    key = str(env_dir)
+    current = os.path.abspath(sys.prefix)
+    is_current = key == current and os.path.realpath(interpreter) == os.path.realpath(
+        sys.executable
+    )
+    return EnvSpec(key=key, interpreter=str(interpreter), is_current=is_current)

@@ -1,0 +1,204 @@
+"""The error tree, by cause.
+
+``ComfyEnvError``
+  ``PoolClosedError``    you closed the pool
+  ``EnvError``           no such env, or no interpreter in it
+  ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
+  ``WorkerError``        the worker broke (something outside the call's own code)
+      ``WorkerStartError``, ``WorkerCrashed``, ``CallTimeout``, ``CallCancelled``,
+      ``ProtocolError``, ``StaleGenerationError``, ``EnvAbandonedError``
+  ``RemoteError``        the function raised, and its exception cannot be re-raised as itself
+
+Messages say what probably happened; attributes carry the facts (env, pid, generation, ...).
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from typing import Any
+
+
+class ComfyEnvError(Exception):
+    """Base class of every error comfy-env raises itself."""
+
+
+class PoolClosedError(ComfyEnvError):
+    """The pool was closed; it accepts no more calls."""
+
+
+class EnvError(ComfyEnvError):
+    """The env does not exist or holds no usable interpreter.
+
+    ``tried`` lists the paths that were looked at.
+    """
+
+    def __init__(self, message: str, *, env: str | None = None, tried: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.env = env
+        self.tried = tried
+
+
+class SerializationError(ComfyEnvError, TypeError):
+    """An argument, result or callable cannot be pickled (or is too large for one frame).
+
+    Raised in the caller before anything is sent; the worker is untouched.
+    """
+
+
+class WorkerError(ComfyEnvError):
+    """The worker process broke: it did not start, crashed, hung, or spoke garbage.
+
+    ``env`` is the env key, ``pid`` the worker's interpreter pid (None if it never reported
+    one), ``generation`` the worker's generation within its env.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        env: str | None = None,
+        pid: int | None = None,
+        generation: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.env = env
+        self.pid = pid
+        self.generation = generation
+
+
+class WorkerStartError(WorkerError):
+    """The worker could not be started or failed its handshake or canary; it was refused.
+
+    ``stderr_tail`` holds the worker's last output lines, if any.
+    """
+
+    def __init__(self, message: str, *, stderr_tail: str = "", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.stderr_tail = stderr_tail
+
+
+class WorkerCrashed(WorkerError):
+    """The worker died during a call. The call is not replayed; the next call gets a fresh
+    worker (generation + 1).
+
+    ``exitcode`` is the process's return code as ``subprocess`` reports it (negative for a
+    signal), ``signal`` the signal's name (``"SIGSEGV"``) or None, ``call_id`` and ``target``
+    identify the call that was running, ``stderr_tail`` the worker's last output lines
+    (including a ``faulthandler`` stack on a fatal signal).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exitcode: int | None = None,
+        signal: str | None = None,
+        call_id: int | None = None,
+        target: str | None = None,
+        stderr_tail: str = "",
+        **kw: Any,
+    ) -> None:
+        super().__init__(message, **kw)
+        self.exitcode = exitcode
+        self.signal = signal
+        self.call_id = call_id
+        self.target = target
+        self.stderr_tail = stderr_tail
+
+
+class CallTimeout(WorkerError, TimeoutError):
+    """The call's total deadline passed. The worker (if the call had reached one) was killed
+    and is replaced on the next call."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        timeout: float | None = None,
+        call_id: int | None = None,
+        target: str | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(message, **kw)
+        self.timeout = timeout
+        self.call_id = call_id
+        self.target = target
+
+
+class CallCancelled(WorkerError):
+    """The call was cancelled (asyncio cancellation or KeyboardInterrupt in the caller); the
+    worker running it was killed and is replaced on the next call."""
+
+
+class ProtocolError(WorkerError):
+    """The worker sent something that is not a valid frame; it was retired."""
+
+
+class StaleGenerationError(WorkerError):
+    """An object bound to an older generation of a worker was used after its worker retired."""
+
+
+class EnvAbandonedError(WorkerError):
+    """The env crashed too often and was cut off until it is reset."""
+
+
+class RemoteError(ComfyEnvError):
+    """The called function raised an exception that cannot be re-raised in the host as its
+    own class (the class does not exist here, it does not unpickle, or it is a
+    ``BaseException`` such as ``SystemExit`` that must not unwind the host).
+
+    ``type_name`` is the remote class (``"module.Class"``), ``message`` its text and
+    ``traceback_text`` the formatted remote traceback.
+    """
+
+    def __init__(self, type_name: str, message: str, traceback_text: str) -> None:
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+        self.type_name = type_name
+        self.message = message
+        self.traceback_text = traceback_text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.type_name, self.message, self.traceback_text))
+
+
+class RemoteTraceback(Exception):
+    """Carries a remote traceback as text; attached as ``__cause__`` of re-raised errors."""
+
+    def __init__(self, traceback_text: str) -> None:
+        super().__init__(traceback_text)
+        self.traceback_text = traceback_text
+
+    def __str__(self) -> str:
+        return f'\n"""\nworker traceback:\n{self.traceback_text}"""'
+
+
+def signal_name(returncode: int | None) -> str | None:
+    """``-11`` -> ``"SIGSEGV"``; None for a normal exit or an unknown status."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return _signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+_SIGNAL_HINTS = {
+    "SIGSEGV": "a native library crashed (segmentation fault)",
+    "SIGBUS": "a native library crashed (bus error)",
+    "SIGILL": "a native library crashed (illegal instruction)",
+    "SIGFPE": "a native library crashed (arithmetic fault)",
+    "SIGABRT": "the process aborted (a failed C assertion or os.abort())",
+    "SIGKILL": "killed from outside (the OOM killer or a kill -9)",
+    "SIGTERM": "terminated from outside",
+}
+
+
+def describe_exit(returncode: int | None) -> str:
+    """A human reading of a return code: 'killed by SIGSEGV: a native library crashed ...'."""
+    if returncode is None:
+        return "closed its channel while still running"
+    name = signal_name(returncode)
+    if name is not None:
+        hint = _SIGNAL_HINTS.get(name)
+        return f"was killed by {name}" + (f": {hint}" if hint else "")
+    return f"exited with code {returncode}"

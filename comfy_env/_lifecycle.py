@@ -1,0 +1,295 @@
+"""The worker lifecycle as data: states, events, and the pure transition function ``step``.
+
+A *slot* is a place for one worker process in an env. Each process that occupies it gets a new
+*generation* (counted per env) and runs through::
+
+    (empty) --SpawnBegan--> Starting --HandshakeOk--> Idle <--CallStarted/Replied--> InCall
+                                |                      |                              |
+                                +------ StartFailed, Exited, ChannelClosed, DeadlineHit,
+                                        CallCancelled, ProtocolViolated, CloseRequested,
+                                        IdleExpired -----------------------------> Retired
+
+``Retired`` is terminal for its generation: no event moves it back. The slot only moves on by
+``SpawnBegan`` of a *newer* generation, which is how "never restart a process inside an existing
+generation" is made structural.
+
+Every event carries the generation it is about. ``step`` drops an event whose generation is
+not the slot's current one (a late frame, a late exit notice, a late timer decision), or that
+does not apply to the current state; it returns ``Dropped`` with the reason, and the caller (the
+pool's gate) counts it. Observations carry what they observed: ``IdleExpired`` names the
+``idle_since`` it saw, so it cannot retire a worker that ran a call in between; ``Replied`` and
+``DeadlineHit`` name their call id.
+
+``step`` reads no clock and touches no process: timestamps come in on events, and effects
+(``KillWorker``) go out as values for the gate to run after it released its lock. Every
+(state, event) pair is therefore a table test.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NoReturn, Union
+
+
+def assert_never(value: NoReturn) -> NoReturn:
+    """Exhaustiveness check: mypy proves this line unreachable."""
+    raise AssertionError(f"unhandled state {value!r}")
+
+
+class RetireReason(str, enum.Enum):
+    """Why a generation ended."""
+
+    START_FAILED = "start_failed"
+    CRASHED = "crashed"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    PROTOCOL_ERROR = "protocol_error"
+    IDLE = "idle"
+    CLOSED = "closed"
+
+
+# ---- states ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Starting:
+    """The process is being launched, handshaken and canaried; not yet trusted."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Verified and waiting for a call since ``idle_since`` (a monotonic time)."""
+
+    generation: int
+    pid: int
+    idle_since: float
+
+
+@dataclass(frozen=True, slots=True)
+class InCall:
+    """Running call ``call_id`` since ``started_at``."""
+
+    generation: int
+    pid: int
+    call_id: int
+    started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Retired:
+    """Terminal: this generation is over. ``pid`` is None if it never reported one."""
+
+    generation: int
+    reason: RetireReason
+    pid: int | None
+
+
+State = Union[Starting, Idle, InCall, Retired]
+LiveState = Union[Starting, Idle, InCall]
+
+# ---- events ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnBegan:
+    """A caller claimed the empty slot to launch generation ``generation``."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeOk:
+    """Handshake and canary passed; ``pid`` is the interpreter's own pid (from its hello)."""
+
+    generation: int
+    pid: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    """Launch, handshake or canary failed."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallStarted:
+    generation: int
+    call_id: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Replied:
+    """A complete reply frame for ``call_id`` arrived."""
+
+    generation: int
+    call_id: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """The process exited (seen by the exit watcher)."""
+
+    generation: int
+    returncode: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelClosed:
+    """EOF on the channel (the process may still be alive)."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineHit:
+    generation: int
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallCancelled:
+    generation: int
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolViolated:
+    """A malformed frame arrived (or was about to be sent)."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class CloseRequested:
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class IdleExpired:
+    """The reaper saw the worker idle since ``idle_since`` for longer than allowed."""
+
+    generation: int
+    idle_since: float
+
+
+Event = Union[
+    SpawnBegan,
+    HandshakeOk,
+    StartFailed,
+    CallStarted,
+    Replied,
+    Exited,
+    ChannelClosed,
+    DeadlineHit,
+    CallCancelled,
+    ProtocolViolated,
+    CloseRequested,
+    IdleExpired,
+]
+
+# ---- effects and results --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KillWorker:
+    """Stop generation ``generation``'s process group. ``graceful``: SIGTERM first, then
+    SIGKILL after the grace period; otherwise SIGKILL at once."""
+
+    generation: int
+    graceful: bool
+
+
+Effect = KillWorker
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    state: State
+    effects: tuple[Effect, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """The event changed nothing; ``reason`` says why (for stats and debugging)."""
+
+    reason: str
+
+
+STALE = "stale generation"
+TERMINAL = "generation already retired"
+NOT_APPLICABLE = "does not apply in this state"
+NO_WORKER = "slot is empty"
+
+# How each retiring event ends a live generation: (reason, graceful kill?).
+_RETIRING: dict[type, tuple[RetireReason, bool]] = {
+    Exited: (RetireReason.CRASHED, False),
+    ChannelClosed: (RetireReason.CRASHED, False),
+    ProtocolViolated: (RetireReason.PROTOCOL_ERROR, False),
+    CloseRequested: (RetireReason.CLOSED, True),
+}
+
+
+def _retire(state: LiveState, reason: RetireReason, graceful: bool) -> Transition:
+    if isinstance(state, Starting):
+        # Whatever ends a start-up is a failed start (the breaker counts it as a death).
+        if reason in (RetireReason.CRASHED, RetireReason.PROTOCOL_ERROR):
+            reason = RetireReason.START_FAILED
+        pid = None
+    else:
+        pid = state.pid
+    return Transition(
+        Retired(state.generation, reason, pid), (KillWorker(state.generation, graceful),)
+    )
+
+
+def step(state: State | None, event: Event) -> Transition | Dropped:
+    """The next state of a slot (``None``: never used) after ``event``, or why it was dropped."""
+    if isinstance(event, SpawnBegan):
+        if state is None or (isinstance(state, Retired) and event.generation > state.generation):
+            return Transition(Starting(event.generation))
+        if event.generation <= state.generation:
+            return Dropped(STALE)
+        return Dropped(NOT_APPLICABLE)  # a live worker occupies the slot
+    if state is None:
+        return Dropped(NO_WORKER)
+    if event.generation != state.generation:
+        return Dropped(STALE)
+    if isinstance(state, Retired):
+        return Dropped(TERMINAL)
+
+    rule = _RETIRING.get(type(event))
+    if rule is not None:
+        return _retire(state, *rule)
+
+    if isinstance(state, Starting):
+        if isinstance(event, HandshakeOk):
+            return Transition(Idle(state.generation, event.pid, event.at))
+        if isinstance(event, StartFailed):
+            return _retire(state, RetireReason.START_FAILED, False)
+        return Dropped(NOT_APPLICABLE)
+    if isinstance(state, Idle):
+        if isinstance(event, CallStarted):
+            return Transition(InCall(state.generation, state.pid, event.call_id, event.at))
+        if isinstance(event, IdleExpired):
+            if event.idle_since != state.idle_since:
+                return Dropped(STALE)  # the worker ran a call after the reaper looked
+            return _retire(state, RetireReason.IDLE, True)
+        return Dropped(NOT_APPLICABLE)
+    if isinstance(state, InCall):
+        if isinstance(event, (Replied, DeadlineHit, CallCancelled)):
+            if event.call_id != state.call_id:
+                return Dropped(STALE)
+            if isinstance(event, Replied):
+                return Transition(Idle(state.generation, state.pid, event.at))
+            if isinstance(event, DeadlineHit):
+                return _retire(state, RetireReason.TIMEOUT, True)
+            return _retire(state, RetireReason.CANCELLED, False)
+        return Dropped(NOT_APPLICABLE)
+    assert_never(state)

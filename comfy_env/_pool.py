@@ -1,0 +1,893 @@
+"""The pool: env entries, slots, FIFO leasing, and the gate that is the only writer of state.
+
+Data flow of one call (``Pool.call``)::
+
+    caller thread                                   reactor thread (one per pool)
+    ------------------------------------------      ------------------------------
+    encode (pickle) -- bad input raises here
+    lease a slot (FIFO; wait if all are leased)
+    [slot empty or retired] spawn generation g+1:
+        launch --run_sync--> Popen, watch pidfd ->   pidfd readable: reap, gate(Exited)
+        handshake + canary (caller reads)            pipes readable: output tail + logging
+    gate(CallStarted) -> send CALL frame
+    read REPLY frame (deadline) -> gate(Replied)
+    release the slot (hand it to the next waiter) -> decode -> return or raise
+
+The caller writes its request and reads its reply itself: no thread hand-off on the hot path.
+
+**The gate** (``_EnvEntry.apply``) applies an event to a slot under the entry's lock using the
+pure ``_lifecycle.step``, and returns the effects (kill) that the caller then runs *outside* the
+lock. Nothing else assigns ``slot.state``. Events are tagged with the generation they are about,
+so a late exit notice of generation g, a late deadline decision or a late frame cannot touch
+generation g+1: ``step`` drops them and the gate counts them (``stale_events_dropped``).
+
+**Races this prevents**:
+- worker dies while idle: the reactor's ``Exited`` retires it; the next caller finds the slot
+  retired and spawns g+1 *before* sending, so it never sees the dead worker. If the death lands
+  between the check and the send, the send fails with EPIPE before a byte went out, and the call
+  moves to a fresh worker (it was never sent, so this is not a replay).
+- worker dies mid-call: the caller's read sees EOF; the call fails with ``WorkerCrashed`` after
+  a bounded wait for the exit status (so the message can name the signal). The call is never
+  replayed. Whoever retires first (reader's ``ChannelClosed`` or reactor's ``Exited``) wins; the
+  other is dropped as terminal.
+- a complete reply followed by death: the reply is in the socket buffer and is read and returned.
+- deadline, cancellation, Ctrl-C: the caller applies ``DeadlineHit``/``CallCancelled`` for its own
+  (generation, call id); the kill effect shuts the channel down and signals the process group.
+- close during a spawn: the reactor refuses to fork once the pool is closing, and ``close`` first
+  runs a barrier on the reactor, so every process that was forked is known and gets killed.
+
+A channel socket is closed (``dispose``) only by the slot's lease holder, or by the gate when no
+one holds the lease, so a descriptor is never closed under a thread that still reads it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from comfy_env_worker.protocol import (
+    HEADER_SIZE,
+    ChannelClosed,
+    FrameError,
+    FrameType,
+    encode_header,
+)
+
+from . import _lifecycle as lc
+from ._codec import decode_reply, encode_call, target_label
+from ._config import PoolConfig
+from ._envs import EnvSpec, resolve_env
+from ._errors import (
+    CallCancelled,
+    CallTimeout,
+    PoolClosedError,
+    ProtocolError,
+    RemoteError,
+    SerializationError,
+    WorkerCrashed,
+    WorkerStartError,
+    describe_exit,
+    signal_name,
+)
+from ._process import WorkerProcess, make_runtime_dir, python_mismatch
+from ._reactor import Reactor
+
+_log = logging.getLogger("comfy_env")
+
+_SEND_CHUNK = 65536
+
+
+# ---- stats (frozen snapshots) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One slot's worker as of the snapshot. ``state`` is ``"empty"`` before the first spawn."""
+
+    slot: int
+    generation: int
+    pid: int | None
+    state: str
+    retire_reason: str | None
+    startup_seconds: float | None
+
+
+@dataclass(frozen=True)
+class EnvStats:
+    """Counters of one env. Invariant: ``submitted == ok + raised + crashed + timed_out +
+    cancelled + failed + in_flight + queued``.
+
+    ``raised``: the function raised (or its result did not unpickle). ``crashed``: the worker
+    died during the call. ``failed``: the call could not run for another reason (the worker did
+    not start, spoke garbage, the pool closed, a by-value function met another Python).
+    """
+
+    env: str
+    generation: int
+    pid: int | None
+    state: str
+    submitted: int
+    ok: int
+    raised: int
+    crashed: int
+    timed_out: int
+    cancelled: int
+    failed: int
+    in_flight: int
+    queued: int
+    spawns: int
+    stale_events_dropped: int
+    workers: tuple[WorkerStats, ...]
+
+
+_STATE_NAMES: dict[type, str] = {
+    lc.Starting: "starting",
+    lc.Idle: "idle",
+    lc.InCall: "in_call",
+    lc.Retired: "retired",
+}
+
+# ---- slots, tickets, entries ----------------------------------------------------------------
+
+
+class _Slot:
+    __slots__ = ("index", "state", "process", "leased")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.state: lc.State | None = None
+        self.process: WorkerProcess | None = None  # the process of state.generation
+        self.leased = False
+
+
+class _Ticket:
+    """One call's place in the pool: queued, then holding a slot; cancellable from any thread."""
+
+    __slots__ = ("event", "slot", "stage", "generation", "call_id", "cancelled", "closed")
+
+    def __init__(self) -> None:
+        self.event: threading.Event | None = None
+        self.slot: _Slot | None = None
+        self.stage = "new"  # "queued" -> "in_flight" -> "done"
+        self.generation = 0
+        self.call_id = 0
+        self.cancelled = False
+        self.closed = False
+
+
+class _EnvEntry:
+    """An env's slots, waiters and counters. Its lock guards all of them."""
+
+    def __init__(self, spec: EnvSpec, max_workers: int) -> None:
+        self.spec = spec
+        self.lock = threading.Lock()
+        self.slots = [_Slot(i) for i in range(max_workers)]
+        self.waiters: deque[_Ticket] = deque()
+        self.generation = 0  # last generation handed out in this env
+        self.submitted = 0
+        self.ok = 0
+        self.raised = 0
+        self.crashed = 0
+        self.timed_out = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.in_flight = 0
+        self.queued = 0
+        self.spawns = 0
+        self.stale_events_dropped = 0
+
+    # ---- the gate ----
+
+    def apply_locked(self, slot: _Slot, event: lc.Event) -> tuple[lc.Effect, ...] | None:
+        """Apply ``event`` to ``slot`` (lock held). Returns the effects to run after unlocking,
+        or None if the event was dropped."""
+        result = lc.step(slot.state, event)
+        if isinstance(result, lc.Dropped):
+            self.stale_events_dropped += 1
+            return None
+        slot.state = result.state
+        return result.effects
+
+    def apply(self, slot: _Slot, event: lc.Event) -> bool:
+        """Apply ``event`` and run its effects. True if it changed the slot's state."""
+        with self.lock:
+            effects = self.apply_locked(slot, event)
+            process = slot.process
+            dispose = not slot.leased and isinstance(slot.state, lc.Retired)
+        if effects is None:
+            return False
+        run_effects(effects, process)
+        if dispose and process is not None:
+            process.dispose()
+        return True
+
+    def snapshot(self) -> EnvStats:
+        with self.lock:
+            workers = tuple(_worker_stats(s) for s in self.slots)
+            primary = workers[0]
+            return EnvStats(
+                env=self.spec.key,
+                generation=self.generation,
+                pid=primary.pid,
+                state=primary.state,
+                submitted=self.submitted,
+                ok=self.ok,
+                raised=self.raised,
+                crashed=self.crashed,
+                timed_out=self.timed_out,
+                cancelled=self.cancelled,
+                failed=self.failed,
+                in_flight=self.in_flight,
+                queued=self.queued,
+                spawns=self.spawns,
+                stale_events_dropped=self.stale_events_dropped,
+                workers=workers,
+            )
+
+
+def _worker_stats(slot: _Slot) -> WorkerStats:
+    state = slot.state
+    if state is None:
+        return WorkerStats(slot.index, 0, None, "empty", None, None)
+    pid = None if isinstance(state, (lc.Starting, lc.Retired)) else state.pid
+    reason = state.reason.value if isinstance(state, lc.Retired) else None
+    startup = slot.process.startup_seconds if slot.process is not None else None
+    return WorkerStats(
+        slot.index, state.generation, pid, _STATE_NAMES[type(state)], reason, startup
+    )
+
+
+def run_effects(effects: tuple[lc.Effect, ...], process: WorkerProcess | None) -> None:
+    for effect in effects:
+        if isinstance(effect, lc.KillWorker):
+            if process is not None and process.generation == effect.generation:
+                process.kill(graceful=effect.graceful)
+
+
+# ---- the pool --------------------------------------------------------------------------------
+
+_OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
+
+_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+_atexit_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    with _atexit_lock:
+        if _atexit_registered:
+            return
+        import atexit
+
+        atexit.register(_close_all_pools)
+        _atexit_registered = True
+
+
+def _close_all_pools() -> None:
+    for pool in list(_live_pools):
+        try:
+            pool.close()
+        except Exception:  # noqa: BLE001 - exit must go on
+            _log.exception("comfy-env: closing a pool at exit failed")
+
+
+class Pool:
+    """Workers keyed by env. Create with a ``PoolConfig``; use as a context manager or call
+    ``close()``. Workers spawn lazily, on an env's first call."""
+
+    def __init__(self, config: PoolConfig | None = None) -> None:
+        self.config = config if config is not None else PoolConfig()
+        self._lock = threading.Lock()
+        self._entries: dict[str, _EnvEntry] = {}
+        self._closed = False
+        self._close_done = threading.Event()
+        self._reactor: Reactor | None = None
+        self._runtime_dir: str | None = None
+        self._processes: set[WorkerProcess] = set()  # forked and not yet reaped
+        self._call_ids = itertools.count(2)  # call id 1 is the canary's
+        _live_pools.add(self)
+        _register_atexit()
+
+    # ---- public API ----
+
+    def get_worker(self, env: str | os.PathLike[str] | None = None) -> Worker:
+        """A handle on ``env``'s workers (None: the current interpreter). Spawns nothing."""
+        from ._worker import Worker
+
+        return Worker(self, self._entry(resolve_env(env)))
+
+    def stats(self) -> dict[str, EnvStats]:
+        """Frozen per-env snapshots, keyed by env key."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return {e.spec.key: e.snapshot() for e in entries}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop every worker (in parallel, one bounded wait), then refuse further calls.
+
+        Queued calls fail with ``PoolClosedError``; calls running on a worker fail with
+        ``PoolClosedError`` as their worker is stopped. Idempotent and thread-safe."""
+        with self._lock:
+            if self._closed:
+                first = False
+            else:
+                self._closed = True
+                first = True
+            entries = list(self._entries.values())
+            reactor = self._reactor
+        if not first:
+            self._close_done.wait(self.config.close_timeout + 10.0)
+            return
+        try:
+            self._shutdown(entries, reactor)
+        finally:
+            _live_pools.discard(self)
+            self._close_done.set()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<comfy_env.Pool {state} envs={len(self._entries)}>"
+
+    # ---- entries and leasing ----
+
+    def _entry(self, spec: EnvSpec) -> _EnvEntry:
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the pool is closed")
+            entry = self._entries.get(spec.key)
+            if entry is None:
+                entry = _EnvEntry(spec, self.config.max_workers_per_env)
+                self._entries[spec.key] = entry
+            return entry
+
+    def _acquire(self, entry: _EnvEntry, ticket: _Ticket, deadline: float | None) -> _Slot:
+        with entry.lock:
+            if self._closed:
+                raise PoolClosedError("the pool is closed")
+            entry.submitted += 1
+            if not entry.waiters:
+                slot = _free_slot(entry)
+                if slot is not None:
+                    slot.leased = True
+                    ticket.slot = slot
+                    ticket.stage = "in_flight"
+                    entry.in_flight += 1
+                    return slot
+            ticket.event = threading.Event()
+            ticket.stage = "queued"
+            entry.queued += 1
+            entry.waiters.append(ticket)
+        event = ticket.event
+        try:
+            if deadline is None:
+                event.wait()
+            else:
+                event.wait(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            self._leave_queue(entry, ticket)
+            raise
+        if ticket.slot is not None:
+            return ticket.slot
+        self._leave_queue(entry, ticket)
+        if ticket.closed:
+            raise PoolClosedError("the pool was closed while the call was queued")
+        if ticket.cancelled:
+            raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
+        raise CallTimeout(
+            f"the call's deadline passed while it was queued for env {entry.spec.key}",
+            env=entry.spec.key,
+        )
+
+    def _leave_queue(self, entry: _EnvEntry, ticket: _Ticket) -> None:
+        """Called by a waiter that gives up; if a slot was handed over meanwhile, pass it on."""
+        with entry.lock:
+            if ticket.slot is None:
+                try:
+                    entry.waiters.remove(ticket)
+                except ValueError:
+                    pass
+                return
+        # A slot arrived just as we gave up: release it to the next waiter.
+        self._release(entry, ticket.slot)
+        ticket.slot = None
+
+    def _release(self, entry: _EnvEntry, slot: _Slot) -> None:
+        with entry.lock:
+            if entry.waiters:
+                nxt = entry.waiters.popleft()
+                nxt.slot = slot
+                nxt.stage = "in_flight"
+                entry.queued -= 1
+                entry.in_flight += 1
+                assert nxt.event is not None
+                nxt.event.set()
+            else:
+                slot.leased = False
+            process = slot.process
+            dispose = isinstance(slot.state, lc.Retired)
+        if dispose and process is not None:
+            process.dispose()
+
+    def _finish(self, entry: _EnvEntry, ticket: _Ticket, outcome: str) -> None:
+        with entry.lock:
+            if ticket.stage == "queued":
+                entry.queued -= 1
+            elif ticket.stage == "in_flight":
+                entry.in_flight -= 1
+            else:
+                return
+            ticket.stage = "done"
+            setattr(entry, outcome, getattr(entry, outcome) + 1)
+
+    def _cancel(self, entry: _EnvEntry, ticket: _Ticket) -> None:
+        """Cancel a call from another thread: unqueue it, or kill the worker running it."""
+        with entry.lock:
+            ticket.cancelled = True
+            if ticket.stage == "queued" and ticket.slot is None:
+                try:
+                    entry.waiters.remove(ticket)
+                except ValueError:
+                    pass
+                if ticket.event is not None:
+                    ticket.event.set()
+                return
+            slot = ticket.slot
+            if slot is None or ticket.call_id == 0:
+                return
+            event = lc.CallCancelled(ticket.generation, ticket.call_id)
+        entry.apply(slot, event)
+
+    # ---- the call ----
+
+    def call(
+        self,
+        entry: _EnvEntry,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        ticket: _Ticket | None = None,
+    ) -> Any:
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+        payload, by_value = encode_call(target, args, kwargs)
+        if len(payload) + HEADER_SIZE > self.config.max_frame_bytes:
+            raise SerializationError(
+                f"the call to {target_label(target)} pickles to {len(payload)} bytes, over "
+                f"PoolConfig.max_frame_bytes={self.config.max_frame_bytes}"
+            )
+        if timeout is None:
+            timeout = self.config.call_timeout
+        elif timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, not {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ticket = ticket if ticket is not None else _Ticket()
+        slot = self._acquire(entry, ticket, deadline)
+        outcome = "failed"
+        try:
+            ftype, reply, label = self._run(entry, slot, ticket, target, payload, by_value, deadline)
+            outcome = "raised"
+            result = decode_reply(ftype, reply, label)
+            outcome = "ok"
+            return result
+        except CallTimeout:
+            outcome = "timed_out"
+            raise
+        except (CallCancelled, KeyboardInterrupt):
+            outcome = "cancelled"
+            raise
+        except WorkerCrashed:
+            outcome = "crashed"
+            raise
+        finally:
+            self._finish(entry, ticket, outcome)
+
+    def _run(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        ticket: _Ticket,
+        target: str | Callable[..., Any],
+        payload: bytes,
+        by_value: bool,
+        deadline: float | None,
+    ) -> tuple[int, bytes | bytearray, str]:
+        """Run one call on a leased slot and release the slot. Returns the reply frame."""
+        try:
+            while True:
+                process = self._live_process(entry, slot)
+                if by_value:
+                    why = python_mismatch(process)
+                    if why is not None:
+                        raise SerializationError(why)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CallTimeout(
+                        f"the call's deadline passed before it reached a worker of env "
+                        f"{entry.spec.key} (start-up took {process.startup_seconds:.2f}s)",
+                        env=entry.spec.key,
+                        pid=process.pid,
+                        generation=process.generation,
+                    )
+                call_id = next(self._call_ids)
+                generation = process.generation
+                with entry.lock:
+                    if ticket.cancelled:
+                        raise CallCancelled("the call was cancelled", env=entry.spec.key)
+                    effects = entry.apply_locked(
+                        slot, lc.CallStarted(generation, call_id, time.monotonic())
+                    )
+                    ticket.generation = generation
+                    ticket.call_id = call_id
+                if effects is None:
+                    continue  # died idle after we looked: a fresh worker takes the call
+                if self._send(entry, slot, process, call_id, payload, deadline):
+                    break
+                # EPIPE before a byte went out: the worker died idle; the call was never sent.
+            label = target_label(target)
+            ftype, reply = self._receive(entry, slot, process, call_id, label, deadline)
+            # A reply that raced a kill is still delivered: the function completed. The gate
+            # drops the late Replied if the worker was retired meanwhile.
+            entry.apply(slot, lc.Replied(generation, call_id, time.monotonic()))
+            return ftype, reply, label
+        finally:
+            self._release(entry, slot)
+
+    def _live_process(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:
+        """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
+        state = slot.state
+        if isinstance(state, lc.Idle) and slot.process is not None:
+            return slot.process
+        return self._spawn(entry, slot)
+
+    def _spawn(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the pool is closed")
+            if self._reactor is None:
+                self._reactor = Reactor()
+                self._reactor.start()
+            if self._runtime_dir is None:
+                self._runtime_dir = make_runtime_dir()
+            reactor, runtime_dir = self._reactor, self._runtime_dir
+        with entry.lock:
+            generation = entry.generation + 1
+            effects = entry.apply_locked(slot, lc.SpawnBegan(generation))
+            if effects is None:  # pragma: no cover - the lease makes this impossible
+                raise AssertionError(f"slot {slot.index} of {entry.spec.key} is not free")
+            entry.generation = generation
+            entry.spawns += 1
+            old = slot.process
+            process = WorkerProcess(
+                entry.spec,
+                generation,
+                self.config,
+                reactor,
+                runtime_dir,
+                on_exit=lambda p: self._on_exit(entry, slot, p),
+            )
+            slot.process = process
+        if old is not None:
+            old.dispose()
+        started = time.monotonic()
+        try:
+            process.launch(before_launch=self._refuse_if_closed, after_launch=self._track)
+            process.handshake(started + self.config.start_timeout)
+        except BaseException as exc:
+            entry.apply(slot, lc.StartFailed(generation))
+            if self._closed and isinstance(exc, WorkerStartError):
+                raise PoolClosedError("the pool was closed while the worker started") from exc
+            raise
+        if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, time.monotonic())):
+            # Retired while starting (the pool is closing, or it died right after the canary).
+            if self._closed:
+                raise PoolClosedError("the pool was closed while the worker started")
+            rc = process.wait_exit(1.0)
+            raise WorkerStartError(
+                f"worker for env {entry.spec.key} (generation {generation}) {describe_exit(rc)} "
+                "right after its start-up",
+                env=entry.spec.key,
+                pid=process.pid,
+                generation=generation,
+                stderr_tail=process.output.text(),
+            )
+        _log.debug(
+            "comfy-env: env %s generation %d ready (pid %s, %.1f ms)",
+            entry.spec.key,
+            generation,
+            process.pid,
+            process.startup_seconds * 1000,
+        )
+        return process
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+
+    def _track(self, process: WorkerProcess) -> None:
+        with self._lock:
+            self._processes.add(process)
+
+    def _on_exit(self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess) -> None:
+        """Reactor thread: the process was reaped."""
+        with self._lock:
+            self._processes.discard(process)
+        entry.apply(slot, lc.Exited(process.generation, process.returncode))
+
+    def _send(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        process: WorkerProcess,
+        call_id: int,
+        payload: bytes,
+        deadline: float | None,
+    ) -> bool:
+        """Send the CALL frame. False if the worker was already gone before any byte went out
+        (safe to run the call elsewhere); raises the call's error once part of it was sent."""
+        sock = process.sock
+        assert sock is not None
+        header = encode_header(FrameType.CALL, call_id, len(payload))
+        sent = 0
+        try:
+            if len(payload) <= _SEND_CHUNK:
+                data = header + payload
+                sent = sock.send(data)
+                if sent < len(data):
+                    sock.sendall(memoryview(data)[sent:])
+            else:
+                sent = sock.sendmsg([header, payload])
+                self._send_rest(entry, slot, process, call_id, header, payload, sent, deadline)
+        except (BrokenPipeError, ConnectionResetError):
+            if sent == 0:
+                entry.apply(slot, lc.ChannelClosed(process.generation))
+                return False
+            raise self._crash_error(entry, slot, process, call_id, "") from None
+        except OSError:
+            raise self._crash_error(entry, slot, process, call_id, "") from None
+        return True
+
+    def _send_rest(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        process: WorkerProcess,
+        call_id: int,
+        header: bytes,
+        payload: bytes,
+        sent: int,
+        deadline: float | None,
+    ) -> None:
+        sock = process.sock
+        assert sock is not None
+        view = memoryview(header) if sent < len(header) else None
+        if view is not None:
+            sock.sendall(view[sent:])
+            sent = len(header)
+        rest = memoryview(payload)[sent - len(header) :]
+        if deadline is None:
+            sock.sendall(rest)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._timeout_error(entry, slot, process, call_id, "", deadline)
+        sock.settimeout(remaining)
+        try:
+            sock.sendall(rest)
+        except TimeoutError:
+            raise self._timeout_error(entry, slot, process, call_id, "", deadline) from None
+        finally:
+            sock.settimeout(None)
+
+    def _receive(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        process: WorkerProcess,
+        call_id: int,
+        label: str,
+        deadline: float | None,
+    ) -> tuple[int, bytes | bytearray]:
+        reader = process.reader
+        assert reader is not None
+        try:
+            ftype, reply_id, reply = reader.read(deadline)
+        except TimeoutError:
+            raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
+        except (ChannelClosed, ConnectionError, OSError):
+            raise self._crash_error(entry, slot, process, call_id, label) from None
+        except FrameError as exc:
+            raise self._protocol_error(entry, slot, process, str(exc)) from None
+        except BaseException:
+            # KeyboardInterrupt (or another async exception) while waiting: the call's result
+            # can no longer be delivered, so the worker running it is stopped and replaced.
+            entry.apply(slot, lc.CallCancelled(process.generation, call_id))
+            raise
+        if ftype == FrameType.ERROR:
+            detail = bytes(reply).decode("utf-8", "replace")
+            raise self._protocol_error(entry, slot, process, f"worker refused a frame: {detail}")
+        if reply_id != call_id or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
+            raise self._protocol_error(
+                entry,
+                slot,
+                process,
+                f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}",
+            )
+        return ftype, reply
+
+    # ---- errors ----
+
+    def _retire_reason(self, slot: _Slot, generation: int) -> lc.RetireReason | None:
+        state = slot.state
+        if isinstance(state, lc.Retired) and state.generation == generation:
+            return state.reason
+        return None
+
+    def _crash_error(
+        self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess, call_id: int, label: str
+    ) -> Exception:
+        entry.apply(slot, lc.ChannelClosed(process.generation))
+        reason = self._retire_reason(slot, process.generation)
+        if reason is lc.RetireReason.CLOSED or self._closed:
+            return PoolClosedError(f"the pool was closed during the call to {label}")
+        if reason is lc.RetireReason.CANCELLED:
+            return CallCancelled(
+                f"the call to {label} was cancelled; its worker was stopped",
+                env=entry.spec.key,
+                pid=process.pid,
+                generation=process.generation,
+            )
+        # Wait (bounded) for the exit status, so the message can name the signal.
+        rc = process.wait_exit(1.0)
+        still_running = rc is None
+        if still_running:
+            process.kill(graceful=False)
+            rc = process.wait_exit(1.0)
+        process.wait_output(0.5)
+        tail = process.output.text()
+        what = (
+            "closed its channel while still running (it was killed)"
+            if still_running
+            else describe_exit(rc)
+        )
+        message = (
+            f"worker for env {entry.spec.key} (pid {process.pid}, generation "
+            f"{process.generation}) {what} during call {call_id} to {label or '?'}; "
+            f"the call was not retried, the next call starts generation {process.generation + 1}"
+        )
+        if tail:
+            message += "\n--- worker output (last lines) ---\n" + tail
+        return WorkerCrashed(
+            message,
+            env=entry.spec.key,
+            pid=process.pid,
+            generation=process.generation,
+            exitcode=rc,
+            signal=signal_name(rc),
+            call_id=call_id,
+            target=label or None,
+            stderr_tail=tail,
+        )
+
+    def _timeout_error(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        process: WorkerProcess,
+        call_id: int,
+        label: str,
+        deadline: float | None,
+    ) -> Exception:
+        if not entry.apply(slot, lc.DeadlineHit(process.generation, call_id)):
+            # Something else retired the worker first (crash, close, cancel): report that.
+            return self._crash_error(entry, slot, process, call_id, label)
+        return CallTimeout(
+            f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
+            f"worker pid {process.pid} (generation {process.generation}) was stopped",
+            env=entry.spec.key,
+            pid=process.pid,
+            generation=process.generation,
+            call_id=call_id,
+            target=label or None,
+        )
+
+    def _protocol_error(
+        self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess, detail: str
+    ) -> ProtocolError:
+        entry.apply(slot, lc.ProtocolViolated(process.generation))
+        return ProtocolError(
+            f"worker for env {entry.spec.key} (pid {process.pid}, generation "
+            f"{process.generation}) broke the protocol and was retired: {detail}",
+            env=entry.spec.key,
+            pid=process.pid,
+            generation=process.generation,
+        )
+
+    # ---- shutdown ----
+
+    def _shutdown(self, entries: list[_EnvEntry], reactor: Reactor | None) -> None:
+        for entry in entries:
+            with entry.lock:
+                waiters = list(entry.waiters)
+                entry.waiters.clear()
+                for ticket in waiters:
+                    ticket.closed = True
+                    if ticket.event is not None:
+                        ticket.event.set()
+                live = [
+                    (s, s.state.generation)
+                    for s in entry.slots
+                    if s.state is not None and not isinstance(s.state, lc.Retired)
+                ]
+            for slot, generation in live:
+                entry.apply(slot, lc.CloseRequested(generation))
+        if reactor is None:
+            return
+        # Barrier: after this, no fork can start (before_launch refuses), and every process
+        # forked so far is in self._processes.
+        reactor.run_sync(lambda: None)
+        with self._lock:
+            processes = list(self._processes)
+        for process in processes:
+            process.kill(graceful=True)
+        deadline = time.monotonic() + self.config.close_timeout
+        for process in processes:
+            process.wait_exit(max(0.0, deadline - time.monotonic()))
+        stragglers = [p for p in processes if not p.exited.is_set()]
+        for process in stragglers:
+            process.kill(graceful=False)
+        for process in stragglers:
+            process.wait_exit(2.0)
+        for entry in entries:
+            for slot in entry.slots:
+                if slot.process is not None:
+                    slot.process.wait_output(0.5)
+        all_processes = {s.process for e in entries for s in e.slots if s.process is not None}
+        all_processes.update(processes)
+
+        def release_all() -> None:
+            for p in all_processes:
+                p.force_close()
+
+        reactor.run_sync(release_all)
+        reactor.stop()
+        for process in all_processes:
+            with self._lock:
+                leased = any(s.leased and s.process is process for e in entries for s in e.slots)
+            if not leased:
+                process.dispose()
+        if self._runtime_dir is not None:
+            shutil.rmtree(self._runtime_dir, ignore_errors=True)
+
+
+def _free_slot(entry: _EnvEntry) -> _Slot | None:
+    """A slot no caller holds: a verified idle worker first, else an empty or retired slot."""
+    fallback = None
+    for slot in entry.slots:
+        if slot.leased:
+            continue
+        if isinstance(slot.state, lc.Idle):
+            return slot
+        if fallback is None and (slot.state is None or isinstance(slot.state, lc.Retired)):
+            fallback = slot
+    return fallback
+

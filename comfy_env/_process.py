@@ -1,0 +1,493 @@
+"""Mechanism: launch a worker process, talk frames with it, watch it, stop it.
+
+Nothing here decides policy. ``WorkerProcess`` does what the pool's gate tells it (kill,
+dispose) and reports what it sees (exit, EOF, bad frames) back as facts.
+
+Launch (``launch``)::
+
+    runtime dir (per pool)          a copy of comfy_env_worker + cloudpickle; the ONLY path the
+                                    host adds to the child's sys.path
+    socketpair                      host end stays here; child end inherited as fd N
+    Popen(interpreter -c BOOT ...)  own session (own process group, no terminal Ctrl-C),
+                                    stdin=/dev/null, stdout/stderr pipes, cleaned environment
+
+``Popen`` runs on the reactor thread (see ``_reactor``) so the worker's parent-death signal is
+tied to a thread that lives as long as the pool. Immediately after, the host closes its copy
+of the child's end: from then on the worker dying is an EOF on the host end, which is how a
+worker that exits during start-up is reported at once rather than after a timeout.
+
+Watching: the reactor watches a pidfd (exit, reaped at once so no zombie lingers) and the two
+output pipes (kept as a tail of recent lines for crash reports and forwarded to ``logging``).
+
+Stopping: ``kill`` signals the whole process group (a launcher wrapper such as ``pixi run`` and
+its interpreter alike), SIGTERM then SIGKILL after the grace period, or SIGKILL at once; it also
+shuts the channel down so a thread blocked reading it wakes with EOF. Closing the channel
+socket itself is ``dispose``, which the pool calls only when no caller holds the socket, so a
+descriptor number is never closed under a thread that still reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import comfy_env_worker
+from comfy_env_worker.protocol import (
+    PROTOCOL_VERSION,
+    ChannelClosed,
+    FrameError,
+    FrameReader,
+    FrameType,
+    send_frame,
+)
+
+from ._codec import decode_reply, encode_call
+from ._config import PoolConfig
+from ._envs import EnvSpec
+from ._errors import WorkerStartError, describe_exit
+from ._reactor import Reactor
+
+BOOT = (
+    "import sys;sys.path[0]=sys.argv[1];"
+    "from comfy_env_worker.main import main;main(sys.argv[2:])"
+)
+
+# Variables that would make the env's interpreter import the host's packages or run host code.
+_STRIPPED_ENV = (
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONEXECUTABLE",
+    "PYTHONSAFEPATH",
+    "__PYVENV_LAUNCHER__",
+    "PYTHONUSERBASE",
+)
+
+CANARY_TARGET = "comfy_env_worker.tasks:echo"
+
+
+def canary_value() -> Any:
+    """Exercises the codec: nested containers, int keys, bytes, floats, a 1 MiB buffer."""
+    return (
+        {1: (b"\x00bytes\xff", [1.5, -0.0, None, True]), 2: {"nested": (1, 2, {3: "x"})}},
+        [(), [], {}, "\u00e9\u4e2d", 2**70],
+        bytes(range(256)) * 4096,
+    )
+
+
+def runtime_root() -> str:
+    """Per-user directory (0700) holding each pool's runtime directory."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        root = os.path.join(base, "comfy-env")
+    else:
+        root = os.path.join(tempfile.gettempdir(), f"comfy-env-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    return root
+
+
+def host_token() -> str:
+    """``<pid>-<start time>``: names resources so a dead host's leftovers are recognisable even
+    when its pid is reused."""
+    import psutil
+
+    return f"{os.getpid()}-{int(psutil.Process().create_time() * 1000)}"
+
+
+def make_runtime_dir() -> str:
+    """Create a private runtime directory holding the worker package and cloudpickle."""
+    import cloudpickle
+
+    path = tempfile.mkdtemp(prefix=f"host-{host_token()}-", dir=runtime_root())
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(
+        os.path.dirname(comfy_env_worker.__file__),
+        os.path.join(path, "comfy_env_worker"),
+        ignore=ignore,
+    )
+    shutil.copytree(
+        os.path.dirname(cloudpickle.__file__), os.path.join(path, "cloudpickle"), ignore=ignore
+    )
+    return path
+
+
+def worker_environment(config: PoolConfig) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
+    env["PYTHONNOUSERSITE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(config.env_vars)
+    return env
+
+
+class OutputTail:
+    """Recent output lines of one worker, fed by the reactor from its stdout/stderr pipes."""
+
+    def __init__(self, max_lines: int, logger: logging.Logger) -> None:
+        self._lines: collections.deque[str] = collections.deque(maxlen=max(1, max_lines))
+        self._partial: dict[str, bytes] = {}
+        self._logger = logger
+        self._lock = threading.Lock()
+        self.open_streams = 0
+        self.done = threading.Event()
+
+    def feed(self, stream: str, data: bytes) -> None:
+        buf = self._partial.get(stream, b"") + data
+        *complete, rest = buf.split(b"\n")
+        self._partial[stream] = rest
+        for raw in complete:
+            self._emit(stream, raw)
+
+    def finish(self, stream: str) -> None:
+        rest = self._partial.pop(stream, b"")
+        if rest:
+            self._emit(stream, rest)
+
+    def _emit(self, stream: str, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        with self._lock:
+            self._lines.append(line)
+        level = logging.WARNING if stream == "stderr" else logging.INFO
+        self._logger.log(level, "%s", line, extra={"worker_stream": stream})
+
+    def text(self) -> str:
+        with self._lock:
+            return "\n".join(self._lines)
+
+
+class WorkerProcess:
+    """One launched worker process of generation ``generation`` and its host-side channel."""
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        generation: int,
+        config: PoolConfig,
+        reactor: Reactor,
+        runtime_dir: str,
+        on_exit: Callable[[WorkerProcess], None],
+    ) -> None:
+        self.spec = spec
+        self.generation = generation
+        self.config = config
+        self.reactor = reactor
+        self.runtime_dir = runtime_dir
+        self._on_exit = on_exit
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self.reader: FrameReader | None = None
+        self.pid: int | None = None  # the interpreter's own pid, from its hello
+        self.hello: dict[str, Any] = {}
+        self.returncode: int | None = None
+        self.exited = threading.Event()
+        self.startup_seconds = 0.0
+        logger = logging.getLogger(f"comfy_env.worker.{spec.name}")
+        self.output = OutputTail(config.stderr_tail_lines, logger)
+        self._pidfd: int | None = None
+        self._escalation: Any = None
+        self._disposed = False
+        self._kill_requested = False
+
+    # ---- launch and handshake ----
+
+    @property
+    def python_version(self) -> tuple[int, ...]:
+        return tuple(self.hello.get("python", ()))
+
+    def launch(
+        self,
+        before_launch: Callable[[], None] | None = None,
+        after_launch: Callable[[WorkerProcess], None] | None = None,
+    ) -> None:
+        """Start the process on the reactor thread and begin watching it.
+
+        ``before_launch`` runs on the reactor thread just before the fork and may raise to
+        refuse it (the pool refuses once it is closing); ``after_launch`` runs right after, on
+        the same thread, so the pool registers the process before anything can stop the
+        reactor."""
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = parent_sock
+        self.reader = FrameReader(parent_sock, self.config.max_frame_bytes)
+        try:
+            child_fd = child_sock.fileno()
+            argv = [
+                self.spec.interpreter,
+                "-c",
+                BOOT,
+                self.runtime_dir,
+                str(child_fd),
+                str(os.getpid()),
+            ]
+
+            def popen() -> subprocess.Popen[bytes]:
+                if self._kill_requested:
+                    raise WorkerStartError(
+                        "the worker was stopped before it was launched",
+                        env=self.spec.key,
+                        generation=self.generation,
+                    )
+                if before_launch is not None:
+                    before_launch()
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(child_fd,),
+                    close_fds=True,
+                    start_new_session=True,
+                    env=worker_environment(self.config),
+                    cwd=self.config.cwd,
+                )
+                self.popen = proc
+                self._watch()
+                if after_launch is not None:
+                    after_launch(self)
+                if self._kill_requested:  # kill() ran while Popen was forking
+                    self._signal_group(signal.SIGKILL)
+                return proc
+
+            try:
+                self.reactor.run_sync(popen)
+            except OSError as exc:
+                raise WorkerStartError(
+                    f"cannot launch {self.spec.interpreter} for env {self.spec.key}: {exc}",
+                    env=self.spec.key,
+                    generation=self.generation,
+                ) from exc
+        except BaseException:
+            self.dispose()
+            raise
+        finally:
+            child_sock.close()  # the worker holds the only other end now
+
+    def handshake(self, deadline: float) -> None:
+        """HELLO -> CONFIG -> READY, then the canary. Raises ``WorkerStartError``."""
+        started = time.monotonic()
+        assert self.reader is not None and self.sock is not None
+        try:
+            ftype, _, payload = self.reader.read(deadline)
+            if ftype != FrameType.HELLO:
+                raise FrameError(f"expected HELLO, got frame type {ftype}")
+            hello = pickle.loads(payload)
+            if hello.get("protocol") != PROTOCOL_VERSION:
+                raise FrameError(
+                    f"worker speaks protocol {hello.get('protocol')}, host {PROTOCOL_VERSION}"
+                )
+            self.hello = hello
+            self.pid = int(hello["pid"])
+            config = {
+                "sys_path": list(self.config.sys_path),
+                "cwd": self.config.cwd,
+                "env": dict(self.config.env_vars),
+                "log_level": self.config.log_level.upper(),
+                "max_frame_bytes": self.config.max_frame_bytes,
+            }
+            send_frame(self.sock, FrameType.CONFIG, 0, pickle.dumps(config, protocol=5))
+            ftype, _, _ = self.reader.read(deadline)
+            if ftype != FrameType.READY:
+                raise FrameError(f"expected READY, got frame type {ftype}")
+            self._canary(deadline)
+        except TimeoutError:
+            raise self._start_error(
+                f"did not finish its start-up within {self.config.start_timeout:g}s "
+                "(PoolConfig.start_timeout)"
+            ) from None
+        except (ChannelClosed, ConnectionError) as exc:
+            rc = self.wait_exit(1.0)
+            raise self._start_error(f"{describe_exit(rc)} during start-up") from exc
+        except (FrameError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as exc:
+            raise self._start_error(f"failed its handshake: {exc}") from exc
+        self.startup_seconds = time.monotonic() - started
+
+    def _canary(self, deadline: float) -> None:
+        assert self.reader is not None and self.sock is not None
+        value = canary_value()
+        payload, _ = encode_call(CANARY_TARGET, (value,), {})
+        send_frame(self.sock, FrameType.CALL, 1, payload)
+        ftype, call_id, reply = self.reader.read(deadline)
+        if call_id != 1 or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
+            raise FrameError(f"canary: unexpected frame type {ftype} for call {call_id}")
+        try:
+            echoed = decode_reply(ftype, reply, CANARY_TARGET)
+        except Exception as exc:  # noqa: BLE001 - any failure refuses the worker
+            raise FrameError(f"canary call failed: {type(exc).__name__}: {exc}") from exc
+        if echoed != value:
+            raise FrameError("canary came back different from what was sent")
+
+    def _start_error(self, what: str) -> WorkerStartError:
+        self.kill(graceful=False)
+        self.wait_output(1.0)
+        tail = self.output.text()
+        message = (
+            f"worker for env {self.spec.key} (interpreter {self.spec.interpreter}, "
+            f"generation {self.generation}) {what}"
+        )
+        if tail:
+            message += "\n--- worker output (last lines) ---\n" + tail
+        return WorkerStartError(
+            message,
+            env=self.spec.key,
+            pid=self.pid,
+            generation=self.generation,
+            stderr_tail=tail,
+        )
+
+    # ---- watching (reactor thread) ----
+
+    def _watch(self) -> None:
+        popen = self.popen
+        assert popen is not None and popen.stdout is not None and popen.stderr is not None
+        self.output.open_streams = 2
+        for stream, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            self.reactor.add_reader(pipe, self._make_pipe_reader(stream, pipe))
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is not None:
+            try:
+                self._pidfd = pidfd_open(popen.pid)
+            except OSError:
+                self._pidfd = None
+        if self._pidfd is not None:
+            self.reactor.add_reader(self._pidfd, self._on_pidfd)
+        else:  # pragma: no cover - kernels without pidfd: poll the exit status
+            self._poll_exit()
+
+    def _make_pipe_reader(self, stream: str, pipe: Any) -> Callable[[], None]:
+        fd = pipe.fileno()
+
+        def on_readable() -> None:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if data:
+                self.output.feed(stream, data)
+                return
+            self.output.finish(stream)
+            self.reactor.remove_reader(pipe)
+            pipe.close()
+            self.output.open_streams -= 1
+            if self.output.open_streams == 0:
+                self.output.done.set()
+
+        return on_readable
+
+    def _on_pidfd(self) -> None:
+        assert self.popen is not None and self._pidfd is not None
+        self.reactor.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = None
+        self._reaped(self.popen.wait())
+
+    def _poll_exit(self) -> None:  # pragma: no cover - fallback without pidfd
+        assert self.popen is not None
+        rc = self.popen.poll()
+        if rc is None:
+            self.reactor.call_later(0.02, self._poll_exit)
+        else:
+            self._reaped(rc)
+
+    def _reaped(self, returncode: int) -> None:
+        self.returncode = returncode
+        if self._escalation is not None:
+            self._escalation.cancel()
+        self.exited.set()
+        # Survivors of the group (the worker's own children) go with it.
+        self._signal_group(signal.SIGKILL)
+        self._on_exit(self)
+
+    # ---- stopping ----
+
+    def _signal_group(self, sig: int) -> None:
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self, graceful: bool) -> None:
+        """Stop the process group; wake any thread blocked on the channel. Idempotent."""
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._kill_requested = True
+        if self.popen is None or self.exited.is_set():
+            return
+        if graceful and self.config.kill_grace > 0:
+            self._signal_group(signal.SIGTERM)
+            if self.reactor.running and self._escalation is None:
+                self._escalation = self.reactor.call_later(
+                    self.config.kill_grace, lambda: self._signal_group(signal.SIGKILL)
+                )
+        else:
+            self._signal_group(signal.SIGKILL)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The return code once the process is reaped, or None if it is still running."""
+        if self.exited.wait(timeout):
+            return self.returncode
+        return None
+
+    def wait_output(self, timeout: float) -> None:
+        self.output.done.wait(timeout)
+
+    def dispose(self) -> None:
+        """Close the host's channel socket. Only when no thread uses it any more."""
+        if self._disposed:
+            return
+        self._disposed = True
+        if self.sock is not None:
+            self.sock.close()
+
+    def force_close(self) -> None:
+        """Last resort at pool close: release pipes and pidfd even if something still holds
+        the other ends (a grandchild that escaped the process group). Reactor thread only."""
+        popen = self.popen
+        if popen is None:
+            return
+        for pipe in (popen.stdout, popen.stderr):
+            if pipe is not None and not pipe.closed:
+                self.reactor.remove_reader(pipe)
+                pipe.close()
+        self.output.done.set()
+        if self._pidfd is not None:
+            self.reactor.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if not self.exited.is_set():
+            try:
+                rc = popen.wait(0.5)
+            except subprocess.TimeoutExpired:
+                return
+            self._reaped(rc)
+
+
+def python_mismatch(process: WorkerProcess) -> str | None:
+    """Why a by-value callable cannot go to this worker, or None if it can."""
+    env_version = process.python_version[:2]
+    if env_version == tuple(sys.version_info[:2]):
+        return None
+    return (
+        f"env {process.spec.key} runs Python {'.'.join(map(str, env_version))}, the host "
+        f"{sys.version_info[0]}.{sys.version_info[1]}: a function sent by value (a lambda, a "
+        "closure, or one defined in __main__) only loads in the same Python version; pass it "
+        "as 'package.module:function' instead"
+    )
+

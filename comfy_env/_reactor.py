@@ -1,0 +1,208 @@
+"""The pool's one service thread: exit watching, output pipes, timers, and spawning.
+
+One ``Reactor`` per pool, started when the pool first spawns a worker and stopped by
+``Pool.close()``. Its thread count does not grow with the number of workers:
+
+- **Readers.** Each worker's exit descriptor (a pidfd on Linux) and its stdout/stderr pipes are
+  registered with one ``selectors`` selector. An exit is therefore seen the moment it happens,
+  with no polling, including for idle workers that nobody is talking to.
+- **Timers.** ``call_later`` keeps a heap; the SIGTERM -> SIGKILL escalation uses it.
+- **Spawning.** ``run_sync`` runs a function on the reactor thread and waits for its result. The
+  pool launches workers this way because ``PR_SET_PDEATHSIG`` fires when the *thread* that
+  forked a child exits: spawning on a caller's short-lived thread would kill the worker when that
+  thread ends. The reactor thread lives as long as the pool.
+
+Callbacks run on the reactor thread and must be short and never block; they report to the pool
+by submitting events to its gate. Channels are never read here: a call's caller reads its own
+reply, so the hot path has no thread hand-off.
+
+Thread safety: every mutation of the selector or the heap happens on the reactor thread; other
+threads enqueue a closure and write one byte to a wake-up socket.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_log = logging.getLogger("comfy_env.reactor")
+
+T = TypeVar("T")
+
+
+class TimerHandle:
+    """A scheduled callback; ``cancel()`` is safe from any thread and idempotent."""
+
+    __slots__ = ("when", "callback", "cancelled")
+
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when = when
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Reactor:
+    def __init__(self, name: str = "comfy-env-reactor") -> None:
+        self._name = name
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._pending: deque[Callable[[], None]] = deque()
+        self._timers: list[tuple[float, int, TimerHandle]] = []
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("reactor is closed")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._closed
+
+    def in_reactor_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close the selector. Registered descriptors are not closed here:
+        their owners do that (the pool disposes every worker before stopping the reactor)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        self._stopping = True
+        self._wake()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- scheduling (any thread) ----
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self._pending.append(fn)
+        self._wake()
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
+        handle = TimerHandle(time.monotonic() + delay, fn)
+
+        def arm() -> None:
+            heapq.heappush(self._timers, (handle.when, next(self._seq), handle))
+
+        self.call_soon(arm)
+        return handle
+
+    def run_sync(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the reactor thread and return its result (or raise its exception)."""
+        if self.in_reactor_thread():
+            return fn()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(exc)
+
+        self.call_soon(run)
+        return future.result(timeout)
+
+    def add_reader(self, fileobj: Any, callback: Callable[[], None]) -> None:
+        def register() -> None:
+            self._selector.register(fileobj, selectors.EVENT_READ, callback)
+
+        self._in_thread(register)
+
+    def remove_reader(self, fileobj: Any) -> None:
+        """Unregister (on the reactor thread). Must be called before the descriptor closes."""
+
+        def unregister() -> None:
+            try:
+                self._selector.unregister(fileobj)
+            except (KeyError, ValueError):
+                pass
+
+        self._in_thread(unregister)
+
+    def _in_thread(self, fn: Callable[[], None]) -> None:
+        if self.in_reactor_thread():
+            fn()
+        else:
+            self.call_soon(fn)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake (buffer full) or closing
+
+    # ---- the loop ----
+
+    def _run(self) -> None:
+        select = self._selector.select
+        timers = self._timers
+        pending = self._pending
+        while not self._stopping:
+            timeout: float | None = None
+            if pending:
+                timeout = 0
+            elif timers:
+                timeout = max(0.0, timers[0][0] - time.monotonic())
+            try:
+                ready = select(timeout)
+            except OSError:  # pragma: no cover - selector closed under us during stop
+                break
+            for key, _mask in ready:
+                if key.data is None:
+                    try:
+                        while self._wake_r.recv(4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    continue
+                self._safely(key.data)
+            while pending:
+                self._safely(pending.popleft())
+            now = time.monotonic()
+            while timers and timers[0][0] <= now:
+                _when, _seq, handle = heapq.heappop(timers)
+                if not handle.cancelled:
+                    self._safely(handle.callback)
+        # Run what was queued before stop (e.g. final unregisters) so nothing is left dangling.
+        while pending:
+            self._safely(pending.popleft())
+
+    @staticmethod
+    def _safely(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one bad callback must not stop exit watching
+            _log.exception("comfy-env reactor callback failed")

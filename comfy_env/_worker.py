@@ -1,0 +1,109 @@
+"""``Worker``: the handle a caller uses to run functions in one env.
+
+A handle names an env in a pool; it holds no process. Every call leases one of the env's slots,
+so a handle never points at a dead worker: after a crash the next call simply lands on the
+fresh generation. ``generation`` and ``pid`` report the env's first slot as of now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import _lifecycle as lc
+
+if TYPE_CHECKING:
+    from ._pool import EnvStats, Pool, _EnvEntry
+
+
+
+class Worker:
+    """Runs calls in one env of a pool. Obtain with ``Pool.get_worker`` or
+    ``comfy_env.get_worker``; cheap to create, safe to share between threads."""
+
+    __slots__ = ("_pool", "_entry")
+
+    def __init__(self, pool: Pool, entry: _EnvEntry) -> None:
+        self._pool = pool
+        self._entry = entry
+
+    @property
+    def env(self) -> str:
+        """The env key (the env directory)."""
+        return self._entry.spec.key
+
+    @property
+    def interpreter(self) -> str:
+        """The interpreter path that is launched for this env."""
+        return self._entry.spec.interpreter
+
+    @property
+    def generation(self) -> int:
+        """The latest generation spawned for this env; 0 before the first spawn."""
+        return self._entry.generation
+
+    @property
+    def pid(self) -> int | None:
+        """The interpreter pid of the env's first worker if it is live, else None."""
+        state = self._entry.slots[0].state
+        if isinstance(state, (lc.Idle, lc.InCall)):
+            return state.pid
+        return None
+
+    def stats(self) -> EnvStats:
+        """A frozen snapshot of this env's counters."""
+        return self._entry.snapshot()
+
+    def call(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``target(*args, **kwargs)`` in a worker and return its result.
+
+        ``target`` is ``"package.module:function"`` (imported in the worker) or a callable
+        (by reference when importable by name, else by value with cloudpickle, which needs the
+        same Python major.minor in the env). Uses ``PoolConfig.call_timeout``.
+        """
+        return self._pool.call(self._entry, target, args, kwargs, None)
+
+    def run(
+        self,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Any:
+        """Explicit form of ``call`` with a per-call total deadline in seconds (queue wait
+        included; None: ``PoolConfig.call_timeout``)."""
+        return self._pool.call(self._entry, target, tuple(args), dict(kwargs or {}), timeout)
+
+    async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``call`` for asyncio. Cancelling the awaiting task stops the worker running the call
+        (it is replaced on the next call) or removes the call from the queue."""
+        return await self.arun(target, args, kwargs)
+
+    async def arun(
+        self,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Any:
+        """``run`` for asyncio."""
+        from ._pool import _Ticket
+
+        loop = asyncio.get_running_loop()
+        ticket = _Ticket()
+        job = functools.partial(
+            self._pool.call, self._entry, target, tuple(args), dict(kwargs or {}), timeout, ticket
+        )
+        future = loop.run_in_executor(None, job)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._pool._cancel(self._entry, ticket)
+            raise
+
+    def __repr__(self) -> str:
+        return f"<comfy_env.Worker env={self.env!r} generation={self.generation} pid={self.pid}>"

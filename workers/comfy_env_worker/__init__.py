@@ -1,0 +1,13 @@
+"""The worker runtime of comfy-env: the code that runs inside each env's interpreter.
+
+This package is stdlib-only and never imports ``comfy_env`` or a third-party package at
+module scope: the host copies it into a private runtime directory and puts only that
+directory on the worker's ``sys.path``, so it must run in any env (Python 3.8 and newer).
+
+Modules:
+- ``protocol``: the frame format and message types both sides agree on (imported by the host).
+- ``main``: the worker's serve loop (handshake, calls, exit on channel EOF).
+- ``tasks``: small built-in functions (echo for the canary, sleep, crash) usable by any env.
+"""
+
+__version__ = "0.1.0"

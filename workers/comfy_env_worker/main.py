@@ -1,0 +1,276 @@
+"""The worker's serve loop: handshake, then one call at a time until EOF or SHUTDOWN.
+
+Data flow (one worker process, one channel)::
+
+    host  --CONFIG-->  worker        after the worker's HELLO
+    host  <--READY---  worker
+    host  --CALL(id)-> worker        target, args, kwargs (pickle 5; cloudpickle by value)
+    host  <-REPLY_OK(id) or REPLY_ERR(id)
+
+The main thread owns the channel: it blocks in ``recv`` between calls, so the host closing its
+end (or dying) is an EOF here and the worker exits. While a call runs, the main thread is busy,
+so a small watchdog thread polls the channel for hang-up (``POLLRDHUP``, without reading) and
+exits the process if the host goes away; ``PR_SET_PDEATHSIG`` is the second line of defence on
+Linux. Together they close the race "host killed while the worker is inside a long native call".
+
+The worker never writes to fd 1/2 on behalf of the protocol: those are pipes the host reads as
+plain output. ``faulthandler`` writes there on a fatal signal, which is how a segfault's Python
+stack reaches the host.
+
+Stdlib only; parses under Python 3.8.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import os
+import pickle
+import platform
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+from .protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    ChannelClosed,
+    FrameError,
+    FrameReader,
+    FrameType,
+    send_frame,
+)
+
+_PICKLE_PROTOCOL = 5
+
+# Resolved "module:qualname" targets. Bounded: a host that sends many distinct names
+# must not grow the worker without limit.
+_TARGETS: Dict[str, Callable[..., Any]] = {}
+_TARGET_CACHE_MAX = 1024
+
+
+def resolve_target(target: str) -> Callable[..., Any]:
+    """Import ``"pkg.module:function"`` (or ``module:Class.method``) and return the callable."""
+    fn = _TARGETS.get(target)
+    if fn is not None:
+        return fn
+    module_name, sep, qualname = target.partition(":")
+    if not sep or not module_name or not qualname:
+        raise ValueError(
+            "call target %r is not of the form 'package.module:function'" % (target,)
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise type(exc)(
+            "cannot import module %r for call target %r in this env (%s): %s"
+            % (module_name, target, sys.executable, exc)
+        ) from None
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AttributeError(
+                "module %r has no attribute %r (call target %r)" % (module_name, qualname, target)
+            ) from None
+    if not callable(obj):
+        raise TypeError("call target %r is a %s, not a callable" % (target, type(obj).__name__))
+    if len(_TARGETS) >= _TARGET_CACHE_MAX:
+        _TARGETS.clear()
+    _TARGETS[target] = obj
+    return obj
+
+
+def error_record(exc: BaseException) -> bytes:
+    """Encode a remote exception: (type name, module, message, traceback text, pickled exc).
+
+    The exception object itself is pickled when possible so the host can re-raise the same
+    class; the text fields always survive, so an unpicklable exception is never lost.
+    """
+    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc_type = type(exc)
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error
+        message = "<unprintable %s>" % exc_type.__name__
+    pickled: Optional[bytes]
+    try:
+        pickled = pickle.dumps(exc, protocol=_PICKLE_PROTOCOL)
+    except Exception:  # noqa: BLE001 - fall back to the text fields
+        pickled = None
+    record = (exc_type.__qualname__, exc_type.__module__, message, tb_text, pickled)
+    return pickle.dumps(record, protocol=_PICKLE_PROTOCOL)
+
+
+def _dumps_result(result: Any) -> bytes:
+    try:
+        return pickle.dumps(result, protocol=_PICKLE_PROTOCOL)
+    except Exception as plain_exc:  # noqa: BLE001
+        try:
+            import cloudpickle  # copied into the runtime dir by the host
+
+            return bytes(cloudpickle.dumps(result, protocol=_PICKLE_PROTOCOL))
+        except Exception:  # noqa: BLE001
+            raise TypeError(
+                "the call returned a %s.%s, which cannot be pickled back to the host: %s"
+                % (type(result).__module__, type(result).__qualname__, plain_exc)
+            ) from None
+
+
+class Worker:
+    """One channel, one call at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = FrameReader(sock, DEFAULT_MAX_FRAME_BYTES)
+        self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
+
+    def send(self, ftype: int, call_id: int, payload: bytes = b"") -> None:
+        send_frame(self.sock, ftype, call_id, payload)
+
+    def handshake(self) -> None:
+        hello = {
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "python": tuple(sys.version_info[:3]),
+            "executable": sys.executable,
+            "platform": platform.platform(),
+        }
+        self.send(FrameType.HELLO, 0, pickle.dumps(hello, protocol=_PICKLE_PROTOCOL))
+        ftype, _call_id, payload = self.reader.read()
+        if ftype != FrameType.CONFIG:
+            raise FrameError("expected CONFIG, got frame type %d" % ftype)
+        config = pickle.loads(payload)
+        self.apply_config(config)
+        self.send(FrameType.READY, 0)
+
+    def apply_config(self, config: Dict[str, Any]) -> None:
+        for entry in reversed(config.get("sys_path") or ()):
+            if entry not in sys.path:
+                sys.path.insert(1, entry)
+        os.environ.update(config.get("env") or {})
+        cwd = config.get("cwd")
+        if cwd:
+            os.chdir(cwd)
+        limit = int(config.get("max_frame_bytes") or DEFAULT_MAX_FRAME_BYTES)
+        self.max_frame_bytes = limit
+        self.reader.limit = limit
+
+    def serve(self) -> None:
+        read = self.reader.read
+        while True:
+            ftype, call_id, payload = read()
+            if ftype == FrameType.CALL:
+                self.run_call(call_id, payload)
+            elif ftype == FrameType.PING:
+                self.send(FrameType.PONG, call_id)
+            elif ftype == FrameType.SHUTDOWN:
+                return
+            else:
+                # Never silence: the host learns at once that we did not understand.
+                msg = "worker does not accept frame type %d" % ftype
+                self.send(FrameType.ERROR, call_id, msg.encode("utf-8"))
+
+    def run_call(self, call_id: int, payload: Any) -> None:
+        try:
+            target, args, kwargs = pickle.loads(payload)
+            del payload
+            fn = resolve_target(target) if isinstance(target, str) else target
+            result = fn(*args, **kwargs)
+            del args, kwargs
+            data = _dumps_result(result)
+            del result
+        except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are replies too
+            try:
+                data = error_record(exc)
+            finally:
+                del exc
+            self.send(FrameType.REPLY_ERR, call_id, data)
+            return
+        if len(data) > self.max_frame_bytes:
+            too_big = OverflowError(
+                "the result pickles to %d bytes, over the frame limit of %d bytes "
+                "(PoolConfig.max_frame_bytes)" % (len(data), self.max_frame_bytes)
+            )
+            self.send(FrameType.REPLY_ERR, call_id, error_record(too_big))
+            return
+        self.send(FrameType.REPLY_OK, call_id, data)
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL us when the thread that spawned us exits (the host's spawner)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:  # noqa: BLE001 - the channel watchdog still covers parent death
+        pass
+
+
+def _start_watchdog(sock: socket.socket, host_pid: int) -> None:
+    """Exit when the host's end of the channel hangs up, even while a call is running."""
+    poll_hup = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
+    fd = sock.fileno()
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, poll_hup)
+        while True:
+            events = poller.poll(1000)
+            if events:
+                for _fd, ev in events:
+                    if ev & (poll_hup | select.POLLERR | select.POLLNVAL):
+                        os._exit(0)
+            # Fallback for the case a descriptor copy keeps the channel open: the host is gone.
+            if host_pid and os.getppid() != host_pid and not _launched_via_wrapper:
+                os._exit(0)
+
+    t = threading.Thread(target=watch, name="comfy-env-watchdog", daemon=True)
+    t.start()
+
+
+_launched_via_wrapper = False
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point: ``main([channel fd, host pid])``."""
+    global _launched_via_wrapper
+    args = list(sys.argv[1:] if argv is None else argv)
+    fd = int(args[0])
+    host_pid = int(args[1]) if len(args) > 1 else 0
+    _launched_via_wrapper = bool(host_pid) and os.getppid() != host_pid
+    faulthandler.enable(all_threads=False)
+    _set_parent_death_signal()
+    if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
+        os._exit(0)  # the host died before we could arm the death signal
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)  # our own children must not hold the channel open
+    # Ctrl-C in the host's terminal is the host's business; we run in our own session, but a
+    # host may still forward SIGINT deliberately, which then interrupts the call as usual.
+    worker = Worker(sock)
+    code = 0
+    try:
+        worker.handshake()
+        _start_watchdog(sock, host_pid)
+        worker.serve()
+    except ChannelClosed:
+        code = 0  # the host closed the channel: nothing left to serve
+    except FrameError as exc:
+        sys.stderr.write("comfy-env worker: protocol error: %s\n" % exc)
+        code = 70
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+

@@ -1,0 +1,189 @@
+"""Frames: the one wire format the host and its workers agree on.
+
+Both sides import this module (the host as ``comfy_env_worker.protocol``, the worker from its
+runtime directory), so the format is defined exactly once.
+
+A frame is a fixed 20-byte header followed by ``length`` payload bytes::
+
+    magic  b"CE"      2 bytes, catches a stream that is not ours (or lost sync)
+    type   u8         one of the ``FrameType`` values below
+    flags  u8         0 (reserved)
+    length u64 LE     payload size, checked against the receiver's limit *before* reading
+    call   u64 LE     call id the frame belongs to (0 for handshake and control frames)
+
+Payloads are pickles (protocol 5). A channel carries frames only: the worker's raw fd 1/2 are
+separate pipes, so native output can never corrupt a frame.
+
+Any framing error (bad magic, unknown type, oversize length, EOF in the middle of a frame) raises
+``FrameError``. The stream is never resynchronised: the caller retires the worker, because after
+a partial or garbage frame there is no trustworthy boundary to resume from.
+
+This module is stdlib-only and must parse under the oldest Python an env may run (3.8).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import time
+from typing import Optional, Tuple, Union
+
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct("<2sBBQQ")
+HEADER_SIZE = HEADER.size  # 20
+MAGIC = b"CE"
+
+
+class FrameType:
+    """Frame types. Worker -> host: HELLO, READY, REPLY_OK, REPLY_ERR, PONG, ERROR.
+
+    Host -> worker: CONFIG, CALL, PING, SHUTDOWN.
+    """
+
+    HELLO = 1  # worker -> host: {"protocol", "pid", "python", "executable", "platform"}
+    CONFIG = 2  # host -> worker: {"sys_path", "cwd", "env", "log_level", "max_frame_bytes"}
+    READY = 3  # worker -> host: config applied, serving calls
+    CALL = 4  # host -> worker: (target, args, kwargs)
+    REPLY_OK = 5  # worker -> host: result
+    REPLY_ERR = 6  # worker -> host: remote exception record (see ``main.error_record``)
+    PING = 7  # host -> worker: liveness check
+    PONG = 8  # worker -> host
+    SHUTDOWN = 9  # host -> worker: exit cleanly now
+    ERROR = 10  # worker -> host: a frame the worker could not understand (never silence)
+
+
+KNOWN_TYPES = frozenset(
+    v for k, v in vars(FrameType).items() if not k.startswith("_") and isinstance(v, int)
+)
+
+# The largest frame either side accepts unless configured otherwise (PoolConfig.max_frame_bytes).
+DEFAULT_MAX_FRAME_BYTES = 2 * 1024**3
+
+# Reads go into one preallocated scratch buffer: a fresh ``recv(n)`` buffer of this size per
+# frame would cost an allocation (an mmap above glibc's threshold) on every call.
+_RECV_CHUNK = 64 * 1024
+
+Payload = Union[bytes, bytearray]
+
+
+class FrameError(Exception):
+    """The byte stream is not a valid frame sequence; the channel must be abandoned."""
+
+
+class ChannelClosed(Exception):
+    """The peer closed the channel (EOF) at a frame boundary or inside a frame.
+
+    ``partial`` is True when EOF arrived in the middle of a frame.
+    """
+
+    def __init__(self, partial: bool = False) -> None:
+        super().__init__("channel closed mid-frame" if partial else "channel closed")
+        self.partial = partial
+
+
+def encode_header(ftype: int, call_id: int, length: int) -> bytes:
+    return HEADER.pack(MAGIC, ftype, 0, length, call_id)
+
+
+def send_frame(sock: socket.socket, ftype: int, call_id: int, payload: bytes = b"") -> None:
+    """Write one frame. Small frames go out in one ``sendall`` of a joined buffer (one syscall);
+    large ones as header + payload via ``sendmsg`` to avoid copying the payload."""
+    header = HEADER.pack(MAGIC, ftype, 0, len(payload), call_id)
+    if len(payload) <= 65536:
+        sock.sendall(header + payload)
+        return
+    sent = sock.sendmsg([header, payload])
+    total = HEADER_SIZE + len(payload)
+    if sent < total:
+        if sent < HEADER_SIZE:
+            sock.sendall(header[sent:])
+            sent = HEADER_SIZE
+        sock.sendall(memoryview(payload)[sent - HEADER_SIZE :])
+
+
+class FrameReader:
+    """Reads frames from a stream socket, buffering what arrived beyond the current frame.
+
+    Small frames usually arrive with their header in one ``recv``; a large payload is read
+    straight into a buffer of its exact size, so it is copied once.
+    """
+
+    __slots__ = ("_sock", "_buf", "_limit", "_poller", "_scratch", "_scratch_view")
+
+    def __init__(self, sock: socket.socket, limit: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self._scratch = bytearray(_RECV_CHUNK)
+        self._scratch_view = memoryview(self._scratch)
+        self._limit = limit
+        self._poller: Optional[select.poll] = None
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._limit = value
+
+    def _wait_readable(self, deadline: Optional[float]) -> None:
+        if deadline is None:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock.fileno(), select.POLLIN)
+        if not self._poller.poll(remaining * 1000.0 + 1.0):
+            raise TimeoutError("deadline passed")
+
+    def _fill(self, deadline: Optional[float]) -> None:
+        self._wait_readable(deadline)
+        n = self._sock.recv_into(self._scratch_view)
+        if not n:
+            raise ChannelClosed(partial=bool(self._buf))
+        self._buf += self._scratch_view[:n]
+
+    def read(self, deadline: Optional[float] = None) -> Tuple[int, int, Payload]:
+        """Return ``(frame type, call id, payload)`` of the next frame.
+
+        Raises ``ChannelClosed`` on EOF, ``FrameError`` on a malformed header or an oversize
+        length, and ``TimeoutError`` when ``deadline`` (a ``time.monotonic()`` value) passes.
+        """
+        buf = self._buf
+        while len(buf) < HEADER_SIZE:
+            self._fill(deadline)
+        magic, ftype, _flags, length, call_id = HEADER.unpack_from(buf)
+        if magic != MAGIC:
+            raise FrameError("bad frame magic %r (stream corrupted)" % (bytes(magic),))
+        if ftype not in KNOWN_TYPES:
+            raise FrameError("unknown frame type %d" % ftype)
+        if length > self._limit:
+            raise FrameError(
+                "frame of %d bytes exceeds the limit of %d bytes" % (length, self._limit)
+            )
+        end = HEADER_SIZE + length
+        if len(buf) >= end:
+            payload = bytes(buf[HEADER_SIZE:end])
+            del buf[:end]
+            return ftype, call_id, payload
+        # A large frame: read the rest of the payload in place, one copy.
+        big = bytearray(length)
+        have = len(buf) - HEADER_SIZE
+        big[:have] = buf[HEADER_SIZE:]
+        buf.clear()
+        view = memoryview(big)
+        sock = self._sock
+        try:
+            while have < length:
+                self._wait_readable(deadline)
+                n = sock.recv_into(view[have:])
+                if n == 0:
+                    raise ChannelClosed(partial=True)
+                have += n
+        finally:
+            view.release()
+        return ftype, call_id, big

@@ -1,0 +1,54 @@
+"""Built-in call targets every env has (the runtime directory is on every worker's path).
+
+They serve the start-up canary (``echo``), the demo and the CLI (``crash``, ``sleep``), and
+tests that need a worker to misbehave on purpose. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Dict
+
+
+def echo(value: Any) -> Any:
+    """Return the argument unchanged (the canary round-trips it through the real codec)."""
+    return value
+
+
+def sleep(seconds: float) -> float:
+    """Sleep, then return the seconds slept."""
+    time.sleep(seconds)
+    return seconds
+
+
+def getpid() -> int:
+    """The worker's process id."""
+    return os.getpid()
+
+
+def info() -> Dict[str, Any]:
+    """What this interpreter is: version, executable, prefix and path."""
+    return {
+        "pid": os.getpid(),
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "executable": sys.executable,
+        "prefix": sys.prefix,
+        "sys_path": list(sys.path),
+    }
+
+
+def crash() -> None:
+    """Dereference a null pointer through ctypes: a real SIGSEGV, as a buggy native library
+    would cause. ``faulthandler`` prints the Python stack to stderr on the way down."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def exit_now(code: int = 0) -> None:
+    """Leave the process at once, without cleanup, as ``os._exit`` in native code would."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
