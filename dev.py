@@ -22,7 +22,7 @@ PY = os.path.join(BIN, "python.exe" if os.name == "nt" else "python")
 
 
 def ensure_venv() -> None:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - dev.py runs under any python3
         sys.exit(f"comfy-env needs Python 3.10 or newer; this is {sys.version.split()[0]}")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
         digest = hashlib.sha256(fh.read()).hexdigest()

@@ -43,7 +43,9 @@ def demo(env: str | None) -> int:
         worker = pool.get_worker(env)
         print(f"1. get_worker() spawns nothing: generation={worker.generation} pid={worker.pid}")
         print("2. the first call spawns, handshakes and canaries a worker, then runs:")
-        _timed("call tasks:info (cold)", lambda: worker.call("comfy_env_worker.tasks:info")["python"])
+        _timed(
+            "call tasks:info (cold)", lambda: worker.call("comfy_env_worker.tasks:info")["python"]
+        )
         print(f"   worker is generation {worker.generation}, pid {worker.pid}")
         _timed("call tasks:echo (warm)", lambda: worker.call("comfy_env_worker.tasks:echo", 42))
         started = time.perf_counter()
@@ -60,8 +62,10 @@ def demo(env: str | None) -> int:
             ok = False
             print("   !! the crash did not surface")
         except WorkerCrashed as exc:
-            print(f"   WorkerCrashed: signal={exc.signal} exitcode={exc.exitcode} "
-                  f"pid={exc.pid} generation={exc.generation} call_id={exc.call_id}")
+            print(
+                f"   WorkerCrashed: signal={exc.signal} exitcode={exc.exitcode} "
+                f"pid={exc.pid} generation={exc.generation} call_id={exc.call_id}"
+            )
             frames = [ln for ln in exc.stderr_tail.splitlines() if "File" in ln][:2]
             for line in frames:
                 print(f"   worker stack: {line.strip()}")
@@ -80,14 +84,27 @@ def demo(env: str | None) -> int:
             ok = False
         except CallTimeout as exc:
             print(f"   CallTimeout: {exc}")
-        _timed("call tasks:echo after the timeout", lambda: worker.call(
-            "comfy_env_worker.tasks:echo", "alive"))
+        _timed(
+            "call tasks:echo after the timeout",
+            lambda: worker.call("comfy_env_worker.tasks:echo", "alive"),
+        )
         print(f"   generation {worker.generation}")
 
         print("6. stats:")
         stats = worker.stats()
-        for field in ("submitted", "ok", "raised", "crashed", "timed_out", "cancelled",
-                      "failed", "in_flight", "queued", "spawns", "stale_events_dropped"):
+        for field in (
+            "submitted",
+            "ok",
+            "raised",
+            "crashed",
+            "timed_out",
+            "cancelled",
+            "failed",
+            "in_flight",
+            "queued",
+            "spawns",
+            "stale_events_dropped",
+        ):
             print(f"   {field:<22} {getattr(stats, field)}")
     print("\npool closed: no worker process, socket or runtime dir is left behind.")
     return 0 if ok else 1
@@ -101,8 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"comfy-env {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="walk through spawn, call, crash, replace, timeout")
-    p_demo.add_argument("--env", default=None, help="env directory or interpreter "
-                        "(default: the current interpreter)")
+    p_demo.add_argument(
+        "--env",
+        default=None,
+        help="env directory or interpreter (default: the current interpreter)",
+    )
     return parser
 
 

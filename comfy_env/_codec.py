@@ -124,7 +124,7 @@ def _cloudpickle(obj: Any, what: str) -> bytes:
 
     try:
         return bytes(cloudpickle.dumps(obj, protocol=PICKLE_PROTOCOL))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}") from exc
 
 
@@ -133,7 +133,7 @@ def decode_reply(ftype: int, payload: bytes | bytearray, label: str) -> Any:
     if ftype == FrameType.REPLY_OK:
         try:
             return pickle.loads(payload)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise SerializationError(
                 f"the result of {label} could not be unpickled in the host: "
                 f"{type(exc).__name__}: {exc}"

@@ -75,8 +75,7 @@ def resolve_env(env: str | os.PathLike[str] | None) -> EnvSpec:
             if _is_interpreter(candidate):
                 return _spec(path, candidate)
         raise EnvError(
-            f"no Python interpreter found in env directory {path}; tried:\n  "
-            + "\n  ".join(tried),
+            f"no Python interpreter found in env directory {path}; tried:\n  " + "\n  ".join(tried),
             env=str(path),
             tried=tuple(tried),
         )

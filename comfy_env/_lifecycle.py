@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NoReturn, Union
+from typing import NoReturn
 
 
 def assert_never(value: NoReturn) -> NoReturn:
@@ -87,8 +87,8 @@ class Retired:
     pid: int | None
 
 
-State = Union[Starting, Idle, InCall, Retired]
-LiveState = Union[Starting, Idle, InCall]
+State = Starting | Idle | InCall | Retired
+LiveState = Starting | Idle | InCall
 
 # ---- events ---------------------------------------------------------------------------------
 
@@ -179,20 +179,20 @@ class IdleExpired:
     idle_since: float
 
 
-Event = Union[
-    SpawnBegan,
-    HandshakeOk,
-    StartFailed,
-    CallStarted,
-    Replied,
-    Exited,
-    ChannelClosed,
-    DeadlineHit,
-    CallCancelled,
-    ProtocolViolated,
-    CloseRequested,
-    IdleExpired,
-]
+Event = (
+    SpawnBegan
+    | HandshakeOk
+    | StartFailed
+    | CallStarted
+    | Replied
+    | Exited
+    | ChannelClosed
+    | DeadlineHit
+    | CallCancelled
+    | ProtocolViolated
+    | CloseRequested
+    | IdleExpired
+)
 
 # ---- effects and results --------------------------------------------------------------------
 
@@ -223,6 +223,7 @@ class Dropped:
 
 
 STALE = "stale generation"
+OUTDATED = "observation out of date"  # right generation, but about another call or idle period
 TERMINAL = "generation already retired"
 NOT_APPLICABLE = "does not apply in this state"
 NO_WORKER = "slot is empty"
@@ -238,7 +239,7 @@ _RETIRING: dict[type, tuple[RetireReason, bool]] = {
 
 def _retire(state: LiveState, reason: RetireReason, graceful: bool) -> Transition:
     if isinstance(state, Starting):
-        # Whatever ends a start-up is a failed start (the breaker counts it as a death).
+        # A death during start-up is a failed start (the breaker counts it); a close is not.
         if reason in (RetireReason.CRASHED, RetireReason.PROTOCOL_ERROR):
             reason = RetireReason.START_FAILED
         pid = None
@@ -279,13 +280,13 @@ def step(state: State | None, event: Event) -> Transition | Dropped:
             return Transition(InCall(state.generation, state.pid, event.call_id, event.at))
         if isinstance(event, IdleExpired):
             if event.idle_since != state.idle_since:
-                return Dropped(STALE)  # the worker ran a call after the reaper looked
+                return Dropped(OUTDATED)  # the worker ran a call after the reaper looked
             return _retire(state, RetireReason.IDLE, True)
         return Dropped(NOT_APPLICABLE)
     if isinstance(state, InCall):
         if isinstance(event, (Replied, DeadlineHit, CallCancelled)):
             if event.call_id != state.call_id:
-                return Dropped(STALE)
+                return Dropped(OUTDATED)
             if isinstance(event, Replied):
                 return Transition(Idle(state.generation, state.pid, event.at))
             if isinstance(event, DeadlineHit):

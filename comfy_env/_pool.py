@@ -52,7 +52,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker.protocol import (
     HEADER_SIZE,
@@ -71,7 +71,6 @@ from ._errors import (
     CallTimeout,
     PoolClosedError,
     ProtocolError,
-    RemoteError,
     SerializationError,
     WorkerCrashed,
     WorkerStartError,
@@ -81,9 +80,16 @@ from ._errors import (
 from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor
 
+if TYPE_CHECKING:
+    from ._worker import Worker
+
 _log = logging.getLogger("comfy_env")
 
 _SEND_CHUNK = 65536
+
+
+class _NotDelivered(Exception):
+    """The worker died without reading the request: the call may run on a fresh worker."""
 
 
 # ---- stats (frozen snapshots) ----------------------------------------------------------------
@@ -140,7 +146,7 @@ _STATE_NAMES: dict[type, str] = {
 
 
 class _Slot:
-    __slots__ = ("index", "state", "process", "leased")
+    __slots__ = ("index", "leased", "process", "state")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -152,7 +158,7 @@ class _Slot:
 class _Ticket:
     """One call's place in the pool: queued, then holding a slot; cancellable from any thread."""
 
-    __slots__ = ("event", "slot", "stage", "generation", "call_id", "cancelled", "closed")
+    __slots__ = ("call_id", "cancelled", "closed", "event", "generation", "slot", "stage")
 
     def __init__(self) -> None:
         self.event: threading.Event | None = None
@@ -482,10 +488,12 @@ class Pool:
             raise ValueError(f"timeout must be positive seconds or None, not {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = ticket if ticket is not None else _Ticket()
-        slot = self._acquire(entry, ticket, deadline)
         outcome = "failed"
         try:
-            ftype, reply, label = self._run(entry, slot, ticket, target, payload, by_value, deadline)
+            slot = self._acquire(entry, ticket, deadline)
+            ftype, reply, label = self._run(
+                entry, slot, ticket, target, payload, by_value, deadline
+            )
             outcome = "raised"
             result = decode_reply(ftype, reply, label)
             outcome = "ok"
@@ -540,11 +548,16 @@ class Pool:
                     ticket.call_id = call_id
                 if effects is None:
                     continue  # died idle after we looked: a fresh worker takes the call
-                if self._send(entry, slot, process, call_id, payload, deadline):
-                    break
-                # EPIPE before a byte went out: the worker died idle; the call was never sent.
+                if not self._send(entry, slot, process, call_id, payload, deadline):
+                    continue  # EPIPE before a byte went out: it died idle; nothing was sent
+                try:
+                    ftype, reply = self._receive(
+                        entry, slot, process, call_id, target_label(target), deadline
+                    )
+                except _NotDelivered:
+                    continue  # it died with our request unread: the call never ran
+                break
             label = target_label(target)
-            ftype, reply = self._receive(entry, slot, process, call_id, label, deadline)
             # A reply that raced a kill is still delivered: the function completed. The gate
             # drops the late Replied if the worker was retired meanwhile.
             entry.apply(slot, lc.Replied(generation, call_id, time.monotonic()))
@@ -713,6 +726,15 @@ class Pool:
             ftype, reply_id, reply = reader.read(deadline)
         except TimeoutError:
             raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
+        except ConnectionResetError:
+            # A Unix socket whose owner exits with unread data resets its peer instead of
+            # giving EOF: the worker died before it read the whole request, so the call never
+            # ran and may run on a fresh worker. Any reply bytes mean it did run.
+            entry.apply(slot, lc.ChannelClosed(process.generation))
+            reason = self._retire_reason(slot, process.generation)
+            if reader.buffered == 0 and reason is lc.RetireReason.CRASHED:
+                raise _NotDelivered from None
+            raise self._crash_error(entry, slot, process, call_id, label) from None
         except (ChannelClosed, ConnectionError, OSError):
             raise self._crash_error(entry, slot, process, call_id, label) from None
         except FrameError as exc:
@@ -890,4 +912,3 @@ def _free_slot(entry: _EnvEntry) -> _Slot | None:
         if fallback is None and (slot.state is None or isinstance(slot.state, lc.Retired)):
             fallback = slot
     return fallback
-

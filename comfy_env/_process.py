@@ -60,8 +60,7 @@ from ._errors import WorkerStartError, describe_exit
 from ._reactor import Reactor
 
 BOOT = (
-    "import sys;sys.path[0]=sys.argv[1];"
-    "from comfy_env_worker.main import main;main(sys.argv[2:])"
+    "import sys;sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
 )
 
 # Variables that would make the env's interpreter import the host's packages or run host code.
@@ -79,11 +78,11 @@ CANARY_TARGET = "comfy_env_worker.tasks:echo"
 
 
 def canary_value() -> Any:
-    """Exercises the codec: nested containers, int keys, bytes, floats, a 1 MiB buffer."""
+    """Exercises the codec: nested containers, int keys, bytes, floats, a 512 KiB buffer."""
     return (
         {1: (b"\x00bytes\xff", [1.5, -0.0, None, True]), 2: {"nested": (1, 2, {3: "x"})}},
         [(), [], {}, "\u00e9\u4e2d", 2**70],
-        bytes(range(256)) * 4096,
+        bytes(range(256)) * 2048,  # 512 KiB: crosses many socket reads, fits any frame limit
     )
 
 
@@ -321,7 +320,7 @@ class WorkerProcess:
             raise FrameError(f"canary: unexpected frame type {ftype} for call {call_id}")
         try:
             echoed = decode_reply(ftype, reply, CANARY_TARGET)
-        except Exception as exc:  # noqa: BLE001 - any failure refuses the worker
+        except Exception as exc:
             raise FrameError(f"canary call failed: {type(exc).__name__}: {exc}") from exc
         if echoed != value:
             raise FrameError("canary came back different from what was sent")
@@ -490,4 +489,3 @@ def python_mismatch(process: WorkerProcess) -> str | None:
         "closure, or one defined in __main__) only loads in the same Python version; pass it "
         "as 'package.module:function' instead"
     )
-

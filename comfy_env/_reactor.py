@@ -42,7 +42,7 @@ T = TypeVar("T")
 class TimerHandle:
     """A scheduled callback; ``cancel()`` is safe from any thread and idempotent."""
 
-    __slots__ = ("when", "callback", "cancelled")
+    __slots__ = ("callback", "cancelled", "when")
 
     def __init__(self, when: float, callback: Callable[[], None]) -> None:
         self.when = when

@@ -18,12 +18,11 @@ if TYPE_CHECKING:
     from ._pool import EnvStats, Pool, _EnvEntry
 
 
-
 class Worker:
     """Runs calls in one env of a pool. Obtain with ``Pool.get_worker`` or
     ``comfy_env.get_worker``; cheap to create, safe to share between threads."""
 
-    __slots__ = ("_pool", "_entry")
+    __slots__ = ("_entry", "_pool")
 
     def __init__(self, pool: Pool, entry: _EnvEntry) -> None:
         self._pool = pool

@@ -60,9 +60,7 @@ def resolve_target(target: str) -> Callable[..., Any]:
         return fn
     module_name, sep, qualname = target.partition(":")
     if not sep or not module_name or not qualname:
-        raise ValueError(
-            "call target %r is not of the form 'package.module:function'" % (target,)
-        )
+        raise ValueError("call target %r is not of the form 'package.module:function'" % (target,))
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -239,10 +237,14 @@ def _start_watchdog(sock: socket.socket, host_pid: int) -> None:
 
 _launched_via_wrapper = False
 
+# The worker's channel socket once ``main`` runs; tests and fault-injection tasks use it to
+# write raw bytes at the host. Nothing in the serve loop reads this global.
+CHANNEL: Optional[socket.socket] = None
+
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: ``main([channel fd, host pid])``."""
-    global _launched_via_wrapper
+    global _launched_via_wrapper, CHANNEL
     args = list(sys.argv[1:] if argv is None else argv)
     fd = int(args[0])
     host_pid = int(args[1]) if len(args) > 1 else 0
@@ -253,6 +255,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         os._exit(0)  # the host died before we could arm the death signal
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)  # our own children must not hold the channel open
+    CHANNEL = sock
     # Ctrl-C in the host's terminal is the host's business; we run in our own session, but a
     # host may still forward SIGINT deliberately, which then interrupts the call as usual.
     worker = Worker(sock)
@@ -273,4 +276,3 @@ def main(argv: Optional[List[str]] = None) -> None:
         except Exception:  # noqa: BLE001
             pass
     os._exit(code)
-

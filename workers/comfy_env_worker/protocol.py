@@ -110,7 +110,7 @@ class FrameReader:
     straight into a buffer of its exact size, so it is copied once.
     """
 
-    __slots__ = ("_sock", "_buf", "_limit", "_poller", "_scratch", "_scratch_view")
+    __slots__ = ("_buf", "_limit", "_poller", "_scratch", "_scratch_view", "_sock")
 
     def __init__(self, sock: socket.socket, limit: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._sock = sock
@@ -119,6 +119,11 @@ class FrameReader:
         self._scratch_view = memoryview(self._scratch)
         self._limit = limit
         self._poller: Optional[select.poll] = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received beyond the last complete frame."""
+        return len(self._buf)
 
     @property
     def limit(self) -> int:
@@ -150,8 +155,8 @@ class FrameReader:
     def read(self, deadline: Optional[float] = None) -> Tuple[int, int, Payload]:
         """Return ``(frame type, call id, payload)`` of the next frame.
 
-        Raises ``ChannelClosed`` on EOF, ``FrameError`` on a malformed header or an oversize
-        length, and ``TimeoutError`` when ``deadline`` (a ``time.monotonic()`` value) passes.
+        Raises ``ChannelClosed`` on EOF, ``FrameError`` on a bad magic or an oversize length,
+        and ``TimeoutError`` when ``deadline`` (a ``time.monotonic()`` value) passes.
         """
         buf = self._buf
         while len(buf) < HEADER_SIZE:
@@ -159,8 +164,8 @@ class FrameReader:
         magic, ftype, _flags, length, call_id = HEADER.unpack_from(buf)
         if magic != MAGIC:
             raise FrameError("bad frame magic %r (stream corrupted)" % (bytes(magic),))
-        if ftype not in KNOWN_TYPES:
-            raise FrameError("unknown frame type %d" % ftype)
+        # An unknown *type* with a sound header is not a framing error: the stream is still in
+        # sync, and the receiver answers it (the worker with an ERROR frame, never silence).
         if length > self._limit:
             raise FrameError(
                 "frame of %d bytes exceeds the limit of %d bytes" % (length, self._limit)

@@ -1,0 +1,162 @@
+"""Shared fixtures, and the leak guard that runs around every test.
+
+The leak guard snapshots this process's children, open descriptors, threads, comfy-env runtime
+directories and ``/dev/shm`` entries before a test, and after it waits (bounded) for them to
+return to that snapshot. Anything that survives fails the test by name: a worker process, a
+zombie, a socket, a pipe, a reactor thread, a runtime dir or a shared-memory block.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import comfy_env
+from comfy_env._process import runtime_root
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def _fds() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass  # the listing's own descriptor, already closed
+    return out
+
+
+def _children() -> set[tuple[int, float]]:
+    out = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            out.add((child.pid, child.create_time()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _zombies() -> list[int]:
+    zombies = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                zombies.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return zombies
+
+
+def _threads() -> set[threading.Thread]:
+    return set(threading.enumerate())
+
+
+def _runtime_dirs() -> set[str]:
+    root = runtime_root()
+    prefix = f"host-{os.getpid()}-"
+    return {d for d in os.listdir(root) if d.startswith(prefix)}
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = {
+        "child processes": _children(),
+        "descriptors": _fds(),
+        "threads": _threads(),
+        "runtime dirs": _runtime_dirs(),
+        "/dev/shm blocks": _shm(),
+    }
+    yield
+    probes = {
+        "child processes": _children,
+        "descriptors": _fds,
+        "threads": _threads,
+        "runtime dirs": _runtime_dirs,
+        "/dev/shm blocks": _shm,
+    }
+    deadline = time.monotonic() + 5.0
+    while True:
+        leaked = {}
+        for name, probe in probes.items():
+            extra = probe() - before[name]  # type: ignore[operator]
+            if extra:
+                leaked[name] = extra
+        zombies = _zombies()
+        if zombies:
+            leaked["zombies"] = set(zombies)
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    if leaked:
+        for pid_time in leaked.get("child processes", ()):
+            try:
+                psutil.Process(pid_time[0]).kill()
+            except psutil.NoSuchProcess:
+                pass
+        pytest.fail(f"{request.node.nodeid} leaked: {leaked}", pytrace=False)
+
+
+@pytest.fixture
+def config() -> comfy_env.PoolConfig:
+    """A config whose workers can import the test helpers in tests/remote_tasks.py."""
+    return comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0)
+
+
+@pytest.fixture
+def pool(config: comfy_env.PoolConfig) -> Iterator[comfy_env.Pool]:
+    with comfy_env.Pool(config) as p:
+        yield p
+
+
+@pytest.fixture
+def default_pool_cleanup() -> Iterator[None]:
+    yield
+    comfy_env.shutdown()
+
+
+@pytest.fixture(scope="session")
+def foreign_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bare venv (no pip, no comfy_env, no third-party packages) made with ``python -m venv``."""
+    path = tmp_path_factory.mktemp("envs") / "foreign"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    return path
+
+
+def other_python(minor: int) -> str | None:
+    """An interpreter of Python 3.<minor> on this machine, if there is one."""
+    import glob
+    import shutil
+
+    candidates = [shutil.which(f"python3.{minor}")]
+    pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates += sorted(glob.glob(f"{pyenv_root}/versions/3.{minor}.*/bin/python3.{minor}"))
+    for found in candidates:
+        if found:
+            try:
+                out = subprocess.run(
+                    [found, "-c", "import sys; print(sys.version_info[1])"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if out.returncode == 0 and out.stdout.strip() == str(minor):
+                return found
+    return None

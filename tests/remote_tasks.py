@@ -1,0 +1,145 @@
+"""Functions the tests run inside workers (importable there via PoolConfig.sys_path)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+
+class CustomError(Exception):
+    """An exception class that exists in both host and worker."""
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(code, text)
+        self.code = code
+        self.text = text
+
+
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def raise_custom(code: int) -> None:
+    raise CustomError(code, "custom failure")
+
+
+def raise_local_class() -> None:
+    class LocalOnly(Exception):
+        pass
+
+    raise LocalOnly("defined inside a function: cannot be unpickled by the host")
+
+
+def system_exit(code: int) -> None:
+    sys.exit(code)
+
+
+def return_unpicklable() -> Any:
+    return threading.Lock()
+
+
+def getpid() -> int:
+    return os.getpid()
+
+
+def environ(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def sys_path() -> list[str]:
+    return list(sys.path)
+
+
+def can_import(name: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def prefix() -> str:
+    return sys.prefix
+
+
+def executable() -> str:
+    return sys.executable
+
+
+def chatty_sleep(seconds: float, interval: float) -> None:
+    """Prints steadily: a silence timeout would never fire, a total deadline does."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        print("still working", flush=True)
+        time.sleep(interval)
+
+
+def noisy(n: int) -> int:
+    """Writes to every output path the worker has; the channel must stay clean."""
+    for i in range(n):
+        print("print line", i)
+        sys.stderr.write(f"stderr line {i}\n")
+        os.write(1, b"raw fd1 \x00\xff garbage\n")
+        os.write(2, b"raw fd2 CE\x04 fake header\n")
+    return n
+
+
+def count_then_crash(path: str) -> None:
+    """Appends a line to ``path`` and segfaults: a replayed call would append twice."""
+    with open(path, "a") as fh:
+        fh.write("ran\n")
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def write_garbage() -> None:
+    """Writes bytes that are not a frame onto the channel, then returns normally."""
+    from comfy_env_worker import main
+
+    assert main.CHANNEL is not None
+    main.CHANNEL.sendall(b"this is not a frame header at all")
+
+
+def write_oversized_header() -> None:
+    from comfy_env_worker import main, protocol
+
+    assert main.CHANNEL is not None
+    main.CHANNEL.sendall(protocol.encode_header(protocol.FrameType.REPLY_OK, 0, 2**61))
+
+
+def reply_then_die() -> None:
+    """Writes a complete reply for the running call, then dies before returning."""
+    import pickle
+
+    from comfy_env_worker import main, protocol
+
+    assert main.CHANNEL is not None
+    call_id = CURRENT_CALL_ID_PROBE()
+    protocol.send_frame(main.CHANNEL, protocol.FrameType.REPLY_OK, call_id, pickle.dumps("late"))
+    os._exit(9)
+
+
+def CURRENT_CALL_ID_PROBE() -> int:
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "run_call":
+            return int(frame.f_locals["call_id"])
+        frame = frame.f_back  # type: ignore[assignment]
+    raise RuntimeError("not inside a call")
+
+
+def kill_self(sig: int) -> None:
+    os.kill(os.getpid(), sig)
+    time.sleep(5)
+
+
+def sleep_ignoring_sigterm(seconds: float) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(seconds)

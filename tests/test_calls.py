@@ -1,0 +1,193 @@
+"""Calls: targets, arguments, results and remote exceptions, on real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+
+import pytest
+import remote_tasks
+
+import comfy_env
+from comfy_env import RemoteError, SerializationError
+
+
+def test_get_worker_spawns_nothing(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    assert w.generation == 0
+    assert w.pid is None
+    assert pool.stats()[w.env].spawns == 0
+
+
+def test_first_call_spawns_a_verified_worker(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    assert w.call("comfy_env_worker.tasks:echo", 7) == 7
+    stats = w.stats()
+    assert (w.generation, stats.spawns, stats.state) == (1, 1, "idle")
+    assert w.pid == w.call("comfy_env_worker.tasks:getpid")
+    assert stats.workers[0].startup_seconds is not None
+
+
+def test_call_by_reference_string(pool: comfy_env.Pool) -> None:
+    assert pool.get_worker().call("remote_tasks:add", 2, b=3) == 5
+
+
+def test_importable_function_travels_by_reference(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    assert w.call(remote_tasks.add, 40, 2) == 42
+    assert w.call(remote_tasks.getpid) == w.pid
+
+
+def test_lambda_and_closure_travel_by_value(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    offset = 10
+    assert w.call(lambda x: x * 2, 21) == 42
+    assert w.call(lambda: offset + 1) == 11
+
+    def nested(y: int) -> int:
+        return y + offset
+
+    assert w.call(nested, 5) == 15
+
+
+def test_lambda_inside_arguments_falls_back_to_cloudpickle(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    assert w.call("comfy_env_worker.tasks:echo", {"f": 1})["f"] == 1
+    fn = w.call(lambda: lambda v: v + 1)  # a function comes back by value too
+    assert fn(1) == 2
+
+
+def test_run_takes_args_kwargs_and_timeout(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    assert w.run("remote_tasks:add", (1,), {"b": 2}, timeout=30) == 3
+    assert w.run(remote_tasks.add, [4]) == 4
+
+
+def test_acall_returns_the_result(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+
+    async def main() -> list[int]:
+        return list(await asyncio.gather(*(w.acall("remote_tasks:add", i, 1) for i in range(4))))
+
+    assert asyncio.run(main()) == [1, 2, 3, 4]
+
+
+def test_remote_exception_is_reraised_as_its_class_with_the_remote_traceback(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    with pytest.raises(remote_tasks.CustomError) as info:
+        w.call(remote_tasks.raise_custom, 5)
+    assert info.value.code == 5
+    cause = info.value.__cause__
+    assert isinstance(cause, comfy_env.RemoteTraceback)
+    assert "raise_custom" in cause.traceback_text
+    assert w.generation == 1  # the worker survived
+
+
+def test_builtin_remote_exception_keeps_its_class(pool: comfy_env.Pool) -> None:
+    with pytest.raises(ValueError, match="invalid literal"):
+        pool.get_worker().call(int, "x")
+
+
+def test_exception_class_missing_in_host_becomes_remote_error(pool: comfy_env.Pool) -> None:
+    with pytest.raises(RemoteError) as info:
+        pool.get_worker().call(remote_tasks.raise_local_class)
+    err = info.value
+    assert err.type_name.endswith("LocalOnly")
+    assert "cannot be unpickled" in err.message
+    assert "raise_local_class" in err.traceback_text
+
+
+def test_system_exit_in_a_call_is_a_remote_error_and_the_worker_survives(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    with pytest.raises(RemoteError) as info:
+        w.call(remote_tasks.system_exit, 3)
+    assert info.value.type_name == "SystemExit"
+    assert (w.pid, w.generation) == (pid, 1)
+
+
+def test_unpicklable_argument_raises_before_anything_is_sent(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    with pytest.raises(SerializationError, match="cannot be pickled"):
+        w.call("comfy_env_worker.tasks:echo", threading.Lock())
+    stats = w.stats()
+    assert (stats.spawns, stats.submitted) == (0, 0)  # nothing spawned, nothing submitted
+    assert isinstance(SerializationError("x"), TypeError)
+
+
+def test_unpicklable_result_is_a_remote_error_naming_the_type(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    with pytest.raises(TypeError, match="lock"):
+        w.call(remote_tasks.return_unpicklable)
+    assert w.call("remote_tasks:add", 1) == 1
+    assert w.generation == 1
+
+
+def test_missing_module_is_named(pool: comfy_env.Pool) -> None:
+    with pytest.raises(ModuleNotFoundError, match="no_such_module_xyz"):
+        pool.get_worker().call("no_such_module_xyz.sub:f")
+
+
+def test_missing_function_is_named(pool: comfy_env.Pool) -> None:
+    with pytest.raises(AttributeError, match="'nope'"):
+        pool.get_worker().call("remote_tasks:nope")
+
+
+@pytest.mark.parametrize("target", ["no_colon", ":f", "mod:", ""])
+def test_malformed_target_string_is_a_value_error(pool: comfy_env.Pool, target: str) -> None:
+    with pytest.raises(ValueError, match="module:function"):
+        pool.get_worker().call(target)
+
+
+def test_non_callable_target_is_a_type_error(pool: comfy_env.Pool) -> None:
+    with pytest.raises(TypeError, match="callable"):
+        pool.get_worker().call(42)  # type: ignore[arg-type]
+
+
+def test_large_argument_and_result_round_trip(pool: comfy_env.Pool) -> None:
+    import numpy as np
+
+    arr = np.arange(3_000_000, dtype=np.float32).reshape(1000, 3000)
+    out = pool.get_worker().call("comfy_env_worker.tasks:echo", arr)
+    assert out.dtype == arr.dtype and np.array_equal(out, arr)
+
+
+def test_argument_over_the_frame_limit_is_refused_in_the_caller(
+    config: comfy_env.PoolConfig,
+) -> None:
+    small = config.model_copy(update={"max_frame_bytes": 1024 * 1024})
+    with comfy_env.Pool(small) as pool:
+        w = pool.get_worker()
+        with pytest.raises(SerializationError, match="max_frame_bytes"):
+            w.call("comfy_env_worker.tasks:echo", b"x" * (2 * 1024 * 1024))
+        assert w.stats().spawns == 0
+
+
+def test_result_over_the_frame_limit_is_an_error_and_the_worker_survives(
+    config: comfy_env.PoolConfig,
+) -> None:
+    small = config.model_copy(update={"max_frame_bytes": 1024 * 1024})
+    with comfy_env.Pool(small) as pool:
+        w = pool.get_worker()
+        with pytest.raises(OverflowError, match="frame limit"):
+            w.call(bytes, 2 * 1024 * 1024)
+        assert w.call("remote_tasks:add", 1) == 1
+        assert w.generation == 1
+
+
+def test_remote_error_pickles() -> None:
+    err = RemoteError("mod.Err", "boom", "tb")
+    clone = pickle.loads(pickle.dumps(err))
+    assert (clone.type_name, clone.message, clone.traceback_text) == ("mod.Err", "boom", "tb")
+
+
+def test_default_pool_get_worker(default_pool_cleanup: None) -> None:
+    w = comfy_env.get_worker()
+    assert w.call("comfy_env_worker.tasks:echo", "hi") == "hi"
+    assert comfy_env.get_worker().env == w.env

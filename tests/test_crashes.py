@@ -1,0 +1,297 @@
+"""Death, replacement, timeouts and cancellation, with real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import remote_tasks
+
+import comfy_env
+from comfy_env import CallTimeout, ProtocolError, WorkerCrashed
+from comfy_env_worker.protocol import FrameReader, encode_header
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"pid {pid} still alive")
+
+
+def test_segfault_fails_that_call_with_the_full_story(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    with pytest.raises(WorkerCrashed) as info:
+        w.call("comfy_env_worker.tasks:crash")
+    err = info.value
+    assert (err.env, err.pid, err.generation) == (w.env, pid, 1)
+    assert (err.exitcode, err.signal) == (-signal.SIGSEGV, "SIGSEGV")
+    assert err.target == "comfy_env_worker.tasks:crash"
+    assert err.call_id is not None and err.call_id > 1
+    assert "SIGSEGV" in str(err) and "native library" in str(err)
+    # faulthandler's stack of the crashing Python frame reaches the caller.
+    assert "Fatal Python error: Segmentation fault" in err.stderr_tail
+    assert "in crash" in err.stderr_tail
+
+
+def test_next_call_after_a_crash_runs_on_the_next_generation(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    with pytest.raises(WorkerCrashed):
+        w.call("comfy_env_worker.tasks:crash")
+    first_pid = w.stats().workers[0].pid
+    assert w.call("remote_tasks:add", 1, 1) == 2
+    assert w.generation == 2
+    assert w.pid != first_pid
+    stats = w.stats()
+    assert (stats.crashed, stats.ok, stats.spawns) == (1, 1, 2)
+
+
+def test_the_call_that_killed_a_worker_is_never_replayed(
+    pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    marker = tmp_path / "runs"
+    with pytest.raises(WorkerCrashed):
+        pool.get_worker().call(remote_tasks.count_then_crash, str(marker))
+    assert marker.read_text() == "ran\n"
+
+
+@pytest.mark.parametrize("code", [0, 7])
+def test_os_exit_reports_the_exit_code(pool: comfy_env.Pool, code: int) -> None:
+    with pytest.raises(WorkerCrashed) as info:
+        pool.get_worker().call("comfy_env_worker.tasks:exit_now", code)
+    assert (info.value.exitcode, info.value.signal) == (code, None)
+    assert f"exited with code {code}" in str(info.value)
+
+
+def test_abort_is_reported_as_sigabrt(pool: comfy_env.Pool) -> None:
+    with pytest.raises(WorkerCrashed) as info:
+        pool.get_worker().call(os.abort)
+    assert info.value.signal == "SIGABRT"
+
+
+@pytest.mark.parametrize("wait_for_watcher", [True, False])
+def test_idle_death_is_invisible_to_the_next_call(
+    pool: comfy_env.Pool, wait_for_watcher: bool
+) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    if wait_for_watcher:
+        deadline = time.monotonic() + 5
+        while w.stats().state != "retired" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert w.stats().workers[0].retire_reason == "crashed"
+    assert w.call("remote_tasks:add", 2, 2) == 4
+    assert w.generation == 2
+    stats = w.stats()
+    assert (stats.crashed, stats.ok) == (0, 2)
+
+
+def test_a_complete_reply_written_before_death_is_delivered(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    assert w.call(remote_tasks.reply_then_die) == "late"
+    assert w.call("remote_tasks:add", 1) == 1
+    assert w.generation == 2
+
+
+def test_a_crash_does_not_disturb_another_env(pool: comfy_env.Pool, foreign_venv: Path) -> None:
+    here = pool.get_worker()
+    there = pool.get_worker(foreign_venv)
+    here.call("comfy_env_worker.tasks:echo", 0)
+    there.call("comfy_env_worker.tasks:echo", 0)
+    there_pid = there.pid
+    with pytest.raises(WorkerCrashed):
+        here.call("comfy_env_worker.tasks:crash")
+    assert there.call("comfy_env_worker.tasks:getpid") == there_pid
+    assert there.generation == 1
+
+
+def test_timeout_is_a_total_deadline_and_replaces_the_worker(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    with pytest.raises(CallTimeout) as info:
+        # Prints every 20 ms: a silence timeout would never fire.
+        w.run(remote_tasks.chatty_sleep, (30, 0.02), timeout=0.5)
+    err = info.value
+    assert isinstance(err, TimeoutError)
+    assert (err.pid, err.generation, err.env) == (pid, 1, w.env)
+    assert err.target == "remote_tasks:chatty_sleep"
+    assert pid is not None
+    _wait_gone(pid)
+    assert w.call("remote_tasks:add", 5) == 5
+    assert w.generation == 2
+    assert w.stats().timed_out == 1
+
+
+def test_timeout_escalates_to_sigkill_when_sigterm_is_ignored(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    assert pid is not None
+    with pytest.raises(CallTimeout):
+        w.run(remote_tasks.sleep_ignoring_sigterm, (30,), timeout=0.3)
+    _wait_gone(pid, timeout=5)
+    assert w.call("remote_tasks:add", 1) == 1
+
+
+def test_default_timeout_comes_from_the_config(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config.model_copy(update={"call_timeout": 0.3})) as pool:
+        with pytest.raises(CallTimeout):
+            pool.get_worker().call("comfy_env_worker.tasks:sleep", 30)
+
+
+def test_non_positive_timeout_is_refused(pool: comfy_env.Pool) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        pool.get_worker().run("comfy_env_worker.tasks:echo", (1,), timeout=0)
+
+
+def test_cancelling_acall_stops_and_replaces_the_worker(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    assert pid is not None
+
+    async def main() -> None:
+        task = asyncio.ensure_future(w.acall("comfy_env_worker.tasks:sleep", 30))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    _wait_gone(pid)
+    assert w.call("remote_tasks:add", 3) == 3
+    assert w.generation == 2
+    deadline = time.monotonic() + 5
+    while w.stats().cancelled != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.stats().cancelled == 1
+
+
+def test_keyboard_interrupt_while_waiting_stops_the_worker(pool: comfy_env.Pool) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread")
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    assert pid is not None
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            w.call("comfy_env_worker.tasks:sleep", 30)
+    finally:
+        timer.join()
+    _wait_gone(pid)
+    assert w.call("remote_tasks:add", 1) == 1
+    assert w.generation == 2
+    stats = w.stats()
+    assert (stats.cancelled, stats.in_flight) == (1, 0)
+
+
+def test_garbage_on_the_channel_is_a_protocol_error_that_retires_the_worker(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    with pytest.raises(ProtocolError, match="bad frame magic"):
+        w.call(remote_tasks.write_garbage)
+    assert w.call("remote_tasks:add", 1) == 1
+    assert w.generation == 2
+
+
+def test_an_oversized_frame_length_is_a_protocol_error(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        w.call(remote_tasks.write_oversized_header)
+    assert w.call("remote_tasks:add", 1) == 1
+    assert w.generation == 2
+
+
+def test_unknown_request_gets_an_error_reply_not_silence(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    process = w._entry.slots[0].process
+    assert process is not None and process.sock is not None
+    # White box: speak to the idle worker directly with a frame type it does not know.
+    process.sock.sendall(encode_header(99, 12345, 0))
+    reader = FrameReader(process.sock)
+    ftype, call_id, payload = reader.read(time.monotonic() + 5)
+    assert (ftype, call_id) == (10, 12345)  # FrameType.ERROR, same call id
+    assert b"does not accept frame type 99" in payload
+    assert w.call("remote_tasks:add", 1) == 1
+    assert w.generation == 1
+
+
+def test_worker_output_never_corrupts_the_channel(pool: comfy_env.Pool) -> None:
+    assert pool.get_worker().call(remote_tasks.noisy, 200) == 200
+
+
+def test_worker_output_reaches_host_logging(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    pool.get_worker().call(remote_tasks.noisy, 1)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        messages = [r.getMessage() for r in caplog.records]
+        if "print line 0" in messages and "stderr line 0" in messages:
+            break
+        time.sleep(0.01)
+    records = {r.getMessage(): r for r in caplog.records}
+    assert records["print line 0"].levelno == logging.INFO
+    assert records["stderr line 0"].levelno == logging.WARNING
+    assert records["print line 0"].name == "comfy_env.worker.current"
+
+
+def test_stale_events_are_counted(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    with pytest.raises(WorkerCrashed):
+        w.call("comfy_env_worker.tasks:crash")
+    # The reader's EOF and the exit watcher both report the death; one of them is stale.
+    deadline = time.monotonic() + 5
+    while w.stats().stale_events_dropped < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.stats().stale_events_dropped == 1
+
+
+def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
+    pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    extra = open(tmp_path / "held-open", "w")
+    other_a, other_b = socket.socketpair()
+    try:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        pid = w.pid
+        assert pid is not None
+        assert os.getsid(pid) == pid and os.getpgid(pid) == pid
+        fds = os.listdir(f"/proc/{pid}/fd")
+        targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds]
+        assert not any("held-open" in t for t in targets)
+        sockets = [t for t in targets if t.startswith("socket:")]
+        assert len(sockets) == 1, targets
+        assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
+    finally:
+        extra.close()
+        other_a.close()
+        other_b.close()

@@ -1,0 +1,260 @@
+"""Env resolution, foreign interpreters, start-up failures and configuration."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import other_python
+from pydantic import ValidationError
+
+import comfy_env
+from comfy_env import EnvError, SerializationError, WorkerStartError
+from comfy_env._envs import resolve_env
+
+
+def _script(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+# ---- resolution ---------------------------------------------------------------------------
+
+
+def test_none_is_the_current_interpreter() -> None:
+    spec = resolve_env(None)
+    assert spec.interpreter == sys.executable
+    assert spec.key == os.path.abspath(sys.prefix)
+    assert spec.is_current
+
+
+def test_missing_env_dir_is_an_env_error(tmp_path: Path) -> None:
+    with pytest.raises(EnvError, match="does not exist") as info:
+        comfy_env.Pool().get_worker(tmp_path / "nope")
+    assert info.value.tried == (str(tmp_path / "nope"),)
+
+
+def test_env_dir_without_interpreter_lists_the_paths_tried(tmp_path: Path) -> None:
+    with pytest.raises(EnvError) as info:
+        resolve_env(tmp_path)
+    err = info.value
+    assert str(tmp_path / "bin" / "python") in err.tried
+    assert str(tmp_path / ".pixi" / "envs" / "default" / "bin" / "python") in err.tried
+    for path in err.tried:
+        assert path in str(err)
+
+
+def test_non_executable_file_is_an_env_error(tmp_path: Path) -> None:
+    f = tmp_path / "python"
+    f.write_text("")
+    with pytest.raises(EnvError, match="neither an env directory nor an executable"):
+        resolve_env(f)
+
+
+def test_wrong_type_is_an_env_error() -> None:
+    with pytest.raises(EnvError, match="not int"):
+        resolve_env(3)  # type: ignore[arg-type]
+
+
+def test_venv_interpreter_path_is_kept_unresolved(foreign_venv: Path) -> None:
+    spec = resolve_env(foreign_venv)
+    assert spec.interpreter == str(foreign_venv / "bin" / "python")
+    assert spec.key == str(foreign_venv)
+    assert resolve_env(foreign_venv / "bin" / "python").key == str(foreign_venv)
+
+
+def test_pixi_layout_is_found(tmp_path: Path) -> None:
+    interp = tmp_path / ".pixi" / "envs" / "default" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.symlink_to(sys.executable)
+    spec = resolve_env(tmp_path)
+    assert (spec.key, spec.interpreter) == (str(tmp_path), str(interp))
+
+
+# ---- a real foreign env ------------------------------------------------------------------
+
+
+def test_foreign_venv_runs_calls_without_host_packages(
+    pool: comfy_env.Pool, foreign_venv: Path
+) -> None:
+    w = pool.get_worker(foreign_venv)
+    assert w.call("remote_tasks:prefix") == str(foreign_venv)
+    assert w.call("remote_tasks:executable") == str(foreign_venv / "bin" / "python")
+    # Installed in the host's env only: must not be importable in the worker.
+    assert pool.get_worker().call("remote_tasks:can_import", "pydantic")
+    assert not w.call("remote_tasks:can_import", "pydantic")
+    assert not w.call("remote_tasks:can_import", "psutil")
+    assert not w.call("remote_tasks:can_import", "comfy_env")
+    # By value works because the venv runs the host's Python version.
+    assert w.call(lambda: 6 * 7) == 42
+
+
+def test_host_pythonpath_does_not_leak_into_workers(
+    config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "leaky"))
+    monkeypatch.setenv("COMFY_TEST_MARKER", "visible")
+    with comfy_env.Pool(config.model_copy(update={"env_vars": {"EXTRA": "1"}})) as pool:
+        w = pool.get_worker()
+        assert w.call("remote_tasks:environ", "PYTHONPATH") is None
+        assert w.call("remote_tasks:environ", "COMFY_TEST_MARKER") == "visible"
+        assert w.call("remote_tasks:environ", "EXTRA") == "1"
+        path = w.call("remote_tasks:sys_path")
+        assert not any("leaky" in p for p in path)
+        assert path[0].startswith(comfy_env._process.runtime_root())
+
+
+def test_worker_cwd_comes_from_the_config(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
+    with comfy_env.Pool(config.model_copy(update={"cwd": str(tmp_path)})) as pool:
+        assert pool.get_worker().call(os.getcwd) == str(tmp_path)
+
+
+def test_oldest_supported_env_python_runs_the_worker(pool: comfy_env.Pool, tmp_path: Path) -> None:
+    py38 = other_python(8)
+    if py38 is None:
+        pytest.skip("no Python 3.8 on this machine")
+    env = tmp_path / "py38"
+    subprocess.run([py38, "-m", "venv", "--without-pip", str(env)], check=True)
+    w = pool.get_worker(env)
+    assert w.call("comfy_env_worker.tasks:info")["python"].startswith("3.8")
+    assert w.call("remote_tasks:add", 1, 2) == 3
+
+
+def test_by_value_function_to_another_python_is_refused_clearly(
+    pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    minor = 12 if sys.version_info[:2] != (3, 12) else 11
+    other = other_python(minor)
+    if other is None:
+        pytest.skip(f"no Python 3.{minor} on this machine")
+    env = tmp_path / "other"
+    subprocess.run([other, "-m", "venv", "--without-pip", str(env)], check=True)
+    w = pool.get_worker(env)
+    assert w.call("remote_tasks:add", 2, 3) == 5  # by reference works across versions
+    with pytest.raises(SerializationError, match="same Python version"):
+        w.call(lambda: 1)
+    assert w.generation == 1
+    assert w.stats().failed == 1
+
+
+# ---- start-up failures -------------------------------------------------------------------
+
+
+def test_interpreter_that_dies_at_start_is_reported_at_once_with_its_output(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    _script(tmp_path / "env" / "bin" / "python", "echo 'boom: cannot start' >&2\nexit 3\n")
+    with comfy_env.Pool(config.model_copy(update={"start_timeout": 60})) as pool:
+        w = pool.get_worker(tmp_path / "env")
+        started = time.monotonic()
+        with pytest.raises(WorkerStartError) as info:
+            w.call("comfy_env_worker.tasks:echo", 1)
+        elapsed = time.monotonic() - started
+    err = info.value
+    assert "exited with code 3 during start-up" in str(err)
+    assert "boom: cannot start" in err.stderr_tail
+    assert err.generation == 1
+    assert elapsed < 30, "start-up death must not wait for start_timeout"
+
+
+def test_interpreter_that_hangs_at_start_hits_the_start_timeout(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    _script(tmp_path / "env" / "bin" / "python", "exec sleep 30\n")
+    with comfy_env.Pool(config.model_copy(update={"start_timeout": 0.5})) as pool:
+        with pytest.raises(WorkerStartError, match="start_timeout"):
+            pool.get_worker(tmp_path / "env").call("comfy_env_worker.tasks:echo", 1)
+
+
+def test_unlaunchable_interpreter_is_a_start_error(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    interp = tmp_path / "env" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.write_bytes(b"\x7fELF garbage")
+    interp.chmod(0o755)
+    with comfy_env.Pool(config) as pool:
+        with pytest.raises(WorkerStartError, match="cannot launch"):
+            pool.get_worker(tmp_path / "env").call("comfy_env_worker.tasks:echo", 1)
+
+
+def test_worker_failing_its_canary_is_refused(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
+    # A launcher wrapper that runs the real worker with a tampered echo.
+    boot = (
+        "import sys;sys.path[0]=sys.argv[1];import comfy_env_worker.tasks as t;"
+        "t.echo=lambda v: 'tampered';from comfy_env_worker.main import main;main(sys.argv[2:])"
+    )
+    _script(
+        tmp_path / "env" / "bin" / "python",
+        f'shift 2\nexec "{sys.executable}" -c "{boot}" "$@"\n',
+    )
+    with comfy_env.Pool(config) as pool:
+        with pytest.raises(WorkerStartError, match="canary"):
+            pool.get_worker(tmp_path / "env").call("comfy_env_worker.tasks:echo", 1)
+
+
+def test_launcher_wrapper_is_supported_and_reports_the_real_pid(
+    pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    # Like `pixi run python`: a shell that stays alive as the parent of the interpreter.
+    _script(tmp_path / "env" / "bin" / "python", f'"{sys.executable}" "$@"\n')
+    w = pool.get_worker(tmp_path / "env")
+    pid = w.call("comfy_env_worker.tasks:getpid")
+    assert w.pid == pid
+    popen = w._entry.slots[0].process.popen  # type: ignore[union-attr]
+    assert popen is not None and popen.pid != pid  # the host holds the wrapper
+
+
+# ---- configuration -----------------------------------------------------------------------
+
+
+def test_config_reads_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMFY_ENV_CALL_TIMEOUT", "2.5")
+    monkeypatch.setenv("COMFY_ENV_MAX_WORKERS_PER_ENV", "3")
+    monkeypatch.setenv("COMFY_ENV_SYS_PATH", os.pathsep.join(["/a", "/b"]))
+    monkeypatch.setenv("COMFY_ENV_ENV_VARS", '{"K": "V"}')
+    cfg = comfy_env.PoolConfig()
+    assert cfg.call_timeout == 2.5
+    assert cfg.max_workers_per_env == 3
+    assert cfg.sys_path == ("/a", "/b")
+    assert cfg.env_vars == {"K": "V"}
+    assert comfy_env.PoolConfig(call_timeout=9).call_timeout == 9  # explicit wins
+
+
+def test_config_none_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMFY_ENV_CALL_TIMEOUT", "none")
+    assert comfy_env.PoolConfig().call_timeout is None
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "needle"),
+    [
+        ("COMFY_ENV_CALL_TIMEOUT", "soon", "COMFY_ENV_CALL_TIMEOUT"),
+        ("COMFY_ENV_MAX_WORKERS_PER_ENV", "0", "max_workers_per_env"),
+        ("COMFY_ENV_ENV_VARS", "{not json", "COMFY_ENV_ENV_VARS"),
+        ("COMFY_ENV_LOG_LEVEL", "LOUD", "log_level"),
+    ],
+)
+def test_bad_environment_values_name_the_problem(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError, match=needle):
+        comfy_env.PoolConfig()
+
+
+def test_unknown_config_field_is_refused() -> None:
+    with pytest.raises(ValidationError, match="no_such_field"):
+        comfy_env.PoolConfig(no_such_field=1)  # type: ignore[call-arg]
+
+
+def test_config_is_immutable() -> None:
+    with pytest.raises(ValidationError):
+        comfy_env.PoolConfig().call_timeout = 3  # type: ignore[misc]

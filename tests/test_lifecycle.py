@@ -1,0 +1,514 @@
+"""Table tests for the worker lifecycle (``comfy_env._lifecycle``): no process, no clock.
+
+What this file proves:
+
+* ``EXPECTED`` is an explicit, auditable table of the outcome of ``step`` for every
+  (state, event class) pair -- the never-used slot (``None``), ``Starting``, ``Idle``,
+  ``InCall`` and ``Retired`` against every member of the ``Event`` union -- each with the
+  event's generation equal to, older than, and newer than the state's.  The outcome is the
+  exact next state (generation, pid, ``idle_since`` ...), the exact effects (``KillWorker``
+  with its generation and ``graceful`` flag) or the exact ``Dropped`` reason.
+* The table is complete: a test fails if an event class (or state class) is added to the
+  module without a table row.
+* Named promises of the module's docstring are tested one by one (``Retired`` is terminal,
+  stale generations change nothing, observations carry what they observed, start-up failures
+  are reported as such, ``SpawnBegan`` needs a newer generation, ``step`` is pure).
+* The "one writer" rule: the only code in the package that assigns a slot's ``state`` is the
+  gate ``_EnvEntry.apply_locked`` in ``comfy_env/_pool.py`` (plus ``_Slot.__init__`` setting
+  the initial ``None``).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple, get_args
+
+import pytest
+
+from comfy_env import _lifecycle as lc
+from comfy_env._lifecycle import RetireReason as R
+
+# ---- fixed values of the representative states and events ----------------------------------
+
+G = 7  # the generation of every representative state
+PID = 4242  # the pid the Idle / InCall / Retired states carry
+IDLE_SINCE = 100.0  # Idle's idle_since
+CALL_ID = 3  # InCall's call id
+STARTED_AT = 200.0  # InCall's started_at
+AT = 300.0  # the timestamp every event with an ``at`` carries
+HELLO_PID = 5151  # the pid HandshakeOk reports (differs from PID so the table shows its source)
+NEXT_CALL_ID = 4  # the call id CallStarted carries
+
+STATES: dict[str, lc.State | None] = {
+    "None": None,
+    "Starting": lc.Starting(G),
+    "Idle": lc.Idle(G, PID, IDLE_SINCE),
+    "InCall": lc.InCall(G, PID, CALL_ID, STARTED_AT),
+    "Retired": lc.Retired(G, R.CRASHED, PID),
+}
+
+# How each event class is built for a given generation. Observations match the representative
+# states: Replied / DeadlineHit / CallCancelled name InCall's call id, IdleExpired names Idle's
+# idle_since. Mismatching observations are tested separately below.
+EVENT_FACTORIES: dict[type, Callable[[int], lc.Event]] = {
+    lc.SpawnBegan: lambda g: lc.SpawnBegan(g),
+    lc.HandshakeOk: lambda g: lc.HandshakeOk(g, pid=HELLO_PID, at=AT),
+    lc.StartFailed: lambda g: lc.StartFailed(g),
+    lc.CallStarted: lambda g: lc.CallStarted(g, call_id=NEXT_CALL_ID, at=AT),
+    lc.Replied: lambda g: lc.Replied(g, call_id=CALL_ID, at=AT),
+    lc.Exited: lambda g: lc.Exited(g, returncode=-9),
+    lc.ChannelClosed: lambda g: lc.ChannelClosed(g),
+    lc.DeadlineHit: lambda g: lc.DeadlineHit(g, call_id=CALL_ID),
+    lc.CallCancelled: lambda g: lc.CallCancelled(g, call_id=CALL_ID),
+    lc.ProtocolViolated: lambda g: lc.ProtocolViolated(g),
+    lc.CloseRequested: lambda g: lc.CloseRequested(g),
+    lc.IdleExpired: lambda g: lc.IdleExpired(g, idle_since=IDLE_SINCE),
+}
+EVENT_CLASSES: tuple[type, ...] = get_args(lc.Event)
+
+# The event's generation relative to the state's (``None`` has no generation: G is used).
+GENERATIONS: dict[str, int] = {"same": G, "older": G - 1, "newer": G + 1}
+
+
+def make_event(cls: type, generation: int) -> lc.Event:
+    return EVENT_FACTORIES[cls](generation)
+
+
+# ---- the expected outcomes ------------------------------------------------------------------
+
+Outcome = lc.Transition | lc.Dropped
+
+STALE = lc.Dropped(lc.STALE)
+OUTDATED = lc.Dropped(lc.OUTDATED)
+TERMINAL = lc.Dropped(lc.TERMINAL)
+N_A = lc.Dropped(lc.NOT_APPLICABLE)
+NO_WORKER = lc.Dropped(lc.NO_WORKER)
+
+
+class Row(NamedTuple):
+    """The outcome with the event's generation equal to, older and newer than the state's."""
+
+    same: Outcome
+    older: Outcome
+    newer: Outcome
+
+
+def to(state: lc.State) -> lc.Transition:
+    """A transition without effects."""
+    return lc.Transition(state)
+
+
+def retire(reason: lc.RetireReason, graceful: bool, pid: int | None = PID) -> lc.Transition:
+    """Retire generation G and kill its process."""
+    return lc.Transition(lc.Retired(G, reason, pid), (lc.KillWorker(G, graceful=graceful),))
+
+
+def current(outcome: Outcome) -> Row:
+    """``outcome`` for the slot's own generation; any other generation is stale."""
+    return Row(same=outcome, older=STALE, newer=STALE)
+
+
+EMPTY = Row(NO_WORKER, NO_WORKER, NO_WORKER)
+SPAWN_ON_LIVE = Row(same=STALE, older=STALE, newer=N_A)  # a live worker occupies the slot
+GONE = current(TERMINAL)  # Retired, for every event but SpawnBegan
+
+EXPECTED: dict[tuple[str, type], Row] = {
+    # -- never-used slot: only SpawnBegan (of any generation) applies.
+    ("None", lc.SpawnBegan): Row(
+        to(lc.Starting(G)), to(lc.Starting(G - 1)), to(lc.Starting(G + 1))
+    ),
+    ("None", lc.HandshakeOk): EMPTY,
+    ("None", lc.StartFailed): EMPTY,
+    ("None", lc.CallStarted): EMPTY,
+    ("None", lc.Replied): EMPTY,
+    ("None", lc.Exited): EMPTY,
+    ("None", lc.ChannelClosed): EMPTY,
+    ("None", lc.DeadlineHit): EMPTY,
+    ("None", lc.CallCancelled): EMPTY,
+    ("None", lc.ProtocolViolated): EMPTY,
+    ("None", lc.CloseRequested): EMPTY,
+    ("None", lc.IdleExpired): EMPTY,
+    # -- Starting(G): whatever ends a start-up (but a close) is a failed start; no pid yet.
+    ("Starting", lc.SpawnBegan): SPAWN_ON_LIVE,
+    ("Starting", lc.HandshakeOk): current(to(lc.Idle(G, HELLO_PID, AT))),
+    ("Starting", lc.StartFailed): current(retire(R.START_FAILED, graceful=False, pid=None)),
+    ("Starting", lc.CallStarted): current(N_A),
+    ("Starting", lc.Replied): current(N_A),
+    ("Starting", lc.Exited): current(retire(R.START_FAILED, graceful=False, pid=None)),
+    ("Starting", lc.ChannelClosed): current(retire(R.START_FAILED, graceful=False, pid=None)),
+    ("Starting", lc.DeadlineHit): current(N_A),
+    ("Starting", lc.CallCancelled): current(N_A),
+    ("Starting", lc.ProtocolViolated): current(retire(R.START_FAILED, graceful=False, pid=None)),
+    ("Starting", lc.CloseRequested): current(retire(R.CLOSED, graceful=True, pid=None)),
+    ("Starting", lc.IdleExpired): current(N_A),
+    # -- Idle(G, PID, IDLE_SINCE)
+    ("Idle", lc.SpawnBegan): SPAWN_ON_LIVE,
+    ("Idle", lc.HandshakeOk): current(N_A),
+    ("Idle", lc.StartFailed): current(N_A),
+    ("Idle", lc.CallStarted): current(to(lc.InCall(G, PID, NEXT_CALL_ID, AT))),
+    ("Idle", lc.Replied): current(N_A),
+    ("Idle", lc.Exited): current(retire(R.CRASHED, graceful=False)),
+    ("Idle", lc.ChannelClosed): current(retire(R.CRASHED, graceful=False)),
+    ("Idle", lc.DeadlineHit): current(N_A),
+    ("Idle", lc.CallCancelled): current(N_A),
+    ("Idle", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, graceful=False)),
+    ("Idle", lc.CloseRequested): current(retire(R.CLOSED, graceful=True)),
+    ("Idle", lc.IdleExpired): current(retire(R.IDLE, graceful=True)),
+    # -- InCall(G, PID, CALL_ID, STARTED_AT)
+    ("InCall", lc.SpawnBegan): SPAWN_ON_LIVE,
+    ("InCall", lc.HandshakeOk): current(N_A),
+    ("InCall", lc.StartFailed): current(N_A),
+    ("InCall", lc.CallStarted): current(N_A),
+    ("InCall", lc.Replied): current(to(lc.Idle(G, PID, AT))),
+    ("InCall", lc.Exited): current(retire(R.CRASHED, graceful=False)),
+    ("InCall", lc.ChannelClosed): current(retire(R.CRASHED, graceful=False)),
+    ("InCall", lc.DeadlineHit): current(retire(R.TIMEOUT, graceful=True)),
+    ("InCall", lc.CallCancelled): current(retire(R.CANCELLED, graceful=False)),
+    ("InCall", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, graceful=False)),
+    ("InCall", lc.CloseRequested): current(retire(R.CLOSED, graceful=True)),
+    ("InCall", lc.IdleExpired): current(N_A),
+    # -- Retired(G, CRASHED, PID): terminal; only a newer generation's SpawnBegan moves on.
+    ("Retired", lc.SpawnBegan): Row(same=STALE, older=STALE, newer=to(lc.Starting(G + 1))),
+    ("Retired", lc.HandshakeOk): GONE,
+    ("Retired", lc.StartFailed): GONE,
+    ("Retired", lc.CallStarted): GONE,
+    ("Retired", lc.Replied): GONE,
+    ("Retired", lc.Exited): GONE,
+    ("Retired", lc.ChannelClosed): GONE,
+    ("Retired", lc.DeadlineHit): GONE,
+    ("Retired", lc.CallCancelled): GONE,
+    ("Retired", lc.ProtocolViolated): GONE,
+    ("Retired", lc.CloseRequested): GONE,
+    ("Retired", lc.IdleExpired): GONE,
+}
+
+# Which retiring events kill gracefully (SIGTERM, then SIGKILL) and which at once.
+GRACEFUL_KILL: dict[type, bool] = {
+    lc.DeadlineHit: True,
+    lc.CloseRequested: True,
+    lc.IdleExpired: True,
+    lc.Exited: False,
+    lc.ChannelClosed: False,
+    lc.ProtocolViolated: False,
+    lc.CallCancelled: False,
+    lc.StartFailed: False,
+}
+
+LIVE = ("Starting", "Idle", "InCall")
+
+
+def _table_cases() -> Iterator[object]:
+    """Every table row, at every generation."""
+    for (state_name, cls), row in EXPECTED.items():
+        for relation, generation in GENERATIONS.items():
+            yield pytest.param(
+                STATES[state_name],
+                make_event(cls, generation),
+                getattr(row, relation),
+                id=f"{state_name}-{cls.__name__}-{relation}",
+            )
+
+
+def _all_pairs() -> Iterator[object]:
+    """Every representative state against every event class, at every generation.
+
+    A class without a factory is left out here so that collection still succeeds and
+    ``test_table_covers_every_state_and_event`` reports it by name."""
+    for state_name, state in STATES.items():
+        for cls in (c for c in EVENT_CLASSES if c in EVENT_FACTORIES):
+            for relation, generation in GENERATIONS.items():
+                yield pytest.param(
+                    state,
+                    make_event(cls, generation),
+                    id=f"{state_name}-{cls.__name__}-{relation}",
+                )
+
+
+TABLE_CASES = list(_table_cases())
+ALL_PAIRS = list(_all_pairs())
+
+
+def name_of(cls: type) -> str:
+    return cls.__name__
+
+
+# ---- the table --------------------------------------------------------------------------------
+
+
+def test_table_covers_every_state_and_event() -> None:
+    assert set(EVENT_FACTORIES) == set(EVENT_CLASSES), "every Event needs a factory"
+    state_classes = {type(s) for s in STATES.values() if s is not None}
+    assert state_classes == set(get_args(lc.State)), "every State needs a representative"
+    assert None in STATES.values(), "the never-used slot needs a representative"
+    expected_keys = {(name, cls) for name in STATES for cls in EVENT_CLASSES}
+    missing = expected_keys - set(EXPECTED)
+    extra = set(EXPECTED) - expected_keys
+    assert not missing, f"no table row for {sorted((n, c.__name__) for n, c in missing)}"
+    assert not extra, f"rows for unknown pairs {sorted((n, c.__name__) for n, c in extra)}"
+
+
+@pytest.mark.parametrize(("state", "event", "expected"), TABLE_CASES)
+def test_step_matches_the_table(state: lc.State | None, event: lc.Event, expected: Outcome) -> None:
+    assert lc.step(state, event) == expected
+
+
+# ---- named promises ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reason", list(R), ids=lambda r: r.name)
+@pytest.mark.parametrize("pid", [None, PID], ids=["no-pid", "pid"])
+@pytest.mark.parametrize("cls", [c for c in EVENT_CLASSES if c is not lc.SpawnBegan], ids=name_of)
+def test_retired_is_terminal_for_every_event(
+    cls: type, pid: int | None, reason: lc.RetireReason
+) -> None:
+    retired = lc.Retired(G, reason, pid)
+    assert lc.step(retired, make_event(cls, G)) == TERMINAL
+    for generation in (G - 1, G + 1, 0):
+        assert lc.step(retired, make_event(cls, generation)) == STALE
+    # Only a newer generation's SpawnBegan moves the slot on, to a fresh Starting.
+    assert lc.step(retired, lc.SpawnBegan(G)) == STALE
+    assert lc.step(retired, lc.SpawnBegan(G + 1)) == to(lc.Starting(G + 1))
+
+
+@pytest.mark.parametrize("generation", [0, G - 1, G + 1, G + 1000], ids=lambda g: f"gen{g}")
+@pytest.mark.parametrize("cls", [c for c in EVENT_CLASSES if c is not lc.SpawnBegan], ids=name_of)
+@pytest.mark.parametrize("state_name", [*LIVE, "Retired"])
+def test_stale_generation_events_change_nothing(
+    state_name: str, cls: type, generation: int
+) -> None:
+    state = STATES[state_name]
+    assert lc.step(state, make_event(cls, generation)) == STALE
+
+
+def test_idle_expired_with_an_old_idle_since_is_dropped() -> None:
+    # The reaper observed the worker idle since IDLE_SINCE, then a call ran and replied.
+    idle = lc.Idle(G, PID, IDLE_SINCE)
+    seen_by_reaper = lc.IdleExpired(G, idle_since=IDLE_SINCE)
+    in_call = lc.step(idle, lc.CallStarted(G, call_id=NEXT_CALL_ID, at=150.0))
+    assert isinstance(in_call, lc.Transition)
+    assert lc.step(in_call.state, seen_by_reaper) == N_A  # busy: not idle at all
+    idle_again = lc.step(in_call.state, lc.Replied(G, call_id=NEXT_CALL_ID, at=160.0))
+    assert idle_again == to(lc.Idle(G, PID, 160.0))
+    assert isinstance(idle_again, lc.Transition)
+    # The late decision must not retire the worker that has just been used.
+    assert lc.step(idle_again.state, seen_by_reaper) == OUTDATED
+    # A decision based on the current idle_since does.
+    assert lc.step(idle_again.state, lc.IdleExpired(G, idle_since=160.0)) == lc.Transition(
+        lc.Retired(G, R.IDLE, PID), (lc.KillWorker(G, graceful=True),)
+    )
+
+
+@pytest.mark.parametrize("observed", [IDLE_SINCE - 1, IDLE_SINCE + 1, 0.0])
+def test_idle_expired_needs_the_current_idle_since(observed: float) -> None:
+    assert lc.step(STATES["Idle"], lc.IdleExpired(G, idle_since=observed)) == OUTDATED
+
+
+@pytest.mark.parametrize("other_call", [CALL_ID - 1, CALL_ID + 1, 0], ids=lambda c: f"call{c}")
+def test_replied_for_another_call_id_is_dropped(other_call: int) -> None:
+    assert lc.step(STATES["InCall"], lc.Replied(G, call_id=other_call, at=AT)) == OUTDATED
+
+
+@pytest.mark.parametrize(
+    "event",
+    [lc.DeadlineHit(G, call_id=CALL_ID + 1), lc.CallCancelled(G, call_id=CALL_ID + 1)],
+    ids=lambda e: type(e).__name__,
+)
+def test_deadline_and_cancel_for_another_call_id_are_dropped(event: lc.Event) -> None:
+    assert lc.step(STATES["InCall"], event) == OUTDATED
+
+
+@pytest.mark.parametrize(
+    "event",
+    [lc.Exited(G, returncode=1), lc.ChannelClosed(G), lc.ProtocolViolated(G), lc.StartFailed(G)],
+    ids=lambda e: type(e).__name__,
+)
+def test_start_failures_report_start_failed_reason(event: lc.Event) -> None:
+    assert lc.step(lc.Starting(G), event) == lc.Transition(
+        lc.Retired(G, R.START_FAILED, None), (lc.KillWorker(G, graceful=False),)
+    )
+
+
+def test_close_while_starting_is_a_close_not_a_failed_start() -> None:
+    assert lc.step(lc.Starting(G), lc.CloseRequested(G)) == lc.Transition(
+        lc.Retired(G, R.CLOSED, None), (lc.KillWorker(G, graceful=True),)
+    )
+
+
+@pytest.mark.parametrize("returncode", [0, 1, -9, None], ids=lambda r: f"rc={r}")
+@pytest.mark.parametrize("state_name", ["Idle", "InCall"])
+def test_any_exit_of_a_started_worker_is_a_crash(state_name: str, returncode: int | None) -> None:
+    assert lc.step(STATES[state_name], lc.Exited(G, returncode)) == retire(R.CRASHED, False)
+
+
+def test_spawn_began_needs_a_newer_generation() -> None:
+    # From a never-used slot, any generation starts.
+    for generation in (0, 1, G):
+        assert lc.step(None, lc.SpawnBegan(generation)) == to(lc.Starting(generation))
+    # From Retired(G), only a newer generation.
+    for reason in R:
+        retired = lc.Retired(G, reason, PID)
+        assert lc.step(retired, lc.SpawnBegan(G + 1)) == to(lc.Starting(G + 1))
+        assert lc.step(retired, lc.SpawnBegan(G + 5)) == to(lc.Starting(G + 5))
+        for generation in (G, G - 1, 0):
+            assert lc.step(retired, lc.SpawnBegan(generation)) == STALE
+    # A live worker occupies the slot: a newer generation may not take it over.
+    for name in LIVE:
+        assert lc.step(STATES[name], lc.SpawnBegan(G + 1)) == N_A
+        assert lc.step(STATES[name], lc.SpawnBegan(G)) == STALE
+        assert lc.step(STATES[name], lc.SpawnBegan(G - 1)) == STALE
+
+
+@pytest.mark.parametrize(("state", "event"), ALL_PAIRS)
+def test_effects_are_a_kill_exactly_when_retiring(state: lc.State | None, event: lc.Event) -> None:
+    result = lc.step(state, event)
+    if not isinstance(result, lc.Transition):
+        return
+    if isinstance(result.state, lc.Retired):
+        assert state is not None and not isinstance(state, lc.Retired)
+        assert result.state.generation == state.generation == event.generation
+        assert result.effects == (lc.KillWorker(state.generation, GRACEFUL_KILL[type(event)]),)
+        expected_pid = None if isinstance(state, lc.Starting) else state.pid
+        assert result.state.pid == expected_pid
+    else:
+        assert result.effects == ()
+        assert result.state.generation == event.generation
+
+
+def test_every_killing_event_retires_from_some_state() -> None:
+    retiring = {
+        cls
+        for (name, cls), row in EXPECTED.items()
+        if isinstance(row.same, lc.Transition) and isinstance(row.same.state, lc.Retired)
+    }
+    assert retiring == set(GRACEFUL_KILL)
+
+
+@pytest.mark.parametrize(("state", "event"), ALL_PAIRS)
+def test_step_is_pure(state: lc.State | None, event: lc.Event) -> None:
+    state_before, event_before = copy.deepcopy(state), copy.deepcopy(event)
+    first = lc.step(state, event)
+    second = lc.step(state, event)
+    assert first == second
+    assert state == state_before and event == event_before
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        *(s for s in STATES.values() if s is not None),
+        *(factory(G) for factory in EVENT_FACTORIES.values()),
+        lc.KillWorker(G, graceful=True),
+        lc.Transition(lc.Starting(G)),
+        STALE,
+    ],
+    ids=lambda v: type(v).__name__,
+)
+def test_values_are_frozen(value: object) -> None:
+    field = dataclasses.fields(value)[0].name  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(value, field, None)
+
+
+def test_a_whole_lifetime() -> None:
+    events: list[lc.Event] = [
+        lc.SpawnBegan(1),
+        lc.HandshakeOk(1, pid=PID, at=1.0),
+        lc.CallStarted(1, call_id=1, at=2.0),
+        lc.Replied(1, call_id=1, at=3.0),
+        lc.IdleExpired(1, idle_since=3.0),
+        lc.Exited(1, returncode=-15),  # the exit of the reaped worker arrives late
+        lc.SpawnBegan(2),
+    ]
+    states: list[lc.State | None] = [None]
+    for event in events:
+        result = lc.step(states[-1], event)
+        states.append(result.state if isinstance(result, lc.Transition) else states[-1])
+    assert states[1:] == [
+        lc.Starting(1),
+        lc.Idle(1, PID, 1.0),
+        lc.InCall(1, PID, 1, 2.0),
+        lc.Idle(1, PID, 3.0),
+        lc.Retired(1, R.IDLE, PID),
+        lc.Retired(1, R.IDLE, PID),
+        lc.Starting(2),
+    ]
+
+
+# ---- the one-writer rule ----------------------------------------------------------------------
+
+PACKAGE = Path(lc.__file__).resolve().parent
+STATE_WRITE = re.compile(r"\.state\s*(?::[^=\n]+)?(?:[-+*/|&^%@]|//|<<|>>|\*\*)?=(?!=)")
+
+
+def _state_writes() -> list[tuple[str, str, ast.AST]]:
+    """(file name, enclosing function qualname, assignment node) of every ``x.state = ...``."""
+    found: list[tuple[str, str, ast.AST]] = []
+
+    def targets(node: ast.AST) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            return node.targets
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            return [node.target]
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            return [node.target]
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            return [i.optional_vars for i in node.items if i.optional_vars is not None]
+        return []
+
+    def writes_state(target: ast.expr) -> bool:
+        return any(
+            isinstance(n, ast.Attribute) and n.attr == "state" and isinstance(n.ctx, ast.Store)
+            for n in ast.walk(target)
+        )
+
+    def visit(node: ast.AST, scope: str, file: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = scope
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{scope}.{child.name}" if scope else child.name
+            if any(writes_state(t) for t in targets(child)):
+                found.append((file, inner, child))
+            visit(child, inner, file)
+
+    for path in sorted(PACKAGE.glob("*.py")):
+        visit(ast.parse(path.read_text(encoding="utf-8")), "", path.name)
+    return found
+
+
+def test_only_the_gate_assigns_a_slot_state_by_regex() -> None:
+    hits = [
+        (path.name, line.strip())
+        for path in sorted(PACKAGE.glob("*.py"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if STATE_WRITE.search(line)
+    ]
+    assert sorted(hits) == [
+        ("_pool.py", "self.state: lc.State | None = None"),  # _Slot.__init__: the initial value
+        ("_pool.py", "slot.state = result.state"),  # _EnvEntry.apply_locked: the gate
+    ]
+
+
+def test_only_the_gate_assigns_a_slot_state_by_ast() -> None:
+    writes = _state_writes()
+    where = sorted((file, scope) for file, scope, _ in writes)
+    assert where == [("_pool.py", "_EnvEntry.apply_locked"), ("_pool.py", "_Slot.__init__")]
+    for _, scope, node in writes:
+        if scope == "_Slot.__init__":
+            # The initial value only: a never-used slot.
+            assert isinstance(node, ast.AnnAssign)
+            assert isinstance(node.value, ast.Constant) and node.value.value is None
+        else:
+            # The gate stores what ``step`` returned, and nothing else.
+            assert isinstance(node, ast.Assign)
+            assert ast.unparse(node) == "slot.state = result.state"
+
+
+def test_no_state_write_through_setattr() -> None:
+    pattern = re.compile(r"setattr\([^)]*[\"']state[\"']")
+    for path in sorted(PACKAGE.glob("*.py")):
+        assert not pattern.search(path.read_text(encoding="utf-8")), path.name

@@ -1,0 +1,338 @@
+"""Concurrency, queueing, stats, shutdown and process-exit behaviour of the pool."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import TESTS_DIR
+
+import comfy_env
+from comfy_env import PoolClosedError, WorkerCrashed
+from comfy_env._process import runtime_root
+
+_OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
+
+
+def _invariant_holds(stats: comfy_env.EnvStats) -> bool:
+    total = sum(getattr(stats, f) for f in _OUTCOMES) + stats.in_flight + stats.queued
+    return stats.submitted == total
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_concurrent_first_calls_spawn_the_env_once(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    barrier = threading.Barrier(8)
+    results: list[int] = []
+
+    def call() -> None:
+        barrier.wait()
+        results.append(w.call("comfy_env_worker.tasks:getpid"))
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1
+    assert w.stats().spawns == 1
+
+
+def test_callers_of_a_busy_env_are_served_in_fifo_order(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    order: list[int] = []
+    blocker = threading.Thread(target=w.call, args=("comfy_env_worker.tasks:sleep", 0.5))
+    blocker.start()
+    assert _wait(lambda: w.stats().in_flight == 1)
+    threads = []
+    for i in range(5):
+        t = threading.Thread(target=lambda i=i: order.append(w.call("remote_tasks:add", i)))
+        t.start()
+        threads.append(t)
+        assert _wait(lambda n=i + 1: w.stats().queued == n)
+    blocker.join()
+    for t in threads:
+        t.join()
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_max_workers_per_env_runs_calls_in_parallel(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config.model_copy(update={"max_workers_per_env": 2})) as pool:
+        w = pool.get_worker()
+        pids: list[int] = []
+        barrier = threading.Barrier(2)
+
+        def call() -> None:
+            barrier.wait()
+            pids.append(w.call(_sleep_then_pid, 0.3))
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = w.stats()
+        assert len(set(pids)) == 2
+        assert stats.spawns == 2
+        assert {ws.generation for ws in stats.workers} == {1, 2}
+        assert all(ws.state == "idle" for ws in stats.workers)
+
+
+def _sleep_then_pid(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_stats_invariant_holds_under_concurrent_calls_and_crashes(
+    config: comfy_env.PoolConfig, foreign_venv: Path
+) -> None:
+    with comfy_env.Pool(config.model_copy(update={"max_workers_per_env": 2})) as pool:
+        workers = [pool.get_worker(), pool.get_worker(foreign_venv)]
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        samples: list[bool] = []
+
+        def hammer(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(25):
+                w = rng.choice(workers)
+                try:
+                    roll = rng.random()
+                    if roll < 0.1:
+                        w.call("comfy_env_worker.tasks:crash")
+                    elif roll < 0.2:
+                        w.call(int, "not a number")
+                    elif roll < 0.25:
+                        w.run("comfy_env_worker.tasks:sleep", (5,), timeout=0.05)
+                    else:
+                        assert w.call("remote_tasks:add", seed, 1) == seed + 1
+                except (WorkerCrashed, ValueError, comfy_env.CallTimeout):
+                    pass
+                except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+                    errors.append(exc)
+
+        def sample() -> None:
+            while not stop.is_set():
+                samples.extend(_invariant_holds(s) for s in pool.stats().values())
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        sampler.join()
+        assert not errors, errors
+        assert samples and all(samples)
+        for stats in pool.stats().values():
+            assert _invariant_holds(stats)
+            assert stats.in_flight == 0 and stats.queued == 0
+        total = sum(s.submitted for s in pool.stats().values())
+        assert total == 6 * 25
+
+
+def test_close_stops_every_worker_and_later_calls_raise(config: comfy_env.PoolConfig) -> None:
+    pool = comfy_env.Pool(config.model_copy(update={"max_workers_per_env": 2}))
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    assert pid is not None
+    pool.close()
+    assert not _alive(pid)
+    with pytest.raises(PoolClosedError):
+        w.call("comfy_env_worker.tasks:echo", 1)
+    with pytest.raises(PoolClosedError):
+        pool.get_worker()
+    pool.close()  # idempotent
+
+
+def test_close_fails_running_and_queued_calls_with_pool_closed(
+    config: comfy_env.PoolConfig,
+) -> None:
+    pool = comfy_env.Pool(config)
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            w.call("comfy_env_worker.tasks:sleep", 30)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert _wait(lambda: w.stats().in_flight == 1 and w.stats().queued == 2)
+    started = time.monotonic()
+    pool.close()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - started < 10
+    assert len(errors) == 3
+    assert all(isinstance(e, PoolClosedError) for e in errors), errors
+    stats = w.stats()
+    assert _invariant_holds(stats) and stats.failed == 3
+
+
+def test_close_stops_workers_in_parallel(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
+    envs = []
+    for i in range(4):
+        env = tmp_path / f"env{i}" / "bin"
+        env.mkdir(parents=True)
+        (env / "python").symlink_to(sys.executable)
+        envs.append(tmp_path / f"env{i}")
+    pool = comfy_env.Pool(config.model_copy(update={"kill_grace": 1.0, "close_timeout": 5}))
+    workers = [pool.get_worker(e) for e in envs]
+    for w in workers:
+        w.call("comfy_env_worker.tasks:echo", 0)
+    outcomes: list[BaseException] = []
+
+    def call(w: comfy_env.Worker) -> None:
+        try:
+            w.call("remote_tasks:sleep_ignoring_sigterm", 30)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=call, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    assert _wait(lambda: all(w.stats().in_flight == 1 for w in workers))
+    started = time.monotonic()
+    pool.close()
+    elapsed = time.monotonic() - started
+    for t in threads:
+        t.join()
+    # Each worker ignores SIGTERM and needs the 1 s escalation; one after another takes 4 s.
+    assert elapsed < 3.0, elapsed
+    assert len(outcomes) == 4 and all(isinstance(e, PoolClosedError) for e in outcomes)
+
+
+def _run_host(code: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_interpreter_exit_stops_workers_and_removes_the_runtime_dir() -> None:
+    host = _run_host(
+        """
+        import comfy_env, os
+        w = comfy_env.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 1)
+        print(w.pid, flush=True)
+        # no close(): interpreter exit must clean up
+        """
+    )
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    pid = int(out.split()[0])
+    assert _wait(lambda: not _alive(pid), 5)
+    leftovers = [d for d in os.listdir(runtime_root()) if d.startswith(f"host-{host.pid}-")]
+    assert leftovers == []
+    assert "resource_tracker" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "os._exit"])
+def test_workers_die_within_two_seconds_of_their_host(how: str) -> None:
+    host = _run_host(
+        """
+        import comfy_env, os, signal, sys, time
+        w = comfy_env.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 1)
+        print(w.pid, flush=True)
+        if sys.argv[1] == "os._exit":
+            os._exit(0)
+        time.sleep(60)
+        """,
+        how,
+    )
+    assert host.stdout is not None
+    pid = int(host.stdout.readline())
+    if how != "os._exit":
+        host.send_signal(getattr(signal, how))
+    host.wait(30)
+    assert _wait(lambda: not _alive(pid), 2.0), f"worker {pid} outlived its host ({how})"
+    host.communicate()
+
+
+def test_workers_survive_the_exit_of_the_thread_that_first_called() -> None:
+    # PR_SET_PDEATHSIG fires when the *thread* that forked a child exits; the pool forks from
+    # its own long-lived thread so a short-lived caller thread cannot take workers down.
+    host = _run_host(
+        """
+        import comfy_env, threading, time
+        w = comfy_env.get_worker()
+        t = threading.Thread(target=w.call, args=("comfy_env_worker.tasks:echo", 1))
+        t.start(); t.join()
+        pid = w.pid
+        time.sleep(0.3)
+        print(pid, w.call("comfy_env_worker.tasks:getpid"), w.generation, flush=True)
+        """
+    )
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    first, second, generation = out.split()
+    assert first == second and generation == "1"
+
+
+def test_importing_comfy_env_has_no_side_effects() -> None:
+    code = """
+        import atexit, threading, sys
+        import logging, concurrent.futures, subprocess, selectors  # stdlib's own atexit hooks
+        before = atexit._ncallbacks()
+        import comfy_env
+        assert threading.active_count() == 1, threading.enumerate()
+        assert atexit._ncallbacks() == before, "atexit registered at import"
+        assert not comfy_env._pool._atexit_registered
+        print("ok")
+    """
+    host = _run_host(code)
+    out, err = host.communicate(timeout=60)
+    assert out.strip() == "ok", err
+
+
+def test_demo_command_runs(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "comfy_env", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WorkerCrashed: signal=SIGSEGV" in result.stdout
+    assert "generation 2" in result.stdout
+    assert "CallTimeout" in result.stdout
