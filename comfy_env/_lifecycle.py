@@ -250,47 +250,55 @@ def _retire(state: LiveState, reason: RetireReason, graceful: bool) -> Transitio
     )
 
 
+_STALE = Dropped(STALE)
+_OUTDATED = Dropped(OUTDATED)
+_TERMINAL = Dropped(TERMINAL)
+_NOT_APPLICABLE = Dropped(NOT_APPLICABLE)
+_NO_WORKER = Dropped(NO_WORKER)
+
+
 def step(state: State | None, event: Event) -> Transition | Dropped:
-    """The next state of a slot (``None``: never used) after ``event``, or why it was dropped."""
-    if isinstance(event, SpawnBegan):
-        if state is None or (isinstance(state, Retired) and event.generation > state.generation):
+    """The next state of a slot (``None``: never used) after ``event``, or why it was dropped.
+
+    On the hot path of every call (twice), so it matches on exact types (states and events are
+    final classes) and returns preallocated ``Dropped`` values."""
+    kind = type(event)
+    if kind is SpawnBegan:
+        if state is None or (type(state) is Retired and event.generation > state.generation):
             return Transition(Starting(event.generation))
         if event.generation <= state.generation:
-            return Dropped(STALE)
-        return Dropped(NOT_APPLICABLE)  # a live worker occupies the slot
+            return _STALE
+        return _NOT_APPLICABLE  # a live worker occupies the slot
     if state is None:
-        return Dropped(NO_WORKER)
+        return _NO_WORKER
     if event.generation != state.generation:
-        return Dropped(STALE)
+        return _STALE
     if isinstance(state, Retired):
-        return Dropped(TERMINAL)
-
-    rule = _RETIRING.get(type(event))
-    if rule is not None:
-        return _retire(state, *rule)
-
-    if isinstance(state, Starting):
-        if isinstance(event, HandshakeOk):
-            return Transition(Idle(state.generation, event.pid, event.at))
-        if isinstance(event, StartFailed):
-            return _retire(state, RetireReason.START_FAILED, False)
-        return Dropped(NOT_APPLICABLE)
+        return _TERMINAL
     if isinstance(state, Idle):
-        if isinstance(event, CallStarted):
+        if kind is CallStarted:
             return Transition(InCall(state.generation, state.pid, event.call_id, event.at))
-        if isinstance(event, IdleExpired):
+        if kind is IdleExpired:
             if event.idle_since != state.idle_since:
-                return Dropped(OUTDATED)  # the worker ran a call after the reaper looked
+                return _OUTDATED  # the worker ran a call after the reaper looked
             return _retire(state, RetireReason.IDLE, True)
-        return Dropped(NOT_APPLICABLE)
-    if isinstance(state, InCall):
-        if isinstance(event, (Replied, DeadlineHit, CallCancelled)):
+    elif isinstance(state, InCall):
+        if kind is Replied or kind is DeadlineHit or kind is CallCancelled:
             if event.call_id != state.call_id:
-                return Dropped(OUTDATED)
-            if isinstance(event, Replied):
+                return _OUTDATED
+            if kind is Replied:
                 return Transition(Idle(state.generation, state.pid, event.at))
-            if isinstance(event, DeadlineHit):
+            if kind is DeadlineHit:
                 return _retire(state, RetireReason.TIMEOUT, True)
             return _retire(state, RetireReason.CANCELLED, False)
-        return Dropped(NOT_APPLICABLE)
-    assert_never(state)
+    elif isinstance(state, Starting):
+        if kind is HandshakeOk:
+            return Transition(Idle(state.generation, event.pid, event.at))
+        if kind is StartFailed:
+            return _retire(state, RetireReason.START_FAILED, False)
+    else:
+        assert_never(state)
+    rule = _RETIRING.get(kind)
+    if rule is not None:
+        return _retire(state, *rule)
+    return _NOT_APPLICABLE

@@ -197,7 +197,7 @@ class _EnvEntry:
         """Apply ``event`` to ``slot`` (lock held). Returns the effects to run after unlocking,
         or None if the event was dropped."""
         result = lc.step(slot.state, event)
-        if isinstance(result, lc.Dropped):
+        if type(result) is lc.Dropped:
             self.stale_events_dropped += 1
             return None
         slot.state = result.state
@@ -407,43 +407,43 @@ class Pool:
     def _leave_queue(self, entry: _EnvEntry, ticket: _Ticket) -> None:
         """Called by a waiter that gives up; if a slot was handed over meanwhile, pass it on."""
         with entry.lock:
-            if ticket.slot is None:
+            slot = ticket.slot
+            if slot is None:
                 try:
                     entry.waiters.remove(ticket)
                 except ValueError:
                     pass
                 return
-        # A slot arrived just as we gave up: release it to the next waiter.
-        self._release(entry, ticket.slot)
-        ticket.slot = None
+            ticket.slot = None
+            retired = _release_locked(entry, slot)
+        if retired is not None:
+            retired.dispose()
 
-    def _release(self, entry: _EnvEntry, slot: _Slot) -> None:
+    def _settle(
+        self, entry: _EnvEntry, ticket: _Ticket, outcome: str, replied: lc.Replied | None
+    ) -> None:
+        """End of a call, in one lock section: apply its ``Replied``, release its slot (to the
+        next waiter, if any) and count its outcome."""
+        retired = None
         with entry.lock:
-            if entry.waiters:
-                nxt = entry.waiters.popleft()
-                nxt.slot = slot
-                nxt.stage = "in_flight"
-                entry.queued -= 1
-                entry.in_flight += 1
-                assert nxt.event is not None
-                nxt.event.set()
-            else:
-                slot.leased = False
-            process = slot.process
-            dispose = isinstance(slot.state, lc.Retired)
-        if dispose and process is not None:
-            process.dispose()
-
-    def _finish(self, entry: _EnvEntry, ticket: _Ticket, outcome: str) -> None:
-        with entry.lock:
-            if ticket.stage == "queued":
-                entry.queued -= 1
-            elif ticket.stage == "in_flight":
-                entry.in_flight -= 1
-            else:
-                return
-            ticket.stage = "done"
-            setattr(entry, outcome, getattr(entry, outcome) + 1)
+            slot = ticket.slot
+            if slot is not None:
+                if replied is not None:
+                    # A reply that raced a kill is still delivered (the function completed);
+                    # the gate drops this late Replied if the worker was retired meanwhile.
+                    entry.apply_locked(slot, replied)
+                ticket.slot = None
+                retired = _release_locked(entry, slot)
+            stage = ticket.stage
+            if stage == "queued" or stage == "in_flight":
+                if stage == "queued":
+                    entry.queued -= 1
+                else:
+                    entry.in_flight -= 1
+                ticket.stage = "done"
+                setattr(entry, outcome, getattr(entry, outcome) + 1)
+        if retired is not None:
+            retired.dispose()
 
     def _cancel(self, entry: _EnvEntry, ticket: _Ticket) -> None:
         """Cancel a call from another thread: unqueue it, or kill the worker running it."""
@@ -487,15 +487,17 @@ class Pool:
         elif timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, not {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        ticket = ticket if ticket is not None else _Ticket()
+        if ticket is None:
+            ticket = _Ticket()
         outcome = "failed"
+        replied: lc.Replied | None = None
         try:
             slot = self._acquire(entry, ticket, deadline)
-            ftype, reply, label = self._run(
+            ftype, reply, replied = self._exchange(
                 entry, slot, ticket, target, payload, by_value, deadline
             )
             outcome = "raised"
-            result = decode_reply(ftype, reply, label)
+            result = decode_reply(ftype, reply, target)
             outcome = "ok"
             return result
         except CallTimeout:
@@ -508,9 +510,9 @@ class Pool:
             outcome = "crashed"
             raise
         finally:
-            self._finish(entry, ticket, outcome)
+            self._settle(entry, ticket, outcome, replied)
 
-    def _run(
+    def _exchange(
         self,
         entry: _EnvEntry,
         slot: _Slot,
@@ -519,51 +521,43 @@ class Pool:
         payload: bytes,
         by_value: bool,
         deadline: float | None,
-    ) -> tuple[int, bytes | bytearray, str]:
-        """Run one call on a leased slot and release the slot. Returns the reply frame."""
-        try:
-            while True:
-                process = self._live_process(entry, slot)
-                if by_value:
-                    why = python_mismatch(process)
-                    if why is not None:
-                        raise SerializationError(why)
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise CallTimeout(
-                        f"the call's deadline passed before it reached a worker of env "
-                        f"{entry.spec.key} (start-up took {process.startup_seconds:.2f}s)",
-                        env=entry.spec.key,
-                        pid=process.pid,
-                        generation=process.generation,
-                    )
-                call_id = next(self._call_ids)
-                generation = process.generation
-                with entry.lock:
-                    if ticket.cancelled:
-                        raise CallCancelled("the call was cancelled", env=entry.spec.key)
-                    effects = entry.apply_locked(
-                        slot, lc.CallStarted(generation, call_id, time.monotonic())
-                    )
-                    ticket.generation = generation
-                    ticket.call_id = call_id
-                if effects is None:
-                    continue  # died idle after we looked: a fresh worker takes the call
-                if not self._send(entry, slot, process, call_id, payload, deadline):
-                    continue  # EPIPE before a byte went out: it died idle; nothing was sent
-                try:
-                    ftype, reply = self._receive(
-                        entry, slot, process, call_id, target_label(target), deadline
-                    )
-                except _NotDelivered:
-                    continue  # it died with our request unread: the call never ran
-                break
-            label = target_label(target)
-            # A reply that raced a kill is still delivered: the function completed. The gate
-            # drops the late Replied if the worker was retired meanwhile.
-            entry.apply(slot, lc.Replied(generation, call_id, time.monotonic()))
-            return ftype, reply, label
-        finally:
-            self._release(entry, slot)
+    ) -> tuple[int, bytes | bytearray, lc.Replied]:
+        """Send the call to the leased slot's worker (spawning one if needed) and read the reply.
+
+        Returns the reply frame and the ``Replied`` event, which ``_settle`` applies."""
+        while True:
+            process = self._live_process(entry, slot)
+            if by_value:
+                why = python_mismatch(process)
+                if why is not None:
+                    raise SerializationError(why)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CallTimeout(
+                    f"the call's deadline passed before it reached a worker of env "
+                    f"{entry.spec.key} (start-up took {process.startup_seconds:.2f}s)",
+                    env=entry.spec.key,
+                    pid=process.pid,
+                    generation=process.generation,
+                )
+            call_id = next(self._call_ids)
+            generation = process.generation
+            with entry.lock:
+                if ticket.cancelled:
+                    raise CallCancelled("the call was cancelled", env=entry.spec.key)
+                effects = entry.apply_locked(
+                    slot, lc.CallStarted(generation, call_id, time.monotonic())
+                )
+                ticket.generation = generation
+                ticket.call_id = call_id
+            if effects is None:
+                continue  # died idle after we looked: a fresh worker takes the call
+            if not self._send(entry, slot, process, call_id, payload, deadline):
+                continue  # EPIPE before a byte went out: it died idle; nothing was sent
+            try:
+                ftype, reply = self._receive(entry, slot, process, call_id, target, deadline)
+            except _NotDelivered:
+                continue  # it died with our request unread: the call never ran
+            return ftype, reply, lc.Replied(generation, call_id, time.monotonic())
 
     def _live_process(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
@@ -717,7 +711,7 @@ class Pool:
         slot: _Slot,
         process: WorkerProcess,
         call_id: int,
-        label: str,
+        target: str | Callable[..., Any],
         deadline: float | None,
     ) -> tuple[int, bytes | bytearray]:
         reader = process.reader
@@ -725,6 +719,7 @@ class Pool:
         try:
             ftype, reply_id, reply = reader.read(deadline)
         except TimeoutError:
+            label = target_label(target)
             raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
         except ConnectionResetError:
             # A Unix socket whose owner exits with unread data resets its peer instead of
@@ -734,9 +729,9 @@ class Pool:
             reason = self._retire_reason(slot, process.generation)
             if reader.buffered == 0 and reason is lc.RetireReason.CRASHED:
                 raise _NotDelivered from None
-            raise self._crash_error(entry, slot, process, call_id, label) from None
+            raise self._crash_error(entry, slot, process, call_id, target_label(target)) from None
         except (ChannelClosed, ConnectionError, OSError):
-            raise self._crash_error(entry, slot, process, call_id, label) from None
+            raise self._crash_error(entry, slot, process, call_id, target_label(target)) from None
         except FrameError as exc:
             raise self._protocol_error(entry, slot, process, str(exc)) from None
         except BaseException:
@@ -899,6 +894,24 @@ class Pool:
                 process.dispose()
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
+
+
+def _release_locked(entry: _EnvEntry, slot: _Slot) -> WorkerProcess | None:
+    """Hand ``slot`` to the first waiter or mark it free (lock held). Returns its process if
+    that is retired, for the caller to dispose of after unlocking (nobody reads it any more)."""
+    if entry.waiters:
+        nxt = entry.waiters.popleft()
+        nxt.slot = slot
+        nxt.stage = "in_flight"
+        entry.queued -= 1
+        entry.in_flight += 1
+        assert nxt.event is not None
+        nxt.event.set()
+    else:
+        slot.leased = False
+    if isinstance(slot.state, lc.Retired):
+        return slot.process
+    return None
 
 
 def _free_slot(entry: _EnvEntry) -> _Slot | None:

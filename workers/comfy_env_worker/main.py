@@ -46,6 +46,8 @@ from .protocol import (
 )
 
 _PICKLE_PROTOCOL = 5
+_loads = pickle.loads
+_dumps = pickle.dumps
 
 # Resolved "module:qualname" targets. Bounded: a host that sends many distinct names
 # must not grow the worker without limit.
@@ -175,12 +177,18 @@ class Worker:
 
     def run_call(self, call_id: int, payload: Any) -> None:
         try:
-            target, args, kwargs = pickle.loads(payload)
+            target, args, kwargs = _loads(payload)
             del payload
-            fn = resolve_target(target) if isinstance(target, str) else target
+            if type(target) is str:
+                fn = _TARGETS.get(target) or resolve_target(target)
+            else:
+                fn = target  # a function sent by value (cloudpickle)
             result = fn(*args, **kwargs)
             del args, kwargs
-            data = _dumps_result(result)
+            try:
+                data = _dumps(result, _PICKLE_PROTOCOL)
+            except Exception:  # noqa: BLE001 - cloudpickle fallback, or a clear TypeError
+                data = _dumps_result(result)
             del result
         except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are replies too
             try:

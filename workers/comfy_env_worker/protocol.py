@@ -159,6 +159,18 @@ class FrameReader:
         and ``TimeoutError`` when ``deadline`` (a ``time.monotonic()`` value) passes.
         """
         buf = self._buf
+        if not buf:
+            # Fast path: one recv that holds exactly one whole frame (every small call).
+            if deadline is not None:
+                self._wait_readable(deadline)
+            n = self._sock.recv_into(self._scratch_view)
+            if not n:
+                raise ChannelClosed()
+            if n >= HEADER_SIZE:
+                magic, ftype, _flags, length, call_id = HEADER.unpack_from(self._scratch)
+                if n == HEADER_SIZE + length and magic == MAGIC and length <= self._limit:
+                    return ftype, call_id, self._scratch[HEADER_SIZE:n]
+            buf += self._scratch_view[:n]
         while len(buf) < HEADER_SIZE:
             self._fill(deadline)
         magic, ftype, _flags, length, call_id = HEADER.unpack_from(buf)
