@@ -128,14 +128,14 @@ def _cloudpickle(obj: Any, what: str) -> bytes:
         raise SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}") from exc
 
 
-def decode_reply(ftype: int, payload: bytes | bytearray, label: str) -> Any:
+def decode_reply(ftype: int, payload: bytes | bytearray, target: str | Callable[..., Any]) -> Any:
     """Return the call's result, or raise what the function raised."""
     if ftype == FrameType.REPLY_OK:
         try:
             return pickle.loads(payload)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             raise SerializationError(
-                f"the result of {label} could not be unpickled in the host: "
+                f"the result of {target_label(target)} could not be unpickled in the host: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
     raise_remote(payload)

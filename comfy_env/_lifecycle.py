@@ -260,11 +260,10 @@ _NO_WORKER = Dropped(NO_WORKER)
 def step(state: State | None, event: Event) -> Transition | Dropped:
     """The next state of a slot (``None``: never used) after ``event``, or why it was dropped.
 
-    On the hot path of every call (twice), so it matches on exact types (states and events are
-    final classes) and returns preallocated ``Dropped`` values."""
-    kind = type(event)
-    if kind is SpawnBegan:
-        if state is None or (type(state) is Retired and event.generation > state.generation):
+    On the hot path of every call (twice): the common pairs are tested first, and drops return
+    preallocated ``Dropped`` values."""
+    if isinstance(event, SpawnBegan):
+        if state is None or (isinstance(state, Retired) and event.generation > state.generation):
             return Transition(Starting(event.generation))
         if event.generation <= state.generation:
             return _STALE
@@ -276,29 +275,29 @@ def step(state: State | None, event: Event) -> Transition | Dropped:
     if isinstance(state, Retired):
         return _TERMINAL
     if isinstance(state, Idle):
-        if kind is CallStarted:
+        if isinstance(event, CallStarted):
             return Transition(InCall(state.generation, state.pid, event.call_id, event.at))
-        if kind is IdleExpired:
+        if isinstance(event, IdleExpired):
             if event.idle_since != state.idle_since:
                 return _OUTDATED  # the worker ran a call after the reaper looked
             return _retire(state, RetireReason.IDLE, True)
     elif isinstance(state, InCall):
-        if kind is Replied or kind is DeadlineHit or kind is CallCancelled:
+        if isinstance(event, (Replied, DeadlineHit, CallCancelled)):
             if event.call_id != state.call_id:
                 return _OUTDATED
-            if kind is Replied:
+            if isinstance(event, Replied):
                 return Transition(Idle(state.generation, state.pid, event.at))
-            if kind is DeadlineHit:
+            if isinstance(event, DeadlineHit):
                 return _retire(state, RetireReason.TIMEOUT, True)
             return _retire(state, RetireReason.CANCELLED, False)
     elif isinstance(state, Starting):
-        if kind is HandshakeOk:
+        if isinstance(event, HandshakeOk):
             return Transition(Idle(state.generation, event.pid, event.at))
-        if kind is StartFailed:
+        if isinstance(event, StartFailed):
             return _retire(state, RetireReason.START_FAILED, False)
     else:
         assert_never(state)
-    rule = _RETIRING.get(kind)
+    rule = _RETIRING.get(type(event))
     if rule is not None:
         return _retire(state, *rule)
     return _NOT_APPLICABLE

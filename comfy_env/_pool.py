@@ -197,7 +197,7 @@ class _EnvEntry:
         """Apply ``event`` to ``slot`` (lock held). Returns the effects to run after unlocking,
         or None if the event was dropped."""
         result = lc.step(slot.state, event)
-        if type(result) is lc.Dropped:
+        if isinstance(result, lc.Dropped):
             self.stale_events_dropped += 1
             return None
         slot.state = result.state

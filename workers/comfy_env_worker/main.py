@@ -57,9 +57,9 @@ _TARGET_CACHE_MAX = 1024
 
 def resolve_target(target: str) -> Callable[..., Any]:
     """Import ``"pkg.module:function"`` (or ``module:Class.method``) and return the callable."""
-    fn = _TARGETS.get(target)
-    if fn is not None:
-        return fn
+    cached = _TARGETS.get(target)
+    if cached is not None:
+        return cached
     module_name, sep, qualname = target.partition(":")
     if not sep or not module_name or not qualname:
         raise ValueError("call target %r is not of the form 'package.module:function'" % (target,))
@@ -81,8 +81,9 @@ def resolve_target(target: str) -> Callable[..., Any]:
         raise TypeError("call target %r is a %s, not a callable" % (target, type(obj).__name__))
     if len(_TARGETS) >= _TARGET_CACHE_MAX:
         _TARGETS.clear()
-    _TARGETS[target] = obj
-    return obj
+    fn: Callable[..., Any] = obj
+    _TARGETS[target] = fn
+    return fn
 
 
 def error_record(exc: BaseException) -> bytes:
