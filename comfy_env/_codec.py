@@ -133,7 +133,7 @@ def decode_reply(ftype: int, payload: bytes | bytearray, target: str | Callable[
     if ftype == FrameType.REPLY_OK:
         try:
             return pickle.loads(payload)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise SerializationError(
                 f"the result of {target_label(target)} could not be unpickled in the host: "
                 f"{type(exc).__name__}: {exc}"
