@@ -68,14 +68,26 @@ __all__ = [
 
 _default_pool: Pool | None = None
 _default_lock = threading.Lock()
+_fork_hook_installed = False
+
+
+def _reset_default_after_fork() -> None:
+    # The inherited default pool is inert in the child (see Pool); the child's first
+    # get_worker() builds its own. The lock may have been held by a thread that is gone.
+    global _default_pool, _default_lock
+    _default_pool = None
+    _default_lock = threading.Lock()
 
 
 def default_pool() -> Pool:
     """The process-wide pool behind ``get_worker``, created (from ``COMFY_ENV_*`` settings) on
     first use. After ``shutdown()`` the next use creates a fresh one."""
-    global _default_pool
+    global _default_pool, _fork_hook_installed
     with _default_lock:
         if _default_pool is None or _default_pool.closed:
+            if not _fork_hook_installed and hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_reset_default_after_fork)
+                _fork_hook_installed = True
             _default_pool = Pool(PoolConfig())
         return _default_pool
 

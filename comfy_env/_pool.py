@@ -264,19 +264,23 @@ def run_effects(effects: tuple[lc.Effect, ...], process: WorkerProcess | None) -
 _OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
-_atexit_lock = threading.Lock()
-_atexit_registered = False
+_hooks_lock = threading.Lock()
+_hooks_installed = False
 
 
-def _register_atexit() -> None:
-    global _atexit_registered
-    with _atexit_lock:
-        if _atexit_registered:
+def _install_process_hooks() -> None:
+    """Once, when the first pool is created (never at import): close pools at interpreter
+    exit, and make every pool inert in a child created by ``fork``."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
             return
         import atexit
 
         atexit.register(_close_all_pools)
-        _atexit_registered = True
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+        _hooks_installed = True
 
 
 def _close_all_pools() -> None:
@@ -285,6 +289,21 @@ def _close_all_pools() -> None:
             pool.close()
         except Exception:  # noqa: BLE001 - exit must go on
             _log.exception("comfy-env: closing a pool at exit failed")
+
+
+def _after_fork_in_child() -> None:
+    """Runs in the child right after ``fork``, with only the forking thread alive.
+
+    Every inherited pool is the parent's: the child must never send on, read from, kill or
+    clean up the parent's workers, and must not keep the parent's channels open (a worker only
+    notices its host's death when the last copy of the host's channel end is closed). So each
+    pool drops its descriptors and becomes closed; locks other threads held at the fork are
+    replaced."""
+    global _hooks_lock
+    _hooks_lock = threading.Lock()
+    for pool in list(_live_pools):
+        pool._abandon_in_forked_child()
+    _live_pools.clear()
 
 
 class Pool:
@@ -301,8 +320,9 @@ class Pool:
         self._runtime_dir: str | None = None
         self._processes: set[WorkerProcess] = set()  # forked and not yet reaped
         self._call_ids = itertools.count(2)  # call id 1 is the canary's
+        self._owner_pid = os.getpid()
         _live_pools.add(self)
-        _register_atexit()
+        _install_process_hooks()
 
     # ---- public API ----
 
@@ -321,6 +341,15 @@ class Pool:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _closed_error(self) -> PoolClosedError:
+        if self._owner_pid != os.getpid():
+            return PoolClosedError(
+                f"this Pool belongs to process {self._owner_pid} and was inherited by fork into "
+                f"process {os.getpid()}, where it owns no workers; create a new Pool here "
+                "(comfy_env.get_worker() starts a fresh default pool in a forked child)"
+            )
+        return PoolClosedError("the pool is closed")
 
     def close(self) -> None:
         """Stop every worker (in parallel, one bounded wait), then refuse further calls.
@@ -359,7 +388,7 @@ class Pool:
     def _entry(self, spec: EnvSpec) -> _EnvEntry:
         with self._lock:
             if self._closed:
-                raise PoolClosedError("the pool is closed")
+                raise self._closed_error()
             entry = self._entries.get(spec.key)
             if entry is None:
                 entry = _EnvEntry(spec, self.config.max_workers_per_env)
@@ -369,7 +398,7 @@ class Pool:
     def _acquire(self, entry: _EnvEntry, ticket: _Ticket, deadline: float | None) -> _Slot:
         with entry.lock:
             if self._closed:
-                raise PoolClosedError("the pool is closed")
+                raise self._closed_error()
             entry.submitted += 1
             if not entry.waiters:
                 slot = _free_slot(entry)
@@ -475,7 +504,7 @@ class Pool:
         ticket: _Ticket | None = None,
     ) -> Any:
         if self._closed:
-            raise PoolClosedError("the pool is closed")
+            raise self._closed_error()
         payload, by_value = encode_call(target, args, kwargs)
         if len(payload) + HEADER_SIZE > self.config.max_frame_bytes:
             raise SerializationError(
@@ -569,7 +598,7 @@ class Pool:
     def _spawn(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:
         with self._lock:
             if self._closed:
-                raise PoolClosedError("the pool is closed")
+                raise self._closed_error()
             if self._reactor is None:
                 self._reactor = Reactor()
                 self._reactor.start()
@@ -628,7 +657,7 @@ class Pool:
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise PoolClosedError("the pool is closed")
+            raise self._closed_error()
 
     def _track(self, process: WorkerProcess) -> None:
         with self._lock:
@@ -840,6 +869,21 @@ class Pool:
         )
 
     # ---- shutdown ----
+
+    def _abandon_in_forked_child(self) -> None:
+        """In a forked child: close inherited descriptors, signal nothing, own nothing."""
+        self._closed = True
+        self._lock = threading.Lock()
+        self._close_done.set()
+        processes = set(self._processes)
+        for entry in self._entries.values():
+            entry.lock = threading.Lock()
+            entry.waiters.clear()
+            processes.update(s.process for s in entry.slots if s.process is not None)
+        for process in processes:
+            process.abandon_in_forked_child()
+        if self._reactor is not None:
+            self._reactor.abandon_in_forked_child()
 
     def _shutdown(self, entries: list[_EnvEntry], reactor: Reactor | None) -> None:
         for entry in entries:

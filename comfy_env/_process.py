@@ -197,6 +197,7 @@ class WorkerProcess:
         self._escalation: Any = None
         self._disposed = False
         self._kill_requested = False
+        self._owner_pid = os.getpid()  # a forked copy of this object must never signal
 
     # ---- launch and handshake ----
 
@@ -412,7 +413,7 @@ class WorkerProcess:
     # ---- stopping ----
 
     def _signal_group(self, sig: int) -> None:
-        if self.popen is None:
+        if self.popen is None or os.getpid() != self._owner_pid:
             return
         try:
             os.killpg(self.popen.pid, sig)
@@ -454,6 +455,22 @@ class WorkerProcess:
         self._disposed = True
         if self.sock is not None:
             self.sock.close()
+
+    def abandon_in_forked_child(self) -> None:
+        """In a forked child: close this process's inherited descriptors; never signal it."""
+        self._disposed = True
+        self._kill_requested = True
+        if self.sock is not None:
+            self.sock.close()
+        popen = self.popen
+        if popen is not None:
+            for pipe in (popen.stdout, popen.stderr):
+                if pipe is not None:
+                    pipe.close()
+            popen.returncode = 0  # not our child: never wait for it here
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def force_close(self) -> None:
         """Last resort at pool close: release pipes and pidfd even if something still holds

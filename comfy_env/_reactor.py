@@ -103,6 +103,15 @@ class Reactor:
         self._wake_r.close()
         self._wake_w.close()
 
+    def abandon_in_forked_child(self) -> None:
+        """In a forked child the thread does not exist: just release the inherited
+        descriptors (the selector and the wake-up pair)."""
+        self._closed = True
+        self._stopping = True
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
     # ---- scheduling (any thread) ----
 
     def call_soon(self, fn: Callable[[], None]) -> None:
