@@ -275,23 +275,33 @@ def test_stale_events_are_counted(pool: comfy_env.Pool) -> None:
 
 
 def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
-    pool: comfy_env.Pool, tmp_path: Path
+    pool: comfy_env.Pool, tmp_path: Path, foreign_venv: Path
 ) -> None:
-    extra = open(tmp_path / "held-open", "w")
+    extra = open(tmp_path / "held-open", "w")  # noqa: SIM115 - a host file the worker must not see
     other_a, other_b = socket.socketpair()
+    read_end, write_end = os.pipe()
     try:
+        first = pool.get_worker(foreign_venv)  # another worker, spawned before ours
+        first.call("comfy_env_worker.tasks:echo", 0)
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         pid = w.pid
         assert pid is not None
         assert os.getsid(pid) == pid and os.getpgid(pid) == pid
-        fds = os.listdir(f"/proc/{pid}/fd")
-        targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds]
-        assert not any("held-open" in t for t in targets)
-        sockets = [t for t in targets if t.startswith("socket:")]
-        assert len(sockets) == 1, targets
-        assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
+        fds = sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))
+        targets = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds}
+        assert not any("held-open" in t for t in targets.values())
+        sockets = [t for t in targets.values() if t.startswith("socket:")]
+        assert len(sockets) == 1, targets  # its own channel, not the other worker's
+        host_pipe = os.readlink(f"/proc/self/fd/{read_end}")
+        assert host_pipe not in targets.values()
+        assert targets[0] == "/dev/null"
+        # stdio plus the channel; the rest may only be the worker's own watchdog/epoll bits
+        assert targets[1].startswith("pipe:") and targets[2].startswith("pipe:")
+        assert set(fds) <= {0, 1, 2} | {fd for fd, t in targets.items() if t in sockets}, targets
     finally:
         extra.close()
         other_a.close()
         other_b.close()
+        os.close(read_end)
+        os.close(write_end)
