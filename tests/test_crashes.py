@@ -277,7 +277,7 @@ def test_stale_events_are_counted(pool: comfy_env.Pool) -> None:
 def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
     pool: comfy_env.Pool, tmp_path: Path, foreign_venv: Path
 ) -> None:
-    extra = open(tmp_path / "held-open", "w")  # noqa: SIM115 - a host file the worker must not see
+    extra = open(tmp_path / "held-open", "w")
     other_a, other_b = socket.socketpair()
     read_end, write_end = os.pipe()
     try:
