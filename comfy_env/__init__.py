@@ -35,6 +35,7 @@ from ._errors import (
     WorkerStartError,
 )
 from ._pool import EnvStats, Pool, WorkerStats
+from ._sweep import SweepReport, sweep
 from ._worker import Worker
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "RemoteTraceback",
     "SerializationError",
     "StaleGenerationError",
+    "SweepReport",
     "Worker",
     "WorkerCrashed",
     "WorkerError",
@@ -64,6 +66,7 @@ __all__ = [
     "get_worker",
     "resolve_env",
     "shutdown",
+    "sweep",
 ]
 
 _default_pool: Pool | None = None

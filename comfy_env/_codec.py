@@ -28,7 +28,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from comfy_env_worker import shm
 from comfy_env_worker.protocol import FrameType
+from comfy_env_worker.shm import MIN_BLOCK
 
 from ._errors import RemoteError, RemoteTraceback, SerializationError
 
@@ -90,10 +92,17 @@ def _lookup_reference(fn: Callable[..., Any]) -> str | None:
 
 
 def encode_call(
-    target: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[bytes, bool]:
-    """Pickle a call. Returns ``(payload, by_value)``; ``by_value`` means the payload holds
-    cloudpickled code and needs a worker on the host's Python major.minor."""
+    target: str | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    threshold: int = MIN_BLOCK,
+) -> tuple[bytes, list[memoryview], bool]:
+    """Pickle a call. Returns ``(body, out-of-band buffers, by_value)``.
+
+    Buffers of at least ``threshold`` bytes are left out of the pickle as raw views of the
+    caller's memory (nothing is copied yet; the pool places them in shared memory or inline at
+    send time). ``by_value`` means the body holds cloudpickled code and needs a worker on the
+    host's Python major.minor."""
     if isinstance(target, str):
         module, sep, qualname = target.partition(":")
         if not sep or not module or not qualname:
@@ -103,8 +112,10 @@ def encode_call(
         ref = reference_name(target)
         if ref is None:
             # By value: the whole message goes through cloudpickle (code and arguments).
-            payload = _cloudpickle((target, args, kwargs), f"the callable {target_label(target)}")
-            return payload, True
+            body, buffers = _cloudpickle(
+                (target, args, kwargs), f"the callable {target_label(target)}", threshold
+            )
+            return body, buffers, True
         wire_target = ref
     else:
         raise TypeError(
@@ -112,27 +123,35 @@ def encode_call(
             f"not {type(target).__name__}"
         )
     message = (wire_target, args, kwargs)
+    scan = (*args, *kwargs.values()) if kwargs else args
     try:
-        return pickle.dumps(message, protocol=PICKLE_PROTOCOL), False
+        body, buffers = shm.encode(message, threshold, pickle.dumps, scan)
+        return body, buffers, False
     except Exception:  # noqa: BLE001 - retry with cloudpickle, which knows lambdas and closures
-        payload = _cloudpickle(message, f"the arguments of {target_label(target)}")
-        return payload, True
+        body, buffers = _cloudpickle(message, f"the arguments of {target_label(target)}", threshold)
+        return body, buffers, True
 
 
-def _cloudpickle(obj: Any, what: str) -> bytes:
+def _cloudpickle(obj: Any, what: str, threshold: int) -> tuple[bytes, list[memoryview]]:
     import cloudpickle
 
     try:
-        return bytes(cloudpickle.dumps(obj, protocol=PICKLE_PROTOCOL))
+        return shm.encode(obj, threshold, cloudpickle.dumps)
     except Exception as exc:
         raise SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}") from exc
 
 
-def decode_reply(ftype: int, payload: bytes | bytearray, target: str | Callable[..., Any]) -> Any:
-    """Return the call's result, or raise what the function raised."""
+def decode_reply(
+    ftype: int,
+    payload: bytes | bytearray | memoryview,
+    target: str | Callable[..., Any],
+    buffers: list[Any] | None = None,
+) -> Any:
+    """Return the call's result, or raise what the function raised. ``buffers`` are the
+    reply's out-of-band buffers (already private copies)."""
     if ftype == FrameType.REPLY_OK:
         try:
-            return pickle.loads(payload)
+            return pickle.loads(payload, buffers=buffers)
         except Exception as exc:
             raise SerializationError(
                 f"the result of {target_label(target)} could not be unpickled in the host: "
@@ -141,7 +160,7 @@ def decode_reply(ftype: int, payload: bytes | bytearray, target: str | Callable[
     raise_remote(payload)
 
 
-def raise_remote(payload: bytes | bytearray) -> NoReturn:
+def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
     qualname, module, message, tb_text, pickled = pickle.loads(payload)
     cause = RemoteTraceback(tb_text)
     if pickled is not None:

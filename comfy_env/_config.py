@@ -66,6 +66,26 @@ class PoolConfig(BaseModel):
         default_factory=dict, description="Extra environment variables for workers."
     )
     log_level: str = Field("INFO", description="Level of the worker's root logger.")
+    shared_memory: bool = Field(
+        True,
+        description="Send large buffers through shared memory (else inline in the frame).",
+    )
+    shm_threshold_bytes: int = Field(
+        1024 * 1024,
+        ge=4096,
+        description="Buffers of at least this size travel out of band (shared memory).",
+    )
+    shm_pool_bytes: int = Field(
+        1024**3,
+        ge=0,
+        description="Idle shared-memory bytes each side of a worker keeps for reuse.",
+    )
+    shm_pinned_ttl: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a worker keeps a reply's blocks pinned waiting for the host's "
+        "ack before it gives them up (the host died or hung).",
+    )
 
     @model_validator(mode="before")
     @classmethod

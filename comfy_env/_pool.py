@@ -59,8 +59,9 @@ from comfy_env_worker.protocol import (
     ChannelClosed,
     FrameError,
     FrameType,
-    encode_header,
+    Payload,
 )
+from comfy_env_worker.shm import Block
 
 from . import _lifecycle as lc
 from ._codec import decode_reply, encode_call, target_label
@@ -81,11 +82,10 @@ from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor
 
 if TYPE_CHECKING:
+    from ._sweep import SweepReport
     from ._worker import Worker
 
 _log = logging.getLogger("comfy_env")
-
-_SEND_CHUNK = 65536
 
 
 class _NotDelivered(Exception):
@@ -321,6 +321,8 @@ class Pool:
         self._processes: set[WorkerProcess] = set()  # forked and not yet reaped
         self._call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
+        self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
+        self._sweep_queued = False
         _live_pools.add(self)
         _install_process_hooks()
 
@@ -505,10 +507,11 @@ class Pool:
     ) -> Any:
         if self._closed:
             raise self._closed_error()
-        payload, by_value = encode_call(target, args, kwargs)
-        if len(payload) + HEADER_SIZE > self.config.max_frame_bytes:
+        body, buffers, by_value = encode_call(target, args, kwargs, self.config.shm_threshold_bytes)
+        inline = len(body) + (0 if self.config.shared_memory else sum(b.nbytes for b in buffers))
+        if inline + HEADER_SIZE > self.config.max_frame_bytes:
             raise SerializationError(
-                f"the call to {target_label(target)} pickles to {len(payload)} bytes, over "
+                f"the call to {target_label(target)} pickles to {inline} bytes, over "
                 f"PoolConfig.max_frame_bytes={self.config.max_frame_bytes}"
             )
         if timeout is None:
@@ -522,11 +525,12 @@ class Pool:
         replied: lc.Replied | None = None
         try:
             slot = self._acquire(entry, ticket, deadline)
-            ftype, reply, replied = self._exchange(
-                entry, slot, ticket, target, payload, by_value, deadline
+            ftype, reply, reply_buffers, replied = self._exchange(
+                entry, slot, ticket, target, body, buffers, by_value, deadline
             )
+            del buffers
             outcome = "raised"
-            result = decode_reply(ftype, reply, target)
+            result = decode_reply(ftype, reply, target, reply_buffers)
             outcome = "ok"
             return result
         except CallTimeout:
@@ -547,13 +551,16 @@ class Pool:
         slot: _Slot,
         ticket: _Ticket,
         target: str | Callable[..., Any],
-        payload: bytes,
+        body: bytes,
+        buffers: list[memoryview],
         by_value: bool,
         deadline: float | None,
-    ) -> tuple[int, bytes | bytearray, lc.Replied]:
+    ) -> tuple[int, Payload | memoryview, list[Any] | None, lc.Replied]:
         """Send the call to the leased slot's worker (spawning one if needed) and read the reply.
 
-        Returns the reply frame and the ``Replied`` event, which ``_settle`` applies."""
+        Returns the reply's type, body and out-of-band buffers (private copies; the worker has
+        been told it may reuse its blocks) and the ``Replied`` event, which ``_settle``
+        applies."""
         while True:
             process = self._live_process(entry, slot)
             if by_value:
@@ -580,13 +587,20 @@ class Pool:
                 ticket.call_id = call_id
             if effects is None:
                 continue  # died idle after we looked: a fresh worker takes the call
-            if not self._send(entry, slot, process, call_id, payload, deadline):
+            sent, block = self._send(entry, slot, process, call_id, target, body, buffers, deadline)
+            if not sent:
                 continue  # EPIPE before a byte went out: it died idle; nothing was sent
             try:
-                ftype, reply = self._receive(entry, slot, process, call_id, target, deadline)
+                ftype, flags, reply = self._receive(entry, slot, process, call_id, target, deadline)
             except _NotDelivered:
                 continue  # it died with our request unread: the call never ran
-            return ftype, reply, lc.Replied(generation, call_id, time.monotonic())
+            try:
+                reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
+            except FrameError as exc:
+                raise self._protocol_error(entry, slot, process, str(exc)) from None
+            process.finish_request(block, retained)
+            replied = lc.Replied(generation, call_id, time.monotonic())
+            return ftype, reply_body, reply_buffers, replied
 
     def _live_process(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
@@ -655,13 +669,25 @@ class Pool:
         )
         return process
 
+    def _sweep(self) -> None:
+        from ._sweep import sweep
+
+        self.last_sweep = sweep()
+
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise self._closed_error()
 
     def _track(self, process: WorkerProcess) -> None:
+        """Reactor thread, right after a fork: know the process before anything can stop us."""
         with self._lock:
             self._processes.add(process)
+            first = self.last_sweep is None and not self._sweep_queued
+            self._sweep_queued = True
+        if first and self._reactor is not None:
+            # The pool starts: clear what dead hosts left behind, off every caller's path
+            # (after this fork, on the reactor thread).
+            self._reactor.call_soon(self._sweep)
 
     def _on_exit(self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess) -> None:
         """Reactor thread: the process was reaped."""
@@ -675,64 +701,27 @@ class Pool:
         slot: _Slot,
         process: WorkerProcess,
         call_id: int,
-        payload: bytes,
+        target: str | Callable[..., Any],
+        body: bytes,
+        buffers: list[memoryview],
         deadline: float | None,
-    ) -> bool:
-        """Send the CALL frame. False if the worker was already gone before any byte went out
-        (safe to run the call elsewhere); raises the call's error once part of it was sent."""
-        sock = process.sock
-        assert sock is not None
-        header = encode_header(FrameType.CALL, call_id, len(payload))
-        sent = 0
+    ) -> tuple[bool, Block | None]:
+        """Send the CALL frame. Returns (False, None) if the worker was already gone before any
+        byte went out (safe to run the call elsewhere), else (True, the request's shared-memory
+        block). Raises the call's error once part of it was sent."""
         try:
-            if len(payload) <= _SEND_CHUNK:
-                data = header + payload
-                sent = sock.send(data)
-                if sent < len(data):
-                    sock.sendall(memoryview(data)[sent:])
-            else:
-                sent = sock.sendmsg([header, payload])
-                self._send_rest(entry, slot, process, call_id, header, payload, sent, deadline)
+            block = process.send_request(call_id, body, buffers, deadline)
         except (BrokenPipeError, ConnectionResetError):
-            if sent == 0:
-                entry.apply(slot, lc.ChannelClosed(process.generation))
-                return False
-            raise self._crash_error(entry, slot, process, call_id, "") from None
-        except OSError:
-            raise self._crash_error(entry, slot, process, call_id, "") from None
-        return True
-
-    def _send_rest(
-        self,
-        entry: _EnvEntry,
-        slot: _Slot,
-        process: WorkerProcess,
-        call_id: int,
-        header: bytes,
-        payload: bytes,
-        sent: int,
-        deadline: float | None,
-    ) -> None:
-        sock = process.sock
-        assert sock is not None
-        view = memoryview(header) if sent < len(header) else None
-        if view is not None:
-            sock.sendall(view[sent:])
-            sent = len(header)
-        rest = memoryview(payload)[sent - len(header) :]
-        if deadline is None:
-            sock.sendall(rest)
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise self._timeout_error(entry, slot, process, call_id, "", deadline)
-        sock.settimeout(remaining)
-        try:
-            sock.sendall(rest)
+            entry.apply(slot, lc.ChannelClosed(process.generation))
+            return False, None
         except TimeoutError:
-            raise self._timeout_error(entry, slot, process, call_id, "", deadline) from None
-        finally:
-            sock.settimeout(None)
+            label = target_label(target)
+            raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
+        except SerializationError:
+            raise
+        except OSError:
+            raise self._crash_error(entry, slot, process, call_id, target_label(target)) from None
+        return True, block
 
     def _receive(
         self,
@@ -742,11 +731,11 @@ class Pool:
         call_id: int,
         target: str | Callable[..., Any],
         deadline: float | None,
-    ) -> tuple[int, bytes | bytearray]:
+    ) -> tuple[int, int, Payload]:
         reader = process.reader
         assert reader is not None
         try:
-            ftype, reply_id, reply = reader.read(deadline)
+            ftype, flags, reply_id, reply = reader.read(deadline)
         except TimeoutError:
             label = target_label(target)
             raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
@@ -778,7 +767,7 @@ class Pool:
                 process,
                 f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}",
             )
-        return ftype, reply
+        return ftype, flags, reply
 
     # ---- errors ----
 

@@ -29,6 +29,7 @@ descriptor number is never closed under a thread that still reads it.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import pickle
@@ -44,20 +45,28 @@ from collections.abc import Callable
 from typing import Any
 
 import comfy_env_worker
+from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
+    FLAG_OOB,
+    HEADER_SIZE,
     PROTOCOL_VERSION,
     ChannelClosed,
     FrameError,
     FrameReader,
     FrameType,
+    Payload,
+    encode_header,
     send_frame,
+    send_parts,
 )
 
 from ._codec import decode_reply, encode_call
 from ._config import PoolConfig
 from ._envs import EnvSpec
-from ._errors import WorkerStartError, describe_exit
+from ._errors import SerializationError, WorkerStartError, describe_exit
 from ._reactor import Reactor
+
+_log = logging.getLogger("comfy_env")
 
 BOOT = (
     "import sys;sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
@@ -77,12 +86,14 @@ _STRIPPED_ENV = (
 CANARY_TARGET = "comfy_env_worker.tasks:echo"
 
 
-def canary_value() -> Any:
-    """Exercises the codec: nested containers, int keys, bytes, floats, a 512 KiB buffer."""
+def canary_value(oob_bytes: int) -> Any:
+    """Exercises the codec: nested containers, int keys, bytes, floats, a 512 KiB in-band
+    buffer, and one buffer of ``oob_bytes`` that travels out of band (shared memory)."""
     return (
         {1: (b"\x00bytes\xff", [1.5, -0.0, None, True]), 2: {"nested": (1, 2, {3: "x"})}},
         [(), [], {}, "\u00e9\u4e2d", 2**70],
         bytes(range(256)) * 2048,  # 512 KiB: crosses many socket reads, fits any frame limit
+        bytearray(os.urandom(64)) * (oob_bytes // 64 + 1),
     )
 
 
@@ -103,6 +114,19 @@ def host_token() -> str:
     import psutil
 
     return f"{os.getpid()}-{int(psutil.Process().create_time() * 1000)}"
+
+
+_HOST_TOKEN: tuple[int, str] | None = None
+_serials = itertools.count(1)
+
+
+def host_id() -> str:
+    """This process's ``<pid>-<start ms>``, cached per pid (a forked child computes its own)."""
+    global _HOST_TOKEN
+    pid = os.getpid()
+    if _HOST_TOKEN is None or _HOST_TOKEN[0] != pid:
+        _HOST_TOKEN = (pid, host_token())
+    return _HOST_TOKEN[1]
 
 
 def make_runtime_dir() -> str:
@@ -198,6 +222,11 @@ class WorkerProcess:
         self._disposed = False
         self._kill_requested = False
         self._owner_pid = os.getpid()  # a forked copy of this object must never signal
+        # Shared memory, set up at the handshake when both sides can use it.
+        self.shm_wanted = config.shared_memory and shm.shm_available()
+        self.blocks: shm.BlockPool | None = None
+        self.mappings: shm.PeerMappings | None = None
+        self.ack_consumed = True  # tests turn this off to exercise the worker's TTL
 
     # ---- launch and handshake ----
 
@@ -277,7 +306,7 @@ class WorkerProcess:
         started = time.monotonic()
         assert self.reader is not None and self.sock is not None
         try:
-            ftype, _, payload = self.reader.read(deadline)
+            ftype, _, _, payload = self.reader.read(deadline)
             if ftype != FrameType.HELLO:
                 raise FrameError(f"expected HELLO, got frame type {ftype}")
             hello = pickle.loads(payload)
@@ -287,15 +316,26 @@ class WorkerProcess:
                 )
             self.hello = hello
             self.pid = int(hello["pid"])
+            use_shm = self.shm_wanted and bool(hello.get("shm"))
             config = {
                 "sys_path": list(self.config.sys_path),
                 "cwd": self.config.cwd,
                 "env": dict(self.config.env_vars),
                 "log_level": self.config.log_level.upper(),
                 "max_frame_bytes": self.config.max_frame_bytes,
+                "shm_threshold_bytes": self.config.shm_threshold_bytes,
+                "shm_host_id": host_id() if use_shm else None,
+                "shm_pool_bytes": self.config.shm_pool_bytes,
+                "shm_pinned_ttl": self.config.shm_pinned_ttl,
             }
+            if use_shm:
+                prefix = f"{shm.NAME_PREFIX}{host_id()}"
+                self.blocks = shm.BlockPool(
+                    f"{prefix}-h{next(_serials)}-", self.config.shm_pool_bytes
+                )
+                self.mappings = shm.PeerMappings(f"{prefix}-w{self.pid}-")
             send_frame(self.sock, FrameType.CONFIG, 0, pickle.dumps(config, protocol=5))
-            ftype, _, _ = self.reader.read(deadline)
+            ftype, _, _, _ = self.reader.read(deadline)
             if ftype != FrameType.READY:
                 raise FrameError(f"expected READY, got frame type {ftype}")
             self._canary(deadline)
@@ -304,7 +344,7 @@ class WorkerProcess:
                 f"did not finish its start-up within {self.config.start_timeout:g}s "
                 "(PoolConfig.start_timeout)"
             ) from None
-        except (ChannelClosed, ConnectionError) as exc:
+        except (ChannelClosed, OSError) as exc:  # EOF, reset, broken pipe, partial send
             rc = self.wait_exit(1.0)
             raise self._start_error(f"{describe_exit(rc)} during start-up") from exc
         except (FrameError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as exc:
@@ -312,19 +352,117 @@ class WorkerProcess:
         self.startup_seconds = time.monotonic() - started
 
     def _canary(self, deadline: float) -> None:
-        assert self.reader is not None and self.sock is not None
-        value = canary_value()
-        payload, _ = encode_call(CANARY_TARGET, (value,), {})
-        send_frame(self.sock, FrameType.CALL, 1, payload)
-        ftype, call_id, reply = self.reader.read(deadline)
+        """One real call through the codec, with a buffer out of band (through shared memory
+        when it is on); anything but an equal echo refuses the worker."""
+        assert self.reader is not None
+        oob = self.config.shm_threshold_bytes
+        if self.blocks is None:
+            oob = min(oob, self.config.max_frame_bytes // 4)
+        value = canary_value(oob)
+        body, buffers, _ = encode_call(CANARY_TARGET, (value,), {}, self.config.shm_threshold_bytes)
+        block = self.send_request(1, body, buffers, deadline)
+        ftype, flags, call_id, reply = self.reader.read(deadline)
         if call_id != 1 or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
             raise FrameError(f"canary: unexpected frame type {ftype} for call {call_id}")
+        body_in, buffers_in, retained = self.open_reply(1, flags, reply)
+        self.finish_request(block, retained)
         try:
-            echoed = decode_reply(ftype, reply, CANARY_TARGET)
+            echoed = decode_reply(ftype, body_in, CANARY_TARGET, buffers_in)
         except Exception as exc:
             raise FrameError(f"canary call failed: {type(exc).__name__}: {exc}") from exc
         if echoed != value:
             raise FrameError("canary came back different from what was sent")
+
+    # ---- requests and replies (the caller thread holding the slot) ----
+
+    def send_request(
+        self, call_id: int, body: bytes, buffers: list[memoryview], deadline: float | None
+    ) -> shm.Block | None:
+        """Send a CALL frame. Out-of-band buffers go into one of our shared-memory blocks (one
+        memcpy) or, without shared memory, inline from the caller's memory. Returns the block,
+        to be released when the reply arrives (``finish_request``).
+
+        Raises ``SerializationError`` (nothing sent) if the frame would exceed the limit, the
+        socket's own error if the first write fails (nothing sent), ``PartialSend`` if a later
+        one does, and ``TimeoutError`` when a large write passes ``deadline``."""
+        sock = self.sock
+        assert sock is not None
+        if not buffers:
+            if len(body) <= 65536:
+                sock.sendall(encode_header(FrameType.CALL, call_id, len(body)) + body)
+                return None
+            parts: list[Any] = [encode_header(FrameType.CALL, call_id, len(body)), body]
+            self._send_large(parts, deadline)
+            return None
+        block = None
+        if self.blocks is not None:
+            try:
+                parts, block, length = shm.pack(body, buffers, self.blocks)
+            except OSError as exc:  # /dev/shm full: stream inline this time
+                _log.warning("comfy-env: shared memory unavailable (%s); sending inline", exc)
+                parts, block, length = shm.pack(body, buffers, None)
+        else:
+            parts, block, length = shm.pack(body, buffers, None)
+        if length + HEADER_SIZE > self.config.max_frame_bytes:
+            self.finish_request(block, [])
+            raise SerializationError(
+                f"the call's payload is {length} bytes, over PoolConfig.max_frame_bytes="
+                f"{self.config.max_frame_bytes} (shared memory is off or full)"
+            )
+        parts.insert(0, encode_header(FrameType.CALL, call_id, length, FLAG_OOB))
+        try:
+            self._send_large(parts, deadline)
+        except BaseException:
+            self.finish_request(block, [])
+            raise
+        return block
+
+    def _send_large(self, parts: list[Any], deadline: float | None) -> None:
+        sock = self.sock
+        assert sock is not None
+        if deadline is None:
+            send_parts(sock, parts)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(remaining)
+        try:
+            send_parts(sock, parts)
+        finally:
+            sock.settimeout(None)
+
+    def open_reply(
+        self, call_id: int, flags: int, payload: Payload
+    ) -> tuple[Payload | memoryview, list[Any] | None, list[str]]:
+        """Split a reply into (body, out-of-band buffers, our blocks the worker retained).
+
+        Shared-memory buffers are copied into private memory and ``CONSUMED`` is sent at once,
+        before anything is unpickled, so the worker gets its block back on every path.
+        A forged or malformed table raises ``FrameError``."""
+        if not flags & FLAG_OOB:
+            return payload, None, []
+        try:
+            body, buffers, sources, retained = shm.unpack(payload, self.mappings, copy_out=True)
+        except (ValueError, OSError) as exc:
+            raise FrameError(f"bad out-of-band reply: {exc}") from None
+        if self.ack_consumed and any(source is not None for source in sources):
+            sock = self.sock
+            assert sock is not None
+            try:
+                sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0))
+            except OSError:
+                pass  # the worker is gone; its blocks go with it (see dispose)
+        return body, buffers, retained
+
+    def finish_request(self, block: shm.Block | None, retained: list[str]) -> None:
+        """The request's block may be reused, unless the worker kept a view of it."""
+        if block is None or self.blocks is None:
+            return
+        if block.name in retained:
+            self.blocks.give_up(block)
+        else:
+            self.blocks.release(block)
 
     def _start_error(self, what: str) -> WorkerStartError:
         self.kill(graceful=False)
@@ -406,6 +544,9 @@ class WorkerProcess:
         if self._escalation is not None:
             self._escalation.cancel()
         self.exited.set()
+        if self.pid is not None and self.blocks is not None:
+            # The worker is gone: blocks it created (pinned replies, its pool) are orphans.
+            shm.unlink_blocks(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
         # Survivors of the group (the worker's own children) go with it.
         self._signal_group(signal.SIGKILL)
         self._on_exit(self)
@@ -449,12 +590,24 @@ class WorkerProcess:
         self.output.done.wait(timeout)
 
     def dispose(self) -> None:
-        """Close the host's channel socket. Only when no thread uses it any more."""
+        """Close the host's channel socket and release its shared memory. Only when no thread
+        uses them any more."""
         if self._disposed:
             return
         self._disposed = True
         if self.sock is not None:
             self.sock.close()
+        self._release_shm()
+
+    def _release_shm(self) -> None:
+        """Unlink our argument blocks, close mappings of the worker's blocks, and unlink the
+        worker's blocks by name prefix (a dead worker cannot unlink its own)."""
+        if self.blocks is not None:
+            self.blocks.destroy_all()
+        if self.mappings is not None:
+            self.mappings.close_all()
+        if self.pid is not None and self.blocks is not None and self.exited.is_set():
+            shm.unlink_blocks(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
 
     def abandon_in_forked_child(self) -> None:
         """In a forked child: close this process's inherited descriptors; never signal it."""

@@ -143,3 +143,67 @@ def kill_self(sig: int) -> None:
 def sleep_ignoring_sigterm(seconds: float) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(seconds)
+
+
+def buffer_owner(arr: Any) -> str:
+    """What memory a received array lives in: 'mmap' for a zero-copy shared-memory view."""
+    base = arr
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        obj = base.obj
+        if type(obj).__name__ == "PickleBuffer":
+            with obj.raw() as raw:
+                obj = raw.obj
+        while isinstance(obj, memoryview):
+            obj = obj.obj
+        return type(obj).__name__
+    return type(base).__name__
+
+
+def filled(value: float, n: int, dtype: str = "float32") -> Any:
+    import numpy as np
+
+    return np.full(n, value, dtype=dtype)
+
+
+_KEPT: list[Any] = []
+
+
+def keep(arr: Any) -> int:
+    """Stores the argument (a view of the host's block) beyond the call."""
+    _KEPT.append(arr)
+    return len(_KEPT)
+
+
+def kept_sum(index: int) -> float:
+    return float(_KEPT[index].sum())
+
+
+def forge_oob_reply(name_kind: str) -> None:
+    """Writes an out-of-band reply whose table points somewhere it must not."""
+    import pickle
+
+    from comfy_env_worker import main, protocol, shm
+
+    assert main.CHANNEL is not None and main.WORKER is not None
+    call_id = CURRENT_CALL_ID_PROBE()
+    if name_kind == "foreign":
+        table = [("shm", "ce-1-1-w1-1", 0, 16)]
+    elif name_kind == "path":
+        table = [("shm", "../../etc/passwd", 0, 16)]
+    else:  # a real block of ours, but a range far outside it
+        pool = main.WORKER.pool
+        assert pool is not None
+        block = pool.acquire(1)
+        table = [("shm", block.name, block.size - 8, 4096)]
+    head = pickle.dumps((table, [], []), protocol=5)
+    body = pickle.dumps(None, protocol=5)
+    payload = shm._U32.pack(len(head)) + head + body
+    main.CHANNEL.sendall(
+        protocol.encode_header(
+            protocol.FrameType.REPLY_OK, call_id, len(payload), protocol.FLAG_OOB
+        )
+        + payload
+    )
+    time.sleep(30)

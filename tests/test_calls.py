@@ -161,7 +161,7 @@ def test_large_argument_and_result_round_trip(pool: comfy_env.Pool) -> None:
 def test_argument_over_the_frame_limit_is_refused_in_the_caller(
     config: comfy_env.PoolConfig,
 ) -> None:
-    small = config.model_copy(update={"max_frame_bytes": 1024 * 1024})
+    small = config.model_copy(update={"max_frame_bytes": 1024 * 1024, "shared_memory": False})
     with comfy_env.Pool(small) as pool:
         w = pool.get_worker()
         with pytest.raises(SerializationError, match="max_frame_bytes"):
@@ -172,13 +172,22 @@ def test_argument_over_the_frame_limit_is_refused_in_the_caller(
 def test_result_over_the_frame_limit_is_an_error_and_the_worker_survives(
     config: comfy_env.PoolConfig,
 ) -> None:
-    small = config.model_copy(update={"max_frame_bytes": 1024 * 1024})
+    small = config.model_copy(update={"max_frame_bytes": 1024 * 1024, "shared_memory": False})
     with comfy_env.Pool(small) as pool:
         w = pool.get_worker()
         with pytest.raises(OverflowError, match="frame limit"):
             w.call(bytes, 2 * 1024 * 1024)
         assert w.call("remote_tasks:add", 1) == 1
         assert w.generation == 1
+
+
+def test_shared_memory_carries_buffers_larger_than_a_frame(config: comfy_env.PoolConfig) -> None:
+    small = config.model_copy(update={"max_frame_bytes": 1024 * 1024})
+    with comfy_env.Pool(small) as pool:
+        w = pool.get_worker()
+        blob = bytes(range(256)) * (8 * 4096)  # 8 MiB
+        assert w.call("comfy_env_worker.tasks:echo", blob) == blob
+        assert len(w.call(bytes, 3 * 1024 * 1024)) == 3 * 1024 * 1024
 
 
 def test_remote_error_pickles() -> None:

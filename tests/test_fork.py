@@ -165,6 +165,8 @@ def test_workers_die_with_their_host_even_while_a_forked_child_lives() -> None:
             time.sleep(0.01)
         assert not _alive(worker_pid), "the forked child kept the worker alive"
         assert _alive(child_pid)
+        report = comfy_env.sweep()  # the killed host could not unlink its blocks
+        assert all(f"-{host.pid}-" in name for name in report.blocks)
     finally:
         try:
             os.kill(child_pid, signal.SIGKILL)

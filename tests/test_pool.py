@@ -287,6 +287,10 @@ def test_workers_die_within_two_seconds_of_their_host(how: str) -> None:
     host.wait(30)
     assert _wait(lambda: not _alive(pid), 2.0), f"worker {pid} outlived its host ({how})"
     host.communicate()
+    # A host killed outright leaves blocks and its runtime dir; the sweep removes them.
+    comfy_env.sweep()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host.pid}-")]
+    assert not [d for d in os.listdir(runtime_root()) if d.startswith(f"host-{host.pid}-")]
 
 
 def test_workers_survive_the_exit_of_the_thread_that_first_called() -> None:

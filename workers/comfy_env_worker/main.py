@@ -32,17 +32,22 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import shm
 from .protocol import (
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_OOB,
     PROTOCOL_VERSION,
     ChannelClosed,
     FrameError,
     FrameReader,
     FrameType,
+    encode_header,
     send_frame,
+    send_parts,
 )
 
 _PICKLE_PROTOCOL = 5
@@ -129,6 +134,14 @@ class Worker:
         self.sock = sock
         self.reader = FrameReader(sock, DEFAULT_MAX_FRAME_BYTES)
         self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
+        self.threshold = shm.MIN_BLOCK
+        # Shared memory (set up by CONFIG when the host enables it): blocks we send replies
+        # in, mappings of the host's argument blocks, and reply blocks pinned until CONSUMED.
+        self.pool: Optional[shm.BlockPool] = None
+        self.mappings: Optional[shm.PeerMappings] = None
+        self.pinned: Dict[int, Tuple[shm.Block, float]] = {}
+        self.pinned_ttl = 60.0
+        self.pin_lock = threading.Lock()
 
     def send(self, ftype: int, call_id: int, payload: bytes = b"") -> None:
         send_frame(self.sock, ftype, call_id, payload)
@@ -140,9 +153,10 @@ class Worker:
             "python": tuple(sys.version_info[:3]),
             "executable": sys.executable,
             "platform": platform.platform(),
+            "shm": shm.shm_available(),
         }
         self.send(FrameType.HELLO, 0, pickle.dumps(hello, protocol=_PICKLE_PROTOCOL))
-        ftype, _call_id, payload = self.reader.read()
+        ftype, _flags, _call_id, payload = self.reader.read()
         if ftype != FrameType.CONFIG:
             raise FrameError("expected CONFIG, got frame type %d" % ftype)
         config = pickle.loads(payload)
@@ -160,13 +174,22 @@ class Worker:
         limit = int(config.get("max_frame_bytes") or DEFAULT_MAX_FRAME_BYTES)
         self.max_frame_bytes = limit
         self.reader.limit = limit
+        self.threshold = int(config.get("shm_threshold_bytes") or shm.MIN_BLOCK)
+        host_id = config.get("shm_host_id")
+        if host_id and shm.shm_available():
+            prefix = "%s%s-w%d-" % (shm.NAME_PREFIX, host_id, os.getpid())
+            self.pool = shm.BlockPool(prefix, int(config.get("shm_pool_bytes") or 0))
+            self.mappings = shm.PeerMappings("%s%s-h" % (shm.NAME_PREFIX, host_id))
+            self.pinned_ttl = float(config.get("shm_pinned_ttl") or 60.0)
 
     def serve(self) -> None:
         read = self.reader.read
         while True:
-            ftype, call_id, payload = read()
+            ftype, flags, call_id, payload = read()
             if ftype == FrameType.CALL:
-                self.run_call(call_id, payload)
+                self.run_call(call_id, flags, payload)
+            elif ftype == FrameType.CONSUMED:
+                self.consumed(call_id)
             elif ftype == FrameType.PING:
                 self.send(FrameType.PONG, call_id)
             elif ftype == FrameType.SHUTDOWN:
@@ -176,9 +199,21 @@ class Worker:
                 msg = "worker does not accept frame type %d" % ftype
                 self.send(FrameType.ERROR, call_id, msg.encode("utf-8"))
 
-    def run_call(self, call_id: int, payload: Any) -> None:
+    def run_call(self, call_id: int, flags: int, payload: Any) -> None:
+        arg_views: List[Any] = []
+        sources: List[Optional[str]] = []
         try:
-            target, args, kwargs = _loads(payload)
+            if flags & FLAG_OOB:
+                try:
+                    body, arg_views, sources, _ = shm.unpack(payload, self.mappings, copy_out=False)
+                except ValueError as exc:
+                    raise FrameError("bad out-of-band call payload: %s" % exc) from None
+                target, args, kwargs = _loads(
+                    body, buffers=[pickle.PickleBuffer(v) for v in arg_views]
+                )
+                del body
+            else:
+                target, args, kwargs = _loads(payload)
             del payload
             if type(target) is str:
                 fn = _TARGETS.get(target) or resolve_target(target)
@@ -187,25 +222,108 @@ class Worker:
             result = fn(*args, **kwargs)
             del args, kwargs
             try:
-                data = _dumps(result, _PICKLE_PROTOCOL)
+                data, buffers = shm.encode(result, self.threshold, _dumps, (result,))
             except Exception:  # noqa: BLE001 - cloudpickle fallback, or a clear TypeError
-                data = _dumps_result(result)
+                data, buffers = _dumps_result(result), []
             del result
+        except FrameError:
+            raise
         except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are replies too
             try:
                 data = error_record(exc)
             finally:
                 del exc
+            self.release_args(arg_views, sources)
             self.send(FrameType.REPLY_ERR, call_id, data)
             return
-        if len(data) > self.max_frame_bytes:
-            too_big = OverflowError(
-                "the result pickles to %d bytes, over the frame limit of %d bytes "
-                "(PoolConfig.max_frame_bytes)" % (len(data), self.max_frame_bytes)
-            )
-            self.send(FrameType.REPLY_ERR, call_id, error_record(too_big))
+        retained = self.release_args(arg_views, sources)
+        if not buffers and not retained:
+            if len(data) > self.max_frame_bytes:
+                self.reply_too_big(call_id, len(data))
+                return
+            self.send(FrameType.REPLY_OK, call_id, data)
             return
-        self.send(FrameType.REPLY_OK, call_id, data)
+        self.reply_oob(call_id, data, buffers, retained)
+
+    def reply_oob(
+        self, call_id: int, data: bytes, buffers: List[memoryview], retained: List[str]
+    ) -> None:
+        pool = self.pool
+        try:
+            parts, block, length = shm.pack(data, buffers, pool if buffers else None, retained)
+        except OSError:  # shared memory full or gone: stream the buffers inline instead
+            parts, block, length = shm.pack(data, buffers, None, retained)
+        del buffers
+        if length > self.max_frame_bytes:
+            if block is not None and pool is not None:
+                pool.release(block)
+            self.reply_too_big(call_id, length)
+            return
+        if block is not None:
+            with self.pin_lock:
+                self.pinned[call_id] = (block, time.monotonic() + self.pinned_ttl)
+        send_parts(
+            self.sock, [encode_header(FrameType.REPLY_OK, call_id, length, FLAG_OOB)] + parts
+        )
+
+    def reply_too_big(self, call_id: int, length: int) -> None:
+        too_big = OverflowError(
+            "the result pickles to %d bytes, over the frame limit of %d bytes "
+            "(PoolConfig.max_frame_bytes)" % (length, self.max_frame_bytes)
+        )
+        self.send(FrameType.REPLY_ERR, call_id, error_record(too_big))
+
+    @staticmethod
+    def release_args(views: List[Any], sources: List[Optional[str]]) -> List[str]:
+        """Let go of the host's argument blocks after a call. A block whose memory the call
+        kept (an array stored in a cache) is reported as retained, so the host never reuses
+        it. The views were handed to ``pickle.loads`` wrapped in ``PickleBuffer``, so every
+        array built on one holds a buffer export of it: ``release`` fails exactly while such
+        an array lives, and that export also keeps the mapping from ever being closed under
+        the array."""
+        retained = set()
+        for view, name in zip(views, sources):
+            try:
+                view.release()
+            except BufferError:
+                if name is not None:
+                    retained.add(name)
+        del views[:]
+        return sorted(retained)
+
+    def consumed(self, call_id: int) -> None:
+        with self.pin_lock:
+            entry = self.pinned.pop(call_id, None)
+        if entry is not None and self.pool is not None:
+            self.pool.release(entry[0])
+
+    def expire_pins(self) -> float:
+        """Give up reply blocks the host never acknowledged (TTL). Returns seconds until the
+        next expiry (or 1.0)."""
+        now = time.monotonic()
+        expired = []
+        with self.pin_lock:
+            for call_id, (block, deadline) in list(self.pinned.items()):
+                if deadline <= now:
+                    expired.append(block)
+                    del self.pinned[call_id]
+            upcoming = [d for _, d in self.pinned.values()]
+        if self.pool is not None:
+            for block in expired:
+                self.pool.give_up(block)
+        if upcoming:
+            return max(0.0, min(upcoming) - now)
+        return 1.0
+
+    def shm_stats(self) -> Dict[str, int]:
+        with self.pin_lock:
+            pinned = len(self.pinned)
+        pool = self.pool
+        return {
+            "pinned": pinned,
+            "blocks": len(pool.live) if pool is not None else 0,
+            "idle_blocks": pool.idle_blocks if pool is not None else 0,
+        }
 
 
 def _set_parent_death_signal() -> None:
@@ -222,23 +340,33 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _start_watchdog(sock: socket.socket, host_pid: int) -> None:
-    """Exit when the host's end of the channel hangs up, even while a call is running."""
+def _exit_orphaned(worker: Worker) -> None:
+    """The host is gone: unlink our shared-memory blocks (nobody will ack them) and leave."""
+    if worker.pool is not None:
+        worker.pool.destroy_all()
+    os._exit(0)
+
+
+def _start_watchdog(worker: Worker, host_pid: int) -> None:
+    """Exit when the host's end of the channel hangs up, even while a call is running; expire
+    pinned reply blocks on time (a timer, not a check on the next call)."""
     poll_hup = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
-    fd = sock.fileno()
+    fd = worker.sock.fileno()
 
     def watch() -> None:
         poller = select.poll()
         poller.register(fd, poll_hup)
+        wait = 1.0
         while True:
-            events = poller.poll(1000)
+            events = poller.poll(min(wait, 1.0) * 1000 + 1)
+            wait = worker.expire_pins()
             if events:
                 for _fd, ev in events:
                     if ev & (poll_hup | select.POLLERR | select.POLLNVAL):
-                        os._exit(0)
+                        _exit_orphaned(worker)
             # Fallback for the case a descriptor copy keeps the channel open: the host is gone.
             if host_pid and os.getppid() != host_pid and not _launched_via_wrapper:
-                os._exit(0)
+                _exit_orphaned(worker)
 
     t = threading.Thread(target=watch, name="comfy-env-watchdog", daemon=True)
     t.start()
@@ -249,11 +377,12 @@ _launched_via_wrapper = False
 # The worker's channel socket once ``main`` runs; tests and fault-injection tasks use it to
 # write raw bytes at the host. Nothing in the serve loop reads this global.
 CHANNEL: Optional[socket.socket] = None
+WORKER: Optional[Worker] = None
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: ``main([channel fd, host pid])``."""
-    global _launched_via_wrapper, CHANNEL
+    global _launched_via_wrapper, CHANNEL, WORKER
     args = list(sys.argv[1:] if argv is None else argv)
     fd = int(args[0])
     host_pid = int(args[1]) if len(args) > 1 else 0
@@ -271,7 +400,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     code = 0
     try:
         worker.handshake()
-        _start_watchdog(sock, host_pid)
+        WORKER = worker
+        _start_watchdog(worker, host_pid)
         worker.serve()
     except ChannelClosed:
         code = 0  # the host closed the channel: nothing left to serve
@@ -279,6 +409,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.stderr.write("comfy-env worker: protocol error: %s\n" % exc)
         code = 70
     finally:
+        if worker.pool is not None:
+            worker.pool.destroy_all()
         try:
             sys.stdout.flush()
             sys.stderr.flush()

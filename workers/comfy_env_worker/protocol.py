@@ -7,7 +7,7 @@ A frame is a fixed 20-byte header followed by ``length`` payload bytes::
 
     magic  b"CE"      2 bytes, catches a stream that is not ours (or lost sync)
     type   u8         one of the ``FrameType`` values below
-    flags  u8         0 (reserved)
+    flags  u8         FLAG_OOB: the payload carries out-of-band buffers (see ``shm``)
     length u64 LE     payload size, checked against the receiver's limit *before* reading
     call   u64 LE     call id the frame belongs to (0 for handshake and control frames)
 
@@ -27,7 +27,7 @@ import select
 import socket
 import struct
 import time
-from typing import Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 PROTOCOL_VERSION = 1
 
@@ -52,6 +52,10 @@ class FrameType:
     PONG = 8  # worker -> host
     SHUTDOWN = 9  # host -> worker: exit cleanly now
     ERROR = 10  # worker -> host: a frame the worker could not understand (never silence)
+    CONSUMED = 11  # host -> worker: the reply to call id was read; its blocks may be reused
+
+
+FLAG_OOB = 1
 
 
 KNOWN_TYPES = frozenset(
@@ -83,8 +87,40 @@ class ChannelClosed(Exception):
         self.partial = partial
 
 
-def encode_header(ftype: int, call_id: int, length: int) -> bytes:
-    return HEADER.pack(MAGIC, ftype, 0, length, call_id)
+def encode_header(ftype: int, call_id: int, length: int, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, ftype, flags, length, call_id)
+
+
+class PartialSend(OSError):
+    """The channel failed after part of a frame was written (the peer saw a partial frame)."""
+
+
+def send_parts(sock: socket.socket, parts: List[Any]) -> None:
+    """Write buffers back to back with ``sendmsg`` (no joining copy), resuming after partial
+    writes. An error on the first write means nothing was sent and propagates as is; a later
+    one is raised as ``PartialSend``."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if v.nbytes]
+    started = False
+    while views:
+        if not started:
+            sent = sock.sendmsg(views[:512])
+            started = True
+        else:
+            try:
+                sent = sock.sendmsg(views[:512])
+            except (BlockingIOError, TimeoutError):
+                raise
+            except OSError as exc:
+                raise PartialSend(exc.errno, "channel failed mid-frame: %s" % exc) from exc
+        while sent and views:
+            head = views[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                views.pop(0)
+            else:
+                views[0] = head[sent:]
+                sent = 0
 
 
 def send_frame(sock: socket.socket, ftype: int, call_id: int, payload: bytes = b"") -> None:
@@ -94,13 +130,7 @@ def send_frame(sock: socket.socket, ftype: int, call_id: int, payload: bytes = b
     if len(payload) <= 65536:
         sock.sendall(header + payload)
         return
-    sent = sock.sendmsg([header, payload])
-    total = HEADER_SIZE + len(payload)
-    if sent < total:
-        if sent < HEADER_SIZE:
-            sock.sendall(header[sent:])
-            sent = HEADER_SIZE
-        sock.sendall(memoryview(payload)[sent - HEADER_SIZE :])
+    send_parts(sock, [header, payload])
 
 
 class FrameReader:
@@ -152,8 +182,8 @@ class FrameReader:
             raise ChannelClosed(partial=bool(self._buf))
         self._buf += self._scratch_view[:n]
 
-    def read(self, deadline: Optional[float] = None) -> Tuple[int, int, Payload]:
-        """Return ``(frame type, call id, payload)`` of the next frame.
+    def read(self, deadline: Optional[float] = None) -> Tuple[int, int, int, Payload]:
+        """Return ``(frame type, flags, call id, payload)`` of the next frame.
 
         Raises ``ChannelClosed`` on EOF, ``FrameError`` on a bad magic or an oversize length,
         and ``TimeoutError`` when ``deadline`` (a ``time.monotonic()`` value) passes.
@@ -167,13 +197,13 @@ class FrameReader:
             if not n:
                 raise ChannelClosed()
             if n >= HEADER_SIZE:
-                magic, ftype, _flags, length, call_id = HEADER.unpack_from(self._scratch)
+                magic, ftype, flags, length, call_id = HEADER.unpack_from(self._scratch)
                 if n == HEADER_SIZE + length and magic == MAGIC and length <= self._limit:
-                    return ftype, call_id, self._scratch[HEADER_SIZE:n]
+                    return ftype, flags, call_id, self._scratch[HEADER_SIZE:n]
             buf += self._scratch_view[:n]
         while len(buf) < HEADER_SIZE:
             self._fill(deadline)
-        magic, ftype, _flags, length, call_id = HEADER.unpack_from(buf)
+        magic, ftype, flags, length, call_id = HEADER.unpack_from(buf)
         if magic != MAGIC:
             raise FrameError("bad frame magic %r (stream corrupted)" % (bytes(magic),))
         # An unknown *type* with a sound header is not a framing error: the stream is still in
@@ -186,7 +216,7 @@ class FrameReader:
         if len(buf) >= end:
             payload = bytes(buf[HEADER_SIZE:end])
             del buf[:end]
-            return ftype, call_id, payload
+            return ftype, flags, call_id, payload
         # A large frame: read the rest of the payload in place, one copy.
         big = bytearray(length)
         have = len(buf) - HEADER_SIZE
@@ -203,4 +233,4 @@ class FrameReader:
                 have += n
         finally:
             view.release()
-        return ftype, call_id, big
+        return ftype, flags, call_id, big

@@ -52,3 +52,12 @@ def exit_now(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def shm_stats() -> Dict[str, int]:
+    """This worker's shared-memory state: reply blocks pinned until the host acks them, blocks
+    alive, idle blocks kept for reuse."""
+    from . import main
+
+    worker = main.WORKER
+    return worker.shm_stats() if worker is not None else {}

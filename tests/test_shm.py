@@ -1,0 +1,261 @@
+"""Shared-memory transport: out-of-band buffers, consumed-ack pinning, TTL, sweep, forgery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+
+import numpy as np
+import psutil
+import pytest
+import remote_tasks
+from conftest import TESTS_DIR
+
+import comfy_env
+from comfy_env import ProtocolError, WorkerCrashed
+
+MiB = 1024 * 1024
+
+
+def _worker_shm(w: comfy_env.Worker) -> dict[str, int]:
+    return w.call("comfy_env_worker.tasks:shm_stats")  # type: ignore[no-any-return]
+
+
+def _host_process(w: comfy_env.Worker):  # type: ignore[no-untyped-def]
+    process = w._entry.slots[0].process
+    assert process is not None
+    return process
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+ARRAYS = {
+    "float32": np.arange(600_000, dtype=np.float32),
+    "int64-2d": np.arange(400_000, dtype=np.int64).reshape(800, 500),
+    "uint8-3d": (np.arange(2 * MiB, dtype=np.uint64) % 251).astype(np.uint8).reshape(64, 64, -1),
+    "fortran": np.asfortranarray(np.arange(600_000, dtype=np.float64).reshape(600, 1000)),
+    "complex": (np.arange(200_000) * (1 + 2j)).astype(np.complex128),
+    "bool": np.arange(3 * MiB) % 3 == 0,
+    "non-contiguous": np.arange(1_000_000, dtype=np.float64)[::3],
+    "0-d": np.array(3.5),
+    "small": np.arange(10, dtype=np.int16),
+    "structured": np.zeros(100_000, dtype=[("x", "<f8"), ("y", "<i4")]),
+}
+
+
+@pytest.mark.parametrize("name", list(ARRAYS))
+def test_arrays_round_trip_both_directions(pool: comfy_env.Pool, name: str) -> None:
+    arr = ARRAYS[name]
+    out = pool.get_worker().call("comfy_env_worker.tasks:echo", arr)
+    assert out.dtype == arr.dtype and out.shape == arr.shape
+    assert np.array_equal(out, arr)
+    assert out.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"\x01" * (3 * MiB), bytearray(b"\x02" * (3 * MiB)), [b"\x03" * (2 * MiB), 7]],
+    ids=["bytes", "bytearray", "bytes-in-list"],
+)
+def test_bytes_like_round_trip(pool: comfy_env.Pool, value: object) -> None:
+    out = pool.get_worker().call("comfy_env_worker.tasks:echo", value)
+    assert out == value and type(out) is type(value)
+
+
+def test_memoryview_arrives_as_an_equal_memoryview(pool: comfy_env.Pool) -> None:
+    data = bytes(range(256)) * (8 * 4096)
+    out = pool.get_worker().call("comfy_env_worker.tasks:echo", memoryview(data))
+    assert isinstance(out, memoryview) and out.tobytes() == data
+
+
+def test_large_buffers_travel_through_shared_memory(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    arr = np.ones(4 * MiB, dtype=np.uint8)
+    assert w.call(remote_tasks.buffer_owner, arr) == "mmap"  # a zero-copy view of our block
+    small = np.ones(1000, dtype=np.uint8)
+    assert w.call(remote_tasks.buffer_owner, small) != "mmap"  # below the threshold: in band
+    stats = _worker_shm(w)
+    assert stats["blocks"] >= 1  # its reply blocks (the canary's among them)
+
+
+def test_what_the_caller_keeps_never_aliases_reused_memory(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    first = w.call(remote_tasks.filled, 1.0, 2 * MiB)
+    second = w.call(remote_tasks.filled, 2.0, 2 * MiB)  # the worker reuses its reply block
+    assert float(first.sum()) == 2 * MiB * 1.0
+    assert float(second.sum()) == 2 * MiB * 2.0
+    assert remote_tasks.buffer_owner(first) == "bytearray"  # private memory
+
+
+def test_a_block_the_worker_keeps_is_never_reused_by_the_host(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    ones = np.ones(2 * MiB, dtype=np.float32)
+    index = w.call(remote_tasks.keep, ones) - 1  # the worker stores a view of our block
+    twos = np.full(2 * MiB, 2.0, dtype=np.float32)
+    w.call("comfy_env_worker.tasks:echo", twos)  # same size class: would reuse that block
+    assert w.call(remote_tasks.kept_sum, index) == float(2 * MiB)
+
+
+def test_the_consumed_ack_frees_pinned_reply_blocks_at_once(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    out = w.call(remote_tasks.filled, 1.0, MiB)
+    assert out.nbytes == 4 * MiB
+    assert _worker_shm(w)["pinned"] == 0
+    _host_process(w).ack_consumed = False
+    w.call(remote_tasks.filled, 1.0, MiB)
+    assert _worker_shm(w)["pinned"] == 1  # no ack: the reply block stays pinned
+
+
+def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config.model_copy(update={"shm_pinned_ttl": 0.3})) as pool:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        _host_process(w).ack_consumed = False
+        w.call(remote_tasks.filled, 1.0, MiB)
+        w.call(remote_tasks.filled, 1.0, 2 * MiB)
+        assert _worker_shm(w)["pinned"] == 2
+        # No further call is needed: the worker's timer gives the blocks up on its own.
+        time.sleep(1.5)
+        stats = _worker_shm(w)
+        assert stats["pinned"] == 0
+
+
+def test_a_crash_with_pinned_blocks_leaks_nothing(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    _host_process(w).ack_consumed = False
+    w.call(remote_tasks.filled, 1.0, 2 * MiB)
+    pid = w.pid
+    prefix = f"ce-{os.getpid()}-"
+    assert any(f"-w{pid}-" in n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    with pytest.raises(WorkerCrashed):
+        w.call("comfy_env_worker.tasks:crash")
+    assert _wait(lambda: not any(f"-w{pid}-" in n for n in os.listdir("/dev/shm")))
+    # (the leak guard checks that nothing else of ours is left in /dev/shm either)
+
+
+def test_shared_memory_off_streams_buffers_inline(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config.model_copy(update={"shared_memory": False})) as pool:
+        w = pool.get_worker()
+        arr = np.arange(3 * MiB, dtype=np.int32)
+        out = w.call("comfy_env_worker.tasks:echo", arr)
+        assert np.array_equal(out, arr)
+        assert w.call(remote_tasks.buffer_owner, arr) == "bytearray"  # the received frame
+        assert _worker_shm(w)["blocks"] == 0
+
+
+@pytest.mark.parametrize("forgery", ["foreign", "path", "out-of-range"])
+def test_a_forged_envelope_is_a_protocol_error(pool: comfy_env.Pool, forgery: str) -> None:
+    w = pool.get_worker()
+    with pytest.raises(ProtocolError, match="out-of-band"):
+        w.call(remote_tasks.forge_oob_reply, forgery)
+    assert w.call("remote_tasks:add", 1) == 1
+    assert w.generation == 2
+
+
+def _run_host(code: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def test_a_double_crash_leaves_blocks_that_the_next_pool_start_sweeps(
+    pool: comfy_env.Pool,
+) -> None:
+    host = _run_host(
+        """
+        import os, time, numpy as np, comfy_env
+        w = comfy_env.get_worker()
+        w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
+        w._entry.slots[0].process.ack_consumed = False
+        w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
+        print(w.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    assert host.stdout is not None
+    worker_pid = int(host.stdout.readline())
+    # Both die at once, before any cleanup can run.
+    os.kill(worker_pid, signal.SIGKILL)
+    host.kill()
+    host.communicate(timeout=30)
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host.pid}-")]
+    assert leftovers, "expected the killed host's blocks to remain until a sweep"
+    # The next pool start sweeps them, off the caller's path.
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", np.ones(2 * MiB, dtype=np.uint8))
+    assert _wait(lambda: pool.last_sweep is not None)
+    assert pool.last_sweep is not None
+    assert set(leftovers) <= set(pool.last_sweep.blocks)
+    assert any(d.startswith(f"host-{host.pid}-") for d in pool.last_sweep.runtime_dirs)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host.pid}-")]
+    # A live host's blocks (ours) are never swept.
+    ours = {n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{os.getpid()}-")}
+    assert ours
+    report = comfy_env.sweep()
+    assert not set(report.blocks) & ours
+    assert ours <= set(os.listdir("/dev/shm"))
+
+
+def test_the_sweep_kills_workers_whose_host_is_dead() -> None:
+    host = _run_host(
+        """
+        import os, signal, time, comfy_env
+        w = comfy_env.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 1)
+        # Make the worker immune to its host's death, as a stuck native call might be.
+        w.call(signal.pthread_sigmask, signal.SIG_BLOCK, {signal.SIGKILL})
+        print(w.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    assert host.stdout is not None
+    worker_pid = int(host.stdout.readline())
+    proc = psutil.Process(worker_pid)
+    proc.suspend()  # SIGSTOP: its watchdog cannot notice the host's death
+    try:
+        host.kill()
+        host.communicate(timeout=30)
+        report = comfy_env.sweep()
+        if worker_pid not in report.processes:
+            # The parent-death signal may have taken it first; then nothing is left to kill.
+            assert not psutil.pid_exists(worker_pid) or proc.status() == psutil.STATUS_ZOMBIE
+        assert _wait(lambda: not psutil.pid_exists(worker_pid), 5)
+    finally:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_no_resource_tracker_warnings_at_exit() -> None:
+    host = _run_host(
+        """
+        import numpy as np, comfy_env
+        w = comfy_env.get_worker()
+        for _ in range(3):
+            w.call("comfy_env_worker.tasks:echo", np.ones(4 << 20, dtype=np.uint8))
+        """
+    )
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    assert "resource_tracker" not in err and "leaked" not in err
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host.pid}-")]

@@ -1,0 +1,472 @@
+"""Out-of-band buffers: large buffers travel beside the pickle, in shared memory or inline.
+
+Both sides use this module (stdlib only, Python 3.8+).
+
+**Encoding.** ``encode`` pickles with protocol 5 and a buffer callback: every buffer of at least
+``threshold`` bytes (numpy arrays at any depth; bytes, bytearray and memoryview that are an
+argument or the result, or directly inside a tuple, list or dict that is) is taken out of band. The sender then places those buffers either in one shared-memory *block* from its own
+``BlockPool`` (one memcpy), or, when shared memory is off, unavailable or full, inline after the
+pickle in the same frame (written straight from the caller's memory by ``sendmsg``: the
+streaming fallback). The frame carries flag ``FLAG_OOB`` and this payload::
+
+    u32 table length | table (pickled: [("shm", name, offset, length) | ("inline", offset,
+    length), ...], list of retained block names) | body (the pickle) | inline buffers
+
+**Decoding.** ``decode`` maps the blocks named in the table through ``PeerMappings`` (validated:
+the name must carry the expected owner prefix, the range must lie inside the block; a forged
+table is a ``FrameError``, never a mapping of arbitrary memory) and unpickles with
+``buffers=``. Received numpy arrays are then zero-copy views on the block or on the received
+frame.
+
+**Lifetimes** (who may reuse what, and when):
+- Argument blocks (host -> worker) belong to the host. The worker's arrays view them only for the
+  duration of the call; if the function kept a view (a cache), the worker reports the block as
+  *retained* in its reply and the host gives the block up instead of reusing it (the worker's
+  mapping keeps the memory alive).
+- Reply blocks (worker -> host) belong to the worker and stay *pinned* until the host sends
+  ``CONSUMED`` for that call id; the host copies the buffers out before it acks, so nothing the
+  caller keeps aliases memory the worker will reuse. A timer-driven TTL unlinks pinned blocks the
+  host never acks (it died).
+
+**Names** carry the owning host's pid and start time (``ce-<pid>-<start ms>-...``) so the
+orphan sweep can tell a dead host's blocks from a live one's even when the pid is reused, and
+the owner: ``h`` for the host, ``w<pid>`` for a worker. Blocks are created with mode 0600 and
+never registered with ``multiprocessing.resource_tracker``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "ce-"
+MIN_BLOCK = 1 << 20  # smallest size class
+ALIGN = 64
+
+_U32 = struct.Struct("<I")
+
+Table = List[Tuple[Any, ...]]
+
+
+def shm_available() -> bool:
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def size_class(nbytes: int) -> int:
+    """Blocks come in powers of two from 1 MiB, so a freed block fits the next similar call.
+    Pages past what is written are never touched, so rounding up costs no memory."""
+    size = MIN_BLOCK
+    while size < nbytes:
+        size <<= 1
+    return size
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+# ---- rebuilding bytes-like objects taken out of band -----------------------------------------
+
+
+def rebuild_bytes(buf: Any) -> bytes:
+    return bytes(buf)
+
+
+def rebuild_bytearray(buf: Any) -> bytearray:
+    return bytearray(buf)
+
+
+def rebuild_memoryview(buf: Any) -> memoryview:
+    return memoryview(bytearray(buf))
+
+
+_REBUILD: Dict[type, Callable[[Any], Any]] = {
+    bytes: rebuild_bytes,
+    bytearray: rebuild_bytearray,
+    memoryview: rebuild_memoryview,
+}
+
+
+class _OutOfBand:
+    """Stands in for a large bytes-like object while pickling, so that it travels out of band:
+    the C pickler writes bytes and bytearray in band without asking anyone, but any other
+    object reduces through ``__reduce_ex__``, and a ``PickleBuffer`` there reaches the buffer
+    callback."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _REBUILD[type(self.obj)], (pickle.PickleBuffer(self.obj),)
+
+
+def _is_large_bytes(value: Any, threshold: int) -> bool:
+    kind = type(value)
+    if kind is bytes or kind is bytearray:
+        return len(value) >= threshold
+    if kind is memoryview:
+        return bool(value.contiguous) and value.nbytes >= threshold
+    return False
+
+
+def _swap(obj: Any, threshold: int, depth: int) -> Any:
+    """``obj`` with large bytes-like objects replaced by ``_OutOfBand`` stand-ins, looking
+    ``depth`` levels into tuples, lists and dicts (deeper ones travel in band)."""
+    if _is_large_bytes(obj, threshold):
+        return _OutOfBand(obj)
+    if depth <= 0:
+        return obj
+    kind = type(obj)
+    if kind is tuple:
+        return tuple(_swap(v, threshold, depth - 1) for v in obj)
+    if kind is list:
+        return [_swap(v, threshold, depth - 1) for v in obj]
+    if kind is dict:
+        return {k: _swap(v, threshold, depth - 1) for k, v in obj.items()}
+    return obj
+
+
+def _has_large_bytes(values: Sequence[Any], threshold: int) -> bool:
+    """Cheap check of the values and one level into their containers."""
+    for v in values:
+        if _is_large_bytes(v, threshold):
+            return True
+        kind = type(v)
+        if kind is list or kind is tuple:
+            if any(_is_large_bytes(w, threshold) for w in v):
+                return True
+        elif kind is dict:
+            if any(_is_large_bytes(w, threshold) for w in v.values()):
+                return True
+    return False
+
+
+def encode(
+    obj: Any,
+    threshold: int,
+    dumps: Callable[..., bytes] = pickle.dumps,
+    scan: Sequence[Any] = (),
+) -> Tuple[bytes, List[memoryview]]:
+    """Pickle ``obj`` taking buffers of at least ``threshold`` bytes out of band.
+
+    Returns the pickle and the raw out-of-band buffers (C-contiguous byte views of the caller's
+    memory; nothing is copied yet). ``scan`` lists the values to check (and one container level
+    into them) for large bytes-like objects (bytes, bytearray, memoryview), which are then
+    swapped for out-of-band stand-ins; numpy arrays go out of band on their own at any depth.
+    ``dumps`` is ``pickle.dumps`` or ``cloudpickle.dumps``.
+    """
+    buffers: List[memoryview] = []
+
+    def callback(pb: pickle.PickleBuffer) -> bool:
+        try:
+            raw = pb.raw()
+        except BufferError:  # non-contiguous: let pickle copy it in band
+            return True
+        if raw.nbytes < threshold:
+            return True
+        buffers.append(raw)
+        return False
+
+    if scan and _has_large_bytes(scan, threshold):
+        obj = _swap(obj, threshold, 3)
+    return dumps(obj, protocol=5, buffer_callback=callback), buffers
+
+
+# ---- blocks ----------------------------------------------------------------------------------
+
+
+class Block:
+    """One shared-memory block this process created (and will unlink)."""
+
+    __slots__ = ("mm", "name", "size")
+
+    def __init__(self, name: str, size: int) -> None:
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        self.name = name
+        self.size = size
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self.mm[offset : offset + data.nbytes] = data
+
+    def destroy(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a peer-side view still exports it; the mapping goes when the view does
+
+
+class BlockPool:
+    """Blocks this process reuses for what it sends: pre-faulted after first use (a fresh
+    block per call costs about ten memcpys in page faults), bounded in total idle bytes."""
+
+    def __init__(self, name_prefix: str, max_idle_bytes: int) -> None:
+        self._prefix = name_prefix
+        self._max_idle = max_idle_bytes
+        self._free: Dict[int, List[Block]] = {}
+        self._idle_bytes = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.live: Dict[str, Block] = {}  # every block not destroyed, by name
+        self.dropped: List[str] = []  # destroyed since the peer last heard, so it can unmap
+
+    def acquire(self, nbytes: int) -> Block:
+        size = size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                block = free.pop()
+                self._idle_bytes -= size
+                return block
+            self._seq += 1
+            name = "%s%d" % (self._prefix, self._seq)
+        block = Block(name, size)
+        with self._lock:
+            self.live[name] = block
+        return block
+
+    def release(self, block: Block) -> None:
+        with self._lock:
+            if block.name not in self.live:
+                return
+            if self._idle_bytes + block.size <= self._max_idle:
+                self._free.setdefault(block.size, []).append(block)
+                self._idle_bytes += block.size
+                return
+        self.give_up(block)
+
+    def give_up(self, block: Block) -> None:
+        """Unlink ``block`` and never reuse it (its memory lives on in any peer mapping)."""
+        with self._lock:
+            if self.live.pop(block.name, None) is None:
+                return
+            for blocks in self._free.values():
+                if block in blocks:
+                    blocks.remove(block)
+                    self._idle_bytes -= block.size
+            self.dropped.append(block.name)
+        block.destroy()
+
+    def take_dropped(self) -> List[str]:
+        with self._lock:
+            dropped, self.dropped = self.dropped, []
+        return dropped
+
+    @property
+    def idle_blocks(self) -> int:
+        with self._lock:
+            return sum(len(b) for b in self._free.values())
+
+    def destroy_all(self) -> None:
+        with self._lock:
+            blocks = list(self.live.values())
+            self.live.clear()
+            self._free.clear()
+            self._idle_bytes = 0
+        for block in blocks:
+            block.destroy()
+
+
+class PeerMappings:
+    """Mappings of the peer's blocks, cached by name (names are never reused), bounded."""
+
+    def __init__(self, allowed_prefix: str, max_mappings: int = 16) -> None:
+        self._prefix = allowed_prefix
+        self._max = max_mappings
+        self._maps: Dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def view(self, name: str, offset: int, length: int) -> memoryview:
+        if (
+            not isinstance(name, str)
+            or not name.startswith(self._prefix)
+            or "/" in name
+            or name in (".", "..")
+        ):
+            raise ValueError("block name %r is not one of the peer's blocks" % (name,))
+        with self._lock:
+            mm = self._maps.get(name)
+        if mm is None:
+            mm = self._map(name)
+        if not (0 <= offset and 0 <= length and offset + length <= len(mm)):
+            raise ValueError(
+                "range %d+%d lies outside block %s of %d bytes" % (offset, length, name, len(mm))
+            )
+        return memoryview(mm)[offset : offset + length]
+
+    def _map(self, name: str) -> mmap.mmap:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise ValueError("block %s is empty" % name)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._maps[name] = mm
+            while len(self._maps) > self._max:
+                oldest = next(iter(self._maps))
+                self._close(self._maps.pop(oldest))
+        return mm
+
+    def forget(self, names: Sequence[str]) -> None:
+        with self._lock:
+            maps = [self._maps.pop(n) for n in names if n in self._maps]
+        for mm in maps:
+            self._close(mm)
+
+    @staticmethod
+    def _close(mm: mmap.mmap) -> None:
+        try:
+            mm.close()
+        except BufferError:
+            pass  # arrays still view it; the mapping closes when they are gone
+
+    def close_all(self) -> None:
+        with self._lock:
+            maps = list(self._maps.values())
+            self._maps.clear()
+        for mm in maps:
+            self._close(mm)
+
+
+# ---- the frame payload -----------------------------------------------------------------------
+
+
+def pack(
+    body: bytes,
+    buffers: List[memoryview],
+    pool: Optional[BlockPool],
+    retained: Sequence[str] = (),
+) -> Tuple[List[Any], Optional[Block], int]:
+    """Lay out an out-of-band payload. Buffers go into one block from ``pool`` when given
+    (one memcpy), else inline. Returns (iovec parts for sendmsg, the block used or None, total
+    payload length)."""
+    table: Table = []
+    block = None
+    inline: List[memoryview] = []
+    if pool is not None:
+        total = sum(_align(b.nbytes) for b in buffers)
+        block = pool.acquire(total)
+        offset = 0
+        for buf in buffers:
+            block.write(offset, buf)
+            table.append(("shm", block.name, offset, buf.nbytes))
+            offset += _align(buf.nbytes)
+    else:
+        offset = 0
+        for buf in buffers:
+            table.append(("inline", offset, buf.nbytes))
+            inline.append(buf)
+            offset += buf.nbytes
+    dropped = pool.take_dropped() if pool is not None else []
+    head = pickle.dumps((table, list(retained), dropped), protocol=5)
+    parts: List[Any] = [_U32.pack(len(head)), head, body]
+    parts.extend(inline)
+    length = 4 + len(head) + len(body) + sum(b.nbytes for b in inline)
+    return parts, block, length
+
+
+def unpack(
+    payload: Any,
+    mappings: Optional[PeerMappings],
+    copy_out: bool,
+) -> Tuple[memoryview, List[Any], List[Optional[str]], List[str]]:
+    """Split an out-of-band payload. Returns (body, buffers for ``pickle.loads``, the block
+    name each buffer came from (None: inline), names of our blocks the peer retained).
+    ``copy_out`` copies shared-memory buffers into private memory (the host does, so the worker
+    can reuse its reply block at once). Mappings of blocks the peer dropped are closed.
+    Raises ``ValueError`` on a malformed or forged table."""
+    view = memoryview(payload)
+    if len(view) < 4:
+        raise ValueError("out-of-band payload shorter than its header")
+    (head_len,) = _U32.unpack_from(view, 0)
+    if head_len > len(view) - 4:
+        raise ValueError("out-of-band table overruns the frame")
+    try:
+        table, retained, dropped = pickle.loads(view[4 : 4 + head_len])
+    except Exception as exc:  # noqa: BLE001 - a forged table is a protocol error
+        raise ValueError("unreadable out-of-band table: %s" % exc) from None
+    if mappings is not None and dropped:
+        mappings.forget(dropped)
+    inline_total = sum(e[2] for e in table if e and e[0] == "inline")
+    body_end = len(view) - inline_total
+    if body_end < 4 + head_len:
+        raise ValueError("inline buffers overrun the frame")
+    body = view[4 + head_len : body_end]
+    inline_area = view[body_end:]
+    buffers: List[Any] = []
+    sources: List[Optional[str]] = []
+    for entry in table:
+        if entry[0] == "inline":
+            _, offset, length = entry
+            if not (0 <= offset and 0 <= length and offset + length <= len(inline_area)):
+                raise ValueError("inline buffer range out of the frame")
+            buffers.append(inline_area[offset : offset + length])
+            sources.append(None)
+        elif entry[0] == "shm":
+            if mappings is None:
+                raise ValueError("a shared-memory buffer arrived but shared memory is off")
+            _, name, offset, length = entry
+            buf = mappings.view(name, offset, length)
+            if copy_out:
+                private = bytearray(buf)
+                buf.release()
+                buffers.append(private)
+            else:
+                buffers.append(buf)
+            sources.append(name)
+        else:
+            raise ValueError("unknown out-of-band entry %r" % (entry[0],))
+    return body, buffers, sources, list(retained)
+
+
+def block_names(payload: Any) -> List[str]:
+    """The shared-memory block names an out-of-band payload refers to (best effort)."""
+    try:
+        view = memoryview(payload)
+        (head_len,) = _U32.unpack_from(view, 0)
+        table = pickle.loads(view[4 : 4 + head_len])[0]
+        return sorted({e[1] for e in table if e[0] == "shm"})
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def owned_blocks(prefix: str) -> List[str]:
+    """Names in SHM_DIR that start with ``prefix``."""
+    try:
+        return [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def unlink_blocks(prefix: str) -> List[str]:
+    """Unlink every block whose name starts with ``prefix``; returns the names unlinked."""
+    gone = []
+    for name in owned_blocks(prefix):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            gone.append(name)
+        except OSError:
+            pass
+    return gone
