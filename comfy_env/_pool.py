@@ -594,12 +594,14 @@ class Pool:
                 ftype, flags, reply = self._receive(entry, slot, process, call_id, target, deadline)
             except _NotDelivered:
                 continue  # it died with our request unread: the call never ran
+            replied = lc.Replied(generation, call_id, time.monotonic())
+            if not flags and block is None:
+                return ftype, reply, None, replied  # the small-call path: nothing out of band
             try:
                 reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
             except FrameError as exc:
                 raise self._protocol_error(entry, slot, process, str(exc)) from None
             process.finish_request(block, retained)
-            replied = lc.Replied(generation, call_id, time.monotonic())
             return ftype, reply_body, reply_buffers, replied
 
     def _live_process(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:

@@ -116,6 +116,16 @@ def host_token() -> str:
     return f"{os.getpid()}-{int(psutil.Process().create_time() * 1000)}"
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Shared memory trouble is said loudly, but once per process, not once per call."""
+    if message not in _warned:
+        _warned.add(message)
+        _log.warning("comfy-env: %s", message)
+
+
 _HOST_TOKEN: tuple[int, str] | None = None
 _serials = itertools.count(1)
 
@@ -224,6 +234,8 @@ class WorkerProcess:
         self._owner_pid = os.getpid()  # a forked copy of this object must never signal
         # Shared memory, set up at the handshake when both sides can use it.
         self.shm_wanted = config.shared_memory and shm.shm_available()
+        if config.shared_memory and not self.shm_wanted:
+            _warn_once(f"{shm.SHM_DIR} is not usable here; large buffers are streamed inline")
         self.blocks: shm.BlockPool | None = None
         self.mappings: shm.PeerMappings | None = None
         self.ack_consumed = True  # tests turn this off to exercise the worker's TTL
@@ -399,7 +411,7 @@ class WorkerProcess:
             try:
                 parts, block, length = shm.pack(body, buffers, self.blocks)
             except OSError as exc:  # /dev/shm full: stream inline this time
-                _log.warning("comfy-env: shared memory unavailable (%s); sending inline", exc)
+                _warn_once(f"shared memory failed ({exc}); large buffers are streamed inline")
                 parts, block, length = shm.pack(body, buffers, None)
         else:
             parts, block, length = shm.pack(body, buffers, None)

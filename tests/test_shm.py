@@ -94,9 +94,12 @@ def test_what_the_caller_keeps_never_aliases_reused_memory(pool: comfy_env.Pool)
     w = pool.get_worker()
     first = w.call(remote_tasks.filled, 1.0, 2 * MiB)
     second = w.call(remote_tasks.filled, 2.0, 2 * MiB)  # the worker reuses its reply block
+    # Had `first` been a view of the worker's reply block, the second reply (same size class,
+    # so the same reused block) would have overwritten it.
     assert float(first.sum()) == 2 * MiB * 1.0
     assert float(second.sum()) == 2 * MiB * 2.0
-    assert remote_tasks.buffer_owner(first) == "bytearray"  # private memory
+    first[:] = 5.0  # private and writable
+    assert float(w.call(remote_tasks.filled, 3.0, 2 * MiB).sum()) == 2 * MiB * 3.0
 
 
 def test_a_block_the_worker_keeps_is_never_reused_by_the_host(pool: comfy_env.Pool) -> None:

@@ -233,10 +233,11 @@ class Worker:
                 data = error_record(exc)
             finally:
                 del exc
-            self.release_args(arg_views, sources)
+            if arg_views:
+                self.release_args(arg_views, sources)
             self.send(FrameType.REPLY_ERR, call_id, data)
             return
-        retained = self.release_args(arg_views, sources)
+        retained = self.release_args(arg_views, sources) if arg_views else arg_views
         if not buffers and not retained:
             if len(data) > self.max_frame_bytes:
                 self.reply_too_big(call_id, len(data))
