@@ -258,7 +258,7 @@ def test_no_resource_tracker_warnings_at_exit() -> None:
             w.call("comfy_env_worker.tasks:echo", np.ones(4 << 20, dtype=np.uint8))
         """
     )
-    out, err = host.communicate(timeout=60)
+    _out, err = host.communicate(timeout=60)
     assert host.returncode == 0, err
     assert "resource_tracker" not in err and "leaked" not in err
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host.pid}-")]
