@@ -1,25 +1,91 @@
 """The ``comfy-env`` command line.
 
 Commands:
-  demo [--env ENV]    walk through the lifecycle on a real worker: lazy spawn, a call, a
-                      native segfault turned into WorkerCrashed, the replacement generation,
-                      a timeout, and the stats.
+  demo [--env ENV]          walk through the lifecycle on a real worker: lazy spawn, a call, a
+                            native segfault turned into WorkerCrashed, the replacement
+                            generation, a timeout, and the stats.
+  doctor [ENV]              check that an env can run workers, step by step, with timings:
+                            config, resolve the interpreter, spawn + handshake + canary,
+                            versions, a warm round trip, a 4 MiB shared-memory round trip.
+  call ENV TARGET [ARGS]    run one call, ``module:function`` with ARGS a JSON array
+                            (positional) or object (keyword), and print the result.
+  sweep                     remove what dead hosts left behind (shared-memory blocks, runtime
+                            directories, stray workers, status files).
+  status                    list live comfy-env hosts of this user on this machine: their envs,
+                            worker pids, generations, states, RSS, idle time, call counts.
 
-Exit codes: 0 success; 1 the demo saw something other than what it demonstrates; 2 bad usage.
+ENV is an env directory or an interpreter path; ``-`` (or, for doctor, nothing) is the current
+interpreter. Every command but demo takes ``--json`` for machine-readable output on stdout.
+
+Data flow: ``doctor`` and ``call`` build a private ``Pool`` (``PoolConfig()``, so the
+``COMFY_ENV_*`` variables apply), use only the public API plus two read-only looks at the first
+slot's process (start-up time, hello), and close the pool before returning, so nothing outlives
+the command. Worker output is held back during ``doctor`` (a failed start shows it in the
+error) and forwarded to stderr during ``call``. ``sweep`` is ``comfy_env.sweep()`` plus the
+removal of dead hosts' status files. ``status`` reads the files hosts publish under
+``<runtime root>/status`` (see ``comfy_env._status``) and measures RSS live; it needs no
+cooperation from the hosts beyond those files.
+
+Exit codes:
+  0    success (doctor: every step passed; warnings do not fail it)
+  1    a step, the call or the command failed (the error is on stderr; with --json also in
+       the JSON document on stdout)
+  2    bad usage: unknown command or option, malformed JSON arguments, a target not of the form
+       module:function, an invalid COMFY_ENV_* setting (for call)
+  130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import re
+import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from pydantic import ValidationError
 
 from . import __version__
 from ._config import PoolConfig
-from ._errors import CallTimeout, ComfyEnvError, WorkerCrashed
+from ._envs import resolve_env
+from ._errors import (
+    CallTimeout,
+    ComfyEnvError,
+    EnvError,
+    RemoteError,
+    RemoteTraceback,
+    WorkerCrashed,
+    WorkerStartError,
+)
 from ._pool import Pool
+from ._worker import Worker
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0    success (doctor: every step passed)
+  1    a step, the call or the command failed (details on stderr; in the JSON with --json)
+  2    bad usage: unknown option, malformed JSON arguments, target not module:function,
+       invalid COMFY_ENV_* setting
+  130  interrupted
+
+ENV is an env directory or an interpreter path; "-" means the current interpreter."""
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported on stderr, exit code 2."""
 
 
 def _timed(label: str, fn: Callable[[], Any]) -> Any:
@@ -110,31 +176,665 @@ def demo(env: str | None) -> int:
     return 0 if ok else 1
 
 
+# ---- shared helpers --------------------------------------------------------------------------
+
+
+def _env_arg(env: str | None) -> str | None:
+    return None if env in (None, "-") else env
+
+
+def _print_json(document: Any) -> None:
+    print(json.dumps(document, indent=2, default=str))
+
+
+def _error_name(exc: BaseException) -> str:
+    if isinstance(exc, RemoteError):
+        return exc.type_name
+    cls = type(exc)
+    if cls.__module__ in ("builtins", "comfy_env._errors"):
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _remote_traceback(exc: BaseException) -> str | None:
+    if isinstance(exc, RemoteError):
+        return exc.traceback_text or None
+    cause = exc.__cause__
+    if isinstance(cause, RemoteTraceback):
+        return cause.traceback_text
+    return None
+
+
+def _error_record(exc: BaseException) -> dict[str, Any]:
+    """The JSON form of an error: its type name, message and the facts it carries."""
+    record: dict[str, Any] = {"type": _error_name(exc), "message": str(exc)}
+    for attr in ("env", "pid", "generation", "exitcode", "signal", "call_id", "target"):
+        value = getattr(exc, attr, None)
+        if value is not None:
+            record[attr] = value
+    tried = getattr(exc, "tried", None)
+    if tried:
+        record["tried"] = list(tried)
+    tail = getattr(exc, "stderr_tail", None)
+    if tail:
+        record["stderr_tail"] = tail
+    remote = _remote_traceback(exc)
+    if remote:
+        record["traceback"] = remote
+    return record
+
+
+class _Capture(logging.Handler):
+    """Keeps worker output lines (doctor shows them only through the errors that carry them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _worker_output(handler: logging.Handler) -> Iterator[None]:
+    """Route the ``comfy_env.worker.*`` loggers to ``handler`` only, for the command's run."""
+    logger = logging.getLogger("comfy_env.worker")
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _indent(text: str, prefix: str = "        | ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+# ---- doctor ----------------------------------------------------------------------------------
+
+INFO_TARGET = "comfy_env_worker.tasks:info"
+ECHO_TARGET = "comfy_env_worker.tasks:echo"
+SHM_STATS_TARGET = "comfy_env_worker.tasks:shm_stats"
+SHM_PROBE_BYTES = 4 * 1024 * 1024
+WARM_CALLS = 50
+
+
+@dataclass
+class Step:
+    """One doctor check: ``status`` is "ok", "WARN" (works, but not as configured) or "FAIL"."""
+
+    name: str
+    status: str = "ok"
+    ms: float | None = None
+    detail: str = ""
+    error: dict[str, Any] | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+class _Doctor:
+    """Runs the checks in order and stops at the first failure."""
+
+    def __init__(self, env: str | None, timeout: float) -> None:
+        self.env = env
+        self.timeout = timeout
+        self.steps: list[Step] = []
+
+    def run(self) -> bool:
+        config = self._config()
+        if config is None or not self._resolve():
+            return False
+        capture = _Capture()
+        with _worker_output(capture), Pool(config) as pool:
+            worker = pool.get_worker(self.env)
+            return (
+                self._start(worker)
+                and self._round_trip(worker)
+                and self._shared_memory(worker, config)
+            )
+
+    def _fail(self, step: Step, exc: BaseException) -> None:
+        step.status = "FAIL"
+        step.error = _error_record(exc)
+        step.detail = f"{_error_name(exc)}: {exc}"
+        tried = getattr(exc, "tried", ())
+        if tried and "tried:" not in str(exc):
+            step.detail += "\ntried:\n  " + "\n  ".join(tried)
+        tail = getattr(exc, "stderr_tail", "")
+        if tail and tail not in str(exc):
+            step.detail += "\n--- worker output (last lines) ---\n" + tail
+        if isinstance(exc, WorkerStartError) and not tail:
+            step.detail += "\n(the worker printed nothing)"
+
+    def _timed(self, step: Step, fn: Callable[[], Any]) -> Any:
+        self.steps.append(step)
+        started = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            step.ms = (time.perf_counter() - started) * 1000
+
+    def _config(self) -> PoolConfig | None:
+        step = Step("config")
+        try:
+            config: PoolConfig = self._timed(step, PoolConfig)
+        except ValidationError as exc:
+            step.status = "FAIL"
+            step.detail = f"invalid COMFY_ENV_* setting:\n{exc}"
+            step.error = {"type": "ValidationError", "message": str(exc)}
+            return None
+        overrides = sorted(k for k in os.environ if k.startswith("COMFY_ENV_"))
+        step.detail = (
+            f"shared_memory={config.shared_memory}, start_timeout={config.start_timeout:g}s, "
+            f"from environment: {', '.join(overrides) if overrides else 'nothing'}"
+        )
+        step.facts = {"overrides": overrides}
+        return config
+
+    def _resolve(self) -> bool:
+        step = Step("resolve env")
+        try:
+            spec = self._timed(step, lambda: resolve_env(self.env))
+        except EnvError as exc:
+            self._fail(step, exc)
+            return False
+        step.detail = f"{spec.key} -> interpreter {spec.interpreter}"
+        step.facts = {"env": spec.key, "interpreter": spec.interpreter}
+        return True
+
+    def _start(self, worker: Worker) -> bool:
+        step = Step("spawn + handshake + canary")
+        try:
+            info = self._timed(step, lambda: worker.run(INFO_TARGET, timeout=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
+            self._fail(step, exc)
+            return False
+        process = getattr(worker._entry.slots[0], "process", None)
+        startup = getattr(process, "startup_seconds", None)
+        hello: dict[str, Any] = dict(getattr(process, "hello", None) or {})
+        step.detail = f"worker pid {worker.pid}, generation {worker.generation}"
+        if isinstance(startup, float) and step.ms is not None:
+            step.detail += (
+                f"; interpreter boot + handshake + canary {startup * 1000:.1f} ms, "
+                f"launch + first call (tasks:info) {step.ms - startup * 1000:.1f} ms"
+            )
+        step.facts = {
+            "pid": worker.pid,
+            "generation": worker.generation,
+            "startup_ms": None if startup is None else round(startup * 1000, 3),
+        }
+        versions = Step("versions")
+        self.steps.append(versions)
+        host_python = platform.python_version()
+        worker_python = str(info.get("python", "?"))
+        versions.detail = (
+            f"worker Python {worker_python} at {info.get('executable')} "
+            f"(prefix {info.get('prefix')}); host Python {host_python}, comfy-env {__version__}"
+        )
+        if "protocol" in hello:
+            versions.detail += f", protocol {hello['protocol']}"
+        if hello.get("platform"):
+            versions.detail += f", {hello['platform']}"
+        if worker_python.split(".")[:2] != host_python.split(".")[:2]:
+            versions.detail += (
+                "\nnote: other Python major.minor than the host: targets must be named as "
+                "'module:function' (callables by value need the same version)"
+            )
+        versions.facts = {
+            "comfy_env": __version__,
+            "host_python": host_python,
+            "worker_python": worker_python,
+            "worker_executable": info.get("executable"),
+            "worker_prefix": info.get("prefix"),
+            "protocol": hello.get("protocol"),
+            "platform": hello.get("platform"),
+            "worker_shm_available": hello.get("shm"),
+        }
+        return True
+
+    def _round_trip(self, worker: Worker) -> bool:
+        step = Step("warm round trip")
+        self.steps.append(step)
+        times = []
+        try:
+            for i in range(WARM_CALLS):
+                started = time.perf_counter()
+                worker.run(ECHO_TARGET, (i,), timeout=self.timeout)
+                times.append(time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
+            self._fail(step, exc)
+            return False
+        median = statistics.median(times)
+        step.ms = median * 1000
+        step.detail = (
+            f"tasks:echo, median of {WARM_CALLS} calls: {median * 1e6:.1f} us "
+            f"(min {min(times) * 1e6:.1f} us)"
+        )
+        step.facts = {"calls": WARM_CALLS, "median_us": round(median * 1e6, 2)}
+        return True
+
+    def _shared_memory(self, worker: Worker, config: PoolConfig) -> bool:
+        step = Step("shared memory")
+        self.steps.append(step)
+        notes = []
+        payload: Any
+        numpy: Any
+        try:
+            import numpy
+
+            payload = numpy.arange(SHM_PROBE_BYTES // 4, dtype=numpy.uint32)
+            kind = "numpy array"
+        except ImportError:
+            numpy = None
+            payload = os.urandom(SHM_PROBE_BYTES)
+            kind = "bytes object"
+        started = time.perf_counter()
+        try:
+            try:
+                echoed = worker.run(ECHO_TARGET, (payload,), timeout=self.timeout)
+            except ImportError as exc:  # numpy is not importable in the env
+                notes.append(f"the env cannot import numpy ({exc}); sent bytes instead")
+                payload, kind, numpy = os.urandom(SHM_PROBE_BYTES), "bytes object", None
+                started = time.perf_counter()
+                echoed = worker.run(ECHO_TARGET, (payload,), timeout=self.timeout)
+            cold_ms = (time.perf_counter() - started) * 1000
+            started = time.perf_counter()  # again, on blocks that now exist and are faulted in
+            echoed = worker.run(ECHO_TARGET, (payload,), timeout=self.timeout)
+            step.ms = (time.perf_counter() - started) * 1000
+            shm = worker.run(SHM_STATS_TARGET, timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
+            self._fail(step, exc)
+            return False
+        equal = bool(numpy.array_equal(echoed, payload)) if numpy is not None else echoed == payload
+        blocks = int(shm.get("blocks", 0)) if isinstance(shm, dict) else 0
+        via = "through shared memory" if blocks > 0 else "streamed inline"
+        rate = SHM_PROBE_BYTES * 2 / (step.ms / 1000) / 1e9 if step.ms else 0.0
+        step.detail = (
+            f"{_mib(SHM_PROBE_BYTES)} {kind} round trip {via} "
+            f"({'equal' if equal else 'DIFFERENT'}): {rate:.2f} GB/s warm, first trip "
+            f"{cold_ms:.1f} ms{' (the worker imports numpy)' if numpy is not None else ''}; "
+            f"worker blocks: {shm}"
+        )
+        step.facts = {
+            "bytes": SHM_PROBE_BYTES,
+            "kind": kind,
+            "equal": equal,
+            "via_shared_memory": blocks > 0,
+            "first_trip_ms": round(cold_ms, 3),
+            "worker": shm,
+        }
+        if not equal:
+            step.status = "FAIL"
+            step.error = {"type": "MismatchError", "message": "the echo came back different"}
+        elif blocks == 0:
+            if config.shared_memory:
+                step.status = "WARN"
+                notes.append(
+                    "shared memory is on but unused (no usable /dev/shm in the host or the "
+                    "worker?); large buffers are streamed inline"
+                )
+            else:
+                notes.append("shared memory is off (PoolConfig.shared_memory=False)")
+        if notes:
+            step.detail += "\n" + "\n".join(f"note: {n}" for n in notes)
+        return step.status != "FAIL"
+
+
+def doctor(env: str | None, *, as_json: bool = False, timeout: float = 60.0) -> int:
+    """Check an env step by step; returns the exit code (0 healthy, 1 a step failed)."""
+    checks = _Doctor(_env_arg(env), timeout)
+    checks.run()
+    healthy = all(s.status != "FAIL" for s in checks.steps)
+    label = env if _env_arg(env) is not None else "the current interpreter"
+    if as_json:
+        steps = [
+            {**asdict(s), "ms": None if s.ms is None else round(s.ms, 3)} for s in checks.steps
+        ]
+        _print_json({"ok": healthy, "env": label, "steps": steps})
+    else:
+        print(f"comfy-env {__version__} doctor: {label}")
+        for s in checks.steps:
+            ms = f"{s.ms:9.2f} ms" if s.ms is not None else " " * 12
+            first, *rest = (s.detail or "").splitlines() or [""]
+            print(f"  {s.status:<4}  {s.name:<27} {ms}  {first}")
+            if rest:
+                print(_indent("\n".join(rest)))
+        failed = [s.name for s in checks.steps if s.status == "FAIL"]
+        if failed:
+            print(f"unhealthy: {failed[0]} failed")
+        elif any(s.status == "WARN" for s in checks.steps):
+            print("healthy, with warnings")
+        else:
+            print("healthy")
+    if not healthy:
+        failed_step = next(s for s in checks.steps if s.status == "FAIL")
+        first_line = (failed_step.detail or "").splitlines()[:1]
+        print(
+            f"comfy-env: doctor: {failed_step.name} failed: {''.join(first_line)}",
+            file=sys.stderr,
+        )
+    return EXIT_OK if healthy else EXIT_FAILED
+
+
+# ---- call ------------------------------------------------------------------------------------
+
+_TARGET = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
+
+
+def parse_call_args(raw: str | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """JSON_ARGS -> (args, kwargs): an array is positional, an object is keywords."""
+    if raw is None:
+        return (), {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"JSON_ARGS is not valid JSON ({exc}): {raw!r}") from None
+    if isinstance(value, list):
+        return tuple(value), {}
+    if isinstance(value, dict):
+        return (), value
+    raise UsageError(
+        f"JSON_ARGS must be a JSON array (positional arguments) or object (keyword "
+        f"arguments), not {type(value).__name__}: {raw!r}"
+    )
+
+
+def check_target(target: str) -> str:
+    if not _TARGET.match(target):
+        raise UsageError(
+            f"TARGET must be 'package.module:function' (or 'module:Class.method'), not {target!r}"
+        )
+    return target
+
+
+def _jsonable(value: Any) -> tuple[Any, bool]:
+    """(value as JSON-able data, False) or (its repr, True)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value), True
+    return value, False
+
+
+class _StderrLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = getattr(record, "worker_stream", "output")
+        print(f"[worker {stream}] {record.getMessage()}", file=sys.stderr)
+
+
+def call(
+    env: str,
+    target: str,
+    json_args: str | None,
+    *,
+    timeout: float | None = None,
+    as_json: bool = False,
+) -> int:
+    """Run one call and print its result; returns the exit code."""
+    args, kwargs = parse_call_args(json_args)
+    check_target(target)
+    try:
+        config = PoolConfig()
+    except ValidationError as exc:
+        raise UsageError(f"invalid COMFY_ENV_* setting:\n{exc}") from None
+    with _worker_output(_StderrLines()), Pool(config) as pool:
+        started = time.perf_counter()
+        try:
+            worker = pool.get_worker(_env_arg(env))
+            result = worker.run(target, args, kwargs, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - any remote exception is re-raised here
+            remote = _remote_traceback(exc)
+            if remote and not as_json:
+                print(remote.rstrip(), file=sys.stderr)
+            # The worker's output was forwarded as it came; the message need not repeat it.
+            message = str(exc).split("\n--- worker output", 1)[0]
+            print(f"comfy-env: {_error_name(exc)}: {message}", file=sys.stderr)
+            if as_json:
+                _print_json({"ok": False, "target": target, "error": _error_record(exc)})
+            return EXIT_FAILED
+        seconds = time.perf_counter() - started
+        if as_json:
+            value, is_repr = _jsonable(result)
+            _print_json(
+                {
+                    "ok": True,
+                    "env": worker.env,
+                    "target": target,
+                    "pid": worker.pid,
+                    "generation": worker.generation,
+                    "seconds": round(seconds, 6),
+                    "result": value,
+                    "result_is_repr": is_repr,
+                }
+            )
+        else:
+            print(repr(result))
+    return EXIT_OK
+
+
+# ---- sweep -----------------------------------------------------------------------------------
+
+
+def sweep_command(*, as_json: bool = False) -> int:
+    """Remove dead hosts' leftovers and say what went; returns the exit code."""
+    from ._status import remove_stale_status
+    from ._sweep import sweep
+
+    report = sweep()
+    removed: dict[str, list[Any]] = {
+        "blocks": list(report.blocks),
+        "runtime_dirs": list(report.runtime_dirs),
+        "processes": list(report.processes),
+        "status_files": remove_stale_status(),
+    }
+    if as_json:
+        _print_json(removed)
+        return EXIT_OK
+    labels = {
+        "blocks": "shared-memory blocks",
+        "runtime_dirs": "runtime directories",
+        "processes": "worker processes (killed)",
+        "status_files": "status files",
+    }
+    if not any(removed.values()):
+        print("nothing to remove: no leftovers of dead hosts")
+        return EXIT_OK
+    for key, items in removed.items():
+        print(f"removed {len(items)} {labels[key]}")
+        for item in items:
+            print(f"  {item}")
+    return EXIT_OK
+
+
+# ---- status ----------------------------------------------------------------------------------
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def status_command(*, as_json: bool = False) -> int:
+    """List live hosts from their status files; returns the exit code."""
+    from ._status import read_status, status_dir
+
+    hosts = read_status()
+    now = time.time()
+    if as_json:
+        documents = []
+        for host in hosts:
+            doc = asdict(host)
+            doc["updated_seconds_ago"] = round(max(0.0, now - host.updated_at), 3)
+            for env_doc, env in zip(doc["envs"], host.envs, strict=True):
+                for w_doc, w in zip(env_doc["workers"], env.workers, strict=True):
+                    idle, busy = w.idle_seconds(now), w.busy_seconds(now)
+                    w_doc["idle_seconds"] = None if idle is None else round(idle, 3)
+                    w_doc["busy_seconds"] = None if busy is None else round(busy, 3)
+            documents.append(doc)
+        _print_json({"status_dir": status_dir(), "hosts": documents})
+        return EXIT_OK
+    if not hosts:
+        print(f"no live comfy-env hosts for this user (status dir {status_dir()})")
+        return EXIT_OK
+    for host in hosts:
+        command = " ".join(host.argv) or "?"
+        print(
+            f"host pid {host.pid} ({host.executable or '?'} {command}), comfy-env "
+            f"{host.version or '?'}, up {_ago(now - host.start_ms / 1000)}, "
+            f"updated {_ago(now - host.updated_at)} ago"
+        )
+        if not host.envs:
+            print("  no envs yet")
+        for env in host.envs:
+            print(f"  env {env.env}  (interpreter {env.interpreter or '?'}, pool {env.pool})")
+            print(
+                f"    calls: {env.submitted} submitted, {env.ok} ok, {env.raised} raised, "
+                f"{env.crashed} crashed, {env.timed_out} timed out, {env.cancelled} cancelled, "
+                f"{env.failed} failed, {env.in_flight} in flight, {env.queued} queued; "
+                f"{env.spawns} spawns"
+            )
+            for w in env.workers:
+                parts = [
+                    f"slot {w.slot}",
+                    f"pid {w.pid if w.pid is not None else '-'}",
+                    f"generation {w.generation}",
+                    w.state + (f" ({w.retire_reason})" if w.retire_reason else ""),
+                ]
+                if w.rss_bytes is not None:
+                    parts.append(f"rss {_mib(w.rss_bytes)}")
+                idle, busy = w.idle_seconds(now), w.busy_seconds(now)
+                if idle is not None:
+                    parts.append(f"idle {_ago(idle)}")
+                if busy is not None:
+                    parts.append(f"in a call for {_ago(busy)}")
+                print("    " + ", ".join(parts))
+    return EXIT_OK
+
+
+# ---- the parser ------------------------------------------------------------------------------
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be positive seconds, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="comfy-env",
         description="Run functions in crash-isolated worker processes, one per Python env.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"comfy-env {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=EXIT_CODES_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    def add_json(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+
     p_demo = sub.add_parser("demo", help="walk through spawn, call, crash, replace, timeout")
     p_demo.add_argument(
         "--env",
         default=None,
         help="env directory or interpreter (default: the current interpreter)",
     )
+
+    p_doctor = add(
+        "doctor",
+        "check an env step by step: config, resolve, spawn + handshake + canary, versions, "
+        "warm round trip, shared memory",
+    )
+    p_doctor.add_argument(
+        "env", nargs="?", default=None, metavar="ENV", help="default: the current interpreter"
+    )
+    p_doctor.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="deadline of each probe call (start-up is bounded by start_timeout)",
+    )
+    add_json(p_doctor)
+
+    p_call = add("call", "run one call in an env and print its result")
+    p_call.add_argument("env", metavar="ENV", help='env directory or interpreter; "-": current')
+    p_call.add_argument("target", metavar="TARGET", help="module:function (or module:Class.meth)")
+    p_call.add_argument(
+        "json_args",
+        nargs="?",
+        default=None,
+        metavar="JSON_ARGS",
+        help="a JSON array of positional arguments or a JSON object of keyword arguments",
+    )
+    p_call.add_argument(
+        "--timeout", type=_positive_seconds, default=None, metavar="SECONDS", help="deadline"
+    )
+    add_json(p_call)
+
+    p_sweep = add("sweep", "remove leftovers of dead hosts (shm blocks, dirs, workers, status)")
+    add_json(p_sweep)
+
+    p_status = add("status", "list live comfy-env hosts of this user and their workers")
+    add_json(p_status)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         if args.command == "demo":
             return demo(args.env)
+        if args.command == "doctor":
+            return doctor(args.env, as_json=args.json, timeout=args.timeout)
+        if args.command == "call":
+            return call(
+                args.env, args.target, args.json_args, timeout=args.timeout, as_json=args.json
+            )
+        if args.command == "sweep":
+            return sweep_command(as_json=args.json)
+        if args.command == "status":
+            return status_command(as_json=args.json)
+    except UsageError as exc:
+        print(f"comfy-env {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ComfyEnvError as exc:
         print(f"comfy-env: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 2  # pragma: no cover - argparse rejects unknown commands
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("comfy-env: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_USAGE  # pragma: no cover - argparse rejects unknown commands
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -66,6 +66,29 @@ class PoolConfig(BaseModel):
         default_factory=dict, description="Extra environment variables for workers."
     )
     log_level: str = Field("INFO", description="Level of the worker's root logger.")
+    idle_timeout: float | None = Field(
+        1800.0,
+        gt=0,
+        description="Seconds a worker may sit idle before the reaper retires it (its release "
+        "hooks run first); the next call spawns a fresh one. None disables reaping.",
+    )
+    ping_after_idle: float | None = Field(
+        60.0,
+        gt=0,
+        description="A worker idle this long is pinged before it gets a call; one that does "
+        "not answer is replaced and the call runs on the fresh worker. None disables.",
+    )
+    ping_timeout: float = Field(5.0, gt=0, description="Deadline of that health ping.")
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        description="Crash-loop breaker: more than this many worker deaths (start-up "
+        "failures included) within restart_window abandon the env until Pool.reset(env).",
+    )
+    restart_window: float = Field(60.0, gt=0, description="The breaker's window in seconds.")
+    reap_with_refs: bool = Field(
+        False, description="Let the idle reaper retire a worker that holds live RemoteRefs."
+    )
     shared_memory: bool = Field(
         True,
         description="Send large buffers through shared memory (else inline in the frame).",

@@ -45,8 +45,29 @@ class RetireReason(str, enum.Enum):
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
     PROTOCOL_ERROR = "protocol_error"
+    PING_FAILED = "ping_failed"
     IDLE = "idle"
     CLOSED = "closed"
+
+
+# Retirements that count as deaths for the crash-loop breaker: the worker broke. Timeouts,
+# cancellations, reaping and closing are the pool's own decisions and do not count.
+DEATHS = frozenset(
+    {
+        RetireReason.START_FAILED,
+        RetireReason.CRASHED,
+        RetireReason.PROTOCOL_ERROR,
+        RetireReason.PING_FAILED,
+    }
+)
+
+
+class Stop(str, enum.Enum):
+    """How a retired generation's process is stopped."""
+
+    ASK = "ask"  # an idle worker: SHUTDOWN frame (its release hooks run), SIGKILL after grace
+    TERMINATE = "terminate"  # a busy worker: SIGTERM to its group, SIGKILL after grace
+    KILL = "kill"  # dead or misbehaving: SIGKILL to its group at once
 
 
 # ---- states ---------------------------------------------------------------------------------
@@ -179,6 +200,13 @@ class IdleExpired:
     idle_since: float
 
 
+@dataclass(frozen=True, slots=True)
+class PingFailed:
+    """The health ping before a call on a long-idle worker got no answer in time."""
+
+    generation: int
+
+
 Event = (
     SpawnBegan
     | HandshakeOk
@@ -192,6 +220,7 @@ Event = (
     | ProtocolViolated
     | CloseRequested
     | IdleExpired
+    | PingFailed
 )
 
 # ---- effects and results --------------------------------------------------------------------
@@ -199,11 +228,10 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class KillWorker:
-    """Stop generation ``generation``'s process group. ``graceful``: SIGTERM first, then
-    SIGKILL after the grace period; otherwise SIGKILL at once."""
+    """Stop generation ``generation``'s process group, as ``stop`` says."""
 
     generation: int
-    graceful: bool
+    stop: Stop
 
 
 Effect = KillWorker
@@ -228,16 +256,15 @@ TERMINAL = "generation already retired"
 NOT_APPLICABLE = "does not apply in this state"
 NO_WORKER = "slot is empty"
 
-# How each retiring event ends a live generation: (reason, graceful kill?).
-_RETIRING: dict[type, tuple[RetireReason, bool]] = {
-    Exited: (RetireReason.CRASHED, False),
-    ChannelClosed: (RetireReason.CRASHED, False),
-    ProtocolViolated: (RetireReason.PROTOCOL_ERROR, False),
-    CloseRequested: (RetireReason.CLOSED, True),
+# How each retiring event ends a live generation in any state: (reason, how to stop it).
+_RETIRING: dict[type, tuple[RetireReason, Stop]] = {
+    Exited: (RetireReason.CRASHED, Stop.KILL),
+    ChannelClosed: (RetireReason.CRASHED, Stop.KILL),
+    ProtocolViolated: (RetireReason.PROTOCOL_ERROR, Stop.KILL),
 }
 
 
-def _retire(state: LiveState, reason: RetireReason, graceful: bool) -> Transition:
+def _retire(state: LiveState, reason: RetireReason, stop: Stop) -> Transition:
     if isinstance(state, Starting):
         # A death during start-up is a failed start (the breaker counts it); a close is not.
         if reason in (RetireReason.CRASHED, RetireReason.PROTOCOL_ERROR):
@@ -245,9 +272,7 @@ def _retire(state: LiveState, reason: RetireReason, graceful: bool) -> Transitio
         pid = None
     else:
         pid = state.pid
-    return Transition(
-        Retired(state.generation, reason, pid), (KillWorker(state.generation, graceful),)
-    )
+    return Transition(Retired(state.generation, reason, pid), (KillWorker(state.generation, stop),))
 
 
 _STALE = Dropped(STALE)
@@ -280,7 +305,11 @@ def step(state: State | None, event: Event) -> Transition | Dropped:
         if isinstance(event, IdleExpired):
             if event.idle_since != state.idle_since:
                 return _OUTDATED  # the worker ran a call after the reaper looked
-            return _retire(state, RetireReason.IDLE, True)
+            return _retire(state, RetireReason.IDLE, Stop.ASK)
+        if isinstance(event, PingFailed):
+            return _retire(state, RetireReason.PING_FAILED, Stop.KILL)
+        if isinstance(event, CloseRequested):
+            return _retire(state, RetireReason.CLOSED, Stop.ASK)
     elif isinstance(state, InCall):
         if isinstance(event, (Replied, DeadlineHit, CallCancelled)):
             if event.call_id != state.call_id:
@@ -288,16 +317,90 @@ def step(state: State | None, event: Event) -> Transition | Dropped:
             if isinstance(event, Replied):
                 return Transition(Idle(state.generation, state.pid, event.at))
             if isinstance(event, DeadlineHit):
-                return _retire(state, RetireReason.TIMEOUT, True)
-            return _retire(state, RetireReason.CANCELLED, False)
+                return _retire(state, RetireReason.TIMEOUT, Stop.TERMINATE)
+            return _retire(state, RetireReason.CANCELLED, Stop.KILL)
+        if isinstance(event, CloseRequested):
+            return _retire(state, RetireReason.CLOSED, Stop.TERMINATE)
     elif isinstance(state, Starting):
         if isinstance(event, HandshakeOk):
             return Transition(Idle(state.generation, event.pid, event.at))
         if isinstance(event, StartFailed):
-            return _retire(state, RetireReason.START_FAILED, False)
+            return _retire(state, RetireReason.START_FAILED, Stop.KILL)
+        if isinstance(event, CloseRequested):
+            return _retire(state, RetireReason.CLOSED, Stop.TERMINATE)
     else:
         assert_never(state)
     rule = _RETIRING.get(type(event))
     if rule is not None:
         return _retire(state, *rule)
     return _NOT_APPLICABLE
+
+
+# ---- policy decisions (pure: the pool's reaper and caller apply them) ------------------------
+
+
+def idle_expired(state: State | None, now: float, idle_timeout: float | None) -> IdleExpired | None:
+    """The reaper's observation: ``IdleExpired`` naming the ``idle_since`` it saw, if the slot's
+    worker has been idle for at least ``idle_timeout``; else None."""
+    if idle_timeout is None or not isinstance(state, Idle):
+        return None
+    if now - state.idle_since < idle_timeout:
+        return None
+    return IdleExpired(state.generation, state.idle_since)
+
+
+def needs_ping(state: State | None, now: float, ping_after_idle: float | None) -> bool:
+    """Whether a call about to run on this slot must ping its worker first."""
+    return (
+        ping_after_idle is not None
+        and isinstance(state, Idle)
+        and now - state.idle_since >= ping_after_idle
+    )
+
+
+# ---- the env's own typestate: the crash-loop breaker -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Death:
+    """One worker death the breaker counts. ``at`` is on the pool's clock (monotonic), ``when``
+    wall time for people."""
+
+    at: float
+    when: float
+    generation: int
+    reason: RetireReason
+    exitcode: int | None
+    signal: str | None
+    stderr_tail: str
+
+
+@dataclass(frozen=True, slots=True)
+class EnvActive:
+    """Calls are served. ``deaths``: those still inside the restart window."""
+
+    deaths: tuple[Death, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EnvAbandoned:
+    """Terminal until reset: the env died too often; calls fail fast."""
+
+    deaths: tuple[Death, ...]
+    at: float
+
+
+EnvState = EnvActive | EnvAbandoned
+
+
+def record_death(
+    state: EnvState, death: Death, max_restarts: int, restart_window: float
+) -> EnvState:
+    """The breaker: more than ``max_restarts`` deaths within ``restart_window`` seconds abandon
+    the env. Abandoned is sticky: later deaths (late exit notices) change nothing."""
+    if isinstance(state, EnvAbandoned):
+        return state
+    recent = (*(d for d in state.deaths if death.at - d.at <= restart_window), death)
+    if len(recent) > max_restarts:
+        return EnvAbandoned(recent, death.at)
+    return EnvActive(recent)

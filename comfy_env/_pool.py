@@ -70,16 +70,28 @@ from ._envs import EnvSpec, resolve_env
 from ._errors import (
     CallCancelled,
     CallTimeout,
+    EnvAbandonedError,
     PoolClosedError,
     ProtocolError,
     SerializationError,
+    StaleGenerationError,
     WorkerCrashed,
     WorkerStartError,
     describe_exit,
     signal_name,
 )
+from ._events import (
+    Dispatcher,
+    EnvAbandoned,
+    EnvReset,
+    Event,
+    ShmSwept,
+    WorkerReady,
+    WorkerRetired,
+    WorkerSpawned,
+)
 from ._process import WorkerProcess, make_runtime_dir, python_mismatch
-from ._reactor import Reactor
+from ._reactor import Reactor, TimerHandle
 
 if TYPE_CHECKING:
     from ._sweep import SweepReport
@@ -97,7 +109,8 @@ class _NotDelivered(Exception):
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """One slot's worker as of the snapshot. ``state`` is ``"empty"`` before the first spawn."""
+    """One slot's worker as of the snapshot. ``state`` is ``"empty"`` before the first spawn.
+    ``idle_since`` is on the pool's clock (monotonic); ``live_refs`` counts RemoteRefs held."""
 
     slot: int
     generation: int
@@ -105,6 +118,8 @@ class WorkerStats:
     state: str
     retire_reason: str | None
     startup_seconds: float | None
+    idle_since: float | None = None
+    live_refs: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,12 @@ class EnvStats:
     spawns: int
     stale_events_dropped: int
     workers: tuple[WorkerStats, ...]
+    reaped: int = 0
+    pings: int = 0
+    ping_failures: int = 0
+    restarts_in_window: int = 0
+    live_refs: int = 0
+    abandoned: bool = False
 
 
 _STATE_NAMES: dict[type, str] = {
@@ -146,23 +167,35 @@ _STATE_NAMES: dict[type, str] = {
 
 
 class _Slot:
-    __slots__ = ("index", "leased", "process", "state")
+    __slots__ = ("dropped_refs", "index", "leased", "live_refs", "process", "state")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.state: lc.State | None = None
         self.process: WorkerProcess | None = None  # the process of state.generation
         self.leased = False
+        self.live_refs: set[int] = set()  # RemoteRef ids kept by this generation's worker
+        self.dropped_refs: list[int] = []  # garbage-collected refs, released with the next call
 
 
 class _Ticket:
     """One call's place in the pool: queued, then holding a slot; cancellable from any thread."""
 
-    __slots__ = ("call_id", "cancelled", "closed", "event", "generation", "slot", "stage")
+    __slots__ = (
+        "call_id",
+        "cancelled",
+        "closed",
+        "event",
+        "generation",
+        "slot",
+        "stage",
+        "wanted",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, wanted: _Slot | None = None) -> None:
         self.event: threading.Event | None = None
         self.slot: _Slot | None = None
+        self.wanted = wanted  # the one slot this call must run on (it uses a RemoteRef)
         self.stage = "new"  # "queued" -> "in_flight" -> "done"
         self.generation = 0
         self.call_id = 0
@@ -190,6 +223,10 @@ class _EnvEntry:
         self.queued = 0
         self.spawns = 0
         self.stale_events_dropped = 0
+        self.reaped = 0
+        self.pings = 0
+        self.ping_failures = 0
+        self.env_state: lc.EnvState = lc.EnvActive()  # the crash-loop breaker
 
     # ---- the gate ----
 
@@ -201,6 +238,12 @@ class _EnvEntry:
             self.stale_events_dropped += 1
             return None
         slot.state = result.state
+        if isinstance(result.state, lc.Retired):
+            process = slot.process
+            if process is not None and process.generation == result.state.generation:
+                process.retire_reason = result.state.reason
+            slot.live_refs.clear()  # they died with this generation
+            slot.dropped_refs.clear()
         return result.effects
 
     def apply(self, slot: _Slot, event: lc.Event) -> bool:
@@ -208,10 +251,11 @@ class _EnvEntry:
         with self.lock:
             effects = self.apply_locked(slot, event)
             process = slot.process
-            dispose = not slot.leased and isinstance(slot.state, lc.Retired)
+            leased = slot.leased
+            dispose = not leased and isinstance(slot.state, lc.Retired)
         if effects is None:
             return False
-        run_effects(effects, process)
+        run_effects(effects, process, leased)
         if dispose and process is not None:
             process.dispose()
         return True
@@ -237,6 +281,12 @@ class _EnvEntry:
                 spawns=self.spawns,
                 stale_events_dropped=self.stale_events_dropped,
                 workers=workers,
+                reaped=self.reaped,
+                pings=self.pings,
+                ping_failures=self.ping_failures,
+                restarts_in_window=len(self.env_state.deaths),
+                live_refs=sum(w.live_refs for w in workers),
+                abandoned=isinstance(self.env_state, lc.EnvAbandoned),
             )
 
 
@@ -247,16 +297,32 @@ def _worker_stats(slot: _Slot) -> WorkerStats:
     pid = None if isinstance(state, (lc.Starting, lc.Retired)) else state.pid
     reason = state.reason.value if isinstance(state, lc.Retired) else None
     startup = slot.process.startup_seconds if slot.process is not None else None
+    idle_since = state.idle_since if isinstance(state, lc.Idle) else None
     return WorkerStats(
-        slot.index, state.generation, pid, _STATE_NAMES[type(state)], reason, startup
+        slot.index,
+        state.generation,
+        pid,
+        _STATE_NAMES[type(state)],
+        reason,
+        startup,
+        idle_since,
+        len(slot.live_refs),
     )
 
 
-def run_effects(effects: tuple[lc.Effect, ...], process: WorkerProcess | None) -> None:
+def run_effects(
+    effects: tuple[lc.Effect, ...], process: WorkerProcess | None, leased: bool
+) -> None:
+    """Run the gate's effects (outside the lock). Asking a worker to leave means writing on
+    its channel, which only the lease holder may do: a leased slot's worker is terminated
+    instead."""
     for effect in effects:
         if isinstance(effect, lc.KillWorker):
             if process is not None and process.generation == effect.generation:
-                process.kill(graceful=effect.graceful)
+                stop = effect.stop
+                if stop is lc.Stop.ASK and leased:
+                    stop = lc.Stop.TERMINATE
+                process.kill(stop)
 
 
 # ---- the pool --------------------------------------------------------------------------------
@@ -310,8 +376,15 @@ class Pool:
     """Workers keyed by env. Create with a ``PoolConfig``; use as a context manager or call
     ``close()``. Workers spawn lazily, on an env's first call."""
 
-    def __init__(self, config: PoolConfig | None = None) -> None:
+    def __init__(
+        self, config: PoolConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``clock`` (monotonic seconds) times idleness, the reaper and the breaker; tests
+        inject a fake one. Call deadlines always use real time."""
         self.config = config if config is not None else PoolConfig()
+        self._clock = clock
+        self._events = Dispatcher()
+        self._reaper: TimerHandle | None = None
         self._lock = threading.Lock()
         self._entries: dict[str, _EnvEntry] = {}
         self._closed = False
@@ -333,6 +406,23 @@ class Pool:
         from ._worker import Worker
 
         return Worker(self, self._entry(resolve_env(env)))
+
+    def subscribe(self, callback: Callable[[Event], object]) -> Callable[[], None]:
+        """Deliver lifecycle events (``WorkerSpawned``, ``WorkerReady``, ``WorkerRetired``,
+        ``EnvAbandoned``, ``EnvReset``, ``ShmSwept``) to ``callback``, in order, on the pool's
+        event thread, outside every pool lock. Returns a function that unsubscribes."""
+        if self._closed:
+            raise self._closed_error()
+        return self._events.subscribe(callback)
+
+    def reset(self, env: str | os.PathLike[str] | None = None) -> None:
+        """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise)."""
+        entry = self._entry(resolve_env(env))
+        with entry.lock:
+            was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
+            entry.env_state = lc.EnvActive()
+        if was_abandoned:
+            self._events.emit(EnvReset(entry.spec.key))
 
     def stats(self) -> dict[str, EnvStats]:
         """Frozen per-env snapshots, keyed by env key."""
@@ -402,8 +492,12 @@ class Pool:
             if self._closed:
                 raise self._closed_error()
             entry.submitted += 1
+            if isinstance(entry.env_state, lc.EnvAbandoned):
+                ticket.stage = "in_flight"
+                entry.in_flight += 1
+                raise _abandoned_error(entry.spec.key, entry.env_state)
             if not entry.waiters:
-                slot = _free_slot(entry)
+                slot = _free_slot(entry, ticket.wanted)
                 if slot is not None:
                     slot.leased = True
                     ticket.slot = slot
@@ -563,6 +657,20 @@ class Pool:
         applies."""
         while True:
             process = self._live_process(entry, slot)
+            if ticket.wanted is not None and process.generation != ticket.generation:
+                raise StaleGenerationError(
+                    f"a RemoteRef of env {entry.spec.key} belongs to worker generation "
+                    f"{ticket.generation}, which is gone; the env now runs generation "
+                    f"{process.generation}",
+                    env=entry.spec.key,
+                    pid=process.pid,
+                    generation=ticket.generation,
+                )
+            if lc.needs_ping(slot.state, self._clock(), self.config.ping_after_idle):
+                if not self._ping(entry, slot, process):
+                    continue  # replaced through the gate; the call runs on a fresh worker
+            if slot.dropped_refs:
+                self._release_dropped_refs(entry, slot, process)
             if by_value:
                 why = python_mismatch(process)
                 if why is not None:
@@ -581,7 +689,7 @@ class Pool:
                 if ticket.cancelled:
                     raise CallCancelled("the call was cancelled", env=entry.spec.key)
                 effects = entry.apply_locked(
-                    slot, lc.CallStarted(generation, call_id, time.monotonic())
+                    slot, lc.CallStarted(generation, call_id, self._clock())
                 )
                 ticket.generation = generation
                 ticket.call_id = call_id
@@ -594,7 +702,7 @@ class Pool:
                 ftype, flags, reply = self._receive(entry, slot, process, call_id, target, deadline)
             except _NotDelivered:
                 continue  # it died with our request unread: the call never ran
-            replied = lc.Replied(generation, call_id, time.monotonic())
+            replied = lc.Replied(generation, call_id, self._clock())
             if not flags and block is None:
                 return ftype, reply, None, replied  # the small-call path: nothing out of band
             try:
@@ -603,6 +711,32 @@ class Pool:
                 raise self._protocol_error(entry, slot, process, str(exc)) from None
             process.finish_request(block, retained)
             return ftype, reply_body, reply_buffers, replied
+
+    def _ping(self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess) -> bool:
+        """Health-check a worker that sat idle a long time, before trusting it with a call."""
+        ok = process.ping(self.config.ping_timeout)
+        with entry.lock:
+            entry.pings += 1
+            if not ok:
+                entry.ping_failures += 1
+        if not ok:
+            entry.apply(slot, lc.PingFailed(process.generation))
+            _log.warning(
+                "comfy-env: worker of env %s (pid %s, generation %d) did not answer a ping "
+                "after idling; replacing it",
+                entry.spec.key,
+                process.pid,
+                process.generation,
+            )
+        return ok
+
+    def _release_dropped_refs(self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess) -> None:
+        with entry.lock:
+            ids, slot.dropped_refs = slot.dropped_refs, []
+        try:
+            process.release_refs(ids)
+        except OSError:
+            pass  # the worker is gone, and its objects with it
 
     def _live_process(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
@@ -618,10 +752,13 @@ class Pool:
             if self._reactor is None:
                 self._reactor = Reactor()
                 self._reactor.start()
+                self._schedule_reaper()
             if self._runtime_dir is None:
                 self._runtime_dir = make_runtime_dir()
             reactor, runtime_dir = self._reactor, self._runtime_dir
         with entry.lock:
+            if isinstance(entry.env_state, lc.EnvAbandoned):
+                raise _abandoned_error(entry.spec.key, entry.env_state)
             generation = entry.generation + 1
             effects = entry.apply_locked(slot, lc.SpawnBegan(generation))
             if effects is None:  # pragma: no cover - the lease makes this impossible
@@ -636,6 +773,7 @@ class Pool:
                 reactor,
                 runtime_dir,
                 on_exit=lambda p: self._on_exit(entry, slot, p),
+                on_finished=lambda p: self._on_finished(entry, p),
             )
             slot.process = process
         if old is not None:
@@ -643,13 +781,25 @@ class Pool:
         started = time.monotonic()
         try:
             process.launch(before_launch=self._refuse_if_closed, after_launch=self._track)
+        except BaseException as exc:
+            entry.apply(slot, lc.StartFailed(generation))
+            if isinstance(exc, WorkerStartError) and not self._closed:
+                # Nothing was forked, so no exit will be reported: count the death now.
+                self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
+                self._events.emit(
+                    WorkerRetired(entry.spec.key, generation, None, "start_failed", None, None)
+                )
+            raise
+        if process.popen is not None:
+            self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
+        try:
             process.handshake(started + self.config.start_timeout)
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if self._closed and isinstance(exc, WorkerStartError):
                 raise PoolClosedError("the pool was closed while the worker started") from exc
             raise
-        if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, time.monotonic())):
+        if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, self._clock())):
             # Retired while starting (the pool is closing, or it died right after the canary).
             if self._closed:
                 raise PoolClosedError("the pool was closed while the worker started")
@@ -669,12 +819,89 @@ class Pool:
             process.pid,
             process.startup_seconds * 1000,
         )
+        self._events.emit(
+            WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
+        )
         return process
 
     def _sweep(self) -> None:
         from ._sweep import sweep
 
-        self.last_sweep = sweep()
+        self.last_sweep = report = sweep()
+        if report:
+            self._events.emit(ShmSwept(report))
+
+    # ---- the reaper and the breaker ----
+
+    def _schedule_reaper(self) -> None:
+        """One periodic timer on the reactor serves every env (no thread per worker)."""
+        timeout = self.config.idle_timeout
+        if timeout is None or self._reactor is None:
+            return
+        interval = min(max(timeout / 4, 0.02), 5.0)
+        self._reaper = self._reactor.call_later(interval, self._reap_tick)
+
+    def _reap_tick(self) -> None:
+        if self._closed:
+            return
+        self.reap_idle()
+        self._schedule_reaper()
+
+    def reap_idle(self, now: float | None = None) -> int:
+        """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
+        ``now`` defaults to the pool's clock). Returns how many were retired.
+
+        The decision and its application happen under the env's lock, and the decision names
+        the ``idle_since`` it observed, so a worker that ran a call in between (or is leased by
+        a caller right now) is never reaped."""
+        if now is None:
+            now = self._clock()
+        with self._lock:
+            entries = list(self._entries.values())
+        reaped = 0
+        for entry in entries:
+            for slot in entry.slots:
+                with entry.lock:
+                    if slot.leased or (slot.live_refs and not self.config.reap_with_refs):
+                        continue
+                    decision = lc.idle_expired(slot.state, now, self.config.idle_timeout)
+                    if decision is None:
+                        continue
+                    effects = entry.apply_locked(slot, decision)
+                    if effects is None:
+                        continue
+                    entry.reaped += 1
+                    process = slot.process
+                run_effects(effects, process, leased=False)
+                reaped += 1
+        return reaped
+
+    def _record_death(
+        self,
+        entry: _EnvEntry,
+        generation: int,
+        reason: lc.RetireReason,
+        returncode: int | None,
+        stderr_tail: str,
+    ) -> None:
+        death = lc.Death(
+            at=self._clock(),
+            when=time.time(),
+            generation=generation,
+            reason=reason,
+            exitcode=returncode,
+            signal=signal_name(returncode),
+            stderr_tail=stderr_tail,
+        )
+        with entry.lock:
+            before = entry.env_state
+            entry.env_state = lc.record_death(
+                before, death, self.config.max_restarts, self.config.restart_window
+            )
+            tripped = entry.env_state if before is not entry.env_state else None
+        if isinstance(tripped, lc.EnvAbandoned) and not isinstance(before, lc.EnvAbandoned):
+            _log.error("comfy-env: %s", _abandoned_error(entry.spec.key, tripped))
+            self._events.emit(EnvAbandoned(entry.spec.key, tripped.deaths))
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
@@ -696,6 +923,18 @@ class Pool:
         with self._lock:
             self._processes.discard(process)
         entry.apply(slot, lc.Exited(process.generation, process.returncode))
+
+    def _on_finished(self, entry: _EnvEntry, process: WorkerProcess) -> None:
+        """Reactor thread: reaped and output drained; exit code and last lines are final."""
+        reason = process.retire_reason or lc.RetireReason.CRASHED
+        rc = process.returncode
+        if reason in lc.DEATHS and not self._closed:
+            self._record_death(entry, process.generation, reason, rc, process.output.text())
+        self._events.emit(
+            WorkerRetired(
+                entry.spec.key, process.generation, process.pid, reason.value, rc, signal_name(rc)
+            )
+        )
 
     def _send(
         self,
@@ -797,7 +1036,7 @@ class Pool:
         rc = process.wait_exit(1.0)
         still_running = rc is None
         if still_running:
-            process.kill(graceful=False)
+            process.kill(lc.Stop.KILL)
             rc = process.wait_exit(1.0)
         process.wait_output(0.5)
         tail = process.output.text()
@@ -892,7 +1131,10 @@ class Pool:
                 ]
             for slot, generation in live:
                 entry.apply(slot, lc.CloseRequested(generation))
+        if self._reaper is not None:
+            self._reaper.cancel()
         if reactor is None:
+            self._events.close()
             return
         # Barrier: after this, no fork can start (before_launch refuses), and every process
         # forked so far is in self._processes.
@@ -900,13 +1142,14 @@ class Pool:
         with self._lock:
             processes = list(self._processes)
         for process in processes:
-            process.kill(graceful=True)
+            if process.retire_reason is None:  # still starting: not asked by the gate above
+                process.kill(lc.Stop.TERMINATE)
         deadline = time.monotonic() + self.config.close_timeout
         for process in processes:
             process.wait_exit(max(0.0, deadline - time.monotonic()))
         stragglers = [p for p in processes if not p.exited.is_set()]
         for process in stragglers:
-            process.kill(graceful=False)
+            process.kill(lc.Stop.KILL)
         for process in stragglers:
             process.wait_exit(2.0)
         for entry in entries:
@@ -929,13 +1172,16 @@ class Pool:
                 process.dispose()
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
+        self._events.close()
 
 
 def _release_locked(entry: _EnvEntry, slot: _Slot) -> WorkerProcess | None:
     """Hand ``slot`` to the first waiter or mark it free (lock held). Returns its process if
     that is retired, for the caller to dispose of after unlocking (nobody reads it any more)."""
-    if entry.waiters:
-        nxt = entry.waiters.popleft()
+    # FIFO, except that a call bound to another slot (it uses a RemoteRef) lets others pass.
+    nxt = next((t for t in entry.waiters if t.wanted is None or t.wanted is slot), None)
+    if nxt is not None:
+        entry.waiters.remove(nxt)
         nxt.slot = slot
         nxt.stage = "in_flight"
         entry.queued -= 1
@@ -949,8 +1195,11 @@ def _release_locked(entry: _EnvEntry, slot: _Slot) -> WorkerProcess | None:
     return None
 
 
-def _free_slot(entry: _EnvEntry) -> _Slot | None:
-    """A slot no caller holds: a verified idle worker first, else an empty or retired slot."""
+def _free_slot(entry: _EnvEntry, wanted: _Slot | None = None) -> _Slot | None:
+    """A slot no caller holds: a verified idle worker first, else an empty or retired slot.
+    A call bound to one slot (``wanted``) takes that one or none."""
+    if wanted is not None:
+        return None if wanted.leased else wanted
     fallback = None
     for slot in entry.slots:
         if slot.leased:
@@ -960,3 +1209,19 @@ def _free_slot(entry: _EnvEntry) -> _Slot | None:
         if fallback is None and (slot.state is None or isinstance(slot.state, lc.Retired)):
             fallback = slot
     return fallback
+
+
+def _abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
+    lines = []
+    for d in state.deaths:
+        how = f"signal {d.signal}" if d.signal else f"exit code {d.exitcode}"
+        when = time.strftime("%H:%M:%S", time.localtime(d.when))
+        tail = d.stderr_tail.strip().splitlines()[-3:] if d.stderr_tail else []
+        detail = ("; last output: " + " | ".join(tail)) if tail else ""
+        lines.append(f"  {when} generation {d.generation} {d.reason.value} ({how}){detail}")
+    return EnvAbandonedError(
+        f"env {env} was abandoned after {len(state.deaths)} worker deaths within the restart "
+        "window (PoolConfig.max_restarts/restart_window); calls fail until pool.reset(env). "
+        "Recent deaths:\n" + "\n".join(lines),
+        env=env,
+    )

@@ -64,6 +64,7 @@ from ._codec import decode_reply, encode_call
 from ._config import PoolConfig
 from ._envs import EnvSpec
 from ._errors import SerializationError, WorkerStartError, describe_exit
+from ._lifecycle import RetireReason, Stop
 from ._reactor import Reactor
 
 _log = logging.getLogger("comfy_env")
@@ -210,6 +211,7 @@ class WorkerProcess:
         reactor: Reactor,
         runtime_dir: str,
         on_exit: Callable[[WorkerProcess], None],
+        on_finished: Callable[[WorkerProcess], None],
     ) -> None:
         self.spec = spec
         self.generation = generation
@@ -217,6 +219,10 @@ class WorkerProcess:
         self.reactor = reactor
         self.runtime_dir = runtime_dir
         self._on_exit = on_exit
+        self._on_finished = on_finished
+        self._finished = False
+        self._output_closed = False
+        self.retire_reason: RetireReason | None = None  # set by the pool's gate
         self.popen: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.reader: FrameReader | None = None
@@ -339,6 +345,7 @@ class WorkerProcess:
                 "shm_host_id": host_id() if use_shm else None,
                 "shm_pool_bytes": self.config.shm_pool_bytes,
                 "shm_pinned_ttl": self.config.shm_pinned_ttl,
+                "generation": self.generation,
             }
             if use_shm:
                 prefix = f"{shm.NAME_PREFIX}{host_id()}"
@@ -477,7 +484,7 @@ class WorkerProcess:
             self.blocks.release(block)
 
     def _start_error(self, what: str) -> WorkerStartError:
-        self.kill(graceful=False)
+        self.kill(Stop.KILL)
         self.wait_output(1.0)
         tail = self.output.text()
         message = (
@@ -532,6 +539,8 @@ class WorkerProcess:
             pipe.close()
             self.output.open_streams -= 1
             if self.output.open_streams == 0:
+                self._output_closed = True
+                self._maybe_finished()
                 self.output.done.set()
 
         return on_readable
@@ -555,13 +564,32 @@ class WorkerProcess:
         self.returncode = returncode
         if self._escalation is not None:
             self._escalation.cancel()
-        self.exited.set()
         if self.pid is not None and self.blocks is not None:
             # The worker is gone: blocks it created (pinned replies, its pool) are orphans.
             shm.unlink_blocks(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
         # Survivors of the group (the worker's own children) go with it.
         self._signal_group(signal.SIGKILL)
+        # Report before waking waiters, so a caller that waited for the exit sees the pool's
+        # bookkeeping (gate, breaker) already up to date.
         self._on_exit(self)
+        self._maybe_finished()
+        if not self._finished and self.reactor.running:
+            # A grandchild that escaped the group may hold the output pipes: don't wait forever.
+            self.reactor.call_later(0.5, self._finish_now)
+        self.exited.set()
+
+    def _maybe_finished(self) -> None:
+        """Reactor thread: once the process is reaped *and* its output drained, report it
+        (exit code and last output lines are final then)."""
+        if self._finished or self.returncode is None or not self._output_closed:
+            return
+        self._finished = True
+        self._on_finished(self)
+
+    def _finish_now(self) -> None:
+        if not self._finished:
+            self._output_closed = True
+            self._maybe_finished()
 
     # ---- stopping ----
 
@@ -573,24 +601,52 @@ class WorkerProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def kill(self, graceful: bool) -> None:
-        """Stop the process group; wake any thread blocked on the channel. Idempotent."""
-        if self.sock is not None:
+    def kill(self, stop: Stop) -> None:
+        """Stop the process group. Idempotent.
+
+        ``ASK`` sends SHUTDOWN (the worker runs its release hooks and exits; only for a worker
+        nobody is talking to); ``TERMINATE`` sends SIGTERM; both escalate to SIGKILL after
+        ``kill_grace``. ``KILL`` is SIGKILL at once. All but ``ASK`` also shut the channel down,
+        which wakes a thread blocked reading it."""
+        self._kill_requested = True
+        if stop is not Stop.ASK and self.sock is not None:
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._kill_requested = True
         if self.popen is None or self.exited.is_set():
             return
-        if graceful and self.config.kill_grace > 0:
-            self._signal_group(signal.SIGTERM)
-            if self.reactor.running and self._escalation is None:
-                self._escalation = self.reactor.call_later(
-                    self.config.kill_grace, lambda: self._signal_group(signal.SIGKILL)
-                )
-        else:
+        if stop is Stop.KILL or self.config.kill_grace <= 0:
             self._signal_group(signal.SIGKILL)
+            return
+        if stop is Stop.ASK:
+            try:
+                assert self.sock is not None
+                self.sock.send(encode_header(FrameType.SHUTDOWN, 0, 0), socket.MSG_DONTWAIT)
+            except (OSError, AssertionError):
+                self._signal_group(signal.SIGTERM)
+        else:
+            self._signal_group(signal.SIGTERM)
+        if self.reactor.running and self._escalation is None:
+            self._escalation = self.reactor.call_later(
+                self.config.kill_grace, lambda: self._signal_group(signal.SIGKILL)
+            )
+
+    def ping(self, timeout: float) -> bool:
+        """Health check of an idle worker: PING, then PONG within ``timeout`` seconds."""
+        assert self.sock is not None and self.reader is not None
+        try:
+            self.sock.sendall(encode_header(FrameType.PING, 0, 0))
+            ftype, _, _, _ = self.reader.read(time.monotonic() + timeout)
+        except (OSError, ChannelClosed, FrameError):
+            return False
+        return ftype == FrameType.PONG
+
+    def release_refs(self, ref_ids: list[int]) -> None:
+        """Tell the worker to drop kept objects (no reply)."""
+        assert self.sock is not None
+        payload = pickle.dumps(ref_ids, protocol=5)
+        self.sock.sendall(encode_header(FrameType.RELEASE_REFS, 0, len(payload)) + payload)
 
     def wait_exit(self, timeout: float) -> int | None:
         """The return code once the process is reaped, or None if it is still running."""
@@ -647,6 +703,8 @@ class WorkerProcess:
             if pipe is not None and not pipe.closed:
                 self.reactor.remove_reader(pipe)
                 pipe.close()
+        self._output_closed = True
+        self._maybe_finished()
         self.output.done.set()
         if self._pidfd is not None:
             self.reactor.remove_reader(self._pidfd)

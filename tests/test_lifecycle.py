@@ -7,7 +7,7 @@ What this file proves:
   ``InCall`` and ``Retired`` against every member of the ``Event`` union -- each with the
   event's generation equal to, older than, and newer than the state's.  The outcome is the
   exact next state (generation, pid, ``idle_since`` ...), the exact effects (``KillWorker``
-  with its generation and ``graceful`` flag) or the exact ``Dropped`` reason.
+  with its generation and ``Stop`` mode) or the exact ``Dropped`` reason.
 * The table is complete: a test fails if an event class (or state class) is added to the
   module without a table row.
 * Named promises of the module's docstring are tested one by one (``Retired`` is terminal,
@@ -68,6 +68,7 @@ EVENT_FACTORIES: dict[type, Callable[[int], lc.Event]] = {
     lc.ProtocolViolated: lambda g: lc.ProtocolViolated(g),
     lc.CloseRequested: lambda g: lc.CloseRequested(g),
     lc.IdleExpired: lambda g: lc.IdleExpired(g, idle_since=IDLE_SINCE),
+    lc.PingFailed: lambda g: lc.PingFailed(g),
 }
 EVENT_CLASSES: tuple[type, ...] = get_args(lc.Event)
 
@@ -103,9 +104,12 @@ def to(state: lc.State) -> lc.Transition:
     return lc.Transition(state)
 
 
-def retire(reason: lc.RetireReason, graceful: bool, pid: int | None = PID) -> lc.Transition:
-    """Retire generation G and kill its process."""
-    return lc.Transition(lc.Retired(G, reason, pid), (lc.KillWorker(G, graceful=graceful),))
+def retire(reason: lc.RetireReason, stop: lc.Stop, pid: int | None = PID) -> lc.Transition:
+    """Retire generation G and stop its process as ``stop`` says."""
+    return lc.Transition(lc.Retired(G, reason, pid), (lc.KillWorker(G, stop),))
+
+
+ASK, TERMINATE, KILL = lc.Stop.ASK, lc.Stop.TERMINATE, lc.Stop.KILL
 
 
 def current(outcome: Outcome) -> Row:
@@ -133,45 +137,49 @@ EXPECTED: dict[tuple[str, type], Row] = {
     ("None", lc.ProtocolViolated): EMPTY,
     ("None", lc.CloseRequested): EMPTY,
     ("None", lc.IdleExpired): EMPTY,
+    ("None", lc.PingFailed): EMPTY,
     # -- Starting(G): whatever ends a start-up (but a close) is a failed start; no pid yet.
     ("Starting", lc.SpawnBegan): SPAWN_ON_LIVE,
     ("Starting", lc.HandshakeOk): current(to(lc.Idle(G, HELLO_PID, AT))),
-    ("Starting", lc.StartFailed): current(retire(R.START_FAILED, graceful=False, pid=None)),
+    ("Starting", lc.StartFailed): current(retire(R.START_FAILED, KILL, pid=None)),
     ("Starting", lc.CallStarted): current(N_A),
     ("Starting", lc.Replied): current(N_A),
-    ("Starting", lc.Exited): current(retire(R.START_FAILED, graceful=False, pid=None)),
-    ("Starting", lc.ChannelClosed): current(retire(R.START_FAILED, graceful=False, pid=None)),
+    ("Starting", lc.Exited): current(retire(R.START_FAILED, KILL, pid=None)),
+    ("Starting", lc.ChannelClosed): current(retire(R.START_FAILED, KILL, pid=None)),
     ("Starting", lc.DeadlineHit): current(N_A),
     ("Starting", lc.CallCancelled): current(N_A),
-    ("Starting", lc.ProtocolViolated): current(retire(R.START_FAILED, graceful=False, pid=None)),
-    ("Starting", lc.CloseRequested): current(retire(R.CLOSED, graceful=True, pid=None)),
+    ("Starting", lc.ProtocolViolated): current(retire(R.START_FAILED, KILL, pid=None)),
+    ("Starting", lc.CloseRequested): current(retire(R.CLOSED, TERMINATE, pid=None)),
     ("Starting", lc.IdleExpired): current(N_A),
+    ("Starting", lc.PingFailed): current(N_A),
     # -- Idle(G, PID, IDLE_SINCE)
     ("Idle", lc.SpawnBegan): SPAWN_ON_LIVE,
     ("Idle", lc.HandshakeOk): current(N_A),
     ("Idle", lc.StartFailed): current(N_A),
     ("Idle", lc.CallStarted): current(to(lc.InCall(G, PID, NEXT_CALL_ID, AT))),
     ("Idle", lc.Replied): current(N_A),
-    ("Idle", lc.Exited): current(retire(R.CRASHED, graceful=False)),
-    ("Idle", lc.ChannelClosed): current(retire(R.CRASHED, graceful=False)),
+    ("Idle", lc.Exited): current(retire(R.CRASHED, KILL)),
+    ("Idle", lc.ChannelClosed): current(retire(R.CRASHED, KILL)),
     ("Idle", lc.DeadlineHit): current(N_A),
     ("Idle", lc.CallCancelled): current(N_A),
-    ("Idle", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, graceful=False)),
-    ("Idle", lc.CloseRequested): current(retire(R.CLOSED, graceful=True)),
-    ("Idle", lc.IdleExpired): current(retire(R.IDLE, graceful=True)),
+    ("Idle", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, KILL)),
+    ("Idle", lc.CloseRequested): current(retire(R.CLOSED, ASK)),
+    ("Idle", lc.IdleExpired): current(retire(R.IDLE, ASK)),
+    ("Idle", lc.PingFailed): current(retire(R.PING_FAILED, KILL)),
     # -- InCall(G, PID, CALL_ID, STARTED_AT)
     ("InCall", lc.SpawnBegan): SPAWN_ON_LIVE,
     ("InCall", lc.HandshakeOk): current(N_A),
     ("InCall", lc.StartFailed): current(N_A),
     ("InCall", lc.CallStarted): current(N_A),
     ("InCall", lc.Replied): current(to(lc.Idle(G, PID, AT))),
-    ("InCall", lc.Exited): current(retire(R.CRASHED, graceful=False)),
-    ("InCall", lc.ChannelClosed): current(retire(R.CRASHED, graceful=False)),
-    ("InCall", lc.DeadlineHit): current(retire(R.TIMEOUT, graceful=True)),
-    ("InCall", lc.CallCancelled): current(retire(R.CANCELLED, graceful=False)),
-    ("InCall", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, graceful=False)),
-    ("InCall", lc.CloseRequested): current(retire(R.CLOSED, graceful=True)),
+    ("InCall", lc.Exited): current(retire(R.CRASHED, KILL)),
+    ("InCall", lc.ChannelClosed): current(retire(R.CRASHED, KILL)),
+    ("InCall", lc.DeadlineHit): current(retire(R.TIMEOUT, TERMINATE)),
+    ("InCall", lc.CallCancelled): current(retire(R.CANCELLED, KILL)),
+    ("InCall", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, KILL)),
+    ("InCall", lc.CloseRequested): current(retire(R.CLOSED, TERMINATE)),
     ("InCall", lc.IdleExpired): current(N_A),
+    ("InCall", lc.PingFailed): current(N_A),
     # -- Retired(G, CRASHED, PID): terminal; only a newer generation's SpawnBegan moves on.
     ("Retired", lc.SpawnBegan): Row(same=STALE, older=STALE, newer=to(lc.Starting(G + 1))),
     ("Retired", lc.HandshakeOk): GONE,
@@ -185,18 +193,23 @@ EXPECTED: dict[tuple[str, type], Row] = {
     ("Retired", lc.ProtocolViolated): GONE,
     ("Retired", lc.CloseRequested): GONE,
     ("Retired", lc.IdleExpired): GONE,
+    ("Retired", lc.PingFailed): GONE,
 }
 
-# Which retiring events kill gracefully (SIGTERM, then SIGKILL) and which at once.
-GRACEFUL_KILL: dict[type, bool] = {
-    lc.DeadlineHit: True,
-    lc.CloseRequested: True,
-    lc.IdleExpired: True,
-    lc.Exited: False,
-    lc.ChannelClosed: False,
-    lc.ProtocolViolated: False,
-    lc.CallCancelled: False,
-    lc.StartFailed: False,
+# How each retiring event stops the process, by the state it retires (a close asks an idle
+# worker to leave, so its release hooks run; it terminates a busy or starting one).
+STOP: dict[tuple[str, type], lc.Stop] = {
+    **{(name, lc.Exited): KILL for name in ("Starting", "Idle", "InCall")},
+    **{(name, lc.ChannelClosed): KILL for name in ("Starting", "Idle", "InCall")},
+    **{(name, lc.ProtocolViolated): KILL for name in ("Starting", "Idle", "InCall")},
+    ("Starting", lc.StartFailed): KILL,
+    ("Starting", lc.CloseRequested): TERMINATE,
+    ("Idle", lc.CloseRequested): ASK,
+    ("Idle", lc.IdleExpired): ASK,
+    ("Idle", lc.PingFailed): KILL,
+    ("InCall", lc.DeadlineHit): TERMINATE,
+    ("InCall", lc.CallCancelled): KILL,
+    ("InCall", lc.CloseRequested): TERMINATE,
 }
 
 LIVE = ("Starting", "Idle", "InCall")
@@ -299,7 +312,7 @@ def test_idle_expired_with_an_old_idle_since_is_dropped() -> None:
     assert lc.step(idle_again.state, seen_by_reaper) == OUTDATED
     # A decision based on the current idle_since does.
     assert lc.step(idle_again.state, lc.IdleExpired(G, idle_since=160.0)) == lc.Transition(
-        lc.Retired(G, R.IDLE, PID), (lc.KillWorker(G, graceful=True),)
+        lc.Retired(G, R.IDLE, PID), (lc.KillWorker(G, lc.Stop.ASK),)
     )
 
 
@@ -329,20 +342,20 @@ def test_deadline_and_cancel_for_another_call_id_are_dropped(event: lc.Event) ->
 )
 def test_start_failures_report_start_failed_reason(event: lc.Event) -> None:
     assert lc.step(lc.Starting(G), event) == lc.Transition(
-        lc.Retired(G, R.START_FAILED, None), (lc.KillWorker(G, graceful=False),)
+        lc.Retired(G, R.START_FAILED, None), (lc.KillWorker(G, KILL),)
     )
 
 
 def test_close_while_starting_is_a_close_not_a_failed_start() -> None:
     assert lc.step(lc.Starting(G), lc.CloseRequested(G)) == lc.Transition(
-        lc.Retired(G, R.CLOSED, None), (lc.KillWorker(G, graceful=True),)
+        lc.Retired(G, R.CLOSED, None), (lc.KillWorker(G, lc.Stop.TERMINATE),)
     )
 
 
 @pytest.mark.parametrize("returncode", [0, 1, -9, None], ids=lambda r: f"rc={r}")
 @pytest.mark.parametrize("state_name", ["Idle", "InCall"])
 def test_any_exit_of_a_started_worker_is_a_crash(state_name: str, returncode: int | None) -> None:
-    assert lc.step(STATES[state_name], lc.Exited(G, returncode)) == retire(R.CRASHED, False)
+    assert lc.step(STATES[state_name], lc.Exited(G, returncode)) == retire(R.CRASHED, KILL)
 
 
 def test_spawn_began_needs_a_newer_generation() -> None:
@@ -371,7 +384,8 @@ def test_effects_are_a_kill_exactly_when_retiring(state: lc.State | None, event:
     if isinstance(result.state, lc.Retired):
         assert state is not None and not isinstance(state, lc.Retired)
         assert result.state.generation == state.generation == event.generation
-        assert result.effects == (lc.KillWorker(state.generation, GRACEFUL_KILL[type(event)]),)
+        stop = STOP[(type(state).__name__, type(event))]
+        assert result.effects == (lc.KillWorker(state.generation, stop),)
         expected_pid = None if isinstance(state, lc.Starting) else state.pid
         assert result.state.pid == expected_pid
     else:
@@ -385,7 +399,7 @@ def test_every_killing_event_retires_from_some_state() -> None:
         for (name, cls), row in EXPECTED.items()
         if isinstance(row.same, lc.Transition) and isinstance(row.same.state, lc.Retired)
     }
-    assert retiring == set(GRACEFUL_KILL)
+    assert retiring == {cls for _, cls in STOP}
 
 
 @pytest.mark.parametrize(("state", "event"), ALL_PAIRS)
@@ -402,7 +416,7 @@ def test_step_is_pure(state: lc.State | None, event: lc.Event) -> None:
     [
         *(s for s in STATES.values() if s is not None),
         *(factory(G) for factory in EVENT_FACTORIES.values()),
-        lc.KillWorker(G, graceful=True),
+        lc.KillWorker(G, lc.Stop.ASK),
         lc.Transition(lc.Starting(G)),
         STALE,
     ],
@@ -512,3 +526,64 @@ def test_no_state_write_through_setattr() -> None:
     pattern = re.compile(r"setattr\([^)]*[\"']state[\"']")
     for path in sorted(PACKAGE.glob("*.py")):
         assert not pattern.search(path.read_text(encoding="utf-8")), path.name
+
+
+# ---- policy decisions with a fake clock ---------------------------------------------------------
+
+
+def test_the_reaper_observes_idle_since_and_a_call_in_between_makes_it_stale() -> None:
+    idle = lc.Idle(G, PID, idle_since=100.0)
+    assert lc.idle_expired(idle, now=129.9, idle_timeout=30.0) is None
+    decision = lc.idle_expired(idle, now=130.0, idle_timeout=30.0)
+    assert decision == lc.IdleExpired(G, idle_since=100.0)
+    # Before the decision is applied, a call runs and replies: the worker is idle anew.
+    busy = lc.step(idle, lc.CallStarted(G, call_id=9, at=131.0))
+    assert isinstance(busy, lc.Transition)
+    assert lc.step(busy.state, decision) == N_A  # busy: not reaped
+    again = lc.step(busy.state, lc.Replied(G, call_id=9, at=132.0))
+    assert isinstance(again, lc.Transition)
+    assert lc.step(again.state, decision) == OUTDATED  # the old observation is ignored
+
+
+@pytest.mark.parametrize("state_name", ["None", "Starting", "InCall", "Retired"])
+def test_the_reaper_only_considers_idle_workers(state_name: str) -> None:
+    assert lc.idle_expired(STATES[state_name], now=1e9, idle_timeout=1.0) is None
+
+
+def test_no_idle_timeout_means_no_reaping() -> None:
+    assert lc.idle_expired(STATES["Idle"], now=1e9, idle_timeout=None) is None
+
+
+def test_a_ping_is_due_only_after_the_idle_window() -> None:
+    idle = lc.Idle(G, PID, idle_since=100.0)
+    assert not lc.needs_ping(idle, now=159.0, ping_after_idle=60.0)
+    assert lc.needs_ping(idle, now=160.0, ping_after_idle=60.0)
+    assert not lc.needs_ping(idle, now=1e9, ping_after_idle=None)
+    assert not lc.needs_ping(STATES["InCall"], now=1e9, ping_after_idle=1.0)
+
+
+def _death(at: float, generation: int = G) -> lc.Death:
+    return lc.Death(at, at, generation, R.CRASHED, -11, "SIGSEGV", "tail")
+
+
+def test_the_breaker_trips_on_more_than_max_restarts_deaths_in_the_window() -> None:
+    state: lc.EnvState = lc.EnvActive()
+    for i in range(3):
+        state = lc.record_death(state, _death(10.0 + i), max_restarts=3, restart_window=60.0)
+        assert isinstance(state, lc.EnvActive)
+    state = lc.record_death(state, _death(13.0), max_restarts=3, restart_window=60.0)
+    assert isinstance(state, lc.EnvAbandoned)
+    assert len(state.deaths) == 4 and state.at == 13.0
+
+
+def test_deaths_outside_the_window_are_forgotten() -> None:
+    state: lc.EnvState = lc.EnvActive()
+    for at in (0.0, 10.0, 20.0, 100.0):  # none of the first three is within 60 s of 100.0
+        state = lc.record_death(state, _death(at), max_restarts=3, restart_window=60.0)
+    assert isinstance(state, lc.EnvActive)
+    assert [d.at for d in state.deaths] == [100.0]
+
+
+def test_abandoned_is_sticky() -> None:
+    abandoned = lc.EnvAbandoned((_death(1.0),), at=1.0)
+    assert lc.record_death(abandoned, _death(2.0), 0, 60.0) is abandoned

@@ -111,7 +111,9 @@ def _sleep_then_pid(seconds: float) -> int:
 def test_stats_invariant_holds_under_concurrent_calls_and_crashes(
     config: comfy_env.PoolConfig, foreign_venv: Path
 ) -> None:
-    with comfy_env.Pool(config.model_copy(update={"max_workers_per_env": 2})) as pool:
+    # Crashes are the point here, so the crash-loop breaker gets out of the way.
+    update = {"max_workers_per_env": 2, "max_restarts": 1000}
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
         workers = [pool.get_worker(), pool.get_worker(foreign_venv)]
         stop = threading.Event()
         errors: list[BaseException] = []

@@ -8,6 +8,15 @@ Modules:
 - ``protocol``: the frame format and message types both sides agree on (imported by the host).
 - ``main``: the worker's serve loop (handshake, calls, exit on channel EOF).
 - ``tasks``: small built-in functions (echo for the canary, sleep, crash) usable by any env.
+- ``shm``: out-of-band buffers in shared memory; ``refs``: kept objects and release hooks.
 """
 
 __version__ = "0.1.0"
+
+
+def on_release(hook):  # type: ignore[no-untyped-def]
+    """Register ``hook`` to run before this worker is retired for being idle or the pool closes
+    (drop models and caches cleanly). Call it from the env's own code, inside a worker."""
+    from .refs import on_release as register
+
+    return register(hook)

@@ -36,7 +36,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import shm
+from . import refs, shm
 from .protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     FLAG_OOB,
@@ -175,6 +175,7 @@ class Worker:
         self.max_frame_bytes = limit
         self.reader.limit = limit
         self.threshold = int(config.get("shm_threshold_bytes") or shm.MIN_BLOCK)
+        refs.GENERATION = int(config.get("generation") or 0)
         host_id = config.get("shm_host_id")
         if host_id and shm.shm_available():
             prefix = "%s%s-w%d-" % (shm.NAME_PREFIX, host_id, os.getpid())
@@ -190,9 +191,12 @@ class Worker:
                 self.run_call(call_id, flags, payload)
             elif ftype == FrameType.CONSUMED:
                 self.consumed(call_id)
+            elif ftype == FrameType.RELEASE_REFS:
+                refs.release(pickle.loads(payload))
             elif ftype == FrameType.PING:
                 self.send(FrameType.PONG, call_id)
             elif ftype == FrameType.SHUTDOWN:
+                refs.run_release_hooks()  # drop caches cleanly before the host reaps us
                 return
             else:
                 # Never silence: the host learns at once that we did not understand.

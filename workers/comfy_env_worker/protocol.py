@@ -53,6 +53,7 @@ class FrameType:
     SHUTDOWN = 9  # host -> worker: exit cleanly now
     ERROR = 10  # worker -> host: a frame the worker could not understand (never silence)
     CONSUMED = 11  # host -> worker: the reply to call id was read; its blocks may be reused
+    RELEASE_REFS = 12  # host -> worker: drop kept objects (pickled list of ids); no reply
 
 
 FLAG_OOB = 1

@@ -1,0 +1,511 @@
+"""Host status files: what each live comfy-env host on this machine is running, for ``status``.
+
+Data flow::
+
+    host process (one file per host)                      ``comfy-env status`` (any process)
+    --------------------------------                      ----------------------------------
+    Pool state changes -> publisher.publish_soon()        read_status():
+      (throttled; the write runs on the pool's reactor)     list <status dir>/*.json
+    publisher.publish():                                    host dead (pid gone, or reused by
+      snapshots() -> [snapshot_pool(pool), ...]               a process with another start
+      -> JSON document -> <status dir>/.<id>.json.tmp         time)? remove its file, skip it
+      -> os.replace() onto <status dir>/<id>.json           parse -> HostStatus/EnvStatus/
+      (no live pool left: the file is removed instead)        WorkerStatus (frozen)
+    Pool.close() / interpreter exit -> publish()/remove()   RSS of each worker pid, measured
+                                                              live with psutil
+
+The status directory is ``<runtime_root()>/status`` (per user, mode 0700); files are mode 0600
+and named after the host: ``<pid>-<start ms>.json``, the same ``host_id()`` that names the
+host's shared-memory blocks and runtime directories, so a reused pid never passes for a dead
+host. A host writes only its own file, always whole (temporary file + ``os.replace``), so a
+reader never sees a partial document. Readers and the CLI never need the host's cooperation:
+everything the file does not say (RSS, whether the host is still alive) is measured at read
+time.
+
+Times in the file are wall-clock seconds (``time.time()``): ``updated_at`` (when the file was
+written), and per worker ``idle_since`` (idle workers) or ``busy_since`` (a worker in a call),
+converted from the pool's monotonic clock when the snapshot is taken. An idle worker's file is
+not rewritten while it idles; ``now - idle_since`` is its idle time as of any later read.
+
+One publisher serves a whole host process (``host_publisher()``): its snapshot callable lists
+every open pool of the process, so several pools share one file. A forked child gets its own
+publisher and file; it never writes or removes the parent's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._process import host_id, runtime_root
+
+if TYPE_CHECKING:
+    from ._pool import Pool
+
+SCHEMA = 1
+STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
+_FILE = re.compile(r"^\.?(\d+)-(\d+)\.json(?:\.tmp)?$")
+_COUNTERS = (
+    "submitted",
+    "ok",
+    "raised",
+    "crashed",
+    "timed_out",
+    "cancelled",
+    "failed",
+    "in_flight",
+    "queued",
+    "spawns",
+)
+
+Snapshot = dict[str, Any]
+
+
+def status_dir() -> str:
+    """``<runtime_root()>/status``, created with mode 0700 if missing."""
+    path = os.path.join(runtime_root(), STATUS_DIR_NAME)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o700)
+    return path
+
+
+# ---- building a snapshot (host side) ------------------------------------------------------
+
+
+def snapshot_pool(pool: Pool) -> Snapshot:
+    """A JSON-able description of one pool: per env the interpreter, counters and per-slot
+    workers (pid, generation, state, idle or busy since when, start-up seconds).
+
+    Reads ``pool.stats()`` (which locks each entry briefly) and, read-only, each entry's spec,
+    slot states and the pool's clock (idle and busy times are kept on it; they are converted to
+    wall time here). Must not be called with one of the pool's locks held."""
+    # Lifecycle times come from the pool's clock (monotonic unless a test injected another).
+    clock: Callable[[], float] = getattr(pool, "_clock", time.monotonic)
+    now_wall = time.time()
+    now_mono = clock()
+
+    def wall(mono: Any) -> float | None:
+        if isinstance(mono, (int, float)) and not isinstance(mono, bool):
+            return round(now_wall - (now_mono - float(mono)), 3)
+        return None
+
+    stats = pool.stats()
+    entries = dict(pool._entries)  # a copy: the dict may grow while we read it
+    envs: list[Snapshot] = []
+    for key, env_stats in stats.items():
+        entry = entries.get(key)
+        interpreter = entry.spec.interpreter if entry is not None else None
+        workers: list[Snapshot] = []
+        for ws in env_stats.workers:
+            # The slot's lifecycle state as of now; its times count only if it is still the
+            # generation the stats describe.
+            state: Any = None
+            if entry is not None and ws.slot < len(entry.slots):
+                state = entry.slots[ws.slot].state
+            same = state is not None and getattr(state, "generation", None) == ws.generation
+            workers.append(
+                {
+                    "slot": ws.slot,
+                    "pid": ws.pid,
+                    "generation": ws.generation,
+                    "state": ws.state,
+                    "retire_reason": ws.retire_reason,
+                    "startup_seconds": ws.startup_seconds,
+                    "idle_since": wall(getattr(state, "idle_since", None)) if same else None,
+                    "busy_since": wall(getattr(state, "started_at", None)) if same else None,
+                }
+            )
+        env: Snapshot = {"env": key, "interpreter": interpreter, "generation": env_stats.generation}
+        for name in _COUNTERS:
+            env[name] = getattr(env_stats, name)
+        env["workers"] = workers
+        envs.append(env)
+    return {"pool": f"{id(pool):x}", "envs": envs}
+
+
+def live_pool_snapshots() -> list[Snapshot]:
+    """Snapshots of every open pool of this process (the default pool included)."""
+    from ._pool import _live_pools
+
+    for _ in range(3):
+        try:
+            pools = list(_live_pools)
+            break
+        except RuntimeError:  # another thread created a pool while we listed them
+            continue
+    else:  # pragma: no cover
+        return []
+    return [snapshot_pool(p) for p in pools if not p.closed]
+
+
+# ---- the publisher (host side) ------------------------------------------------------------
+
+
+class StatusPublisher:
+    """Keeps this host's status file current.
+
+    ``snapshots`` returns the current pool snapshots (``snapshot_pool`` results). ``publish()``
+    writes the file now (or removes it when there is no pool to describe); ``publish_soon``
+    schedules a throttled ``publish()`` through a timer function such as a reactor's
+    ``call_later``; ``remove()`` deletes the file and stops all further writes.
+
+    Only the process that created the publisher writes: in a forked child every method is a
+    no-op, so the child can never overwrite or delete its parent's file."""
+
+    def __init__(
+        self,
+        snapshots: Callable[[], Iterable[Snapshot]],
+        *,
+        directory: str | None = None,
+        min_interval: float = 0.5,
+    ) -> None:
+        self._snapshots = snapshots
+        self._directory = directory
+        self.min_interval = min_interval
+        self.host_id = host_id()
+        self._owner_pid = os.getpid()
+        # Two locks, so that asking for a write (publish_soon, from a caller's thread) never
+        # waits for a write in progress, which takes the pool's locks for its snapshot.
+        self._write_lock = threading.Lock()  # one write (or remove) at a time
+        self._flag_lock = threading.Lock()  # guards _pending
+        self._pending = False
+        self._last = float("-inf")  # monotonic time of the last write
+        self._removed = False
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self._dir(), f"{self.host_id}.json")
+
+    def _dir(self) -> str:
+        return self._directory if self._directory is not None else status_dir()
+
+    def _mine(self) -> bool:
+        return os.getpid() == self._owner_pid
+
+    def publish(self) -> str | None:
+        """Write the current state (atomically, mode 0600). Returns the file's path, or None if
+        nothing was written (no open pool: the file is removed; after ``remove()``; in a forked
+        child)."""
+        if not self._mine():
+            return None
+        with self._write_lock:
+            if self._removed:
+                return None
+            self._last = time.monotonic()
+            pools = list(self._snapshots())
+            if not pools:
+                self._unlink()
+                return None
+            return self._write(pools)
+
+    def publish_soon(self, call_later: Callable[[float, Callable[[], None]], object]) -> None:
+        """Ask for a ``publish()`` within ``min_interval`` of the last one. Cheap when a write is
+        already pending (a flag test); ``call_later(delay, fn)`` runs the write off the caller's
+        path (on the pool's reactor thread)."""
+        if self._pending or self._removed or not self._mine():
+            return
+        with self._flag_lock:
+            if self._pending:
+                return
+            self._pending = True
+            delay = max(0.0, self._last + self.min_interval - time.monotonic())
+        try:
+            call_later(delay, self._flush)
+        except Exception:  # noqa: BLE001 - a stopped reactor: the next change asks again
+            self._pending = False
+
+    def _flush(self) -> None:
+        self._pending = False  # changes from here on schedule another write
+        try:
+            self.publish()
+        except Exception:  # status is best effort; never break the reactor
+            import logging
+
+            logging.getLogger("comfy_env").debug("comfy-env: status publish failed", exc_info=True)
+
+    def remove(self) -> None:
+        """Delete this host's file; later ``publish()`` calls do nothing."""
+        if not self._mine():
+            return
+        with self._write_lock:
+            self._removed = True
+            self._unlink()
+
+    def _unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _write(self, pools: list[Snapshot]) -> str:
+        pid, start_ms = self.host_id.split("-", 1)
+        document = {
+            "schema": SCHEMA,
+            "host_id": self.host_id,
+            "pid": int(pid),
+            "start_ms": int(start_ms),
+            "updated_at": round(time.time(), 3),
+            "argv": [str(a)[:200] for a in sys.argv[:16]],
+            "executable": sys.executable,
+            "version": _version(),
+            "pools": pools,
+        }
+        data = json.dumps(document, separators=(",", ":"), default=str).encode()
+        directory = self._dir()
+        final = os.path.join(directory, f"{self.host_id}.json")
+        tmp = os.path.join(directory, f".{self.host_id}.json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return final
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+_host_publisher: StatusPublisher | None = None
+_host_publisher_lock = threading.Lock()
+
+
+def host_publisher() -> StatusPublisher:
+    """This process's publisher over all its open pools (a forked child gets a new one)."""
+    global _host_publisher, _host_publisher_lock
+    publisher = _host_publisher
+    if publisher is not None and publisher._owner_pid == os.getpid():
+        return publisher
+    if publisher is not None:  # inherited by fork: the parent's lock may be held
+        _host_publisher_lock = threading.Lock()
+    with _host_publisher_lock:
+        if _host_publisher is None or _host_publisher._owner_pid != os.getpid():
+            _host_publisher = StatusPublisher(live_pool_snapshots)
+        return _host_publisher
+
+
+# ---- reading (any process) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker slot as its host last published it; ``rss_bytes`` is measured at read time
+    (None when the pid is not a live worker of that host)."""
+
+    slot: int
+    pid: int | None
+    generation: int
+    state: str
+    retire_reason: str | None
+    startup_seconds: float | None
+    idle_since: float | None
+    busy_since: float | None
+    rss_bytes: int | None
+
+    def idle_seconds(self, now: float | None = None) -> float | None:
+        """Seconds idle as of ``now`` (wall time), for an idle worker."""
+        if self.state != "idle" or self.idle_since is None:
+            return None
+        return max(0.0, (time.time() if now is None else now) - self.idle_since)
+
+    def busy_seconds(self, now: float | None = None) -> float | None:
+        """Seconds in the current call as of ``now`` (wall time), for a busy worker."""
+        if self.state != "in_call" or self.busy_since is None:
+            return None
+        return max(0.0, (time.time() if now is None else now) - self.busy_since)
+
+
+@dataclass(frozen=True)
+class EnvStatus:
+    """One env of one pool of a host, with its call counters."""
+
+    pool: str
+    env: str
+    interpreter: str | None
+    generation: int
+    submitted: int
+    ok: int
+    raised: int
+    crashed: int
+    timed_out: int
+    cancelled: int
+    failed: int
+    in_flight: int
+    queued: int
+    spawns: int
+    workers: tuple[WorkerStatus, ...]
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """A live host process using comfy-env, as of its status file (``path``)."""
+
+    host_id: str
+    pid: int
+    start_ms: int
+    updated_at: float
+    argv: tuple[str, ...]
+    executable: str | None
+    version: str | None
+    envs: tuple[EnvStatus, ...]
+    path: str
+
+
+def read_status(*, measure: bool = True, remove_stale: bool = True) -> list[HostStatus]:
+    """Every live host's status, sorted by pid. Files of dead hosts (and their leftover
+    temporary files) are skipped and, with ``remove_stale``, deleted. Unreadable or malformed
+    files of live hosts are skipped. ``measure``: fill ``rss_bytes`` from the live processes."""
+    directory = status_dir()
+    hosts: list[HostStatus] = []
+    for name in sorted(os.listdir(directory)):
+        match = _FILE.match(name)
+        if match is None:
+            continue
+        path = os.path.join(directory, name)
+        if not _owner_alive(match):
+            if remove_stale:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            continue
+        if name.startswith("."):
+            continue  # a live host's write in progress
+        host = _load(path)
+        if host is not None:
+            hosts.append(_measured(host) if measure else host)
+    hosts.sort(key=lambda h: (h.pid, h.start_ms))
+    return hosts
+
+
+def remove_stale_status() -> list[str]:
+    """Delete status files (and temporary files) of dead hosts; returns their names."""
+    directory = status_dir()
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        match = _FILE.match(name)
+        if match is not None and not _owner_alive(match):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _owner_alive(match: re.Match[str]) -> bool:
+    from ._sweep import host_alive
+
+    return host_alive(int(match.group(1)), int(match.group(2)))
+
+
+def _load(path: str) -> HostStatus | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            if os.fstat(f.fileno()).st_uid != os.getuid():
+                return None
+            doc = json.loads(f.read())
+        return _parse(doc, path)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _opt_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _opt_float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _parse(doc: Any, path: str) -> HostStatus:
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    envs: list[EnvStatus] = []
+    for pool in doc.get("pools") or ():
+        for env in pool.get("envs") or ():
+            workers = tuple(
+                WorkerStatus(
+                    slot=int(w.get("slot", 0)),
+                    pid=_opt_int(w.get("pid")),
+                    generation=int(w.get("generation", 0)),
+                    state=str(w.get("state", "?")),
+                    retire_reason=_opt_str(w.get("retire_reason")),
+                    startup_seconds=_opt_float(w.get("startup_seconds")),
+                    idle_since=_opt_float(w.get("idle_since")),
+                    busy_since=_opt_float(w.get("busy_since")),
+                    rss_bytes=None,
+                )
+                for w in env.get("workers") or ()
+            )
+            counters = {name: int(env.get(name, 0)) for name in _COUNTERS}
+            envs.append(
+                EnvStatus(
+                    pool=str(pool.get("pool", "")),
+                    env=str(env["env"]),
+                    interpreter=_opt_str(env.get("interpreter")),
+                    generation=int(env.get("generation", 0)),
+                    workers=workers,
+                    **counters,
+                )
+            )
+    return HostStatus(
+        host_id=str(doc["host_id"]),
+        pid=int(doc["pid"]),
+        start_ms=int(doc["start_ms"]),
+        updated_at=float(doc.get("updated_at", 0.0)),
+        argv=tuple(str(a) for a in doc.get("argv") or ()),
+        executable=_opt_str(doc.get("executable")),
+        version=_opt_str(doc.get("version")),
+        envs=tuple(envs),
+        path=path,
+    )
+
+
+def _measured(host: HostStatus) -> HostStatus:
+    from dataclasses import replace
+
+    envs = tuple(
+        replace(env, workers=tuple(replace(w, rss_bytes=worker_rss(host, w)) for w in env.workers))
+        for env in host.envs
+    )
+    return replace(host, envs=envs)
+
+
+def worker_rss(host: HostStatus, worker: WorkerStatus) -> int | None:
+    """The resident set size of ``worker``'s process, if that pid is still a worker of
+    ``host`` (its command line names a runtime directory of the host), else None."""
+    if worker.pid is None:
+        return None
+    import psutil
+
+    from ._process import BOOT
+
+    try:
+        proc = psutil.Process(worker.pid)
+        cmdline = proc.cmdline()
+        if BOOT not in cmdline:
+            return None
+        runtime_dir = cmdline[cmdline.index(BOOT) + 1]
+        if not os.path.basename(runtime_dir).startswith(f"host-{host.host_id}-"):
+            return None
+        return int(proc.memory_info().rss)
+    except (psutil.Error, OSError, ValueError, IndexError):
+        return None

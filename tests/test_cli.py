@@ -1,0 +1,338 @@
+"""The ``comfy-env`` command line: doctor, call, sweep and status, on real worker processes.
+
+Commands run in-process through ``comfy_env._cli.main`` (output captured with ``capsys``), and
+``status`` once as a subprocess. Each command closes its own pool before returning; a status
+file published here is removed before the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import comfy_env
+from comfy_env._cli import main
+from comfy_env._status import StatusPublisher, read_status, snapshot_pool, status_dir
+from comfy_env_worker.shm import shm_available
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+DOCTOR_STEPS = (
+    "config",
+    "resolve env",
+    "spawn + handshake + canary",
+    "versions",
+    "warm round trip",
+    "shared memory",
+)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def remote_tasks_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the CLI's own pool (``PoolConfig()``) import tests/remote_tasks.py."""
+    monkeypatch.setenv("COMFY_ENV_SYS_PATH", str(TESTS_DIR))
+
+
+# ---- doctor ----------------------------------------------------------------------------------
+
+
+def test_doctor_current_interpreter(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "doctor")
+    assert code == 0, out + err
+    for step in DOCTOR_STEPS:
+        line = next(ln for ln in out.splitlines() if step in ln)
+        assert line.split()[0] == "ok", line
+        if step != "versions":
+            assert " ms" in line, line
+    if shm_available():
+        assert "through shared memory" in out
+    assert "healthy" in out.splitlines()[-1]
+    assert sys.executable in out
+
+
+def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "doctor", "-", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["ok"] is True
+    assert [s["name"] for s in doc["steps"]] == list(DOCTOR_STEPS)
+    shm = doc["steps"][-1]["facts"]
+    assert shm["equal"] is True and shm["via_shared_memory"] is shm_available()
+    assert shm["kind"] == "numpy array" and shm["bytes"] >= 4 * 1024 * 1024
+    versions = doc["steps"][3]["facts"]
+    assert versions["worker_executable"] == sys.executable
+    assert versions["protocol"] is not None
+
+
+def test_doctor_foreign_venv(capsys: pytest.CaptureFixture[str], foreign_venv: Path) -> None:
+    code, out, err = run_cli(capsys, "doctor", str(foreign_venv))
+    assert code == 0, out + err
+    assert str(foreign_venv / "bin" / "python") in out
+    # The bare venv has no numpy: the probe falls back to bytes and still uses shared memory.
+    assert "cannot import numpy" in out
+    assert "bytes object round trip" in out
+
+
+def test_doctor_missing_env(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-env"
+    code, out, err = run_cli(capsys, "doctor", str(missing))
+    assert code == 1
+    assert "FAIL  resolve env" in out
+    assert "EnvError" in out and "tried:" in out and str(missing) in out
+    assert "resolve env failed" in err
+
+    empty = tmp_path / "empty-env"
+    empty.mkdir()
+    code, out, _ = run_cli(capsys, "doctor", str(empty), "--json")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False
+    error = doc["steps"][-1]["error"]
+    assert error["type"] == "EnvError"
+    assert str(empty / "bin" / "python") in error["tried"]
+    assert str(empty / "bin" / "python3") in doc["steps"][-1]["detail"]
+
+
+def test_doctor_broken_interpreter(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    env = tmp_path / "broken"
+    (env / "bin").mkdir(parents=True)
+    python = env / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "broken interpreter: libpython missing" >&2\nexit 3\n')
+    python.chmod(0o755)
+    code, out, err = run_cli(capsys, "doctor", str(env))
+    assert code == 1
+    assert "FAIL  spawn + handshake + canary" in out
+    assert "WorkerStartError" in out and "exited with code 3" in out
+    assert "broken interpreter: libpython missing" in out
+    assert "spawn + handshake + canary failed" in err
+
+
+def test_doctor_bad_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(capsys, "doctor", "--timeout", "-1")[0] == 2
+    assert run_cli(capsys, "doctor", "a", "b")[0] == 2
+
+
+# ---- call ------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("remote_tasks_path")
+def test_call_positional(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "call", "-", "remote_tasks:add", "[2, 3]")
+    assert code == 0, err
+    assert out.strip() == "5"
+
+
+@pytest.mark.usefixtures("remote_tasks_path")
+def test_call_kwargs_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys, "call", sys.executable, "remote_tasks:add", '{"a": 2, "b": 40}', "--json"
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["ok"] is True and doc["result"] == 42 and doc["result_is_repr"] is False
+    assert doc["generation"] == 1 and isinstance(doc["pid"], int)
+    # No arguments at all, and a result JSON cannot hold: its repr, flagged.
+    code, out, _ = run_cli(capsys, "call", "-", "builtins:object", "--json", "--timeout", "30")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["result_is_repr"] is True and doc["result"].startswith("<object object")
+
+
+def test_call_missing_function(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "call", "-", "comfy_env_worker.tasks:no_such_fn", "[]")
+    assert code == 1
+    assert out == ""
+    assert "comfy-env: AttributeError:" in err and "no_such_fn" in err
+    code, out, _ = run_cli(capsys, "call", "-", "comfy_env_worker.tasks:no_such_fn", "--json")
+    assert code == 1
+    assert json.loads(out)["error"]["type"] == "AttributeError"
+
+
+def test_call_worker_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(
+        capsys, "call", "-", "comfy_env_worker.tasks:sleep", "[10]", "--timeout", "0.3"
+    )
+    assert code == 1
+    assert "comfy-env: CallTimeout:" in err
+    code, out, err = run_cli(capsys, "call", "-", "comfy_env_worker.tasks:crash", "--json")
+    assert code == 1
+    error = json.loads(out)["error"]
+    assert error["type"] == "WorkerCrashed" and error["signal"] == "SIGSEGV"
+    assert "Segmentation fault" in err  # the worker's own output, forwarded live
+
+
+@pytest.mark.parametrize(
+    ("target", "args", "needle"),
+    [
+        ("builtins:int", "[1,", "not valid JSON"),
+        ("builtins:int", "3", "must be a JSON array"),
+        ("builtins", "[1]", "TARGET must be"),
+        ("builtins:int:x", "[1]", "TARGET must be"),
+    ],
+)
+def test_call_bad_usage(
+    capsys: pytest.CaptureFixture[str], target: str, args: str, needle: str
+) -> None:
+    code, out, err = run_cli(capsys, "call", "-", target, args)
+    assert code == 2
+    assert out == ""
+    assert needle in err
+
+
+# ---- sweep -----------------------------------------------------------------------------------
+
+
+def test_sweep_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "sweep", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files"}
+    assert all(isinstance(v, list) for v in doc.values())
+    code, out, _ = run_cli(capsys, "sweep")
+    assert code == 0 and out.strip()
+
+
+# ---- status ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def published(pool: comfy_env.Pool) -> Iterator[tuple[comfy_env.Worker, StatusPublisher]]:
+    worker = pool.get_worker(None)
+    worker.call("comfy_env_worker.tasks:echo", 1)
+    publisher = StatusPublisher(lambda: [snapshot_pool(pool)])
+    try:
+        yield worker, publisher
+    finally:
+        publisher.remove()
+        assert not os.path.exists(publisher.path)
+
+
+def _our_host(doc: dict[str, Any]) -> dict[str, Any]:
+    return next(h for h in doc["hosts"] if h["pid"] == os.getpid())
+
+
+def test_status_lists_published_host(
+    capsys: pytest.CaptureFixture[str],
+    published: tuple[comfy_env.Worker, StatusPublisher],
+) -> None:
+    worker, publisher = published
+    path = publisher.publish()
+    assert path is not None and path == publisher.path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(status_dir()).st_mode) == 0o700
+    assert not os.path.basename(status_dir()).startswith("host-")
+
+    code, out, _ = run_cli(capsys, "status", "--json")
+    assert code == 0
+    host = _our_host(json.loads(out))
+    (env,) = [e for e in host["envs"] if e["env"] == worker.env]
+    assert env["interpreter"] == worker.interpreter
+    assert env["submitted"] == env["ok"] == 1 and env["spawns"] == 1
+    (slot,) = env["workers"]
+    assert slot["pid"] == worker.pid and slot["generation"] == 1 and slot["state"] == "idle"
+    assert slot["rss_bytes"] > 1024 * 1024
+    assert 0 <= slot["idle_seconds"] < 60
+
+    code, out, _ = run_cli(capsys, "status")
+    assert code == 0
+    assert f"host pid {os.getpid()}" in out
+    assert f"env {worker.env}" in out
+    assert f"pid {worker.pid}, generation 1, idle, rss" in out
+
+    # A fresh process finds the same host in the file.
+    result = subprocess.run(
+        [sys.executable, "-m", "comfy_env", "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    host = _our_host(json.loads(result.stdout))
+    assert [w["pid"] for e in host["envs"] for w in e["workers"]] == [worker.pid]
+
+
+def test_status_follows_changes(published: tuple[comfy_env.Worker, StatusPublisher]) -> None:
+    worker, publisher = published
+    publisher.publish()
+    worker.call("comfy_env_worker.tasks:echo", 2)
+    with pytest.raises(comfy_env.WorkerCrashed):
+        worker.call("comfy_env_worker.tasks:crash")
+    publisher.publish()
+    (host,) = [h for h in read_status() if h.pid == os.getpid()]
+    (env,) = host.envs
+    assert (env.submitted, env.ok, env.crashed) == (3, 2, 1)
+    (slot,) = env.workers
+    assert slot.state == "retired" and slot.retire_reason == "crashed" and slot.rss_bytes is None
+    # After remove(), publish() writes nothing.
+    publisher.remove()
+    assert publisher.publish() is None
+    assert not os.path.exists(publisher.path)
+
+
+def test_status_publish_soon_is_throttled(
+    published: tuple[comfy_env.Worker, StatusPublisher],
+) -> None:
+    _, publisher = published
+    scheduled: list[tuple[float, Any]] = []
+    publisher.publish_soon(lambda delay, fn: scheduled.append((delay, fn)))
+    publisher.publish_soon(lambda delay, fn: scheduled.append((delay, fn)))
+    assert len(scheduled) == 1 and scheduled[0][0] == 0.0  # pending: asked once
+    scheduled[0][1]()
+    assert os.path.exists(publisher.path)
+    publisher.publish_soon(lambda delay, fn: scheduled.append((delay, fn)))
+    assert len(scheduled) == 2 and 0 < scheduled[1][0] <= publisher.min_interval
+
+
+def _dead_pid() -> int:
+    pid = 4_000_000
+    while psutil.pid_exists(pid):
+        pid -= 1
+    return pid
+
+
+def test_status_removes_stale_file_of_dead_host(capsys: pytest.CaptureFixture[str]) -> None:
+    directory = status_dir()
+    pid = _dead_pid()
+    start_ms = int(time.time() * 1000) - 60_000
+    stale = os.path.join(directory, f"{pid}-{start_ms}.json")
+    stale_tmp = os.path.join(directory, f".{pid}-{start_ms}.json.tmp")
+    # Our own pid with another start time: a host that died and whose pid was reused.
+    reused = os.path.join(directory, f"{os.getpid()}-{start_ms}.json")
+    document = {
+        "host_id": f"{pid}-{start_ms}",
+        "pid": pid,
+        "start_ms": start_ms,
+        "updated_at": start_ms / 1000,
+        "pools": [{"pool": "x", "envs": [{"env": "/ghost", "workers": []}]}],
+    }
+    try:
+        for path in (stale, stale_tmp, reused):
+            with open(path, "w") as f:
+                json.dump(document, f)
+        code, out, _ = run_cli(capsys, "status", "--json")
+        assert code == 0
+        doc = json.loads(out)
+        assert all(h["pid"] != pid for h in doc["hosts"])
+        assert all(e["env"] != "/ghost" for h in doc["hosts"] for e in h["envs"])
+        for path in (stale, stale_tmp, reused):
+            assert not os.path.exists(path), path
+    finally:
+        for path in (stale, stale_tmp, reused):
+            if os.path.exists(path):
+                os.unlink(path)
