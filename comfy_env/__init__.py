@@ -34,7 +34,16 @@ from ._errors import (
     WorkerError,
     WorkerStartError,
 )
+from ._events import (
+    EnvAbandoned,
+    EnvReset,
+    ShmSwept,
+    WorkerReady,
+    WorkerRetired,
+    WorkerSpawned,
+)
 from ._pool import EnvStats, Pool, WorkerStats
+from ._refs import RemoteRef
 from ._sweep import SweepReport, sweep
 from ._worker import Worker
 
@@ -44,8 +53,10 @@ __all__ = [
     "CallCancelled",
     "CallTimeout",
     "ComfyEnvError",
+    "EnvAbandoned",
     "EnvAbandonedError",
     "EnvError",
+    "EnvReset",
     "EnvSpec",
     "EnvStats",
     "Pool",
@@ -53,13 +64,18 @@ __all__ = [
     "PoolConfig",
     "ProtocolError",
     "RemoteError",
+    "RemoteRef",
     "RemoteTraceback",
     "SerializationError",
+    "ShmSwept",
     "StaleGenerationError",
     "SweepReport",
     "Worker",
     "WorkerCrashed",
     "WorkerError",
+    "WorkerReady",
+    "WorkerRetired",
+    "WorkerSpawned",
     "WorkerStartError",
     "WorkerStats",
     "default_pool",

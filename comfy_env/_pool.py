@@ -92,8 +92,10 @@ from ._events import (
 )
 from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
+from ._status import host_publisher
 
 if TYPE_CHECKING:
+    from ._refs import RemoteRef
     from ._sweep import SweepReport
     from ._worker import Worker
 
@@ -167,7 +169,7 @@ _STATE_NAMES: dict[type, str] = {
 
 
 class _Slot:
-    __slots__ = ("dropped_refs", "index", "leased", "live_refs", "process", "state")
+    __slots__ = ("index", "leased", "live_refs", "process", "state")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -175,18 +177,19 @@ class _Slot:
         self.process: WorkerProcess | None = None  # the process of state.generation
         self.leased = False
         self.live_refs: set[int] = set()  # RemoteRef ids kept by this generation's worker
-        self.dropped_refs: list[int] = []  # garbage-collected refs, released with the next call
 
 
 class _Ticket:
     """One call's place in the pool: queued, then holding a slot; cancellable from any thread."""
 
     __slots__ = (
+        "bound_generation",
         "call_id",
         "cancelled",
         "closed",
         "event",
         "generation",
+        "ran_on",
         "slot",
         "stage",
         "wanted",
@@ -196,6 +199,8 @@ class _Ticket:
         self.event: threading.Event | None = None
         self.slot: _Slot | None = None
         self.wanted = wanted  # the one slot this call must run on (it uses a RemoteRef)
+        self.bound_generation = 0  # ... and the generation that must still occupy it
+        self.ran_on: _Slot | None = None  # the slot the call was sent to
         self.stage = "new"  # "queued" -> "in_flight" -> "done"
         self.generation = 0
         self.call_id = 0
@@ -227,6 +232,9 @@ class _EnvEntry:
         self.pings = 0
         self.ping_failures = 0
         self.env_state: lc.EnvState = lc.EnvActive()  # the crash-loop breaker
+        # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
+        # without the lock (from __del__), drained under it.
+        self.dropped_refs: deque[tuple[_Slot, int, int]] = deque()
 
     # ---- the gate ----
 
@@ -243,7 +251,6 @@ class _EnvEntry:
             if process is not None and process.generation == result.state.generation:
                 process.retire_reason = result.state.reason
             slot.live_refs.clear()  # they died with this generation
-            slot.dropped_refs.clear()
         return result.effects
 
     def apply(self, slot: _Slot, event: lc.Event) -> bool:
@@ -569,6 +576,7 @@ class Pool:
                 setattr(entry, outcome, getattr(entry, outcome) + 1)
         if retired is not None:
             retired.dispose()
+        self._status_changed()
 
     def _cancel(self, entry: _EnvEntry, ticket: _Ticket) -> None:
         """Cancel a call from another thread: unqueue it, or kill the worker running it."""
@@ -598,9 +606,12 @@ class Pool:
         kwargs: dict[str, Any],
         timeout: float | None,
         ticket: _Ticket | None = None,
+        bound: tuple[_Slot, int] | None = None,
     ) -> Any:
         if self._closed:
             raise self._closed_error()
+        if bound is None and (args or kwargs):
+            bound = _bound_by_refs(entry, args, kwargs)
         body, buffers, by_value = encode_call(target, args, kwargs, self.config.shm_threshold_bytes)
         inline = len(body) + (0 if self.config.shared_memory else sum(b.nbytes for b in buffers))
         if inline + HEADER_SIZE > self.config.max_frame_bytes:
@@ -615,6 +626,9 @@ class Pool:
         deadline = None if timeout is None else time.monotonic() + timeout
         if ticket is None:
             ticket = _Ticket()
+        if bound is not None:
+            ticket.wanted, ticket.bound_generation = bound
+            _check_bound(entry, bound[0], bound[1])
         outcome = "failed"
         replied: lc.Replied | None = None
         try:
@@ -656,20 +670,13 @@ class Pool:
         been told it may reuse its blocks) and the ``Replied`` event, which ``_settle``
         applies."""
         while True:
+            if ticket.wanted is not None:
+                _check_bound(entry, slot, ticket.bound_generation)
             process = self._live_process(entry, slot)
-            if ticket.wanted is not None and process.generation != ticket.generation:
-                raise StaleGenerationError(
-                    f"a RemoteRef of env {entry.spec.key} belongs to worker generation "
-                    f"{ticket.generation}, which is gone; the env now runs generation "
-                    f"{process.generation}",
-                    env=entry.spec.key,
-                    pid=process.pid,
-                    generation=ticket.generation,
-                )
             if lc.needs_ping(slot.state, self._clock(), self.config.ping_after_idle):
                 if not self._ping(entry, slot, process):
                     continue  # replaced through the gate; the call runs on a fresh worker
-            if slot.dropped_refs:
+            if entry.dropped_refs:
                 self._release_dropped_refs(entry, slot, process)
             if by_value:
                 why = python_mismatch(process)
@@ -693,6 +700,7 @@ class Pool:
                 )
                 ticket.generation = generation
                 ticket.call_id = call_id
+                ticket.ran_on = slot
             if effects is None:
                 continue  # died idle after we looked: a fresh worker takes the call
             sent, block = self._send(entry, slot, process, call_id, target, body, buffers, deadline)
@@ -731,12 +739,60 @@ class Pool:
         return ok
 
     def _release_dropped_refs(self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess) -> None:
+        """Release garbage-collected refs of the worker we hold; requeue the others."""
+        mine, others = [], []
         with entry.lock:
-            ids, slot.dropped_refs = slot.dropped_refs, []
-        try:
-            process.release_refs(ids)
-        except OSError:
-            pass  # the worker is gone, and its objects with it
+            while entry.dropped_refs:
+                ref_slot, generation, ref_id = entry.dropped_refs.popleft()
+                if ref_slot is not slot:
+                    others.append((ref_slot, generation, ref_id))
+                elif generation == process.generation and ref_id in slot.live_refs:
+                    slot.live_refs.discard(ref_id)
+                    mine.append(ref_id)
+                # else: its generation is gone, and the object with it
+            entry.dropped_refs.extend(o for o in others if _holds(o[0], o[1]))
+        if mine:
+            try:
+                process.release_refs(mine)
+            except OSError:
+                pass  # the worker is gone, and its objects with it
+
+    # ---- remote objects ----
+
+    def call_ref(
+        self,
+        entry: _EnvEntry,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> RemoteRef:
+        from ._refs import RemoteRef
+
+        ticket = _Ticket()
+        ref_id = self.call(
+            entry,
+            "comfy_env_worker.refs:call_and_keep",
+            (target, args, kwargs),
+            {},
+            timeout,
+            ticket,
+        )
+        slot = ticket.ran_on
+        assert slot is not None
+        generation = ticket.generation
+        with entry.lock:
+            if _holds(slot, generation):
+                slot.live_refs.add(ref_id)
+        return RemoteRef(self, entry, slot, generation, ref_id)
+
+    def _ref_is_live(self, ref: RemoteRef) -> bool:
+        with ref._entry.lock:
+            return _holds(ref._slot, ref.generation) and ref.id in ref._slot.live_refs
+
+    def _ref_released(self, ref: RemoteRef) -> None:
+        with ref._entry.lock:
+            ref._slot.live_refs.discard(ref.id)
 
     def _live_process(self, entry: _EnvEntry, slot: _Slot) -> WorkerProcess:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
@@ -822,6 +878,7 @@ class Pool:
         self._events.emit(
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
         )
+        self._status_changed()
         return process
 
     def _sweep(self) -> None:
@@ -923,6 +980,13 @@ class Pool:
         with self._lock:
             self._processes.discard(process)
         entry.apply(slot, lc.Exited(process.generation, process.returncode))
+        self._status_changed()
+
+    def _status_changed(self) -> None:
+        """Keep this host's status file (``comfy-env status``) current, throttled, written on
+        the reactor thread. Never called under a pool lock."""
+        if self._reactor is not None and not self._closed:
+            host_publisher().publish_soon(self._reactor.call_later)
 
     def _on_finished(self, entry: _EnvEntry, process: WorkerProcess) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
@@ -1172,6 +1236,7 @@ class Pool:
                 process.dispose()
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
+        host_publisher().publish()  # without this pool (the file goes with the last pool)
         self._events.close()
 
 
@@ -1225,3 +1290,76 @@ def _abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
         "Recent deaths:\n" + "\n".join(lines),
         env=env,
     )
+
+
+def _holds(slot: _Slot, generation: int) -> bool:
+    """Is ``generation`` still the live occupant of ``slot``?"""
+    state = slot.state
+    return (
+        state is not None and state.generation == generation and not isinstance(state, lc.Retired)
+    )
+
+
+def _check_bound(entry: _EnvEntry, slot: _Slot, generation: int) -> None:
+    """A call that uses a RemoteRef may only run on the generation that holds the object."""
+    state = slot.state
+    if _holds(slot, generation):
+        return
+    if state is None or state.generation == generation:
+        now = f"generation {generation} was retired ({_retire_text(state)})"
+    else:
+        now = f"the env's worker is now generation {state.generation}"
+    raise StaleGenerationError(
+        f"a RemoteRef of env {entry.spec.key} belongs to worker generation {generation}, "
+        f"which is gone: {now}; its object died with it",
+        env=entry.spec.key,
+        generation=generation,
+    )
+
+
+def _retire_text(state: lc.State | None) -> str:
+    return state.reason.value if isinstance(state, lc.Retired) else "gone"
+
+
+def _bound_by_refs(
+    entry: _EnvEntry, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[_Slot, int] | None:
+    """The (slot, generation) the call's RemoteRef arguments live in, if any. Looks at the
+    arguments and one container level into them; anything scalar is skipped at once (the
+    small-call hot path pays one type check per argument)."""
+    from ._refs import RemoteRef
+
+    found: RemoteRef | None = None
+    values = (*args, *kwargs.values()) if kwargs else args
+    for value in values:
+        kind = type(value)
+        if kind in _SCALARS:
+            continue
+        if kind is list or kind is tuple:
+            candidates: Any = value
+        elif kind is dict:
+            candidates = value.values()
+        else:
+            candidates = (value,)
+        for item in candidates:
+            if not isinstance(item, RemoteRef):
+                continue
+            if item._entry is not entry:
+                raise StaleGenerationError(
+                    f"a RemoteRef of env {item.env} cannot be used in a call to env "
+                    f"{entry.spec.key}",
+                    env=entry.spec.key,
+                    generation=item.generation,
+                )
+            if found is not None and (item._slot, item.generation) != (
+                found._slot,
+                found.generation,
+            ):
+                raise StaleGenerationError(
+                    "a call cannot use RemoteRefs of two different workers", env=entry.spec.key
+                )
+            found = item
+    return None if found is None else (found._slot, found.generation)
+
+
+_SCALARS = frozenset((int, float, bool, type(None), str, bytes))

@@ -16,6 +16,7 @@ from . import _lifecycle as lc
 
 if TYPE_CHECKING:
     from ._pool import EnvStats, Pool, _EnvEntry
+    from ._refs import RemoteRef
 
 
 class Worker:
@@ -75,6 +76,13 @@ class Worker:
         """Explicit form of ``call`` with a per-call total deadline in seconds (queue wait
         included; None: ``PoolConfig.call_timeout``)."""
         return self._pool.call(self._entry, target, tuple(args), dict(kwargs or {}), timeout)
+
+    def call_ref(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> RemoteRef:
+        """Run ``target(*args, **kwargs)`` and keep the result alive inside the worker; return
+        a ``RemoteRef`` to it. Pass the ref as an argument to later calls (it resolves to the
+        live object there) or use ``ref.call_method``; ``ref.release()`` frees it. Once the
+        worker's generation is gone, using the ref raises ``StaleGenerationError``."""
+        return self._pool.call_ref(self._entry, target, args, kwargs, None)
 
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``call`` for asyncio. Cancelling the awaiting task stops the worker running the call
