@@ -207,3 +207,39 @@ def forge_oob_reply(name_kind: str) -> None:
         + payload
     )
     time.sleep(30)
+
+
+def register_release_hook(path: str) -> None:
+    """Registers a release hook that records it ran (as an env's code would drop caches)."""
+    import comfy_env_worker
+
+    def hook() -> None:
+        with open(path, "a") as fh:
+            fh.write("released\n")
+
+    comfy_env_worker.on_release(hook)
+
+
+class Counter:
+    """A stateful object to keep resident in a worker."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    def add(self, n: int) -> int:
+        self.value += n
+        return self.value
+
+
+def make_counter(start: int = 0) -> Counter:
+    return Counter(start)
+
+
+def counter_value(counter: Counter) -> int:
+    return counter.value
+
+
+def kept_objects() -> int:
+    from comfy_env_worker import refs
+
+    return refs.count()

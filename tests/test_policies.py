@@ -1,0 +1,307 @@
+"""Lifecycle policies with real workers: reaper, health ping, crash-loop breaker, events, refs.
+
+The decisions themselves are table-tested without processes in test_lifecycle.py; here a fake
+clock drives them against real workers.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import remote_tasks
+
+import comfy_env
+from comfy_env import (
+    EnvAbandonedError,
+    StaleGenerationError,
+    WorkerCrashed,
+    WorkerStartError,
+)
+from comfy_env import _lifecycle as lc
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# ---- the idle reaper --------------------------------------------------------------------------
+
+
+def test_an_idle_worker_is_reaped_after_its_release_hooks_and_respawned_on_demand(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    marker = tmp_path / "released"
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 0.3})) as pool:
+        w = pool.get_worker()
+        w.call(remote_tasks.register_release_hook, str(marker))
+        pid = w.pid
+        assert pid is not None
+        assert _wait(lambda: w.stats().reaped == 1)
+        assert w.stats().workers[0].retire_reason == "idle"
+        assert _wait(lambda: _gone(pid))
+        assert marker.read_text() == "released\n"  # it asked the worker to leave, politely
+        assert w.call("remote_tasks:add", 1) == 1  # spawned exactly as a first call
+        assert w.generation == 2 and w.stats().spawns == 2
+
+
+def test_a_reaper_decision_is_dropped_when_a_call_ran_in_between(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 30.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        entry, slot = w._entry, w._entry.slots[0]
+        clock.now += 31
+        decision = lc.idle_expired(slot.state, clock.now, 30.0)
+        assert decision is not None  # the reaper looked and found it expired ...
+        w.call("comfy_env_worker.tasks:echo", 1)  # ... then a call ran ...
+        assert not entry.apply(slot, decision)  # ... so its stale observation changes nothing
+        assert w.stats().state == "idle" and w.generation == 1
+        assert pool.reap_idle(clock.now) == 0  # and a fresh look finds nothing to reap yet
+        clock.now += 31
+        assert pool.reap_idle(clock.now) == 1
+
+
+def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        ref = w.call_ref(remote_tasks.make_counter)
+        clock.now += 100
+        assert pool.reap_idle() == 0
+        ref.release()  # a call: the worker is idle anew from now
+        clock.now += 100
+        assert pool.reap_idle() == 1
+    with comfy_env.Pool(
+        config.model_copy(update={"idle_timeout": 10.0, "reap_with_refs": True}), clock=clock
+    ) as pool:
+        w = pool.get_worker()
+        ref = w.call_ref(remote_tasks.make_counter)
+        clock.now += 100
+        assert pool.reap_idle() == 1
+        with pytest.raises(StaleGenerationError, match="generation 1"):
+            ref.call_method("add", 1)
+
+
+# ---- the health ping ---------------------------------------------------------------------------
+
+
+def test_a_long_idle_worker_is_pinged_before_a_call(config: comfy_env.PoolConfig) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"ping_after_idle": 60.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        w.call("comfy_env_worker.tasks:echo", 0)
+        assert w.stats().pings == 0
+        clock.now += 61
+        assert w.call("remote_tasks:add", 2) == 2
+        stats = w.stats()
+        assert (stats.pings, stats.ping_failures, w.generation) == (1, 0, 1)
+
+
+def test_a_worker_failing_its_ping_is_replaced_and_the_call_runs_on_the_new_one(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    update = {"ping_after_idle": 60.0, "ping_timeout": 0.3}
+    with comfy_env.Pool(config.model_copy(update=update), clock=clock) as pool:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        pid = w.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # alive but unresponsive
+        clock.now += 61
+        assert w.call("remote_tasks:add", 3) == 3
+        stats = w.stats()
+        assert (stats.pings, stats.ping_failures, w.generation) == (1, 1, 2)
+        assert _wait(lambda: _gone(pid))
+
+
+# ---- the crash-loop breaker --------------------------------------------------------------------
+
+
+def test_a_crash_loop_abandons_the_env_until_reset(
+    config: comfy_env.PoolConfig, foreign_venv: Path
+) -> None:
+    update = {"max_restarts": 2, "restart_window": 60.0}
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        w = pool.get_worker()
+        other = pool.get_worker(foreign_venv)
+        for _ in range(3):
+            with pytest.raises(WorkerCrashed):
+                w.call("comfy_env_worker.tasks:crash")
+        assert _wait(lambda: w.stats().abandoned)
+        with pytest.raises(EnvAbandonedError) as info:
+            w.call("remote_tasks:add", 1)
+        message = str(info.value)
+        assert "3 worker deaths" in message and "SIGSEGV" in message
+        assert "generation 3" in message and "pool.reset" in message
+        assert w.stats().spawns == 3  # failing fast: no spawn
+        assert other.call("remote_tasks:add", 5) == 5  # another env is not blocked
+        pool.reset(w.env)
+        assert w.call("remote_tasks:add", 1) == 1
+        assert w.generation == 4 and not w.stats().abandoned
+
+
+def test_a_deterministic_start_failure_is_reported_once_per_call_without_a_respawn_loop(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    interp = tmp_path / "env" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.write_text("#!/bin/sh\necho 'ImportError: broken env' >&2\nexit 1\n")
+    interp.chmod(0o755)
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+        w = pool.get_worker(tmp_path / "env")
+        with pytest.raises(WorkerStartError, match="broken env"):
+            w.call("comfy_env_worker.tasks:echo", 1)
+        assert w.stats().spawns == 1
+        with pytest.raises(WorkerStartError):
+            w.call("comfy_env_worker.tasks:echo", 1)
+        assert _wait(lambda: w.stats().abandoned)  # two start failures > max_restarts=1
+        with pytest.raises(EnvAbandonedError, match="start_failed"):
+            w.call("comfy_env_worker.tasks:echo", 1)
+        assert w.stats().spawns == 2
+
+
+# ---- lifecycle events ---------------------------------------------------------------------------
+
+
+def test_events_tell_the_lifecycle_in_order(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config) as pool:
+        events: list[object] = []
+        pool.subscribe(events.append)
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        with pytest.raises(WorkerCrashed):
+            w.call("comfy_env_worker.tasks:crash")
+        w.call("comfy_env_worker.tasks:echo", 0)
+        assert _wait(lambda: len(events) >= 5)
+        kinds = [type(e).__name__ for e in events[:5]]
+        assert kinds == [
+            "WorkerSpawned",
+            "WorkerReady",
+            "WorkerRetired",
+            "WorkerSpawned",
+            "WorkerReady",
+        ], kinds
+        retired = events[2]
+        assert isinstance(retired, comfy_env.WorkerRetired)
+        assert (retired.generation, retired.reason, retired.signal) == (1, "crashed", "SIGSEGV")
+        ready = events[4]
+        assert isinstance(ready, comfy_env.WorkerReady)
+        assert ready.generation == 2 and ready.startup_seconds > 0
+        with pytest.raises(AttributeError):
+            ready.generation = 3  # type: ignore[misc]
+    closed = [e for e in events if isinstance(e, comfy_env.WorkerRetired)]
+    assert closed[-1].reason == "closed"
+
+
+def test_callbacks_may_call_back_into_the_pool_and_their_errors_never_break_it(
+    config: comfy_env.PoolConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        answers: list[int] = []
+        done = threading.Event()
+
+        def reentrant(event: object) -> None:
+            if isinstance(event, comfy_env.WorkerReady) and not done.is_set():
+                answers.append(pool.get_worker(event.env).call("remote_tasks:add", 40, 2))
+                done.set()
+
+        def broken(event: object) -> None:
+            raise RuntimeError("subscriber bug")
+
+        caplog.set_level(logging.ERROR, logger="comfy_env")
+        pool.subscribe(broken)
+        pool.subscribe(reentrant)
+        assert w.call("remote_tasks:add", 1) == 1
+        assert done.wait(10)
+        assert answers == [42]
+        assert any("subscriber bug" in r.getMessage() or r.exc_info for r in caplog.records)
+        assert w.call("remote_tasks:add", 2) == 2
+
+
+# ---- remote objects ------------------------------------------------------------------------------
+
+
+def test_a_remote_ref_resolves_to_the_live_object(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    ref = w.call_ref(remote_tasks.make_counter, 10)
+    assert (ref.env, ref.generation) == (w.env, 1)
+    assert ref.call_method("add", 5) == 15
+    assert w.call(remote_tasks.counter_value, ref) == 15  # passed as an argument
+    assert w.stats().live_refs == 1
+    ref.release()
+    assert w.stats().live_refs == 0
+    assert w.call(remote_tasks.kept_objects) == 0
+    ref.release()  # idempotent
+
+
+@pytest.mark.parametrize("how", ["crash", "timeout"])
+def test_a_remote_ref_of_a_dead_generation_is_stale(pool: comfy_env.Pool, how: str) -> None:
+    w = pool.get_worker()
+    ref = w.call_ref(remote_tasks.make_counter, 1)
+    if how == "crash":
+        with pytest.raises(WorkerCrashed):
+            w.call("comfy_env_worker.tasks:crash")
+    else:
+        with pytest.raises(comfy_env.CallTimeout):
+            w.run("comfy_env_worker.tasks:sleep", (30,), timeout=0.3)
+    w.call("remote_tasks:add", 1)  # generation 2 now serves the env
+    with pytest.raises(StaleGenerationError) as info:
+        w.call(remote_tasks.counter_value, ref)
+    message = str(info.value)
+    assert "generation 1" in message and "generation 2" in message
+    with pytest.raises(StaleGenerationError):
+        ref.call_method("add", 1)
+    ref.release()  # releasing a stale ref is a no-op
+
+
+def test_dropped_refs_are_released_in_the_worker(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    refs = [w.call_ref(remote_tasks.make_counter, i) for i in range(3)]
+    assert w.call(remote_tasks.kept_objects) == 3
+    del refs
+    gc.collect()
+    assert w.call(remote_tasks.kept_objects) == 0
+    assert w.stats().live_refs == 0
+
+
+def test_a_ref_of_another_env_is_refused(pool: comfy_env.Pool, foreign_venv: Path) -> None:
+    ref = pool.get_worker().call_ref(remote_tasks.make_counter)
+    with pytest.raises(StaleGenerationError, match="cannot be used"):
+        pool.get_worker(foreign_venv).call(remote_tasks.counter_value, ref)
+    ref.release()
