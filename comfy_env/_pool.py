@@ -156,6 +156,7 @@ class EnvStats:
     restarts_in_window: int = 0
     live_refs: int = 0
     abandoned: bool = False
+    log_lines_dropped: int = 0
 
 
 _STATE_NAMES: dict[type, str] = {
@@ -232,6 +233,7 @@ class _EnvEntry:
         self.pings = 0
         self.ping_failures = 0
         self.env_state: lc.EnvState = lc.EnvActive()  # the crash-loop breaker
+        self.log_lines_dropped = 0  # of processes no longer in a slot
         # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
         # without the lock (from __del__), drained under it.
         self.dropped_refs: deque[tuple[_Slot, int, int]] = deque()
@@ -294,6 +296,8 @@ class _EnvEntry:
                 restarts_in_window=len(self.env_state.deaths),
                 live_refs=sum(w.live_refs for w in workers),
                 abandoned=isinstance(self.env_state, lc.EnvAbandoned),
+                log_lines_dropped=self.log_lines_dropped
+                + sum(s.process.log.dropped for s in self.slots if s.process is not None),
             )
 
 
@@ -822,6 +826,8 @@ class Pool:
             entry.generation = generation
             entry.spawns += 1
             old = slot.process
+            if old is not None:
+                entry.log_lines_dropped += old.log.dropped
             process = WorkerProcess(
                 entry.spec,
                 generation,
@@ -866,7 +872,7 @@ class Pool:
                 env=entry.spec.key,
                 pid=process.pid,
                 generation=generation,
-                stderr_tail=process.output.text(),
+                stderr_tail=process.log.tail(),
             )
         _log.debug(
             "comfy-env: env %s generation %d ready (pid %s, %.1f ms)",
@@ -993,7 +999,7 @@ class Pool:
         reason = process.retire_reason or lc.RetireReason.CRASHED
         rc = process.returncode
         if reason in lc.DEATHS and not self._closed:
-            self._record_death(entry, process.generation, reason, rc, process.output.text())
+            self._record_death(entry, process.generation, reason, rc, process.log.tail())
         self._events.emit(
             WorkerRetired(
                 entry.spec.key, process.generation, process.pid, reason.value, rc, signal_name(rc)
@@ -1040,7 +1046,7 @@ class Pool:
         reader = process.reader
         assert reader is not None
         try:
-            ftype, flags, reply_id, reply = reader.read(deadline)
+            ftype, flags, reply_id, reply = process.read_frame(deadline)
         except TimeoutError:
             label = target_label(target)
             raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
@@ -1103,7 +1109,7 @@ class Pool:
             process.kill(lc.Stop.KILL)
             rc = process.wait_exit(1.0)
         process.wait_output(0.5)
-        tail = process.output.text()
+        tail = process.log.tail()
         what = (
             "closed its channel while still running (it was killed)"
             if still_running

@@ -28,7 +28,6 @@ descriptor number is never closed under a thread that still reads it.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
@@ -65,6 +64,7 @@ from ._config import PoolConfig
 from ._envs import EnvSpec
 from ._errors import SerializationError, WorkerStartError, describe_exit
 from ._lifecycle import RetireReason, Stop
+from ._logs import WorkerLog
 from ._reactor import Reactor
 
 _log = logging.getLogger("comfy_env")
@@ -165,41 +165,6 @@ def worker_environment(config: PoolConfig) -> dict[str, str]:
     return env
 
 
-class OutputTail:
-    """Recent output lines of one worker, fed by the reactor from its stdout/stderr pipes."""
-
-    def __init__(self, max_lines: int, logger: logging.Logger) -> None:
-        self._lines: collections.deque[str] = collections.deque(maxlen=max(1, max_lines))
-        self._partial: dict[str, bytes] = {}
-        self._logger = logger
-        self._lock = threading.Lock()
-        self.open_streams = 0
-        self.done = threading.Event()
-
-    def feed(self, stream: str, data: bytes) -> None:
-        buf = self._partial.get(stream, b"") + data
-        *complete, rest = buf.split(b"\n")
-        self._partial[stream] = rest
-        for raw in complete:
-            self._emit(stream, raw)
-
-    def finish(self, stream: str) -> None:
-        rest = self._partial.pop(stream, b"")
-        if rest:
-            self._emit(stream, rest)
-
-    def _emit(self, stream: str, raw: bytes) -> None:
-        line = raw.decode("utf-8", "replace").rstrip("\r")
-        with self._lock:
-            self._lines.append(line)
-        level = logging.WARNING if stream == "stderr" else logging.INFO
-        self._logger.log(level, "%s", line, extra={"worker_stream": stream})
-
-    def text(self) -> str:
-        with self._lock:
-            return "\n".join(self._lines)
-
-
 class WorkerProcess:
     """One launched worker process of generation ``generation`` and its host-side channel."""
 
@@ -231,8 +196,10 @@ class WorkerProcess:
         self.returncode: int | None = None
         self.exited = threading.Event()
         self.startup_seconds = 0.0
-        logger = logging.getLogger(f"comfy_env.worker.{spec.name}")
-        self.output = OutputTail(config.stderr_tail_lines, logger)
+        self.log = WorkerLog(spec.key, spec.name, generation, config.stderr_tail_lines)
+        self.output_done = threading.Event()  # stdout, stderr and the log pipe all closed
+        self._open_streams = 0
+        self._log_pipe: Any = None
         self._pidfd: int | None = None
         self._escalation: Any = None
         self._disposed = False
@@ -264,6 +231,8 @@ class WorkerProcess:
         the same thread, so the pool registers the process before anything can stop the
         reactor."""
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        log_read, log_write = os.pipe()  # records between calls (see comfy_env_worker.logs)
+        self._log_pipe = os.fdopen(log_read, "rb", buffering=0)
         self.sock = parent_sock
         self.reader = FrameReader(parent_sock, self.config.max_frame_bytes)
         try:
@@ -275,6 +244,7 @@ class WorkerProcess:
                 self.runtime_dir,
                 str(child_fd),
                 str(os.getpid()),
+                str(log_write),
             ]
 
             def popen() -> subprocess.Popen[bytes]:
@@ -291,7 +261,7 @@ class WorkerProcess:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    pass_fds=(child_fd,),
+                    pass_fds=(child_fd, log_write),
                     close_fds=True,
                     start_new_session=True,
                     env=worker_environment(self.config),
@@ -315,9 +285,12 @@ class WorkerProcess:
                 ) from exc
         except BaseException:
             self.dispose()
+            if self.popen is None:  # nothing forked, so the reactor never took the pipe
+                self._log_pipe.close()
             raise
         finally:
             child_sock.close()  # the worker holds the only other end now
+            os.close(log_write)
 
     def handshake(self, deadline: float) -> None:
         """HELLO -> CONFIG -> READY, then the canary. Raises ``WorkerStartError``."""
@@ -334,6 +307,7 @@ class WorkerProcess:
                 )
             self.hello = hello
             self.pid = int(hello["pid"])
+            self.log.pid = self.pid
             use_shm = self.shm_wanted and bool(hello.get("shm"))
             config = {
                 "sys_path": list(self.config.sys_path),
@@ -370,6 +344,17 @@ class WorkerProcess:
             raise self._start_error(f"failed its handshake: {exc}") from exc
         self.startup_seconds = time.monotonic() - started
 
+    def read_frame(self, deadline: float | None) -> tuple[int, int, int, Payload]:
+        """The next frame that is not a log record; log records met on the way are emitted
+        (so whatever a call logged is in the host's logging before its reply is returned)."""
+        reader = self.reader
+        assert reader is not None
+        while True:
+            frame = reader.read(deadline)
+            if frame[0] != FrameType.LOG:
+                return frame
+            self.log.emit_frame(frame[3])
+
     def _canary(self, deadline: float) -> None:
         """One real call through the codec, with a buffer out of band (through shared memory
         when it is on); anything but an equal echo refuses the worker."""
@@ -380,7 +365,7 @@ class WorkerProcess:
         value = canary_value(oob)
         body, buffers, _ = encode_call(CANARY_TARGET, (value,), {}, self.config.shm_threshold_bytes)
         block = self.send_request(1, body, buffers, deadline)
-        ftype, flags, call_id, reply = self.reader.read(deadline)
+        ftype, flags, call_id, reply = self.read_frame(deadline)
         if call_id != 1 or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
             raise FrameError(f"canary: unexpected frame type {ftype} for call {call_id}")
         body_in, buffers_in, retained = self.open_reply(1, flags, reply)
@@ -486,7 +471,7 @@ class WorkerProcess:
     def _start_error(self, what: str) -> WorkerStartError:
         self.kill(Stop.KILL)
         self.wait_output(1.0)
-        tail = self.output.text()
+        tail = self.log.tail()
         message = (
             f"worker for env {self.spec.key} (interpreter {self.spec.interpreter}, "
             f"generation {self.generation}) {what}"
@@ -506,8 +491,9 @@ class WorkerProcess:
     def _watch(self) -> None:
         popen = self.popen
         assert popen is not None and popen.stdout is not None and popen.stderr is not None
-        self.output.open_streams = 2
-        for stream, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
+        streams = (("stdout", popen.stdout), ("stderr", popen.stderr), ("log", self._log_pipe))
+        self._open_streams = len(streams)
+        for stream, pipe in streams:
             os.set_blocking(pipe.fileno(), False)
             self.reactor.add_reader(pipe, self._make_pipe_reader(stream, pipe))
         pidfd_open = getattr(os, "pidfd_open", None)
@@ -532,16 +518,20 @@ class WorkerProcess:
             except OSError:
                 data = b""
             if data:
-                self.output.feed(stream, data)
+                if stream == "log":
+                    self.log.feed_pipe(data)
+                else:
+                    self.log.feed_native(stream, data)
                 return
-            self.output.finish(stream)
+            if stream != "log":
+                self.log.finish_native(stream)
             self.reactor.remove_reader(pipe)
             pipe.close()
-            self.output.open_streams -= 1
-            if self.output.open_streams == 0:
+            self._open_streams -= 1
+            if self._open_streams == 0:
                 self._output_closed = True
                 self._maybe_finished()
-                self.output.done.set()
+                self.output_done.set()
 
         return on_readable
 
@@ -637,7 +627,7 @@ class WorkerProcess:
         assert self.sock is not None and self.reader is not None
         try:
             self.sock.sendall(encode_header(FrameType.PING, 0, 0))
-            ftype, _, _, _ = self.reader.read(time.monotonic() + timeout)
+            ftype, _, _, _ = self.read_frame(time.monotonic() + timeout)
         except (OSError, ChannelClosed, FrameError):
             return False
         return ftype == FrameType.PONG
@@ -655,7 +645,7 @@ class WorkerProcess:
         return None
 
     def wait_output(self, timeout: float) -> None:
-        self.output.done.wait(timeout)
+        self.output_done.wait(timeout)
 
     def dispose(self) -> None:
         """Close the host's channel socket and release its shared memory. Only when no thread
@@ -685,7 +675,7 @@ class WorkerProcess:
             self.sock.close()
         popen = self.popen
         if popen is not None:
-            for pipe in (popen.stdout, popen.stderr):
+            for pipe in (popen.stdout, popen.stderr, self._log_pipe):
                 if pipe is not None:
                     pipe.close()
             popen.returncode = 0  # not our child: never wait for it here
@@ -699,13 +689,13 @@ class WorkerProcess:
         popen = self.popen
         if popen is None:
             return
-        for pipe in (popen.stdout, popen.stderr):
+        for pipe in (popen.stdout, popen.stderr, self._log_pipe):
             if pipe is not None and not pipe.closed:
                 self.reactor.remove_reader(pipe)
                 pipe.close()
         self._output_closed = True
         self._maybe_finished()
-        self.output.done.set()
+        self.output_done.set()
         if self._pidfd is not None:
             self.reactor.remove_reader(self._pidfd)
             os.close(self._pidfd)

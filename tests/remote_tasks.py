@@ -243,3 +243,55 @@ def kept_objects() -> int:
     from comfy_env_worker import refs
 
     return refs.count()
+
+
+def log_things(n: int) -> int:
+    import logging
+
+    log = logging.getLogger("mylib.sub")
+    log.debug("hidden at the default INFO level")
+    for i in range(n):
+        log.info("info %d", i)
+    log.warning("careful: %s", "warning")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("it failed")
+    return n
+
+
+def log_later(delay: float) -> None:
+    import logging
+
+    def later() -> None:
+        time.sleep(delay)
+        logging.getLogger("background").error("logged between calls")
+
+    threading.Thread(target=later, daemon=True).start()
+
+
+def print_to_file(path: str) -> None:
+    with open(path, "w") as fh:
+        print("into the file", file=fh)
+    print("to stdout")
+
+
+def native_output() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.printf(b"hello from C printf\n")
+    libc.fflush(None)
+    os.write(2, b"raw write to fd 2\n")
+
+
+def flood(megabytes: int, native: bool) -> int:
+    line = "x" * 1023
+    if native:
+        chunk = (line + "\n").encode() * 1024
+        for _ in range(megabytes):
+            os.write(1, chunk)
+    else:
+        for _ in range(megabytes * 1024):
+            print(line)
+    return megabytes

@@ -296,10 +296,13 @@ def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
         host_pipe = os.readlink(f"/proc/self/fd/{read_end}")
         assert host_pipe not in targets.values()
         assert targets[0] == "/dev/null"
-        # stdio, the channel, and shared-memory blocks it mapped itself (mmap keeps an fd)
+        # stdio, the channel, its log pipe, and shared-memory blocks it mapped itself
         assert targets[1].startswith("pipe:") and targets[2].startswith("pipe:")
-        mapped = {fd for fd, t in targets.items() if fd > 2 and t not in sockets}
-        assert all(targets[fd].startswith("/dev/shm/ce-") for fd in mapped), targets
+        process = w._entry.slots[0].process
+        assert process is not None
+        log_pipe = os.readlink(f"/proc/self/fd/{process._log_pipe.fileno()}")
+        rest = {fd for fd, t in targets.items() if fd > 2 and t not in sockets and t != log_pipe}
+        assert all(targets[fd].startswith("/dev/shm/ce-") for fd in rest), targets
     finally:
         extra.close()
         other_a.close()

@@ -36,7 +36,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import refs, shm
+from . import logs, refs, shm
 from .protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     FLAG_OOB,
@@ -130,8 +130,12 @@ def _dumps_result(result: Any) -> bytes:
 class Worker:
     """One channel, one call at a time."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, log_fd: Optional[int] = None) -> None:
         self.sock = sock
+        # Every write on the channel goes through the outbox's lock (log records from other
+        # threads share the channel during a call).
+        self.outbox = logs.Outbox(sock, log_fd)
+        self.log_level = "INFO"
         self.reader = FrameReader(sock, DEFAULT_MAX_FRAME_BYTES)
         self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
         self.threshold = shm.MIN_BLOCK
@@ -144,7 +148,17 @@ class Worker:
         self.pin_lock = threading.Lock()
 
     def send(self, ftype: int, call_id: int, payload: bytes = b"") -> None:
-        send_frame(self.sock, ftype, call_id, payload)
+        with self.outbox.lock:
+            send_frame(self.sock, ftype, call_id, payload)
+
+    def reply(self, ftype: int, call_id: int, payload: bytes) -> None:
+        """Send a call's reply and end the call in one locked step: a log record written by
+        another thread goes before the reply (in band) or after the call (to the log pipe),
+        never after the reply on the channel where no caller would read it."""
+        outbox = self.outbox
+        with outbox.lock:
+            send_frame(self.sock, ftype, call_id, payload)
+            outbox.in_call = False
 
     def handshake(self) -> None:
         hello = {
@@ -171,6 +185,7 @@ class Worker:
         cwd = config.get("cwd")
         if cwd:
             os.chdir(cwd)
+        self.log_level = str(config.get("log_level") or "INFO")
         limit = int(config.get("max_frame_bytes") or DEFAULT_MAX_FRAME_BYTES)
         self.max_frame_bytes = limit
         self.reader.limit = limit
@@ -204,6 +219,9 @@ class Worker:
                 self.send(FrameType.ERROR, call_id, msg.encode("utf-8"))
 
     def run_call(self, call_id: int, flags: int, payload: Any) -> None:
+        outbox = self.outbox
+        with outbox.lock:
+            outbox.in_call = True
         arg_views: List[Any] = []
         sources: List[Optional[str]] = []
         try:
@@ -239,26 +257,44 @@ class Worker:
                 del exc
             if arg_views:
                 self.release_args(arg_views, sources)
-            self.send(FrameType.REPLY_ERR, call_id, data)
+            self.reply(FrameType.REPLY_ERR, call_id, data)
             return
-        retained = self.release_args(arg_views, sources) if arg_views else arg_views
-        if not buffers and not retained:
+        if not buffers:
+            retained = self.release_args(arg_views, sources) if arg_views else arg_views
+        else:
+            # Copy the result's buffers into our reply block *before* letting go of the
+            # arguments: a result that is (a view of) an argument still points into the
+            # host's block, and must not make that block look retained.
+            try:
+                table, block, inline = shm.place(buffers, self.pool)
+            except OSError:  # shared memory full or gone: stream the buffers inline instead
+                table, block, inline = shm.place(buffers, None)
+            if block is not None:
+                del buffers
+                buffers = []
+            retained = self.release_args(arg_views, sources) if arg_views else arg_views
+            self.reply_oob(call_id, data, table, block, inline, retained)
+            return
+        if not retained:
             if len(data) > self.max_frame_bytes:
                 self.reply_too_big(call_id, len(data))
                 return
-            self.send(FrameType.REPLY_OK, call_id, data)
+            self.reply(FrameType.REPLY_OK, call_id, data)
             return
-        self.reply_oob(call_id, data, buffers, retained)
+        self.reply_oob(call_id, data, [], None, [], retained)
 
     def reply_oob(
-        self, call_id: int, data: bytes, buffers: List[memoryview], retained: List[str]
+        self,
+        call_id: int,
+        data: bytes,
+        table: shm.Table,
+        block: Optional[shm.Block],
+        inline: List[memoryview],
+        retained: List[str],
     ) -> None:
         pool = self.pool
-        try:
-            parts, block, length = shm.pack(data, buffers, pool if buffers else None, retained)
-        except OSError:  # shared memory full or gone: stream the buffers inline instead
-            parts, block, length = shm.pack(data, buffers, None, retained)
-        del buffers
+        parts, length = shm.frame_parts(table, data, inline, pool, retained)
+        del inline
         if length > self.max_frame_bytes:
             if block is not None and pool is not None:
                 pool.release(block)
@@ -267,16 +303,17 @@ class Worker:
         if block is not None:
             with self.pin_lock:
                 self.pinned[call_id] = (block, time.monotonic() + self.pinned_ttl)
-        send_parts(
-            self.sock, [encode_header(FrameType.REPLY_OK, call_id, length, FLAG_OOB)] + parts
-        )
+        header = encode_header(FrameType.REPLY_OK, call_id, length, FLAG_OOB)
+        with self.outbox.lock:
+            send_parts(self.sock, [header, *parts])
+            self.outbox.in_call = False
 
     def reply_too_big(self, call_id: int, length: int) -> None:
         too_big = OverflowError(
             "the result pickles to %d bytes, over the frame limit of %d bytes "
             "(PoolConfig.max_frame_bytes)" % (length, self.max_frame_bytes)
         )
-        self.send(FrameType.REPLY_ERR, call_id, error_record(too_big))
+        self.reply(FrameType.REPLY_ERR, call_id, error_record(too_big))
 
     @staticmethod
     def release_args(views: List[Any], sources: List[Optional[str]]) -> List[str]:
@@ -391,6 +428,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     fd = int(args[0])
     host_pid = int(args[1]) if len(args) > 1 else 0
+    log_fd = int(args[2]) if len(args) > 2 else None
     _launched_via_wrapper = bool(host_pid) and os.getppid() != host_pid
     faulthandler.enable(all_threads=False)
     _set_parent_death_signal()
@@ -401,10 +439,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     CHANNEL = sock
     # Ctrl-C in the host's terminal is the host's business; we run in our own session, but a
     # host may still forward SIGINT deliberately, which then interrupts the call as usual.
-    worker = Worker(sock)
+    if log_fd is not None:
+        os.set_inheritable(log_fd, False)
+    worker = Worker(sock, log_fd)
     code = 0
     try:
         worker.handshake()
+        logs.install(worker.outbox, worker.log_level)
         WORKER = worker
         _start_watchdog(worker, host_pid)
         worker.serve()

@@ -54,6 +54,7 @@ class FrameType:
     ERROR = 10  # worker -> host: a frame the worker could not understand (never silence)
     CONSUMED = 11  # host -> worker: the reply to call id was read; its blocks may be reused
     RELEASE_REFS = 12  # host -> worker: drop kept objects (pickled list of ids); no reply
+    LOG = 13  # worker -> host: a log record or output line (see ``logs``); in band or log pipe
 
 
 FLAG_OOB = 1

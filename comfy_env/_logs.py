@@ -1,0 +1,176 @@
+"""Worker output in the host's ``logging``.
+
+Three sources feed one ``WorkerLog`` per worker process:
+
+- LOG frames read by the caller during a call (in band, so they are emitted before the call
+  returns, in order);
+- LOG frames from the worker's log pipe between calls, read by the reactor (within
+  milliseconds, without waiting for a call);
+- raw lines from the worker's fd 1 and fd 2 (native output: C ``printf``, library warnings,
+  ``faulthandler``), read by the reactor, streams ``native-stdout`` / ``native-stderr``.
+
+Each becomes a ``LogRecord`` on logger ``comfy_env.worker.<env name>`` with the original level,
+and attributes ``worker_logger`` (the worker-side logger name), ``stream``, ``pid``,
+``generation`` and ``env``; the worker's own timestamp is kept as ``created``. Ordinary logging
+configuration controls it::
+
+    logging.getLogger("comfy_env.worker").setLevel(logging.WARNING)
+
+**Floods.** A token bucket per worker (lines and bytes per second, with a burst) bounds what is
+emitted; lines over budget are dropped and counted, with one warning per worker. Reading never
+stops, so a worker printing megabytes can neither block on a full pipe nor starve a reply.
+
+The last lines of all streams are kept (``tail``) for crash reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+import threading
+import time
+
+from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType
+
+_log = logging.getLogger("comfy_env")
+
+LINES_PER_SECOND = 2000.0
+LINE_BURST = 20000.0
+BYTES_PER_SECOND = 4.0 * 1024 * 1024
+BYTE_BURST = 16.0 * 1024 * 1024
+_MAX_PIPE_FRAME = 16 * 1024 * 1024
+
+
+class WorkerLog:
+    """Emits one worker's output records, within budget, and keeps its tail."""
+
+    def __init__(self, env_key: str, env_name: str, generation: int, tail_lines: int) -> None:
+        self.logger = logging.getLogger(f"comfy_env.worker.{env_name}")
+        self.env = env_key
+        self.generation = generation
+        self.pid: int | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=max(1, tail_lines))
+        self._lock = threading.Lock()
+        self._lines = LINE_BURST
+        self._bytes = BYTE_BURST
+        self._refilled = time.monotonic()
+        self.dropped = 0
+        self._warned = False
+        self._partial: dict[str, bytes] = {}
+        self._pipe_buf = bytearray()
+
+    # ---- budget and emission ----
+
+    def _admit(self, size: int) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            elapsed = now - self._refilled
+            self._refilled = now
+            self._lines = min(LINE_BURST, self._lines + elapsed * LINES_PER_SECOND)
+            self._bytes = min(BYTE_BURST, self._bytes + elapsed * BYTES_PER_SECOND)
+            if self._lines >= 1 and self._bytes >= size:
+                self._lines -= 1
+                self._bytes -= size
+                return True
+            self.dropped += 1
+            warn = not self._warned
+            self._warned = True
+        if warn:
+            _log.warning(
+                "comfy-env: worker of env %s (pid %s, generation %d) is flooding its output; "
+                "lines over %d/s are dropped and counted",
+                self.env,
+                self.pid,
+                self.generation,
+                int(LINES_PER_SECOND),
+            )
+        return False
+
+    def emit(
+        self,
+        level: int,
+        worker_logger: str,
+        message: str,
+        exc_text: str | None,
+        created: float | None,
+        stream: str,
+    ) -> None:
+        with self._lock:
+            self._tail.append(message if not exc_text else f"{message}\n{exc_text}")
+        if not self.logger.isEnabledFor(level):
+            return
+        if not self._admit(len(message) + (len(exc_text) if exc_text else 0)):
+            return
+        record = self.logger.makeRecord(
+            self.logger.name,
+            level,
+            "(worker)",
+            0,
+            "%s",
+            (message,),
+            None,
+            extra={
+                "worker_logger": worker_logger,
+                "stream": stream,
+                "pid": self.pid,
+                "generation": self.generation,
+                "env": self.env,
+            },
+        )
+        if exc_text:
+            record.exc_text = exc_text
+        if created is not None:
+            record.created = created
+            record.msecs = (created - int(created)) * 1000
+        self.logger.handle(record)
+
+    def emit_frame(self, payload: bytes | bytearray | memoryview) -> None:
+        """A LOG frame's payload: (level, logger, message, exc text, created, stream)."""
+        try:
+            level, name, message, exc_text, created, stream = pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - a broken record is dropped, never fatal
+            return
+        self.emit(int(level), str(name), str(message), exc_text, created, str(stream))
+
+    # ---- native output (reactor thread) ----
+
+    def feed_native(self, stream: str, data: bytes) -> None:
+        buf = self._partial.get(stream, b"") + data
+        *complete, rest = buf.split(b"\n")
+        self._partial[stream] = rest
+        for raw in complete:
+            self._native_line(stream, raw)
+
+    def finish_native(self, stream: str) -> None:
+        rest = self._partial.pop(stream, b"")
+        if rest:
+            self._native_line(stream, rest)
+
+    def _native_line(self, stream: str, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        level = logging.WARNING if stream == "stderr" else logging.INFO
+        self.emit(level, "native", line, None, None, f"native-{stream}")
+
+    # ---- the log pipe (reactor thread) ----
+
+    def feed_pipe(self, data: bytes) -> bool:
+        """Parse LOG frames from the log pipe. False if the stream is corrupt (it is then
+        ignored from here on; the channel, not this pipe, decides the worker's fate)."""
+        buf = self._pipe_buf
+        buf += data
+        while len(buf) >= HEADER_SIZE:
+            magic, ftype, _flags, length, _call = HEADER.unpack_from(buf)
+            if magic != MAGIC or ftype != FrameType.LOG or length > _MAX_PIPE_FRAME:
+                buf.clear()
+                return False
+            end = HEADER_SIZE + length
+            if len(buf) < end:
+                break
+            self.emit_frame(bytes(buf[HEADER_SIZE:end]))
+            del buf[:end]
+        return True
+
+    def tail(self) -> str:
+        with self._lock:
+            return "\n".join(self._tail)

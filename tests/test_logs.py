@@ -1,0 +1,113 @@
+"""Worker output in the host's logging: levels, names, order, timeliness, native output, floods."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import remote_tasks
+
+import comfy_env
+
+
+def _records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("comfy_env.worker")]
+
+
+def test_levels_logger_names_and_context_are_preserved(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="comfy_env.worker")
+    w = pool.get_worker()
+    w.call(remote_tasks.log_things, 2)
+    by_message = {r.getMessage(): r for r in _records(caplog)}
+    info = by_message["info 0"]
+    assert info.name == "comfy_env.worker.current"
+    assert info.levelno == logging.INFO
+    assert info.worker_logger == "mylib.sub"  # type: ignore[attr-defined]
+    assert (info.pid, info.generation, info.env) == (w.pid, 1, w.env)  # type: ignore[attr-defined]
+    assert by_message["careful: warning"].levelno == logging.WARNING
+    failed = by_message["it failed"]
+    assert failed.levelno == logging.ERROR and "ValueError: boom" in (failed.exc_text or "")
+    assert "hidden at the default INFO level" not in by_message  # the worker's level applies
+
+
+def test_everything_a_call_logs_is_emitted_before_it_returns_in_order(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    pool.get_worker().call(remote_tasks.log_things, 200)
+    # No waiting: the records are already there, in the order they were logged.
+    messages = [r.getMessage() for r in _records(caplog)]
+    infos = [m for m in messages if m.startswith("info ")]
+    assert infos == [f"info {i}" for i in range(200)]
+    assert messages.index("info 199") < messages.index("careful: warning")
+
+
+def test_output_between_calls_arrives_without_a_call(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    pool.get_worker().call(remote_tasks.log_later, 0.2)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        found = [r for r in _records(caplog) if r.getMessage() == "logged between calls"]
+        if found:
+            break
+        time.sleep(0.01)
+    assert found, "a record logged between calls never arrived"
+    assert found[0].levelno == logging.ERROR
+    assert found[0].worker_logger == "background"  # type: ignore[attr-defined]
+
+
+def test_print_to_a_file_still_writes_the_file(
+    pool: comfy_env.Pool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    target = tmp_path / "out.txt"
+    pool.get_worker().call(remote_tasks.print_to_file, str(target))
+    assert target.read_text() == "into the file\n"
+    stdout = [r for r in _records(caplog) if r.getMessage() == "to stdout"]
+    assert stdout and stdout[0].stream == "stdout"  # type: ignore[attr-defined]
+    assert not [r for r in _records(caplog) if r.getMessage() == "into the file"]
+
+
+def test_native_output_is_captured_line_by_line(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    pool.get_worker().call(remote_tasks.native_output)
+    deadline = time.monotonic() + 5
+    wanted = {"hello from C printf": "native-stdout", "raw write to fd 2": "native-stderr"}
+    while time.monotonic() < deadline:
+        seen = {r.getMessage(): getattr(r, "stream", None) for r in _records(caplog)}
+        if all(m in seen for m in wanted):
+            break
+        time.sleep(0.01)
+    for message, stream in wanted.items():
+        assert seen.get(message) == stream, seen
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["print", "native"])
+def test_a_flood_is_bounded_counted_and_never_blocks_the_reply(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture, native: bool
+) -> None:
+    caplog.set_level(logging.INFO, logger="comfy_env")
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    rss_before = psutil.Process().memory_info().rss
+    assert w.call(remote_tasks.flood, 50, native) == 50  # 50 MB of output, reply intact
+    deadline = time.monotonic() + 10
+    while w.stats().log_lines_dropped == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.stats().log_lines_dropped > 0
+    warnings = [r for r in caplog.records if "flooding its output" in r.getMessage()]
+    assert len(warnings) == 1
+    emitted = [r for r in _records(caplog) if r.getMessage().startswith("xxx")]
+    assert len(emitted) < 50 * 1024  # bounded, not all 51200 lines
+    grown = psutil.Process().memory_info().rss - rss_before
+    assert grown < 200 * 1024 * 1024  # the host did not buffer the flood
+    assert w.call("remote_tasks:add", 1) == 1
