@@ -88,12 +88,12 @@ CANARY_TARGET = "comfy_env_worker.tasks:echo"
 
 
 def canary_value(oob_bytes: int) -> Any:
-    """Exercises the codec: nested containers, int keys, bytes, floats, a 512 KiB in-band
+    """Exercises the codec: nested containers, int keys, bytes, floats, a 128 KiB in-band
     buffer, and one buffer of ``oob_bytes`` that travels out of band (shared memory)."""
     return (
         {1: (b"\x00bytes\xff", [1.5, -0.0, None, True]), 2: {"nested": (1, 2, {3: "x"})}},
         [(), [], {}, "\u00e9\u4e2d", 2**70],
-        bytes(range(256)) * 2048,  # 512 KiB: crosses many socket reads, fits any frame limit
+        bytes(range(256)) * 512,  # 128 KiB in band: crosses several socket reads
         bytearray(os.urandom(64)) * (oob_bytes // 64 + 1),
     )
 
@@ -145,16 +145,24 @@ def make_runtime_dir() -> str:
     import cloudpickle
 
     path = tempfile.mkdtemp(prefix=f"host-{host_token()}-", dir=runtime_root())
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(
-        os.path.dirname(comfy_env_worker.__file__),
-        os.path.join(path, "comfy_env_worker"),
-        ignore=ignore,
-    )
-    shutil.copytree(
-        os.path.dirname(cloudpickle.__file__), os.path.join(path, "cloudpickle"), ignore=ignore
-    )
+    for package in (comfy_env_worker, cloudpickle):
+        source = os.path.dirname(package.__file__ or "")
+        _precompile(source)
+        # copy2 keeps modification times, so the byte code copied along stays valid and a
+        # worker of the same Python version does not recompile the runtime at every start.
+        shutil.copytree(source, os.path.join(path, package.__name__))
     return path
+
+
+def _precompile(source: str) -> None:
+    """Byte-compile a package in place for this Python, once (best effort: it may be
+    read-only); up-to-date files are only stat-ed."""
+    import compileall
+
+    try:
+        compileall.compile_dir(source, quiet=2, workers=1)
+    except OSError:
+        pass
 
 
 def worker_environment(config: PoolConfig) -> dict[str, str]:

@@ -26,14 +26,12 @@ import faulthandler
 import importlib
 import os
 import pickle
-import platform
 import select
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import logs, refs, shm
@@ -97,6 +95,8 @@ def error_record(exc: BaseException) -> bytes:
     The exception object itself is pickled when possible so the host can re-raise the same
     class; the text fields always survive, so an unpicklable exception is never lost.
     """
+    import traceback  # only on the error path: it is slow to import at start-up
+
     tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc_type = type(exc)
     try:
@@ -166,7 +166,8 @@ class Worker:
             "pid": os.getpid(),
             "python": tuple(sys.version_info[:3]),
             "executable": sys.executable,
-            "platform": platform.platform(),
+            "platform": "%s-%s"
+            % (sys.platform, os.uname().machine if hasattr(os, "uname") else ""),
             "shm": shm.shm_available(),
         }
         self.send(FrameType.HELLO, 0, pickle.dumps(hello, protocol=_PICKLE_PROTOCOL))
