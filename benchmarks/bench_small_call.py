@@ -157,9 +157,14 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     return methods
 
 
+def batch_seconds(ctx: Context) -> float:
+    """About how long one method's batch should take."""
+    return 0.01 if ctx.quick else 0.1
+
+
 def calibrate(methods: list[Method], ctx: Context, max_batch: int) -> None:
-    """Warm every method and size its batch to about ``target`` seconds."""
-    target = 0.01 if ctx.quick else 0.1
+    """Warm every method and size its batch to about ``batch_seconds`` seconds."""
+    target = batch_seconds(ctx)
     for m in methods:
         us = m.batch(10 if ctx.quick else 50)
         m.n = int(min(max_batch, max(5, target * 1e6 / max(us, 1.0))))
@@ -249,8 +254,7 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
     unavailable.update(failed)
     section.lines += [
         f"{rounds} interleaved rounds per placement; per method one batch per round, sized from "
-        "a warm-up to about 0.1 s (at most "
-        f"{max_batch} calls): "
+        f"a warm-up to about {batch_seconds(ctx):g} s (at most {max_batch} calls): "
         + ", ".join(f"{m.name} {m.n}" for m in methods)
         + ". Each figure is the median of the per-round mean us/call; min/max are the "
         "fastest and slowest round.",

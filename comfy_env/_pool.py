@@ -579,8 +579,17 @@ class Pool:
                 ticket.stage = "done"
                 setattr(entry, outcome, getattr(entry, outcome) + 1)
         if retired is not None:
-            retired.dispose()
+            self._dispose_later(retired)
         self._status_changed()
+
+    def _dispose_later(self, process: WorkerProcess) -> None:
+        """Release a retired worker's socket and shared memory on the reactor thread, off the
+        caller's path (a crash report should not wait for unlinking blocks)."""
+        reactor = self._reactor
+        if reactor is not None and reactor.running:
+            reactor.call_soon(process.dispose)
+        else:
+            process.dispose()
 
     def _cancel(self, entry: _EnvEntry, ticket: _Ticket) -> None:
         """Cancel a call from another thread: unqueue it, or kill the worker running it."""
