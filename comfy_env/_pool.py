@@ -94,8 +94,9 @@ from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._status import host_publisher
 
+from ._refs import RemoteRef
+
 if TYPE_CHECKING:
-    from ._refs import RemoteRef
     from ._sweep import SweepReport
     from ._worker import Worker
 
@@ -407,6 +408,7 @@ class Pool:
         self._owner_pid = os.getpid()
         self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
         self._sweep_queued = False
+        self._status_pending = False
         _live_pools.add(self)
         _install_process_hooks()
 
@@ -686,7 +688,8 @@ class Pool:
             if ticket.wanted is not None:
                 _check_bound(entry, slot, ticket.bound_generation)
             process = self._live_process(entry, slot)
-            if lc.needs_ping(slot.state, self._clock(), self.config.ping_after_idle):
+            ping_after = self.config.ping_after_idle
+            if ping_after is not None and lc.needs_ping(slot.state, self._clock(), ping_after):
                 if not self._ping(entry, slot, process):
                     continue  # replaced through the gate; the call runs on a fresh worker
             if entry.dropped_refs:
@@ -780,8 +783,6 @@ class Pool:
         kwargs: dict[str, Any],
         timeout: float | None,
     ) -> RemoteRef:
-        from ._refs import RemoteRef
-
         ticket = _Ticket()
         ref_id = self.call(
             entry,
@@ -999,9 +1000,15 @@ class Pool:
 
     def _status_changed(self) -> None:
         """Keep this host's status file (``comfy-env status``) current, throttled, written on
-        the reactor thread. Never called under a pool lock."""
-        if self._reactor is not None and not self._closed:
-            host_publisher().publish_soon(self._reactor.call_later)
+        the reactor thread. On every call's path: one flag test while a write is pending."""
+        if self._status_pending or self._reactor is None or self._closed:
+            return
+        self._status_pending = True
+        host_publisher().publish_soon(self._reactor.call_later)
+        self._reactor.call_later(0.5, self._status_written)
+
+    def _status_written(self) -> None:
+        self._status_pending = False
 
     def _on_finished(self, entry: _EnvEntry, process: WorkerProcess) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
@@ -1055,7 +1062,9 @@ class Pool:
         reader = process.reader
         assert reader is not None
         try:
-            ftype, flags, reply_id, reply = process.read_frame(deadline)
+            ftype, flags, reply_id, reply = reader.read(deadline)
+            if ftype == FrameType.LOG:  # what the call logged: emit it, then read on
+                ftype, flags, reply_id, reply = process.read_frame(deadline, reply)
         except TimeoutError:
             label = target_label(target)
             raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
@@ -1342,8 +1351,6 @@ def _bound_by_refs(
     """The (slot, generation) the call's RemoteRef arguments live in, if any. Looks at the
     arguments and one container level into them; anything scalar is skipped at once (the
     small-call hot path pays one type check per argument)."""
-    from ._refs import RemoteRef
-
     found: RemoteRef | None = None
     values = (*args, *kwargs.values()) if kwargs else args
     for value in values:

@@ -352,11 +352,16 @@ class WorkerProcess:
             raise self._start_error(f"failed its handshake: {exc}") from exc
         self.startup_seconds = time.monotonic() - started
 
-    def read_frame(self, deadline: float | None) -> tuple[int, int, int, Payload]:
-        """The next frame that is not a log record; log records met on the way are emitted
-        (so whatever a call logged is in the host's logging before its reply is returned)."""
+    def read_frame(
+        self, deadline: float | None, pending_log: Payload | None = None
+    ) -> tuple[int, int, int, Payload]:
+        """The next frame that is not a log record; log records met on the way (and
+        ``pending_log``, one the caller already read) are emitted, so whatever a call logged is
+        in the host's logging before its reply is returned."""
         reader = self.reader
         assert reader is not None
+        if pending_log is not None:
+            self.log.emit_frame(pending_log)
         while True:
             frame = reader.read(deadline)
             if frame[0] != FrameType.LOG:
