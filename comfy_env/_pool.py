@@ -92,9 +92,8 @@ from ._events import (
 )
 from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
-from ._status import host_publisher
-
 from ._refs import RemoteRef
+from ._status import host_publisher
 
 if TYPE_CHECKING:
     from ._sweep import SweepReport
