@@ -336,3 +336,37 @@ def test_status_removes_stale_file_of_dead_host(capsys: pytest.CaptureFixture[st
         for path in (stale, stale_tmp, reused):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_status_sees_a_second_host_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """A pool publishes its state by itself: another host's workers show up in status."""
+    code = (
+        "import time, comfy_env\n"
+        "w = comfy_env.get_worker()\n"
+        "w.call('comfy_env_worker.tasks:echo', 1)\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    host = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert host.stdout is not None
+        worker_pid = int(host.stdout.readline())
+        deadline = time.monotonic() + 10
+        seen: list[int] = []
+        while time.monotonic() < deadline:
+            code_, out, _ = run_cli(capsys, "status", "--json")
+            assert code_ == 0
+            hosts = [h for h in json.loads(out)["hosts"] if h["pid"] == host.pid]
+            seen = [w["pid"] for h in hosts for e in h["envs"] for w in e["workers"]]
+            if worker_pid in seen:
+                break
+            time.sleep(0.1)
+        assert worker_pid in seen
+    finally:
+        host.kill()
+        host.communicate(timeout=30)
+        comfy_env.sweep()
+        main(["sweep"])  # also removes the killed host's status file
+        capsys.readouterr()
