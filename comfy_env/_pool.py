@@ -687,6 +687,13 @@ class Pool:
             if ticket.wanted is not None:
                 _check_bound(entry, slot, ticket.bound_generation)
             process = self._live_process(entry, slot)
+            channel = process.idle_channel_state()
+            if channel != "quiet":
+                # Died idle (EOF) or wrote bytes nobody asked for: retire it before it gets
+                # the call, which then runs on a fresh worker.
+                stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
+                entry.apply(slot, stray(process.generation))
+                continue
             ping_after = self.config.ping_after_idle
             if ping_after is not None and lc.needs_ping(slot.state, self._clock(), ping_after):
                 if not self._ping(entry, slot, process):

@@ -220,6 +220,10 @@ class WorkerProcess:
         self.blocks: shm.BlockPool | None = None
         self.mappings: shm.PeerMappings | None = None
         self.ack_consumed = True  # tests turn this off to exercise the worker's TTL
+        self._orphan_lock = threading.Lock()
+        self._exit_seen = False
+        self._dispose_seen = False
+        self._orphans_unlinked = False
 
     # ---- launch and handshake ----
 
@@ -567,9 +571,7 @@ class WorkerProcess:
         self.returncode = returncode
         if self._escalation is not None:
             self._escalation.cancel()
-        if self.pid is not None and self.blocks is not None:
-            # The worker is gone: blocks it created (pinned replies, its pool) are orphans.
-            shm.unlink_blocks(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
+        self._worker_blocks_orphaned(exited=True)
         # Survivors of the group (the worker's own children) go with it.
         self._signal_group(signal.SIGKILL)
         # Report before waking waiters, so a caller that waited for the exit sees the pool's
@@ -635,6 +637,25 @@ class WorkerProcess:
                 self.config.kill_grace, lambda: self._signal_group(signal.SIGKILL)
             )
 
+    def idle_channel_state(self) -> str:
+        """Before a call: ``"quiet"`` if nothing is waiting on the idle channel (the normal
+        case: one ``poll`` syscall), ``"closed"`` if the worker hung up, ``"dirty"`` if it
+        wrote something nobody asked for (a stray thread, garbage): such a worker must not get
+        the call, or its bytes would be taken for the reply."""
+        reader = self.reader
+        assert reader is not None and self.sock is not None
+        if reader.buffered:
+            return "dirty"
+        if not reader.readable_now():
+            return "quiet"
+        try:
+            peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return "quiet"
+        except OSError:
+            return "closed"
+        return "dirty" if peek else "closed"
+
     def ping(self, timeout: float) -> bool:
         """Health check of an idle worker: PING, then PONG within ``timeout`` seconds."""
         assert self.sock is not None and self.reader is not None
@@ -677,7 +698,19 @@ class WorkerProcess:
             self.blocks.destroy_all()
         if self.mappings is not None:
             self.mappings.close_all()
-        if self.pid is not None and self.blocks is not None and self.exited.is_set():
+        self._worker_blocks_orphaned(disposed=True)
+
+    def _worker_blocks_orphaned(self, exited: bool = False, disposed: bool = False) -> None:
+        """Unlink the blocks the worker created (pinned replies, its pool) once it has exited
+        *and* the host is done with it: a caller may still have to open the block of a
+        complete reply the worker wrote just before it died. Whichever comes last unlinks."""
+        with self._orphan_lock:
+            self._exit_seen |= exited
+            self._dispose_seen |= disposed
+            due = self._exit_seen and self._dispose_seen and not self._orphans_unlinked
+            if due:
+                self._orphans_unlinked = True
+        if due and self.pid is not None and self.blocks is not None:
             shm.unlink_blocks(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
 
     def abandon_in_forked_child(self) -> None:

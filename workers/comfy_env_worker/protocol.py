@@ -165,6 +165,13 @@ class FrameReader:
     def limit(self, value: int) -> None:
         self._limit = value
 
+    def readable_now(self) -> bool:
+        """Whether bytes (or EOF) are waiting, without blocking."""
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock.fileno(), select.POLLIN)
+        return bool(self._poller.poll(0))
+
     def _wait_readable(self, deadline: Optional[float]) -> None:
         if deadline is None:
             return
