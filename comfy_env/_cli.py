@@ -625,7 +625,6 @@ def call(
 
 def sweep_command(*, as_json: bool = False) -> int:
     """Remove dead hosts' leftovers and say what went; returns the exit code."""
-    from ._status import remove_stale_status
     from ._sweep import sweep
 
     report = sweep()
@@ -633,7 +632,7 @@ def sweep_command(*, as_json: bool = False) -> int:
         "blocks": list(report.blocks),
         "runtime_dirs": list(report.runtime_dirs),
         "processes": list(report.processes),
-        "status_files": remove_stale_status(),
+        "status_files": list(report.status_files),
     }
     if as_json:
         _print_json(removed)

@@ -6,7 +6,8 @@ after the host that owns it, as ``<pid>-<start time in ms>``:
 
 - shared-memory blocks ``/dev/shm/ce-<pid>-<start>-...`` (the host's and its workers');
 - runtime directories ``<runtime root>/host-<pid>-<start>-...``;
-- worker processes, whose command line carries their runtime directory.
+- worker processes, whose command line carries their runtime directory;
+- status files ``<runtime root>/status/<pid>-<start>.json`` (``comfy-env status``).
 
 A host counts as alive when a process with that pid exists *and* started at that time, so a
 reused pid never protects a dead host's leftovers, and a live host's resources are never
@@ -40,9 +41,10 @@ class SweepReport:
     blocks: tuple[str, ...]
     runtime_dirs: tuple[str, ...]
     processes: tuple[int, ...]
+    status_files: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.runtime_dirs or self.processes)
+        return bool(self.blocks or self.runtime_dirs or self.processes or self.status_files)
 
 
 def host_alive(pid: int, start_ms: int) -> bool:
@@ -80,14 +82,23 @@ def sweep() -> SweepReport:
         if name.startswith("host-") and _dead_owner(name):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             dirs.append(name)
-    report = SweepReport(tuple(sorted(blocks)), tuple(sorted(dirs)), tuple(sorted(processes)))
+    from ._status import remove_stale_status  # (it imports this module)
+
+    status_files = remove_stale_status()
+    report = SweepReport(
+        tuple(sorted(blocks)),
+        tuple(sorted(dirs)),
+        tuple(sorted(processes)),
+        tuple(status_files),
+    )
     if report:
         _log.info(
             "comfy-env: swept leftovers of dead hosts: %d shared-memory blocks, %d runtime "
-            "dirs, %d worker processes",
+            "dirs, %d worker processes, %d status files",
             len(report.blocks),
             len(report.runtime_dirs),
             len(report.processes),
+            len(report.status_files),
         )
     return report
 
