@@ -42,8 +42,9 @@ from ._events import (
     WorkerRetired,
     WorkerSpawned,
 )
-from ._pool import EnvStats, Pool, WorkerStats
+from ._pool import Pool
 from ._refs import RemoteRef
+from ._stats import EnvStats, WorkerStats
 from ._sweep import SweepReport, sweep
 from ._worker import Worker
 

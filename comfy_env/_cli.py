@@ -66,6 +66,7 @@ from ._errors import (
     WorkerStartError,
 )
 from ._pool import Pool
+from ._stats import CALL_COUNTERS
 from ._worker import Worker
 
 EXIT_OK = 0
@@ -158,19 +159,7 @@ def demo(env: str | None) -> int:
 
         print("6. stats:")
         stats = worker.stats()
-        for field in (
-            "submitted",
-            "ok",
-            "raised",
-            "crashed",
-            "timed_out",
-            "cancelled",
-            "failed",
-            "in_flight",
-            "queued",
-            "spawns",
-            "stale_events_dropped",
-        ):
+        for field in (*CALL_COUNTERS, "stale_events_dropped"):
             print(f"   {field:<22} {getattr(stats, field)}")
     print("\npool closed: no worker process, socket or runtime dir is left behind.")
     return 0 if ok else 1

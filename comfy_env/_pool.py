@@ -51,7 +51,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker.protocol import (
@@ -93,6 +92,7 @@ from ._events import (
 from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import RemoteRef
+from ._stats import EnvStats, WorkerStats
 from ._status import host_publisher
 
 if TYPE_CHECKING:
@@ -104,59 +104,6 @@ _log = logging.getLogger("comfy_env")
 
 class _NotDelivered(Exception):
     """The worker died without reading the request: the call may run on a fresh worker."""
-
-
-# ---- stats (frozen snapshots) ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    """One slot's worker as of the snapshot. ``state`` is ``"empty"`` before the first spawn.
-    ``idle_since`` is on the pool's clock (monotonic); ``live_refs`` counts RemoteRefs held."""
-
-    slot: int
-    generation: int
-    pid: int | None
-    state: str
-    retire_reason: str | None
-    startup_seconds: float | None
-    idle_since: float | None = None
-    live_refs: int = 0
-
-
-@dataclass(frozen=True)
-class EnvStats:
-    """Counters of one env. Invariant: ``submitted == ok + raised + crashed + timed_out +
-    cancelled + failed + in_flight + queued``.
-
-    ``raised``: the function raised (or its result did not unpickle). ``crashed``: the worker
-    died during the call. ``failed``: the call could not run for another reason (the worker did
-    not start, spoke garbage, the pool closed, a by-value function met another Python).
-    """
-
-    env: str
-    generation: int
-    pid: int | None
-    state: str
-    submitted: int
-    ok: int
-    raised: int
-    crashed: int
-    timed_out: int
-    cancelled: int
-    failed: int
-    in_flight: int
-    queued: int
-    spawns: int
-    stale_events_dropped: int
-    workers: tuple[WorkerStats, ...]
-    reaped: int = 0
-    pings: int = 0
-    ping_failures: int = 0
-    restarts_in_window: int = 0
-    live_refs: int = 0
-    abandoned: bool = False
-    log_lines_dropped: int = 0
 
 
 _STATE_NAMES: dict[type, str] = {
@@ -338,7 +285,6 @@ def run_effects(
 
 # ---- the pool --------------------------------------------------------------------------------
 
-_OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 _hooks_lock = threading.Lock()

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._process import host_id, runtime_root
+from ._stats import CALL_COUNTERS
 
 if TYPE_CHECKING:
     from ._pool import Pool
@@ -53,18 +54,7 @@ if TYPE_CHECKING:
 SCHEMA = 1
 STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
 _FILE = re.compile(r"^\.?(\d+)-(\d+)\.json(?:\.tmp)?$")
-_COUNTERS = (
-    "submitted",
-    "ok",
-    "raised",
-    "crashed",
-    "timed_out",
-    "cancelled",
-    "failed",
-    "in_flight",
-    "queued",
-    "spawns",
-)
+_COUNTERS = CALL_COUNTERS
 
 Snapshot = dict[str, Any]
 

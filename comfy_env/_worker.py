@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from . import _lifecycle as lc
 
 if TYPE_CHECKING:
-    from ._pool import EnvStats, Pool, _EnvEntry
+    from ._pool import Pool, _EnvEntry
     from ._refs import RemoteRef
+    from ._stats import EnvStats
 
 
 class Worker:

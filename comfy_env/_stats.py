@@ -1,0 +1,63 @@
+"""Frozen snapshots of a pool's state: ``EnvStats`` per env, ``WorkerStats`` per slot.
+
+Returned by ``Pool.stats()`` and ``Worker.stats()``; the status file and the CLI read the same
+counters (``CALL_COUNTERS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How a call ended, and the counters that add up to ``submitted`` (with spawns alongside).
+OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
+CALL_COUNTERS = ("submitted", *OUTCOMES, "in_flight", "queued", "spawns")
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One slot's worker as of the snapshot. ``state`` is ``"empty"`` before the first spawn.
+    ``idle_since`` is on the pool's clock (monotonic); ``live_refs`` counts RemoteRefs held."""
+
+    slot: int
+    generation: int
+    pid: int | None
+    state: str
+    retire_reason: str | None
+    startup_seconds: float | None
+    idle_since: float | None = None
+    live_refs: int = 0
+
+
+@dataclass(frozen=True)
+class EnvStats:
+    """Counters of one env. Invariant: ``submitted == ok + raised + crashed + timed_out +
+    cancelled + failed + in_flight + queued``.
+
+    ``raised``: the function raised (or its result did not unpickle). ``crashed``: the worker
+    died during the call. ``failed``: the call could not run for another reason (the worker did
+    not start, spoke garbage, the pool closed, a by-value function met another Python).
+    """
+
+    env: str
+    generation: int
+    pid: int | None
+    state: str
+    submitted: int
+    ok: int
+    raised: int
+    crashed: int
+    timed_out: int
+    cancelled: int
+    failed: int
+    in_flight: int
+    queued: int
+    spawns: int
+    stale_events_dropped: int
+    workers: tuple[WorkerStats, ...]
+    reaped: int = 0
+    pings: int = 0
+    ping_failures: int = 0
+    restarts_in_window: int = 0
+    live_refs: int = 0
+    abandoned: bool = False
+    log_lines_dropped: int = 0
