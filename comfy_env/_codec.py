@@ -34,8 +34,6 @@ from comfy_env_worker.shm import MIN_BLOCK
 
 from ._errors import RemoteError, RemoteTraceback, SerializationError
 
-PICKLE_PROTOCOL = 5
-
 # Function -> "module:qualname" for functions found importable by name (weakly keyed would be
 # nicer, but functions are rarely collected; bounded instead).
 _REFERENCE_CACHE: dict[Callable[..., Any], str | None] = {}

@@ -91,10 +91,6 @@ class Dispatcher:
         self._closing = False
         self._name = name
 
-    @property
-    def active(self) -> bool:
-        return bool(self._callbacks)
-
     def subscribe(self, callback: Callback) -> Callable[[], None]:
         with self._cond:
             if self._closing:

@@ -46,7 +46,6 @@ class Outbox:
         self.log_fd = log_fd
         self.lock = threading.Lock()  # every write on the channel or the log pipe
         self.in_call = False
-        self.records = 0  # records sent during the current call
 
     def send_record(self, record: Tuple[Any, ...]) -> None:
         try:
@@ -56,7 +55,6 @@ class Outbox:
         frame = encode_header(FrameType.LOG, 0, len(payload)) + payload
         with self.lock:
             if self.in_call:
-                self.records += 1
                 self.sock.sendall(frame)
             elif self.log_fd is not None:
                 _write_all(self.log_fd, frame)

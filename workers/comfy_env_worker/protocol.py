@@ -60,10 +60,6 @@ class FrameType:
 FLAG_OOB = 1
 
 
-KNOWN_TYPES = frozenset(
-    v for k, v in vars(FrameType).items() if not k.startswith("_") and isinstance(v, int)
-)
-
 # The largest frame either side accepts unless configured otherwise (PoolConfig.max_frame_bytes).
 DEFAULT_MAX_FRAME_BYTES = 2 * 1024**3
 

@@ -104,7 +104,7 @@ class _OutOfBand:
     def __init__(self, obj: Any) -> None:
         self.obj = obj
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, _protocol: Any) -> Any:
         return _REBUILD[type(self.obj)], (pickle.PickleBuffer(self.obj),)
 
 
@@ -495,17 +495,6 @@ def private_copy(buf: memoryview) -> Any:
             pass
     mm[0:n] = buf
     return mm
-
-
-def block_names(payload: Any) -> List[str]:
-    """The shared-memory block names an out-of-band payload refers to (best effort)."""
-    try:
-        view = memoryview(payload)
-        (head_len,) = _U32.unpack_from(view, 0)
-        table = pickle.loads(view[4 : 4 + head_len])[0]
-        return sorted({e[1] for e in table if e[0] == "shm"})
-    except Exception:  # noqa: BLE001
-        return []
 
 
 def owned_blocks(prefix: str) -> List[str]:
