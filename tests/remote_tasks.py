@@ -42,6 +42,11 @@ def return_unpicklable() -> Any:
     return threading.Lock()
 
 
+def stamp(i: int) -> tuple[int, int]:
+    """When the worker ran this call (CLOCK_MONOTONIC is shared by all processes), and i."""
+    return time.monotonic_ns(), i
+
+
 def getpid() -> int:
     return os.getpid()
 

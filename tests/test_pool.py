@@ -65,20 +65,21 @@ def test_concurrent_first_calls_spawn_the_env_once(pool: comfy_env.Pool) -> None
 def test_callers_of_a_busy_env_are_served_in_fifo_order(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
-    order: list[int] = []
+    served: list[tuple[int, int]] = []  # (worker's monotonic clock when it ran the call, i)
     blocker = threading.Thread(target=w.call, args=("comfy_env_worker.tasks:sleep", 0.5))
     blocker.start()
     assert _wait(lambda: w.stats().in_flight == 1)
     threads = []
     for i in range(5):
-        t = threading.Thread(target=lambda i=i: order.append(w.call("remote_tasks:add", i)))
+        t = threading.Thread(target=lambda i=i: served.append(w.call("remote_tasks:stamp", i)))
         t.start()
         threads.append(t)
-        assert _wait(lambda n=i + 1: w.stats().queued == n)
+        assert _wait(lambda n=i + 1: w.stats().queued == n)  # queued in this order
     blocker.join()
     for t in threads:
         t.join()
-    assert order == [0, 1, 2, 3, 4]
+    # The order the worker *ran* them in (not the order the threads woke up afterwards).
+    assert [i for _, i in sorted(served)] == [0, 1, 2, 3, 4]
 
 
 def test_max_workers_per_env_runs_calls_in_parallel(config: comfy_env.PoolConfig) -> None:

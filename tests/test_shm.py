@@ -268,3 +268,21 @@ def test_no_resource_tracker_warnings_at_exit() -> None:
     assert host.returncode == 0, err
     assert "resource_tracker" not in err and "leaked" not in err
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host.pid}-")]
+
+
+def test_torch_cpu_tensors_travel_out_of_band(pool: comfy_env.Pool) -> None:
+    torch = pytest.importorskip("torch")
+    w = pool.get_worker()
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = torch.arange(2 * MiB, dtype=torch.float32).to(dtype).reshape(512, -1)
+        out = w.call("comfy_env_worker.tasks:echo", t)
+        assert isinstance(out, torch.Tensor)
+        assert out.dtype == dtype and out.shape == t.shape and torch.equal(out, t)
+    grad = torch.ones(MiB, requires_grad=True)
+    back = w.call("comfy_env_worker.tasks:echo", grad)
+    assert back.requires_grad and torch.equal(back.detach(), grad.detach())
+    # Zero-copy in the worker (a view of our block), and a tensor the worker keeps pins that
+    # block: a same-sized call afterwards must not overwrite it.
+    index = w.call(remote_tasks.keep, torch.ones(MiB)) - 1
+    w.call("comfy_env_worker.tasks:echo", torch.full((MiB,), 2.0))
+    assert w.call(remote_tasks.kept_sum, index) == float(MiB)

@@ -3,8 +3,9 @@
 Both sides use this module (stdlib only, Python 3.8+).
 
 **Encoding.** ``encode`` pickles with protocol 5 and a buffer callback: every buffer of at least
-``threshold`` bytes (numpy arrays at any depth; bytes, bytearray and memoryview that are an
-argument or the result, or directly inside a tuple, list or dict that is) is taken out of band.
+``threshold`` bytes (numpy arrays at any depth; bytes, bytearray, memoryview and torch CPU
+tensors that are an argument or the result, or directly inside a tuple, list or dict that is)
+is taken out of band.
 The sender then places those buffers either in one shared-memory *block* from its own
 ``BlockPool`` (one memcpy), or, when shared memory is off, unavailable or full, inline after the
 pickle in the same frame (written straight from the caller's memory by ``sendmsg``: the
@@ -108,20 +109,79 @@ class _OutOfBand:
         return _REBUILD[type(self.obj)], (pickle.PickleBuffer(self.obj),)
 
 
+def rebuild_tensor(buf: Any, dtype: str, shape: Tuple[int, ...], requires_grad: bool) -> Any:
+    """A torch CPU tensor over ``buf``, zero-copy (torch imported lazily).
+
+    Built through numpy on purpose: a numpy array holds a buffer *export* of ``buf`` for as
+    long as it lives, and ``torch.from_numpy`` keeps that array alive. That export is what makes
+    a tensor a call kept count as retaining its block, and what stops the mapping from ever
+    being closed under it (``torch.frombuffer`` keeps only the owning object, not an export).
+    Without numpy the tensor is copied."""
+    import torch
+
+    target = getattr(torch, dtype)
+    try:
+        import numpy
+
+        flat = torch.from_numpy(numpy.frombuffer(buf, dtype=numpy.uint8))
+    except ImportError:
+        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    tensor = flat.view(target).reshape(shape) if flat.numel() else torch.empty(shape, dtype=target)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+class _TensorOutOfBand:
+    """Stands in for a large torch CPU tensor: its bytes travel out of band (torch's own
+    pickling would copy them into the pickle)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def __reduce_ex__(self, _protocol: Any) -> Any:
+        t = self.tensor.detach().contiguous()
+        raw = t.reshape(-1).view(__import__("torch").uint8).numpy()
+        dtype = str(t.dtype).rpartition(".")[2]
+        grad = bool(self.tensor.requires_grad)
+        return rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(t.shape), grad)
+
+
+def _is_torch_cpu_tensor(value: Any, threshold: int) -> bool:
+    kind = type(value)
+    if kind.__name__ not in ("Tensor", "Parameter") or not kind.__module__.startswith("torch"):
+        return False
+    try:
+        return bool(
+            value.device.type == "cpu"
+            and not value.is_sparse
+            and value.element_size() * value.nelement() >= threshold
+        )
+    except Exception:  # noqa: BLE001 - anything unusual goes through torch's own pickling
+        return False
+
+
 def _is_large_bytes(value: Any, threshold: int) -> bool:
+    """Large bytes-like objects and torch CPU tensors, which need a stand-in to travel out of
+    band (numpy arrays do it on their own)."""
     kind = type(value)
     if kind is bytes or kind is bytearray:
         return len(value) >= threshold
     if kind is memoryview:
         return bool(value.contiguous) and value.nbytes >= threshold
-    return False
+    return _is_torch_cpu_tensor(value, threshold)
 
 
 def _swap(obj: Any, threshold: int, depth: int) -> Any:
     """``obj`` with large bytes-like objects replaced by ``_OutOfBand`` stand-ins, looking
     ``depth`` levels into tuples, lists and dicts (deeper ones travel in band)."""
     if _is_large_bytes(obj, threshold):
-        return _OutOfBand(obj)
+        kind = type(obj)
+        if kind is bytes or kind is bytearray or kind is memoryview:
+            return _OutOfBand(obj)
+        return _TensorOutOfBand(obj)
     if depth <= 0:
         return obj
     kind = type(obj)
