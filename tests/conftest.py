@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -138,6 +138,39 @@ def foreign_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("envs") / "foreign"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     return path
+
+
+def alive(pid: int) -> bool:
+    """Is ``pid`` a running process (a zombie counts as gone)?"""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def run_host(code: str, *args: str) -> subprocess.Popen[str]:
+    """A separate host process (its own session) running ``code``; tests/ is importable."""
+    import textwrap
+
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def other_python(minor: int) -> str | None:

@@ -24,18 +24,15 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-from conftest import TESTS_DIR
+from conftest import alive as _alive
+from conftest import run_host as _run_host
+from conftest import wait_until as _wait
 
 import comfy_env
 from comfy_env import CallTimeout, PoolClosedError
@@ -54,22 +51,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def _invariant_holds(stats: comfy_env.EnvStats) -> bool:
@@ -255,17 +236,6 @@ def test_close_before_any_spawn(config: comfy_env.PoolConfig) -> None:
     with pytest.raises(PoolClosedError):
         w.call(ECHO, 1)
     pool.close()  # idempotent
-
-
-def _run_host(code: str, *args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
 
 
 def test_interpreter_exit_with_live_workers_is_clean() -> None:

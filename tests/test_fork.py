@@ -6,14 +6,11 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 import warnings
 
-import psutil
-from conftest import TESTS_DIR
+from conftest import alive as _alive
+from conftest import run_host as _run_host
 
 import comfy_env
 from comfy_env import PoolClosedError
@@ -119,25 +116,6 @@ def test_multiprocessing_fork_child_cannot_use_the_parents_workers(pool: comfy_e
     assert proc.exitcode == 0
     assert "inherited by fork" in str(outcome)
     assert w.call("comfy_env_worker.tasks:getpid") == pid
-
-
-def _run_host(code: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_workers_die_with_their_host_even_while_a_forked_child_lives() -> None:

@@ -11,13 +11,12 @@ import logging
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import remote_tasks
+from conftest import wait_until as _wait
 
 import comfy_env
 from comfy_env import (
@@ -35,15 +34,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def _gone(pid: int) -> bool:

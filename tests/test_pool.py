@@ -7,14 +7,14 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import TESTS_DIR
+from conftest import alive as _alive
+from conftest import run_host as _run_host
+from conftest import wait_until as _wait
 
 import comfy_env
 from comfy_env import PoolClosedError, WorkerCrashed
@@ -26,22 +26,6 @@ _OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
 def _invariant_holds(stats: comfy_env.EnvStats) -> bool:
     total = sum(getattr(stats, f) for f in _OUTCOMES) + stats.in_flight + stats.queued
     return stats.submitted == total
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_concurrent_first_calls_spawn_the_env_once(pool: comfy_env.Pool) -> None:
@@ -237,17 +221,6 @@ def test_close_stops_workers_in_parallel(config: comfy_env.PoolConfig, tmp_path:
     # Each worker ignores SIGTERM and needs the 1 s escalation; one after another takes 4 s.
     assert elapsed < 3.0, elapsed
     assert len(outcomes) == 4 and all(isinstance(e, PoolClosedError) for e in outcomes)
-
-
-def _run_host(code: str, *args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
 
 
 def test_interpreter_exit_stops_workers_and_removes_the_runtime_dir() -> None:

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import Callable
 
 import numpy as np
 import psutil
 import pytest
 import remote_tasks
-from conftest import TESTS_DIR
+from conftest import run_host as _run_host
+from conftest import wait_until as _wait
 
 import comfy_env
 from comfy_env import ProtocolError, WorkerCrashed
@@ -30,15 +27,6 @@ def _host_process(w: comfy_env.Worker):  # type: ignore[no-untyped-def]
     process = w._entry.slots[0].process
     assert process is not None
     return process
-
-
-def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 ARRAYS = {
@@ -166,18 +154,6 @@ def test_a_forged_envelope_is_a_protocol_error(pool: comfy_env.Pool, forgery: st
         w.call(remote_tasks.forge_oob_reply, forgery)
     assert w.call("remote_tasks:add", 1) == 1
     assert w.generation == 2
-
-
-def _run_host(code: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
 
 
 def test_a_double_crash_leaves_blocks_that_the_next_pool_start_sweeps(

@@ -31,11 +31,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 from conftest import TESTS_DIR
+from conftest import alive as _alive
+from conftest import wait_until as _wait
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -74,22 +75,6 @@ def module_venv() -> Path:
     path = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def _our_worker_pids() -> set[int]:
