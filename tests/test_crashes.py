@@ -10,9 +10,9 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import remote_tasks
+from conftest import alive, wait_until
 
 import comfy_env
 from comfy_env import CallTimeout, ProtocolError, WorkerCrashed
@@ -20,15 +20,7 @@ from comfy_env_worker.protocol import FrameReader, encode_header
 
 
 def _wait_gone(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"pid {pid} still alive")
+    assert wait_until(lambda: not alive(pid), timeout), f"pid {pid} still alive"
 
 
 def test_segfault_fails_that_call_with_the_full_story(pool: comfy_env.Pool) -> None:
