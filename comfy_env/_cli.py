@@ -185,6 +185,13 @@ def _error_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _error_message(exc: BaseException) -> str:
+    """The error's text without its type name (``RemoteError``'s own text starts with it)."""
+    if isinstance(exc, RemoteError):
+        return exc.message
+    return str(exc)
+
+
 def _remote_traceback(exc: BaseException) -> str | None:
     if isinstance(exc, RemoteError):
         return exc.traceback_text or None
@@ -196,7 +203,7 @@ def _remote_traceback(exc: BaseException) -> str | None:
 
 def _error_record(exc: BaseException) -> dict[str, Any]:
     """The JSON form of an error: its type name, message and the facts it carries."""
-    record: dict[str, Any] = {"type": _error_name(exc), "message": str(exc)}
+    record: dict[str, Any] = {"type": _error_name(exc), "message": _error_message(exc)}
     for attr in ("env", "pid", "generation", "exitcode", "signal", "call_id", "target"):
         value = getattr(exc, attr, None)
         if value is not None:
@@ -584,7 +591,7 @@ def call(
             if remote and not as_json:
                 print(remote.rstrip(), file=sys.stderr)
             # The worker's output was forwarded as it came; the message need not repeat it.
-            message = str(exc).split("\n--- worker output", 1)[0]
+            message = _error_message(exc).split("\n--- worker output", 1)[0]
             print(f"comfy-env: {_error_name(exc)}: {message}", file=sys.stderr)
             if as_json:
                 _print_json({"ok": False, "target": target, "error": _error_record(exc)})

@@ -32,7 +32,13 @@ from comfy_env_worker import shm
 from comfy_env_worker.protocol import FrameType
 from comfy_env_worker.shm import MIN_BLOCK
 
-from ._errors import CallCancelled, RemoteError, RemoteTraceback, SerializationError
+from ._errors import (
+    CallCancelled,
+    RefReleasedError,
+    RemoteError,
+    RemoteTraceback,
+    SerializationError,
+)
 
 # Function -> "module:qualname" for functions found importable by name (weakly keyed would be
 # nicer, but functions are rarely collected; bounded instead).
@@ -167,6 +173,8 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
             "the call was cancelled; it stopped in its worker, which lives on with its caches "
             f"({message})"
         ) from cause
+    if (module, qualname) == ("comfy_env_worker.refs", "StaleRefError"):
+        raise RefReleasedError(message) from cause
     if pickled is not None:
         try:
             exc = pickle.loads(pickled)

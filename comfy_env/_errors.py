@@ -4,6 +4,7 @@
   ``PoolClosedError``    you closed the pool
   ``EnvError``           no such env, or no interpreter in it
   ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
+  ``RefReleasedError``   a ``RemoteRef`` was used after ``release()``
   ``WorkerError``        the worker broke (something outside the call's own code)
       ``WorkerStartError``, ``WorkerCrashed``, ``CallTimeout``, ``CallCancelled``,
       ``ProtocolError``, ``StaleGenerationError``, ``EnvAbandonedError``
@@ -141,6 +142,12 @@ class StaleGenerationError(WorkerError):
 
 class EnvAbandonedError(WorkerError):
     """The env crashed too often and was cut off until it is reset."""
+
+
+class RefReleasedError(ComfyEnvError, LookupError):
+    """A ``RemoteRef`` was used after ``ref.release()`` freed its object: you released it.
+    Raised in the host before anything is sent (for a ref nested deeper than one container
+    level, when the worker reports it)."""
 
 
 class RemoteError(ComfyEnvError):

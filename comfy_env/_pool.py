@@ -92,7 +92,7 @@ from ._events import (
 )
 from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
-from ._refs import RemoteRef
+from ._refs import RemoteRef, released_error
 from ._stats import EnvStats, WorkerStats
 from ._status import host_publisher
 
@@ -397,6 +397,7 @@ class Pool:
         self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
         self._sweep_queued = False
         self._status_pending = False
+        self._status_dirty = False  # changed while a write was pending: write again after it
         _live_pools.add(self)
         _install_process_hooks()
 
@@ -1085,15 +1086,24 @@ class Pool:
 
     def _status_changed(self) -> None:
         """Keep this host's status file (``comfy-env status``) current, throttled, written on
-        the reactor thread. On every call's path: one flag test while a write is pending."""
-        if self._status_pending or self._reactor is None or self._closed:
+        the reactor thread. On every call's path: one flag test (and one store) while a write
+        is pending; a change inside the throttle window is written when the window ends, so
+        the file is never more than about a second behind the last change."""
+        if self._status_pending:
+            self._status_dirty = True
+            return
+        if self._reactor is None or self._closed:
             return
         self._status_pending = True
         host_publisher().publish_soon(self._reactor.call_later)
         self._reactor.call_later(0.5, self._status_written)
 
     def _status_written(self) -> None:
+        """Reactor thread: the throttle window ended; publish what changed inside it."""
         self._status_pending = False
+        if self._status_dirty:
+            self._status_dirty = False
+            self._status_changed()
 
     def _on_finished(self, entry: _EnvEntry, process: WorkerProcess) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
@@ -1493,6 +1503,8 @@ def _bound_by_refs(
         for item in candidates:
             if not isinstance(item, RemoteRef):
                 continue
+            if item._released:
+                raise released_error(item)
             if item._entry is not entry:
                 raise StaleGenerationError(
                     f"a RemoteRef of env {item.env} cannot be used in a call to env "

@@ -370,3 +370,47 @@ def test_status_sees_a_second_host_process(capsys: pytest.CaptureFixture[str]) -
         comfy_env.sweep()
         main(["sweep"])  # also removes the killed host's status file
         capsys.readouterr()
+
+
+def test_status_is_current_within_a_second_of_the_last_change(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A host that made a few quick calls and then idles must not show them in flight for
+    ever: changes inside the publish throttle window are written when it ends."""
+    code = (
+        "import time, comfy_env\n"
+        "w = comfy_env.get_worker()\n"
+        "for i in range(5):\n"
+        "    w.call('comfy_env_worker.tasks:echo', i)\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    host = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert host.stdout is not None
+        int(host.stdout.readline())  # the host made its calls and now idles
+        time.sleep(1.5)  # the throttle window (0.5 s) plus slack; no waiting loop on purpose
+        code_, out, _ = run_cli(capsys, "status", "--json")
+        assert code_ == 0
+        (h,) = [h for h in json.loads(out)["hosts"] if h["pid"] == host.pid]
+        (env,) = h["envs"]
+        assert (env["submitted"], env["ok"], env["in_flight"]) == (5, 5, 0)
+    finally:
+        host.kill()
+        host.communicate(timeout=30)
+        comfy_env.sweep()
+        main(["sweep"])
+        capsys.readouterr()
+
+
+def test_call_error_text_names_the_type_once(capsys: pytest.CaptureFixture[str]) -> None:
+    # SystemExit comes back as RemoteError, whose own text starts with the type name.
+    code, _, err = run_cli(capsys, "call", "-", "sys:exit", '["bad mesh"]')
+    assert code == 1
+    assert "comfy-env: SystemExit: bad mesh" in err
+    assert "SystemExit: SystemExit" not in err
+    code, out, _ = run_cli(capsys, "call", "-", "sys:exit", '["bad mesh"]', "--json")
+    error = json.loads(out)["error"]
+    assert (error["type"], error["message"]) == ("SystemExit", "bad mesh")
