@@ -70,12 +70,17 @@ class WorkerError(ComfyEnvError):
 class WorkerStartError(WorkerError):
     """The worker could not be started or failed its handshake or canary; it was refused.
 
-    ``stderr_tail`` holds the worker's last output lines, if any.
+    ``stderr_tail`` holds the worker's last output lines, if any. ``unsupported`` is True when
+    the env's interpreter can never run a worker (Python older than 3.8): the pool then fails
+    later calls to that env at once, without starting it again.
     """
 
-    def __init__(self, message: str, *, stderr_tail: str = "", **kw: Any) -> None:
+    def __init__(
+        self, message: str, *, stderr_tail: str = "", unsupported: bool = False, **kw: Any
+    ) -> None:
         super().__init__(message, **kw)
         self.stderr_tail = stderr_tail
+        self.unsupported = unsupported
 
 
 class WorkerCrashed(WorkerError):

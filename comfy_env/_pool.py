@@ -203,6 +203,7 @@ class _EnvEntry:
         self.ping_failures = 0
         self.env_state: lc.EnvState = lc.EnvActive()  # the crash-loop breaker
         self.log_lines_dropped = 0  # of processes no longer in a slot
+        self.unsupported: WorkerStartError | None = None  # its Python can never run a worker
         # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
         # without the lock (from __del__), drained under it.
         self.dropped_refs: deque[tuple[_Slot, int, int]] = deque()
@@ -418,11 +419,13 @@ class Pool:
         return self._events.subscribe(callback)
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
-        """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise)."""
+        """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise);
+        also forget that its Python was found too old (it may have been replaced)."""
         entry = self._entry(resolve_env(env))
         with entry.lock:
             was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
             entry.env_state = lc.EnvActive()
+            entry.unsupported = None
         if was_abandoned:
             self._events.emit(EnvReset(entry.spec.key))
 
@@ -915,6 +918,8 @@ class Pool:
         with entry.lock:
             if isinstance(entry.env_state, lc.EnvAbandoned):
                 raise _abandoned_error(entry.spec.key, entry.env_state)
+            if entry.unsupported is not None:  # said once; never started again
+                raise WorkerStartError(str(entry.unsupported), env=entry.spec.key, unsupported=True)
             generation = entry.generation + 1
             effects = entry.apply_locked(slot, lc.SpawnBegan(generation))
             if effects is None:  # pragma: no cover - the lease makes this impossible
@@ -954,6 +959,9 @@ class Pool:
             process.handshake(started + self.config.start_timeout)
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
+            if isinstance(exc, WorkerStartError) and exc.unsupported:
+                with entry.lock:
+                    entry.unsupported = exc
             if self._closed and isinstance(exc, WorkerStartError):
                 raise PoolClosedError("the pool was closed while the worker started") from exc
             raise

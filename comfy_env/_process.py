@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -69,8 +70,14 @@ from ._reactor import Reactor
 
 _log = logging.getLogger("comfy_env")
 
+# The first line parses under any Python (2.7 included) and refuses one older than 3.8 with a
+# recognisable exit code, before the runtime (which needs 3.8) is imported.
+TOO_OLD_EXIT = 87
 BOOT = (
-    "import sys;sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
+    "import sys\n"
+    "if sys.version_info[:2]<(3,8):"
+    "sys.stderr.write('comfy-env: unsupported Python %d.%d\\n'%sys.version_info[:2]);sys.exit(87)\n"
+    "sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
 )
 
 # Variables that would make the env's interpreter import the host's packages or run host code.
@@ -360,6 +367,8 @@ class WorkerProcess:
             ) from None
         except (ChannelClosed, OSError) as exc:  # EOF, reset, broken pipe, partial send
             rc = self.wait_exit(1.0)
+            if rc == TOO_OLD_EXIT:
+                raise self._too_old_error() from None
             raise self._start_error(f"{describe_exit(rc)} during start-up") from exc
         except (FrameError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as exc:
             raise self._start_error(f"failed its handshake: {exc}") from exc
@@ -510,6 +519,20 @@ class WorkerProcess:
             self.blocks.give_up(block)
         else:
             self.blocks.release(block)
+
+    def _too_old_error(self) -> WorkerStartError:
+        self.wait_output(1.0)
+        tail = self.log.tail()
+        match = re.search(r"unsupported Python (\d+\.\d+)", tail)
+        version = match.group(1) if match else "older than 3.8"
+        return WorkerStartError(
+            f"env {self.spec.key} runs Python {version} ({self.spec.interpreter}); comfy-env "
+            "workers need Python 3.8 or newer",
+            env=self.spec.key,
+            generation=self.generation,
+            stderr_tail=tail,
+            unsupported=True,
+        )
 
     def _start_error(self, what: str) -> WorkerStartError:
         self.kill(Stop.KILL)

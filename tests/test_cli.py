@@ -414,3 +414,19 @@ def test_call_error_text_names_the_type_once(capsys: pytest.CaptureFixture[str])
     code, out, _ = run_cli(capsys, "call", "-", "sys:exit", '["bad mesh"]', "--json")
     error = json.loads(out)["error"]
     assert (error["type"], error["message"]) == ("SystemExit", "bad mesh")
+
+
+def test_doctor_says_an_env_python_is_too_old(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    interp = tmp_path / "old" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.write_text(
+        "#!/bin/sh\nshift\n"
+        f'exec "{sys.executable}" -c '
+        '\'import sys;sys.version_info=(3,6,15,"final",0);exec(sys.argv.pop(1))\' "$@"\n'
+    )
+    interp.chmod(0o755)
+    code, out, err = run_cli(capsys, "doctor", str(tmp_path / "old"))
+    assert code == 1
+    assert "runs Python 3.6" in out + err and "need Python 3.8 or newer" in out + err

@@ -258,3 +258,28 @@ def test_unknown_config_field_is_refused() -> None:
 def test_config_is_immutable() -> None:
     with pytest.raises(ValidationError):
         comfy_env.PoolConfig().call_timeout = 3  # type: ignore[misc]
+
+
+def test_an_env_with_a_too_old_python_is_refused_at_once_and_not_retried(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    # The launcher runs the real interpreter posing as Python 3.6 (sys.version_info), so the
+    # boot line's own check refuses it, as a real 3.6 would be refused.
+    _script(
+        tmp_path / "env" / "bin" / "python",
+        f'shift\nexec "{sys.executable}" -c '
+        '\'import sys;sys.version_info=(3,6,15,"final",0);exec(sys.argv.pop(1))\' "$@"\n',
+    )
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker(tmp_path / "env")
+        with pytest.raises(WorkerStartError) as info:
+            w.call("comfy_env_worker.tasks:echo", 1)
+        message = str(info.value)
+        assert "runs Python 3.6" in message and "need Python 3.8 or newer" in message
+        assert "Traceback" not in message and info.value.unsupported
+        spawns = w.stats().spawns
+        for _ in range(3):  # said again at once, without starting the interpreter again
+            with pytest.raises(WorkerStartError, match="runs Python 3.6"):
+                w.call("comfy_env_worker.tasks:echo", 1)
+        assert w.stats().spawns == spawns == 1
+        assert not w.stats().abandoned
