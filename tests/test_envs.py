@@ -279,7 +279,7 @@ def test_an_env_with_a_too_old_python_is_refused_at_once_and_not_retried(
         assert "Traceback" not in message and info.value.unsupported
         spawns = w.stats().spawns
         for _ in range(3):  # said again at once, without starting the interpreter again
-            with pytest.raises(WorkerStartError, match="runs Python 3.6"):
+            with pytest.raises(WorkerStartError, match=r"runs Python 3\.6"):
                 w.call("comfy_env_worker.tasks:echo", 1)
         assert w.stats().spawns == spawns == 1
         assert not w.stats().abandoned
