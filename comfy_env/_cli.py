@@ -51,14 +51,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from . import __version__
 from ._config import PoolConfig
 from ._envs import resolve_env
 from ._errors import (
     CallTimeout,
     ComfyEnvError,
+    ConfigError,
     EnvError,
     RemoteError,
     RemoteTraceback,
@@ -322,10 +321,10 @@ class _Doctor:
         step = Step("config")
         try:
             config: PoolConfig = self._timed(step, PoolConfig)
-        except ValidationError as exc:
+        except ConfigError as exc:
             step.status = "FAIL"
             step.detail = f"invalid COMFY_ENV_* setting:\n{exc}"
-            step.error = {"type": "ValidationError", "message": str(exc)}
+            step.error = _error_record(exc)
             return None
         overrides = sorted(k for k in os.environ if k.startswith("COMFY_ENV_"))
         step.detail = (
@@ -579,7 +578,7 @@ def call(
     check_target(target)
     try:
         config = PoolConfig()
-    except ValidationError as exc:
+    except ConfigError as exc:
         raise UsageError(f"invalid COMFY_ENV_* setting:\n{exc}") from None
     with _worker_output(_StderrLines()), Pool(config) as pool:
         started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 ``ComfyEnvError``
   ``PoolClosedError``    you closed the pool
+  ``ConfigError``        a ``PoolConfig`` value (or ``COMFY_ENV_*`` variable) is invalid
   ``EnvError``           no such env, or no interpreter in it
   ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
   ``RefReleasedError``   a ``RemoteRef`` was used after ``release()``
@@ -25,6 +26,25 @@ class ComfyEnvError(Exception):
 
 class PoolClosedError(ComfyEnvError):
     """The pool was closed; it accepts no more calls."""
+
+
+class ConfigError(ComfyEnvError, ValueError):
+    """A ``PoolConfig`` value is invalid. ``field`` is the field, ``variable`` the
+    ``COMFY_ENV_*`` variable it came from (None for a value passed in code) and ``value`` the
+    bad value as given."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        variable: str | None = None,
+        value: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.variable = variable
+        self.value = value
 
 
 class EnvError(ComfyEnvError):

@@ -246,12 +246,25 @@ def test_bad_environment_values_name_the_problem(
     monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str
 ) -> None:
     monkeypatch.setenv(var, value)
-    with pytest.raises(ValidationError, match=needle):
+    with pytest.raises(comfy_env.ConfigError, match=needle) as info:
         comfy_env.PoolConfig()
+    error = info.value
+    assert isinstance(error, comfy_env.ComfyEnvError) and isinstance(error, ValueError)
+    assert (error.variable, error.value) == (var, value)
+    assert error.field == var.removeprefix("COMFY_ENV_").lower()
+    message = str(error)
+    assert var in message and repr(value) in message and f"PoolConfig.{error.field}" in message
+    assert "input_value" not in message
+
+
+def test_a_bad_value_passed_in_code_names_the_field_and_value() -> None:
+    with pytest.raises(comfy_env.ConfigError, match=r"PoolConfig\(call_timeout=-1\)") as info:
+        comfy_env.PoolConfig(call_timeout=-1)
+    assert (info.value.field, info.value.variable, info.value.value) == ("call_timeout", None, -1)
 
 
 def test_unknown_config_field_is_refused() -> None:
-    with pytest.raises(ValidationError, match="no_such_field"):
+    with pytest.raises(comfy_env.ConfigError, match="no_such_field"):
         comfy_env.PoolConfig(no_such_field=1)  # type: ignore[call-arg]
 
 
