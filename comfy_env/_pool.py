@@ -64,7 +64,7 @@ from comfy_env_worker.shm import Block
 
 from . import _lifecycle as lc
 from ._call import EventCallback, event_handler
-from ._codec import decode_reply, encode_call, target_label
+from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
 from ._config import PoolConfig
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
@@ -678,8 +678,10 @@ class Pool:
             raise self._closed_error()
         if bound is None and (args or kwargs):
             bound = _bound_by_refs(entry, args, kwargs)
-        body, buffers, by_value = encode_call(target, args, kwargs, self.config.shm_threshold_bytes)
-        inline = len(body) + (0 if self.config.shared_memory else sum(b.nbytes for b in buffers))
+        threshold = self.config.shm_threshold_bytes
+        body, buffers, by_value = encode_call(target, args, kwargs, oob_threshold(threshold))
+        shm_used = self.config.shared_memory and use_shm(buffers, threshold)
+        inline = len(body) + (0 if shm_used else sum(b.nbytes for b in buffers))
         if inline + HEADER_SIZE > self.config.max_frame_bytes:
             raise SerializationError(
                 f"the call to {target_label(target)} pickles to {inline} bytes, over "

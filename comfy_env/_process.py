@@ -60,7 +60,7 @@ from comfy_env_worker.protocol import (
     send_parts,
 )
 
-from ._codec import decode_reply, encode_call
+from ._codec import decode_reply, encode_call, oob_threshold, use_shm
 from ._config import PoolConfig
 from ._envs import EnvSpec
 from ._errors import SerializationError, WorkerStartError, describe_exit
@@ -95,12 +95,12 @@ CANARY_TARGET = "comfy_env_worker.tasks:echo"
 
 
 def canary_value(oob_bytes: int) -> Any:
-    """Exercises the codec: nested containers, int keys, bytes, floats, a 128 KiB in-band
+    """Exercises the codec: nested containers, int keys, bytes, floats, a 48 KiB in-band
     buffer, and one buffer of ``oob_bytes`` that travels out of band (shared memory)."""
     return (
         {1: (b"\x00bytes\xff", [1.5, -0.0, None, True]), 2: {"nested": (1, 2, {3: "x"})}},
         [(), [], {}, "\u00e9\u4e2d", 2**70],
-        bytes(range(256)) * 512,  # 128 KiB in band: crosses several socket reads
+        bytes(range(256)) * 192,  # 48 KiB: under the out-of-band size, pickled in band
         bytearray(os.urandom(64)) * (oob_bytes // 64 + 1),
     )
 
@@ -342,6 +342,7 @@ class WorkerProcess:
                 "log_level": self.config.log_level.upper(),
                 "max_frame_bytes": self.config.max_frame_bytes,
                 "shm_threshold_bytes": self.config.shm_threshold_bytes,
+                "oob_min_bytes": oob_threshold(self.config.shm_threshold_bytes),
                 "shm_host_id": host_id() if use_shm else None,
                 "shm_pool_bytes": self.config.shm_pool_bytes,
                 "shm_pinned_ttl": self.config.shm_pinned_ttl,
@@ -415,7 +416,9 @@ class WorkerProcess:
         if self.blocks is None:
             oob = min(oob, self.config.max_frame_bytes // 4)
         value = canary_value(oob)
-        body, buffers, _ = encode_call(CANARY_TARGET, (value,), {}, self.config.shm_threshold_bytes)
+        body, buffers, _ = encode_call(
+            CANARY_TARGET, (value,), {}, oob_threshold(self.config.shm_threshold_bytes)
+        )
         block = self.send_request(1, body, buffers, deadline)
         ftype, flags, call_id, reply = self.read_frame(deadline)
         if call_id != 1 or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
@@ -451,7 +454,7 @@ class WorkerProcess:
             self._send_large(parts, deadline)
             return None
         block = None
-        if self.blocks is not None:
+        if self.blocks is not None and use_shm(buffers, self.config.shm_threshold_bytes):
             try:
                 parts, block, length = shm.pack(body, buffers, self.blocks)
             except OSError as exc:  # /dev/shm full: stream inline this time
