@@ -32,6 +32,14 @@ from comfy_env_worker import shm
 from comfy_env_worker.protocol import FrameType
 from comfy_env_worker.shm import MIN_BLOCK
 
+from ._errors import (
+    CallCancelled,
+    RefReleasedError,
+    RemoteError,
+    RemoteTraceback,
+    SerializationError,
+)
+
 # Buffers at least this large leave the pickle (out of band); whether they then go through
 # shared memory is decided per call by their total (``oob_threshold``, ``use_shm``).
 OOB_MIN_BYTES = 64 * 1024
@@ -49,14 +57,6 @@ def use_shm(buffers: list[memoryview], shm_threshold: int) -> bool:
     and shared memory was slower than either path alone)."""
     return sum(b.nbytes for b in buffers) >= shm_threshold
 
-
-from ._errors import (
-    CallCancelled,
-    RefReleasedError,
-    RemoteError,
-    RemoteTraceback,
-    SerializationError,
-)
 
 # Function -> "module:qualname" for functions found importable by name (weakly keyed would be
 # nicer, but functions are rarely collected; bounded instead).
