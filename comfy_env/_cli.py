@@ -618,11 +618,12 @@ def call(
 # ---- sweep -----------------------------------------------------------------------------------
 
 
-def sweep_command(*, as_json: bool = False) -> int:
-    """Remove dead hosts' leftovers and say what went; returns the exit code."""
+def sweep_command(*, as_json: bool = False, dry_run: bool = False) -> int:
+    """Remove dead hosts' leftovers and say what went (``dry_run``: what would go, and
+    nothing is changed); returns the exit code."""
     from ._sweep import sweep
 
-    report = sweep()
+    report = sweep(dry_run=dry_run)
     removed: dict[str, list[Any]] = {
         "blocks": list(report.blocks),
         "runtime_dirs": list(report.runtime_dirs),
@@ -630,19 +631,20 @@ def sweep_command(*, as_json: bool = False) -> int:
         "status_files": list(report.status_files),
     }
     if as_json:
-        _print_json(removed)
+        _print_json({**removed, "dry_run": True} if dry_run else removed)
         return EXIT_OK
     labels = {
         "blocks": "shared-memory blocks",
         "runtime_dirs": "runtime directories",
-        "processes": "worker processes (killed)",
+        "processes": "worker processes (to kill)" if dry_run else "worker processes (killed)",
         "status_files": "status files",
     }
     if not any(removed.values()):
         print("nothing to remove: no leftovers of dead hosts")
         return EXIT_OK
+    verb = "would remove" if dry_run else "removed"
     for key, items in removed.items():
-        print(f"removed {len(items)} {labels[key]}")
+        print(f"{verb} {len(items)} {labels[key]}")
         for item in items:
             print(f"  {item}")
     return EXIT_OK
@@ -793,6 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(p_call)
 
     p_sweep = add("sweep", "remove leftovers of dead hosts (shm blocks, dirs, workers, status)")
+    p_sweep.add_argument(
+        "--dry-run", action="store_true", help="report what would be removed, change nothing"
+    )
     add_json(p_sweep)
 
     p_status = add("status", "list live comfy-env hosts of this user and their workers")
@@ -816,7 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.env, args.target, args.json_args, timeout=args.timeout, as_json=args.json
             )
         if args.command == "sweep":
-            return sweep_command(as_json=args.json)
+            return sweep_command(as_json=args.json, dry_run=args.dry_run)
         if args.command == "status":
             return status_command(as_json=args.json)
     except UsageError as exc:

@@ -63,16 +63,18 @@ def _dead_owner(name: str) -> bool:
     return not host_alive(int(match.group(1)), int(match.group(2)))
 
 
-def sweep() -> SweepReport:
+def sweep(*, dry_run: bool = False) -> SweepReport:
     """Remove shared-memory blocks, runtime directories and worker processes of dead hosts.
 
-    Safe to call at any time from any process of the same user; returns what was removed."""
-    processes = _kill_stray_workers()
+    Safe to call at any time from any process of the same user; returns what was removed
+    (``dry_run``: what would be removed, and nothing is changed)."""
+    processes = _kill_stray_workers(dry_run)
     blocks = []
     for name in shm.owned_blocks(shm.NAME_PREFIX):
         if _dead_owner(name):
             try:
-                os.unlink(os.path.join(shm.SHM_DIR, name))
+                if not dry_run:
+                    os.unlink(os.path.join(shm.SHM_DIR, name))
                 blocks.append(name)
             except OSError:
                 pass
@@ -80,18 +82,19 @@ def sweep() -> SweepReport:
     root = runtime_root()
     for name in os.listdir(root):
         if name.startswith("host-") and _dead_owner(name):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            if not dry_run:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             dirs.append(name)
     from ._status import remove_stale_status  # (it imports this module)
 
-    status_files = remove_stale_status()
+    status_files = remove_stale_status(dry_run=dry_run)
     report = SweepReport(
         tuple(sorted(blocks)),
         tuple(sorted(dirs)),
         tuple(sorted(processes)),
         tuple(status_files),
     )
-    if report:
+    if report and not dry_run:
         _log.info(
             "comfy-env: swept leftovers of dead hosts: %d shared-memory blocks, %d runtime "
             "dirs, %d worker processes, %d status files",
@@ -103,7 +106,7 @@ def sweep() -> SweepReport:
     return report
 
 
-def _kill_stray_workers() -> list[int]:
+def _kill_stray_workers(dry_run: bool = False) -> list[int]:
     """Worker processes (ours: launched with ``BOOT``) whose host is dead."""
     killed = []
     me = os.getuid()
@@ -115,6 +118,9 @@ def _kill_stray_workers() -> list[int]:
                 continue
             runtime_dir = cmdline[cmdline.index(BOOT) + 1]
             if not _dead_owner(os.path.basename(runtime_dir)):
+                continue
+            if dry_run:
+                killed.append(proc.pid)
                 continue
             if os.getpgid(proc.pid) == proc.pid:
                 os.killpg(proc.pid, signal.SIGKILL)  # its group: a launcher wrapper included

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -430,3 +431,33 @@ def test_doctor_says_an_env_python_is_too_old(
     code, out, err = run_cli(capsys, "doctor", str(tmp_path / "old"))
     assert code == 1
     assert "runs Python 3.6" in out + err and "need Python 3.8 or newer" in out + err
+
+
+def test_sweep_dry_run_reports_and_changes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from comfy_env._process import runtime_root
+
+    pid = _dead_pid()
+    start_ms = int(time.time() * 1000) - 60_000
+    leftover_dir = os.path.join(runtime_root(), f"host-{pid}-{start_ms}-dryrun")
+    leftover_status = os.path.join(status_dir(), f"{pid}-{start_ms}.json")
+    os.makedirs(leftover_dir)
+    with open(leftover_status, "w") as f:
+        json.dump({"host_id": f"{pid}-{start_ms}", "pid": pid, "start_ms": start_ms}, f)
+    try:
+        code, out, _ = run_cli(capsys, "sweep", "--dry-run", "--json")
+        assert code == 0
+        doc = json.loads(out)
+        assert doc["dry_run"] is True
+        assert os.path.basename(leftover_dir) in doc["runtime_dirs"]
+        assert os.path.basename(leftover_status) in doc["status_files"]
+        assert os.path.isdir(leftover_dir) and os.path.exists(leftover_status)  # untouched
+        code, out, _ = run_cli(capsys, "sweep", "--dry-run")
+        assert code == 0 and "would remove" in out and os.path.basename(leftover_dir) in out
+        assert os.path.isdir(leftover_dir)
+        code, out, _ = run_cli(capsys, "sweep", "--json")
+        assert os.path.basename(leftover_dir) in json.loads(out)["runtime_dirs"]
+        assert not os.path.exists(leftover_dir) and not os.path.exists(leftover_status)
+    finally:
+        shutil.rmtree(leftover_dir, ignore_errors=True)
+        if os.path.exists(leftover_status):
+            os.unlink(leftover_status)
