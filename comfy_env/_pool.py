@@ -31,8 +31,16 @@ generation g+1: ``step`` drops them and the gate counts them (``stale_events_dro
   replayed. Whoever retires first (reader's ``ChannelClosed`` or reactor's ``Exited``) wins; the
   other is dropped as terminal.
 - a complete reply followed by death: the reply is in the socket buffer and is read and returned.
-- deadline, cancellation, Ctrl-C: the caller applies ``DeadlineHit``/``CallCancelled`` for its own
-  (generation, call id); the kill effect shuts the channel down and signals the process group.
+- deadline: the caller applies ``DeadlineHit`` for its own (generation, call id); the kill
+  effect shuts the channel down and signals the process group.
+- cancellation (``Call.cancel``, a cancelled ``arun`` task, Ctrl-C): any thread applies
+  ``CancelRequested`` for the call's (generation, call id); its ``SendCancel`` effect writes a
+  CANCEL frame on the cancel pipe (never the channel, which only the lease holder touches) and
+  arms a grace timer on the reactor. The lease holder keeps reading: a reply within the grace
+  (``CallCancelled`` raised in the worker, or a result that crossed the cancel) moves the slot
+  back to ``Idle`` in the same generation; otherwise ``CancelGraceExpired`` kills the worker
+  and the reader sees EOF. Both events name the call id, so a late cancel or a late timer of
+  call N is dropped when call N+1 runs; the call is settled (and counted) once, by its caller.
 - close during a spawn: the reactor refuses to fork once the pool is closing, and ``close`` first
   runs a barrier on the reactor, so every process that was forked is known and gets killed.
 
