@@ -1109,7 +1109,9 @@ class Pool:
         the file is never more than about a second behind the last change."""
         if self._status_pending:
             self._status_dirty = True
-            return
+            if self._status_pending:
+                return  # the end of the window sees the flag
+            # The window ended between the two tests and may have missed the flag: go on.
         if self._reactor is None or self._closed:
             return
         self._status_pending = True
