@@ -459,12 +459,19 @@ class _Doctor:
             "via_shared_memory": blocks > 0,
             "first_trip_ms": round(cold_ms, 3),
             "worker": shm,
+            "shared_memory": worker.stats().shared_memory,
         }
         if not equal:
             step.status = "FAIL"
             step.error = {"type": "MismatchError", "message": "the echo came back different"}
         elif blocks == 0:
-            if config.shared_memory:
+            if worker.stats().shared_memory == "unavailable":
+                step.status = "WARN"
+                notes.append(
+                    "shared memory is unavailable (/dev/shm is missing, full or too small); "
+                    "large buffers are streamed inline"
+                )
+            elif config.shared_memory:
                 step.status = "WARN"
                 notes.append(
                     "shared memory is on but unused (no usable /dev/shm in the host or the "

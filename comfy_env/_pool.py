@@ -245,6 +245,7 @@ class _EnvEntry:
                 abandoned=isinstance(self.env_state, lc.EnvAbandoned),
                 log_lines_dropped=self.log_lines_dropped
                 + sum(s.process.log.dropped for s in self.slots if s.process is not None),
+                shared_memory=primary.shared_memory,
             )
 
 
@@ -265,6 +266,7 @@ def _worker_stats(slot: _Slot) -> WorkerStats:
         startup,
         idle_since,
         len(slot.live_refs),
+        slot.process.shm_state if slot.process is not None else None,
     )
 
 

@@ -120,10 +120,12 @@ def host_token() -> str:
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
-    """Shared memory trouble is said loudly, but once per process, not once per call."""
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(message: str, key: str | None = None) -> None:
+    """Shared memory trouble is said loudly, but once per process (per ``key``, by default
+    the message), not once per call."""
+    key = message if key is None else key
+    if key not in _warned:
+        _warned.add(key)
         _log.warning("comfy-env: %s", message)
 
 
@@ -219,6 +221,11 @@ class WorkerProcess:
             _warn_once(f"{shm.SHM_DIR} is not usable here; large buffers are streamed inline")
         self.blocks: shm.BlockPool | None = None
         self.mappings: shm.PeerMappings | None = None
+        # "on" (the last large transfer went through shared memory), "off" (configured off),
+        # "unavailable" (wanted, but /dev/shm is missing or full: buffers stream inline).
+        self.shm_state = "on" if self.shm_wanted else "off"
+        if config.shared_memory and not self.shm_wanted:
+            self.shm_state = "unavailable"
         self.ack_consumed = True  # tests turn this off to exercise the worker's TTL
         self._orphan_lock = threading.Lock()
         self._exit_seen = False
@@ -339,6 +346,8 @@ class WorkerProcess:
                     f"{prefix}-h{next(_serials)}-", self.config.shm_pool_bytes
                 )
                 self.mappings = shm.PeerMappings(f"{prefix}-w{self.pid}-")
+            elif self.config.shared_memory:
+                self.shm_state = "unavailable"
             send_frame(self.sock, FrameType.CONFIG, 0, pickle.dumps(config, protocol=5))
             ftype, _, _, _ = self.reader.read(deadline)
             if ftype != FrameType.READY:
@@ -419,8 +428,9 @@ class WorkerProcess:
         if self.blocks is not None:
             try:
                 parts, block, length = shm.pack(body, buffers, self.blocks)
-            except OSError as exc:  # /dev/shm full: stream inline this time
-                _warn_once(f"shared memory failed ({exc}); large buffers are streamed inline")
+                self.shm_state = "on"
+            except OSError as exc:  # /dev/shm full (ENOSPC at reservation): inline this time
+                self._shm_unavailable(f"cannot create a block ({exc})")
                 parts, block, length = shm.pack(body, buffers, None)
         else:
             parts, block, length = shm.pack(body, buffers, None)
@@ -467,6 +477,11 @@ class WorkerProcess:
             body, buffers, sources, retained = shm.unpack(payload, self.mappings, copy_out=True)
         except (ValueError, OSError) as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
+        if self.mappings is not None and buffers:
+            if any(source is not None for source in sources):
+                self.shm_state = "on"
+            else:  # the worker could not create a reply block: it streamed them inline
+                self._shm_unavailable("the worker cannot create a block")
         if self.ack_consumed and any(source is not None for source in sources):
             sock = self.sock
             assert sock is not None
@@ -475,6 +490,16 @@ class WorkerProcess:
             except OSError:
                 pass  # the worker is gone; its blocks go with it (see dispose)
         return body, buffers, retained
+
+    def _shm_unavailable(self, why: str) -> None:
+        self.shm_state = "unavailable"
+        _log.debug("comfy-env: shared memory failed: %s", why)
+        # One warning per process, whichever side ran out first.
+        _warn_once(
+            f"shared memory is unavailable ({why}); large buffers are streamed inline "
+            f"until it works again (is {shm.SHM_DIR} full or too small?)",
+            key="shm-unavailable",
+        )
 
     def finish_request(self, block: shm.Block | None, retained: list[str]) -> None:
         """The request's block may be reused, unless the worker kept a view of it."""
