@@ -2,6 +2,7 @@
 
 ``ComfyEnvError``
   ``PoolClosedError``    you closed the pool
+  ``RuntimeRootError``   the runtime root is not ours and no private one could be made
   ``EnvError``           no such env, or no interpreter in it
   ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
   ``WorkerError``        the worker broke (something outside the call's own code)
@@ -20,6 +21,18 @@ from typing import Any
 
 class ComfyEnvError(Exception):
     """Base class of every error comfy-env raises itself."""
+
+
+class RuntimeRootError(ComfyEnvError):
+    """A directory comfy-env writes or runs code from is not safely ours (a symlink, another
+    user's, not a directory) and no private replacement could be made.
+
+    ``path`` is the directory, ``reason`` what is wrong with it."""
+
+    def __init__(self, message: str, *, path: str, reason: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
 
 
 class PoolClosedError(ComfyEnvError):

@@ -37,7 +37,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +65,7 @@ from ._errors import SerializationError, WorkerStartError, describe_exit
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
+from ._rundir import copy_tree, make_private_dir, runtime_root
 
 _log = logging.getLogger("comfy_env")
 
@@ -96,17 +96,6 @@ def canary_value(oob_bytes: int) -> Any:
         bytes(range(256)) * 512,  # 128 KiB in band: crosses several socket reads
         bytearray(os.urandom(64)) * (oob_bytes // 64 + 1),
     )
-
-
-def runtime_root() -> str:
-    """Per-user directory (0700) holding each pool's runtime directory."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        root = os.path.join(base, "comfy-env")
-    else:
-        root = os.path.join(tempfile.gettempdir(), f"comfy-env-{os.getuid()}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    return root
 
 
 def host_token() -> str:
@@ -146,13 +135,21 @@ def make_runtime_dir() -> str:
     """Create a private runtime directory holding the worker package and cloudpickle."""
     import cloudpickle
 
-    path = tempfile.mkdtemp(prefix=f"host-{host_token()}-", dir=runtime_root())
-    for package in (comfy_env_worker, cloudpickle):
-        source = os.path.dirname(package.__file__ or "")
-        _precompile(source)
-        # copy2 keeps modification times, so the byte code copied along stays valid and a
-        # worker of the same Python version does not recompile the runtime at every start.
-        shutil.copytree(source, os.path.join(path, package.__name__))
+    # Made and filled relative to descriptors of directories checked to be ours (see
+    # _rundir): nobody else can put code where the worker imports it from.
+    path = make_private_dir(runtime_root(), f"host-{host_token()}-")
+    try:
+        for package in (comfy_env_worker, cloudpickle):
+            source = os.path.dirname(package.__file__ or "")
+            _precompile(source)
+            # Modification times are kept, so the byte code copied along stays valid and a
+            # worker of the same Python version does not recompile the runtime at every start.
+            dest = os.path.join(path, package.__name__)
+            os.mkdir(dest, 0o700)
+            copy_tree(source, dest)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path
 
 

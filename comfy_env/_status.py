@@ -45,7 +45,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._process import host_id, runtime_root
+from ._process import host_id
+from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
 
 if TYPE_CHECKING:
@@ -60,13 +61,9 @@ Snapshot = dict[str, Any]
 
 
 def status_dir() -> str:
-    """``<runtime_root()>/status``, created with mode 0700 if missing."""
-    path = os.path.join(runtime_root(), STATUS_DIR_NAME)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    with contextlib.suppress(OSError):
-        if os.stat(path).st_mode & 0o077:
-            os.chmod(path, 0o700)
-    return path
+    """``<runtime_root()>/status``, created with mode 0700 if missing and checked to be ours
+    (``RuntimeRootError`` if it is a symlink, another user's, or not a directory)."""
+    return private_subdir(runtime_root(), STATUS_DIR_NAME)
 
 
 # ---- building a snapshot (host side) ------------------------------------------------------
@@ -252,7 +249,9 @@ class StatusPublisher:
         directory = self._dir()
         final = os.path.join(directory, f"{self.host_id}.json")
         tmp = os.path.join(directory, f".{self.host_id}.json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a write this process never finished
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

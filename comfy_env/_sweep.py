@@ -27,7 +27,8 @@ import psutil
 
 from comfy_env_worker import shm
 
-from ._process import BOOT, runtime_root
+from ._process import BOOT
+from ._rundir import runtime_root
 
 _log = logging.getLogger("comfy_env")
 
