@@ -62,6 +62,7 @@ from ._codec import decode_reply, encode_call
 from ._config import PoolConfig
 from ._envs import EnvSpec
 from ._errors import SerializationError, WorkerStartError, describe_exit
+from ._identity import host_token
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
@@ -98,14 +99,6 @@ def canary_value(oob_bytes: int) -> Any:
     )
 
 
-def host_token() -> str:
-    """``<pid>-<start time>``: names resources so a dead host's leftovers are recognisable even
-    when its pid is reused."""
-    import psutil
-
-    return f"{os.getpid()}-{int(psutil.Process().create_time() * 1000)}"
-
-
 _warned: set[str] = set()
 
 
@@ -123,7 +116,8 @@ _serials = itertools.count(1)
 
 
 def host_id() -> str:
-    """This process's ``<pid>-<start ms>``, cached per pid (a forked child computes its own)."""
+    """This process's ``host_token()`` (``<pid>-<start ticks>-<pid namespace>``), cached per
+    pid (a forked child computes its own)."""
     global _HOST_TOKEN
     pid = os.getpid()
     if _HOST_TOKEN is None or _HOST_TOKEN[0] != pid:

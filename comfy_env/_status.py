@@ -15,12 +15,12 @@ Data flow::
                                                               live with psutil
 
 The status directory is ``<runtime_root()>/status`` (per user, mode 0700); files are mode 0600
-and named after the host: ``<pid>-<start ms>.json``, the same ``host_id()`` that names the
-host's shared-memory blocks and runtime directories, so a reused pid never passes for a dead
-host. A host writes only its own file, always whole (temporary file + ``os.replace``), so a
-reader never sees a partial document. Readers and the CLI never need the host's cooperation:
-everything the file does not say (RSS, whether the host is still alive) is measured at read
-time.
+and named after the host: ``<pid>-<start ticks>-<pid namespace>.json``, the same ``host_id()``
+that names the host's shared-memory blocks and runtime directories, so a reused pid never passes
+for a dead host, and a host in another pid namespace is never taken for dead. A host writes
+only its own file, always whole (temporary file + ``os.replace``), so a reader never sees a
+partial document. Readers and the CLI never need the host's cooperation: everything the file
+does not say (RSS, whether the host is still alive) is measured at read time.
 
 Times in the file are wall-clock seconds (``time.time()``): ``updated_at`` (when the file was
 written), and per worker ``idle_since`` (idle workers) or ``busy_since`` (a worker in a call),
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
-_FILE = re.compile(r"^\.?(\d+)-(\d+)\.json(?:\.tmp)?$")
+_FILE = re.compile(r"^\.?(\d+)-(\d+)-(\d+)\.json(?:\.tmp)?$")
 _COUNTERS = CALL_COUNTERS
 
 Snapshot = dict[str, Any]
@@ -233,12 +233,12 @@ class StatusPublisher:
             os.unlink(self.path)
 
     def _write(self, pools: list[Snapshot]) -> str:
-        pid, start_ms = self.host_id.split("-", 1)
+        pid = self.host_id.split("-", 1)[0]
         document = {
             "schema": SCHEMA,
             "host_id": self.host_id,
             "pid": int(pid),
-            "start_ms": int(start_ms),
+            "start_ms": _start_ms(),
             "updated_at": round(time.time(), 3),
             "argv": [str(a)[:200] for a in sys.argv[:16]],
             "executable": sys.executable,
@@ -261,6 +261,13 @@ class StatusPublisher:
                 os.unlink(tmp)
             raise
         return final
+
+
+def _start_ms() -> int:
+    """This host's start in wall-clock ms, for display only (liveness uses the host id)."""
+    import psutil
+
+    return int(psutil.Process().create_time() * 1000)
 
 
 def _version() -> str:
@@ -397,7 +404,7 @@ def remove_stale_status() -> list[str]:
 def _owner_alive(match: re.Match[str]) -> bool:
     from ._sweep import host_alive
 
-    return host_alive(int(match.group(1)), int(match.group(2)))
+    return host_alive(int(match.group(1)), int(match.group(2)), int(match.group(3)))
 
 
 def _load(path: str) -> HostStatus | None:

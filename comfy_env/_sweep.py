@@ -2,23 +2,27 @@
 
 A host that is killed outright (SIGKILL, OOM) cannot clean up, and when its workers die with it
 (parent-death signal) they cannot either. Everything either side creates is therefore named
-after the host that owns it, as ``<pid>-<start time in ms>``:
+after the host that owns it, with its ``host_token()`` (``<pid>-<start ticks>-<pid
+namespace>``, see ``_identity``):
 
-- shared-memory blocks ``/dev/shm/ce-<pid>-<start>-...`` (the host's and its workers');
-- runtime directories ``<runtime root>/host-<pid>-<start>-...``;
-- worker processes, whose command line carries their runtime directory;
-- status files ``<runtime root>/status/<pid>-<start>.json`` (``comfy-env status``).
+- shared-memory blocks ``/dev/shm/ce-<token>-...`` (the host's and its workers');
+- runtime directories ``<runtime root>/host-<token>-...``;
+- worker processes, whose command line carries their runtime directory and host pid;
+- status files ``<runtime root>/status/<token>.json`` (``comfy-env status``).
 
-A host counts as alive when a process with that pid exists *and* started at that time, so a
-reused pid never protects a dead host's leftovers, and a live host's resources are never
-touched. ``sweep()`` runs when a pool first starts workers, and on demand.
+A sweep acts only on what it can prove belongs to a dead host of this user in this pid
+namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
+wall-clock step, or a name in an older format never make a live host's resources look dead.
+Before a process is signalled it is proven to be a worker of that dead host (see
+``_kill_stray_workers``), and it is signalled through a pidfd opened *before* that proof, so a
+pid reused in between cannot be hit. ``sweep()`` runs when a pool first starts workers, and on
+demand.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 from dataclasses import dataclass
@@ -27,12 +31,11 @@ import psutil
 
 from comfy_env_worker import shm
 
+from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
 from ._process import BOOT
 from ._rundir import runtime_root
 
 _log = logging.getLogger("comfy_env")
-
-_OWNER = re.compile(r"^(?:ce-|host-)(\d+)-(\d+)-")
 
 
 @dataclass(frozen=True)
@@ -48,20 +51,14 @@ class SweepReport:
         return bool(self.blocks or self.runtime_dirs or self.processes or self.status_files)
 
 
-def host_alive(pid: int, start_ms: int) -> bool:
-    """Is the host ``<pid>-<start_ms>`` still running (and not a later process reusing pid)?"""
-    try:
-        started = int(psutil.Process(pid).create_time() * 1000)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
-    return abs(started - start_ms) <= 10  # create_time is derived from clock ticks
+def host_alive(pid: int, ticks: int, namespace: int) -> bool:
+    """Might the host ``<pid>-<ticks>-<namespace>`` still be running? True unless it is proven
+    dead (so "alive" includes "cannot tell")."""
+    return not owner_dead(pid, ticks, namespace)
 
 
 def _dead_owner(name: str) -> bool:
-    match = _OWNER.match(name)
-    if match is None:
-        return False  # not ours, or not named after a host: never touched
-    return not host_alive(int(match.group(1)), int(match.group(2)))
+    return name_of_dead_owner(name)
 
 
 def sweep() -> SweepReport:
@@ -105,23 +102,59 @@ def sweep() -> SweepReport:
 
 
 def _kill_stray_workers() -> list[int]:
-    """Worker processes (ours: launched with ``BOOT``) whose host is dead."""
+    """Worker processes whose host is proven dead, each proven to be that host's worker."""
     killed = []
     me = os.getuid()
     for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
         try:
             cmdline = proc.info["cmdline"] or []
             uids = proc.info["uids"]
-            if uids is None or uids.real != me or len(cmdline) < 4 or BOOT not in cmdline:
+            if uids is None or uids.real != me or BOOT not in cmdline:
                 continue
-            runtime_dir = cmdline[cmdline.index(BOOT) + 1]
-            if not _dead_owner(os.path.basename(runtime_dir)):
-                continue
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, signal.SIGKILL)  # its group: a launcher wrapper included
-            else:
-                proc.kill()
-            killed.append(proc.pid)
+            if _kill_if_orphan(proc.pid, cmdline):
+                killed.append(proc.pid)
         except (psutil.Error, OSError, ValueError, IndexError):
             continue
     return killed
+
+
+def _kill_if_orphan(pid: int, cmdline: list[str]) -> bool:
+    """SIGKILL ``pid`` (and its group) if it is provably a worker of a dead host:
+
+    - its command line is our launch line: ``-c BOOT <runtime dir> <fd> <host pid> ...``, the
+      runtime dir named after the host and the host pid argument equal to the owner's pid;
+    - the owner is proven dead (``owner_dead``);
+    - the process runs in our pid namespace and started after its host did (a look-alike
+      started earlier, or one whose pid was reused, is not that host's worker);
+    - the pidfd the signal goes through was opened before these checks, so the process that
+      passed them is the one signalled."""
+    index = cmdline.index(BOOT)
+    if index < 1 or cmdline[index - 1] != "-c" or len(cmdline) < index + 4:
+        return False
+    owner = owner_of(os.path.basename(cmdline[index + 1]))
+    if owner is None or cmdline[index + 3] != str(owner[0]):
+        return False
+    pidfd_open = getattr(os, "pidfd_open", None)
+    send = getattr(signal, "pidfd_send_signal", None)
+    if pidfd_open is None or send is None:  # pragma: no cover - kernels without pidfd
+        return False
+    try:
+        pidfd = pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if not owner_dead(*owner):
+            return False
+        if os.stat(f"/proc/{pid}/ns/pid").st_ino != pid_namespace():
+            return False
+        stat = proc_stat(pid)
+        if stat is None or stat[1] < owner[1]:
+            return False
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)  # its group: a launcher wrapper's children included
+        send(pidfd, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, OSError, ValueError, IndexError):
+        return False
+    finally:
+        os.close(pidfd)
