@@ -86,6 +86,7 @@ _STRIPPED_ENV = (
 )
 
 CANARY_TARGET = "comfy_env_worker.tasks:echo"
+HOST_ID_VAR = "COMFY_ENV_HOST_ID"
 
 
 def canary_value(oob_bytes: int) -> Any:
@@ -163,6 +164,9 @@ def worker_environment(config: PoolConfig) -> dict[str, str]:
     env["PYTHONNOUSERSITE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(config.env_vars)
+    # The sweep's proof that a process is this host's worker (a look-alike command line has
+    # no such variable); set last so env_vars cannot forge or drop it.
+    env[HOST_ID_VAR] = host_id()
     return env
 
 

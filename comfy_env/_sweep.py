@@ -32,7 +32,7 @@ import psutil
 from comfy_env_worker import shm
 
 from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
-from ._process import BOOT
+from ._process import BOOT, HOST_ID_VAR
 from ._rundir import runtime_root
 
 _log = logging.getLogger("comfy_env")
@@ -126,6 +126,7 @@ def _kill_if_orphan(pid: int, cmdline: list[str]) -> bool:
     - the owner is proven dead (``owner_dead``);
     - the process runs in our pid namespace and started after its host did (a look-alike
       started earlier, or one whose pid was reused, is not that host's worker);
+    - its environment names the host (``COMFY_ENV_HOST_ID``, set at launch);
     - the pidfd the signal goes through was opened before these checks, so the process that
       passed them is the one signalled."""
     index = cmdline.index(BOOT)
@@ -149,6 +150,11 @@ def _kill_if_orphan(pid: int, cmdline: list[str]) -> bool:
             return False
         stat = proc_stat(pid)
         if stat is None or stat[1] < owner[1]:
+            return False
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+        token = "-".join(map(str, owner))
+        if f"{HOST_ID_VAR}={token}".encode() not in environ:
             return False
         if os.getpgid(pid) == pid:
             os.killpg(pid, signal.SIGKILL)  # its group: a launcher wrapper's children included

@@ -77,14 +77,26 @@ print("RESULT " + json.dumps(out))
 def _run_in_small_shm(size: str, fill_mib: int, nbytes: int) -> dict[str, object]:
     script = (
         f"mount -t tmpfs -o size={size} tmpfs /dev/shm && "
-        + (f"dd if=/dev/zero of=/dev/shm/someone-else bs=1M count={fill_mib} 2>/dev/null && "
-           if fill_mib else "")
+        + (
+            f"dd if=/dev/zero of=/dev/shm/someone-else bs=1M count={fill_mib} 2>/dev/null && "
+            if fill_mib
+            else ""
+        )
         + 'exec "$0" -c "$1" "$2" "$3"'
     )
     env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
     proc = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, sys.executable, textwrap.dedent(SMALL_SHM_HOST),
-         str(nbytes), str(TESTS_DIR)],
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            script,
+            sys.executable,
+            textwrap.dedent(SMALL_SHM_HOST),
+            str(nbytes),
+            str(TESTS_DIR),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -94,7 +106,7 @@ def _run_in_small_shm(size: str, fill_mib: int, nbytes: int) -> dict[str, object
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, proc.stdout + proc.stderr
-    result: dict[str, object] = json.loads(line[0][len("RESULT "):])
+    result: dict[str, object] = json.loads(line[0][len("RESULT ") :])
     return result
 
 
@@ -202,9 +214,7 @@ def test_our_own_root_with_loose_permissions_is_tightened(shared_tmp: Path) -> N
     assert stat.S_IMODE(os.stat(ours).st_mode) == 0o700
 
 
-def test_a_status_dir_that_is_a_symlink_is_a_typed_error(
-    shared_tmp: Path, tmp_path: Path
-) -> None:
+def test_a_status_dir_that_is_a_symlink_is_a_typed_error(shared_tmp: Path, tmp_path: Path) -> None:
     from comfy_env import RuntimeRootError
     from comfy_env._status import status_dir
 
@@ -250,3 +260,164 @@ def test_a_pool_under_a_hostile_root_runs_its_calls_from_a_private_root(
         assert os.listdir(target) == []
     finally:
         shutil.rmtree(runtime_root())
+
+
+# ---- 3. sweeps must never touch a live host ---------------------------------------------------
+
+LIVE_HOST = """
+import sys, comfy_env
+config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
+with comfy_env.Pool(config) as pool:
+    w = pool.get_worker()
+    big = bytes(4 << 20)
+    assert w.call("fault_tasks:identity", big) == big  # blocks on both sides now exist
+    from comfy_env._process import host_id
+    print(host_id(), w.pid, flush=True)
+    sys.stdin.readline()  # the test sweeps now
+    assert w.call("fault_tasks:identity", big) == big
+    s = w.stats()
+    print("AFTER", s.generation, s.crashed, s.spawns, flush=True)
+"""
+
+
+def _start_live_host(prefix: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-c", textwrap.dedent(LIVE_HOST), str(TESTS_DIR)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _finish_live_host(host: subprocess.Popen[str]) -> str:
+    assert host.stdin is not None
+    host.stdin.write("go\n")
+    host.stdin.flush()
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err[-3000:]
+    return out
+
+
+def _leftovers_of(token: str) -> tuple[list[str], list[str]]:
+    from comfy_env._rundir import runtime_root
+
+    blocks = [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{token}-")]
+    dirs = [d for d in os.listdir(runtime_root()) if d.startswith(f"host-{token}-")]
+    return blocks, dirs
+
+
+def test_a_wall_clock_step_never_makes_a_live_host_look_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    import psutil
+
+    host = _start_live_host([])
+    try:
+        assert host.stdout is not None
+        token, worker_pid = host.stdout.readline().split()
+        blocks, dirs = _leftovers_of(token)
+        assert blocks and dirs
+        # NTP or a VM resume steps the clock by an hour: wall-clock start times all shift.
+        real_create_time = psutil.Process.create_time
+        monkeypatch.setattr(
+            psutil.Process, "create_time", lambda self: real_create_time(self) + 3600
+        )
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() + 3600)
+        report = comfy_env.sweep()
+        monkeypatch.undo()
+        assert not set(report.blocks) & set(blocks)
+        assert not set(report.runtime_dirs) & set(dirs)
+        assert int(worker_pid) not in report.processes
+        assert set(blocks) <= set(os.listdir("/dev/shm"))
+        out = _finish_live_host(host)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.communicate(timeout=30)
+    assert "AFTER 1 0 1" in out  # the same worker served both calls: nothing was killed
+
+
+def _pid_namespace_usable() -> bool:
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    try:
+        probe = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _pid_namespace_usable(), reason="needs unshare --pid (root)")
+@pytest.mark.parametrize("mount_proc", [True, False], ids=["own-proc", "shared-proc"])
+def test_a_host_in_another_pid_namespace_is_never_swept(mount_proc: bool) -> None:
+    prefix = ["unshare", "--pid", "--fork"] + (["--mount-proc"] if mount_proc else [])
+    host = _start_live_host(prefix)
+    try:
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        assert line, host.communicate(timeout=30)[1][-3000:]
+        token, _ = line.split()
+        assert token.split("-")[2] != str(os.stat("/proc/self/ns/pid").st_ino)
+        blocks, dirs = _leftovers_of(token)
+        assert blocks and dirs
+        # Its pid means nothing here (or names another process): it must look "unknown",
+        # never "dead".
+        report = comfy_env.sweep()
+        assert not set(report.blocks) & set(blocks)
+        assert not set(report.runtime_dirs) & set(dirs)
+        assert set(blocks) <= set(os.listdir("/dev/shm"))
+        out = _finish_live_host(host)
+    finally:
+        if host.poll() is None:
+            os.killpg(host.pid, 9)
+            host.communicate(timeout=30)
+    assert "AFTER 1 0 1" in out
+
+
+def test_owner_checks_prove_death_or_leave_things_alone() -> None:
+    from comfy_env._identity import owner_dead, pid_namespace, proc_stat
+    from comfy_env._process import host_id
+
+    ns = pid_namespace()
+    assert ns is not None
+    pid, ticks, my_ns = (int(x) for x in host_id().split("-"))
+    assert (my_ns, ticks) == (ns, proc_stat("self")[1])  # type: ignore[index]
+    assert not owner_dead(pid, ticks, ns)  # us
+    assert owner_dead(pid, ticks + 1, ns)  # our pid, another start: a reused pid
+    dead = 4_000_000
+    while os.path.exists(f"/proc/{dead}"):
+        dead -= 1
+    assert owner_dead(dead, ticks, ns)
+    assert not owner_dead(dead, ticks, ns + 1)  # another namespace: cannot tell
+    assert not owner_dead(dead, ticks, 0)  # no /proc when it was named: cannot tell
+
+
+def test_a_look_alike_of_a_dead_hosts_worker_is_never_signalled(tmp_path: Path) -> None:
+    from comfy_env._identity import pid_namespace
+    from comfy_env._process import BOOT
+
+    dead = 4_000_000
+    while os.path.exists(f"/proc/{dead}"):
+        dead -= 1
+    runtime_dir = tmp_path / f"host-{dead}-1-{pid_namespace()}-abc"
+    # Same launch line as a real worker of that dead host, but not launched by it.
+    look_alike = subprocess.Popen(
+        ["sh", "-c", "sleep 60; :", "-c", BOOT, str(runtime_dir), "3", str(dead), "4"],
+        start_new_session=True,
+    )
+    try:
+        report = comfy_env.sweep()
+        assert look_alike.pid not in report.processes
+        assert look_alike.poll() is None
+    finally:
+        os.killpg(look_alike.pid, 9)
+        look_alike.wait(30)
