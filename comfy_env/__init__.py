@@ -19,11 +19,13 @@ import threading
 from ._config import PoolConfig
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
+    ArgumentError,
     CallCancelled,
     CallTimeout,
     ComfyEnvError,
     EnvAbandonedError,
     EnvError,
+    HostResourceError,
     PoolClosedError,
     ProtocolError,
     RemoteError,
@@ -52,6 +54,7 @@ from ._worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "CallCancelled",
     "CallTimeout",
     "ComfyEnvError",
@@ -61,6 +64,7 @@ __all__ = [
     "EnvReset",
     "EnvSpec",
     "EnvStats",
+    "HostResourceError",
     "Pool",
     "PoolClosedError",
     "PoolConfig",

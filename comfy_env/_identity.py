@@ -3,7 +3,7 @@
 Everything a host creates in shared places (shared-memory blocks, runtime directories, status
 files) carries its ``host_token()``::
 
-    <pid>-<start ticks>-<pid namespace>      e.g. 41234-8812345-4026531836
+    <pid>-t<start ticks>-n<pid namespace>      e.g. 41234-t8812345-n4026531836
 
 - ``pid`` as this process sees it (``os.getpid()``);
 - ``start ticks``: field 22 of ``/proc/self/stat``, the start time in clock ticks since boot.
@@ -25,8 +25,10 @@ from __future__ import annotations
 import os
 import re
 
-# ``ce-<pid>-<ticks>-<ns>-...`` (blocks) and ``host-<pid>-<ticks>-<ns>-...`` (runtime dirs).
-OWNER = re.compile(r"^(?:ce-|host-)(\d+)-(\d+)-(\d+)-")
+# ``ce-<pid>-t<ticks>-n<ns>-...`` (blocks) and ``host-<pid>-t<ticks>-n<ns>-...`` (runtime
+# dirs). The letters matter: earlier versions named things ``<pid>-<start ms>-`` and judged
+# anything matching ``(\d+)-(\d+)-`` by wall-clock start time; they must not read our names.
+OWNER = re.compile(r"^(?:ce-|host-)(\d+)-t(\d+)-n(\d+)-")
 
 
 def pid_namespace() -> int | None:
@@ -59,7 +61,7 @@ def _proc_is_ours() -> bool:
 
 
 def host_token() -> str:
-    """``<pid>-<start ticks>-<pid namespace>`` of this process (see the module docstring).
+    """``<pid>-t<start ticks>-n<pid namespace>`` of this process (see the module docstring).
     Where ``/proc`` is missing the namespace is 0, which no sweep ever treats as dead."""
     ns = pid_namespace()
     try:
@@ -69,12 +71,12 @@ def host_token() -> str:
     if ns is None or stat is None:
         import psutil
 
-        return f"{os.getpid()}-{int(psutil.Process().create_time() * 1000)}-0"
-    return f"{os.getpid()}-{stat[1]}-{ns}"
+        return f"{os.getpid()}-t{int(psutil.Process().create_time() * 1000)}-n0"
+    return f"{os.getpid()}-t{stat[1]}-n{ns}"
 
 
 def owner_dead(pid: int, ticks: int, namespace: int) -> bool:
-    """Is the host ``<pid>-<ticks>-<namespace>`` provably gone? False whenever it cannot be
+    """Is the host ``<pid>-t<ticks>-n<namespace>`` provably gone? False whenever it cannot be
     proven (another namespace, no usable ``/proc``): leftovers are then left alone."""
     if namespace == 0 or namespace != pid_namespace() or not _proc_is_ours():
         return False

@@ -64,12 +64,13 @@ from comfy_env_worker.shm import Block
 
 from . import _lifecycle as lc
 from ._codec import decode_reply, encode_call, target_label
-from ._config import PoolConfig
+from ._config import PoolConfig, check_timeout
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
     CallCancelled,
     CallTimeout,
     EnvAbandonedError,
+    HostResourceError,
     PoolClosedError,
     ProtocolError,
     SerializationError,
@@ -340,7 +341,11 @@ class Pool:
     ) -> None:
         """``clock`` (monotonic seconds) times idleness, the reaper and the breaker; tests
         inject a fake one. Call deadlines always use real time."""
-        self.config = config if config is not None else PoolConfig()
+        # Validated again: ``model_copy(update=...)`` skips pydantic's checks, and a value the
+        # OS or the clock cannot take must fail here, not inside a worker or a timer.
+        self.config = (
+            PoolConfig.model_validate(config.model_dump()) if config is not None else PoolConfig()
+        )
         self._clock = clock
         self._events = Dispatcher()
         self._reaper: TimerHandle | None = None
@@ -581,10 +586,9 @@ class Pool:
                 f"the call to {target_label(target)} pickles to {inline} bytes, over "
                 f"PoolConfig.max_frame_bytes={self.config.max_frame_bytes}"
             )
+        timeout = check_timeout(timeout)
         if timeout is None:
             timeout = self.config.call_timeout
-        elif timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds or None, not {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         if ticket is None:
             ticket = _Ticket()
@@ -603,6 +607,9 @@ class Pool:
             result = decode_reply(ftype, reply, target, reply_buffers)
             outcome = "ok"
             return result
+        except _HostFault as fault:
+            replied = fault.replied  # the worker replied whole: it goes back to idle
+            raise fault.error from None
         except CallTimeout:
             outcome = "timed_out"
             raise
@@ -687,6 +694,9 @@ class Pool:
                 reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
             except FrameError as exc:
                 raise self._protocol_error(entry, slot, process, str(exc)) from None
+            except HostResourceError as exc:  # the host's fault: the worker stays, idle
+                process.finish_request(block, [block.name] if block is not None else [])
+                raise _HostFault(replied, exc) from None
             process.finish_request(block, retained)
             return ftype, reply_body, reply_buffers, replied
 
@@ -1216,6 +1226,16 @@ class Pool:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
         host_publisher().publish()  # without this pool (the file goes with the last pool)
         self._events.close()
+
+
+class _HostFault(Exception):
+    """Carries a ``HostResourceError`` out of ``_exchange`` with the call's ``Replied``, so the
+    worker that replied whole is settled as idle (not retired) while the call fails."""
+
+    def __init__(self, replied: lc.Replied, error: HostResourceError) -> None:
+        super().__init__(str(error))
+        self.replied = replied
+        self.error = error
 
 
 def _release_locked(entry: _EnvEntry, slot: _Slot) -> WorkerProcess | None:

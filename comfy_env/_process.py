@@ -61,7 +61,7 @@ from comfy_env_worker.protocol import (
 from ._codec import decode_reply, encode_call
 from ._config import PoolConfig
 from ._envs import EnvSpec
-from ._errors import SerializationError, WorkerStartError, describe_exit
+from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
 from ._identity import host_token
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
@@ -117,7 +117,7 @@ _serials = itertools.count(1)
 
 
 def host_id() -> str:
-    """This process's ``host_token()`` (``<pid>-<start ticks>-<pid namespace>``), cached per
+    """This process's ``host_token()`` (``<pid>-t<start ticks>-n<pid namespace>``), cached per
     pid (a forked child computes its own)."""
     global _HOST_TOKEN
     pid = os.getpid()
@@ -244,8 +244,16 @@ class WorkerProcess:
         refuse it (the pool refuses once it is closing); ``after_launch`` runs right after, on
         the same thread, so the pool registers the process before anything can stop the
         reactor."""
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        log_read, log_write = os.pipe()  # records between calls (see comfy_env_worker.logs)
+        try:
+            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # out of descriptors (EMFILE/ENFILE): nothing to release
+            raise self._no_channel(exc) from exc
+        try:
+            log_read, log_write = os.pipe()  # records between calls (see comfy_env_worker.logs)
+        except OSError as exc:
+            parent_sock.close()
+            child_sock.close()
+            raise self._no_channel(exc) from exc
         self._log_pipe = os.fdopen(log_read, "rb", buffering=0)
         self.sock = parent_sock
         self.reader = FrameReader(parent_sock, self.config.max_frame_bytes)
@@ -305,6 +313,14 @@ class WorkerProcess:
         finally:
             child_sock.close()  # the worker holds the only other end now
             os.close(log_write)
+
+    def _no_channel(self, exc: OSError) -> WorkerStartError:
+        return WorkerStartError(
+            f"cannot create the channel to a worker of env {self.spec.key}: {exc} (is the "
+            "host out of file descriptors? see ulimit -n)",
+            env=self.spec.key,
+            generation=self.generation,
+        )
 
     def handshake(self, deadline: float) -> None:
         """HELLO -> CONFIG -> READY, then the canary. Raises ``WorkerStartError``."""
@@ -470,21 +486,39 @@ class WorkerProcess:
             return payload, None, []
         try:
             body, buffers, sources, retained = shm.unpack(payload, self.mappings, copy_out=True)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
+        except FileNotFoundError as exc:  # a block the worker never made: a forged table
+            raise FrameError(f"bad out-of-band reply: {exc}") from None
+        except (OSError, MemoryError) as exc:
+            # Out of descriptors or address space *here* (EMFILE, ENOMEM): the host's fault.
+            # The frame was read whole, so the channel is in sync; the worker gets its blocks
+            # back and stays, and only this call fails.
+            self._send_consumed(call_id)
+            raise HostResourceError(
+                f"the host could not open the reply of call {call_id} from env "
+                f"{self.spec.key}: {exc} (out of file descriptors or memory in the host? see "
+                "ulimit -n); the worker is fine and was kept",
+                errno=getattr(exc, "errno", None),
+            ) from None
         if self.mappings is not None and buffers:
             if any(source is not None for source in sources):
                 self.shm_state = "on"
             else:  # the worker could not create a reply block: it streamed them inline
                 self._shm_unavailable("the worker cannot create a block")
-        if self.ack_consumed and any(source is not None for source in sources):
-            sock = self.sock
-            assert sock is not None
-            try:
-                sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0))
-            except OSError:
-                pass  # the worker is gone; its blocks go with it (see dispose)
+        if any(source is not None for source in sources):
+            self._send_consumed(call_id)
         return body, buffers, retained
+
+    def _send_consumed(self, call_id: int) -> None:
+        if not self.ack_consumed:
+            return
+        sock = self.sock
+        assert sock is not None
+        try:
+            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0))
+        except OSError:
+            pass  # the worker is gone; its blocks go with it (see dispose)
 
     def _shm_unavailable(self, why: str) -> None:
         self.shm_state = "unavailable"

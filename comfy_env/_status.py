@@ -15,7 +15,7 @@ Data flow::
                                                               live with psutil
 
 The status directory is ``<runtime_root()>/status`` (per user, mode 0700); files are mode 0600
-and named after the host: ``<pid>-<start ticks>-<pid namespace>.json``, the same ``host_id()``
+and named after the host: ``<pid>-t<start ticks>-n<pid namespace>.json``, the same ``host_id()``
 that names the host's shared-memory blocks and runtime directories, so a reused pid never passes
 for a dead host, and a host in another pid namespace is never taken for dead. A host writes
 only its own file, always whole (temporary file + ``os.replace``), so a reader never sees a
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
-_FILE = re.compile(r"^\.?(\d+)-(\d+)-(\d+)\.json(?:\.tmp)?$")
+_FILE = re.compile(r"^\.?(\d+)-t(\d+)-n(\d+)\.json(?:\.tmp)?$")
 _COUNTERS = CALL_COUNTERS
 
 Snapshot = dict[str, Any]

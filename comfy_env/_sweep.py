@@ -52,7 +52,7 @@ class SweepReport:
 
 
 def host_alive(pid: int, ticks: int, namespace: int) -> bool:
-    """Might the host ``<pid>-<ticks>-<namespace>`` still be running? True unless it is proven
+    """Might the host ``<pid>-t<ticks>-n<namespace>`` still be running? True unless it is proven
     dead (so "alive" includes "cannot tell")."""
     return not owner_dead(pid, ticks, namespace)
 
@@ -153,7 +153,7 @@ def _kill_if_orphan(pid: int, cmdline: list[str]) -> bool:
             return False
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = f.read().split(b"\0")
-        token = "-".join(map(str, owner))
+        token = f"{owner[0]}-t{owner[1]}-n{owner[2]}"
         if f"{HOST_ID_VAR}={token}".encode() not in environ:
             return False
         if os.getpgid(pid) == pid:

@@ -312,13 +312,13 @@ def test_status_removes_stale_file_of_dead_host(capsys: pytest.CaptureFixture[st
     pid = _dead_pid()
     start_ms = int(time.time() * 1000) - 60_000
     ns = os.stat("/proc/self/ns/pid").st_ino
-    _, ticks, _ = host_id().split("-")
-    stale = os.path.join(directory, f"{pid}-{ticks}-{ns}.json")
-    stale_tmp = os.path.join(directory, f".{pid}-{ticks}-{ns}.json.tmp")
+    ticks = int(host_id().split("-")[1][1:])
+    stale = os.path.join(directory, f"{pid}-t{ticks}-n{ns}.json")
+    stale_tmp = os.path.join(directory, f".{pid}-t{ticks}-n{ns}.json.tmp")
     # Our own pid with another start time: a host that died and whose pid was reused.
-    reused = os.path.join(directory, f"{os.getpid()}-{int(ticks) - 1}-{ns}.json")
+    reused = os.path.join(directory, f"{os.getpid()}-t{ticks - 1}-n{ns}.json")
     document = {
-        "host_id": f"{pid}-{ticks}-{ns}",
+        "host_id": f"{pid}-t{ticks}-n{ns}",
         "pid": pid,
         "start_ms": start_ms,
         "updated_at": start_ms / 1000,

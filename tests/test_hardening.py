@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -20,6 +21,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import pydantic
 import pytest
 from conftest import TESTS_DIR
 
@@ -366,7 +368,7 @@ def test_a_host_in_another_pid_namespace_is_never_swept(mount_proc: bool) -> Non
         line = host.stdout.readline()
         assert line, host.communicate(timeout=30)[1][-3000:]
         token, _ = line.split()
-        assert token.split("-")[2] != str(os.stat("/proc/self/ns/pid").st_ino)
+        assert token.split("-")[2] != f"n{os.stat('/proc/self/ns/pid').st_ino}"
         blocks, dirs = _leftovers_of(token)
         assert blocks and dirs
         # Its pid means nothing here (or names another process): it must look "unknown",
@@ -389,7 +391,7 @@ def test_owner_checks_prove_death_or_leave_things_alone() -> None:
 
     ns = pid_namespace()
     assert ns is not None
-    pid, ticks, my_ns = (int(x) for x in host_id().split("-"))
+    pid, ticks, my_ns = (int(x.lstrip("tn")) for x in host_id().split("-"))
     assert (my_ns, ticks) == (ns, proc_stat("self")[1])  # type: ignore[index]
     assert not owner_dead(pid, ticks, ns)  # us
     assert owner_dead(pid, ticks + 1, ns)  # our pid, another start: a reused pid
@@ -399,6 +401,13 @@ def test_owner_checks_prove_death_or_leave_things_alone() -> None:
     assert owner_dead(dead, ticks, ns)
     assert not owner_dead(dead, ticks, ns + 1)  # another namespace: cannot tell
     assert not owner_dead(dead, ticks, 0)  # no /proc when it was named: cannot tell
+    # Earlier versions judged any ``<digits>-<digits>-`` name by wall-clock start time: our
+    # names must never match their pattern, or a host of an older version sweeps us.
+    import re
+
+    old_pattern = re.compile(r"^(?:ce-|host-)(\d+)-(\d+)-")
+    assert old_pattern.match(f"ce-{host_id()}-h1-1") is None
+    assert old_pattern.match(f"host-{host_id()}-abc") is None
 
 
 def test_a_look_alike_of_a_dead_hosts_worker_is_never_signalled(tmp_path: Path) -> None:
@@ -408,7 +417,7 @@ def test_a_look_alike_of_a_dead_hosts_worker_is_never_signalled(tmp_path: Path) 
     dead = 4_000_000
     while os.path.exists(f"/proc/{dead}"):
         dead -= 1
-    runtime_dir = tmp_path / f"host-{dead}-1-{pid_namespace()}-abc"
+    runtime_dir = tmp_path / f"host-{dead}-t1-n{pid_namespace()}-abc"
     # Same launch line as a real worker of that dead host, but not launched by it.
     look_alike = subprocess.Popen(
         ["sh", "-c", "sleep 60; :", "-c", BOOT, str(runtime_dir), "3", str(dead), "4"],
@@ -421,3 +430,201 @@ def test_a_look_alike_of_a_dead_hosts_worker_is_never_signalled(tmp_path: Path) 
     finally:
         os.killpg(look_alike.pid, 9)
         look_alike.wait(30)
+
+
+# ---- 5. config and arguments that the OS or the clock cannot take -----------------------------
+
+TIME_FIELDS = (
+    "call_timeout",
+    "start_timeout",
+    "kill_grace",
+    "close_timeout",
+    "idle_timeout",
+    "ping_after_idle",
+    "ping_timeout",
+    "restart_window",
+    "shm_pinned_ttl",
+)
+
+
+@pytest.mark.parametrize("field", TIME_FIELDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 1e300, 10**30])
+def test_config_timeouts_the_clock_cannot_take_are_validation_errors(
+    field: str, value: float
+) -> None:
+    with pytest.raises(pydantic.ValidationError, match=field):
+        comfy_env.PoolConfig(**{field: value})
+
+
+def test_config_timeouts_from_the_environment_are_checked_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COMFY_ENV_CLOSE_TIMEOUT", "inf")
+    with pytest.raises(
+        (pydantic.ValidationError, ValueError), match=r"CLOSE_TIMEOUT|close_timeout"
+    ):
+        comfy_env.PoolConfig()
+
+
+def test_a_config_copied_past_validation_is_checked_when_the_pool_takes_it(
+    config: comfy_env.PoolConfig,
+) -> None:
+    bad = config.model_copy(update={"close_timeout": math.inf})
+    with pytest.raises(pydantic.ValidationError, match="close_timeout"):
+        comfy_env.Pool(bad)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 1e300, -1.0, 0, True, "5"])
+def test_per_call_timeouts_the_clock_cannot_take_are_argument_errors(
+    pool: comfy_env.Pool, value: object
+) -> None:
+    worker = pool.get_worker()
+    with pytest.raises(comfy_env.ArgumentError, match="timeout"):
+        worker.run("remote_tasks:add", (1, 2), timeout=value)  # type: ignore[arg-type]
+    stats = worker.stats()
+    assert stats.spawns == 0 and stats.crashed == 0  # refused before anything ran
+    assert worker.run("remote_tasks:add", (1, 2), timeout=30) == 3
+
+
+@pytest.mark.parametrize(
+    ("env_vars", "needle"),
+    [
+        ({"A=B": "x"}, "A=B"),
+        ({"A\0B": "x"}, "NUL"),
+        ({"": "x"}, "non-empty"),
+        ({"A": "x\0y"}, "NUL"),
+    ],
+)
+def test_env_vars_execve_cannot_take_are_validation_errors(
+    env_vars: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(pydantic.ValidationError, match="env_vars") as info:
+        comfy_env.PoolConfig(env_vars=env_vars)
+    assert needle in str(info.value)
+
+
+def test_paths_with_nul_are_validation_errors() -> None:
+    with pytest.raises(pydantic.ValidationError, match="sys_path"):
+        comfy_env.PoolConfig(sys_path=("a\0b",))
+    with pytest.raises(pydantic.ValidationError, match="cwd"):
+        comfy_env.PoolConfig(cwd="a\0b")
+
+
+def test_an_interpreter_that_cannot_be_executed_is_an_env_error(tmp_path: Path) -> None:
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    python = env / "bin" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o644)
+    with pytest.raises(comfy_env.EnvError):
+        comfy_env.resolve_env(env)
+
+
+@root_only
+def test_an_env_dir_without_permission_is_an_env_error(tmp_path: Path) -> None:
+    env = tmp_path / "private-env"
+    (env / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, env / "bin" / "python")
+    env.chmod(0o700)  # root's; the probe below runs as nobody
+    tmp_path.chmod(0o755)
+    code = (
+        "import sys, comfy_env\n"
+        "try:\n"
+        "    comfy_env.resolve_env(sys.argv[1])\n"
+        "except comfy_env.EnvError as exc:\n"
+        "    print('EnvError', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(env)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=65534,
+        env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
+    )
+    if "ImportError" in out.stderr or "ModuleNotFoundError" in out.stderr:
+        pytest.skip(f"nobody cannot import comfy_env here: {out.stderr[-300:]}")
+    assert out.stdout.startswith("EnvError"), out.stdout + out.stderr
+    assert "permission denied" in out.stdout
+
+
+EMFILE_HOST = """
+import json, os, resource, sys, comfy_env
+
+def exhaust():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    return soft, hard, held
+
+def restore(limits):
+    soft, hard, held = limits
+    for fd in held:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+out = {}
+config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
+with comfy_env.Pool(config) as pool:
+    w = pool.get_worker()
+    small = bytes(2 << 20)
+    assert w.call("fault_tasks:identity", small) == small
+    fds = len(os.listdir("/proc/self/fd"))
+    # 1. Out of descriptors while opening a reply block the worker has just made.
+    bigger = bytes(8 << 20)
+    limits = exhaust()
+    try:
+        w.call("fault_tasks:identity", bigger)
+        out["reply"] = "no error"
+    except Exception as exc:
+        out["reply"] = type(exc).__name__
+    finally:
+        restore(limits)
+    assert w.call("fault_tasks:identity", bigger) == bigger
+    s = w.stats()
+    out["after_reply"] = [s.generation, s.crashed, s.failed, s.spawns]
+    # 2. Out of descriptors at spawn.
+    pid = w.pid
+    os.kill(pid, 9)
+    import time
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        time.sleep(0.01)
+    time.sleep(0.2)
+    limits = exhaust()
+    try:
+        w.call("remote_tasks:add", 1, 2)
+        out["spawn"] = "no error"
+    except Exception as exc:
+        out["spawn"] = type(exc).__name__
+    finally:
+        restore(limits)
+    out["after_spawn"] = w.call("remote_tasks:add", 1, 2)
+    out["fds_before_after"] = [fds, len(os.listdir("/proc/self/fd"))]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_host_out_of_descriptors_gets_typed_errors_and_keeps_its_worker() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EMFILE_HOST), str(TESTS_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    out = json.loads(line[0][len("RESULT ") :])
+    assert out["reply"] == "HostResourceError"  # was ProtocolError, and the worker retired
+    assert out["after_reply"] == [1, 0, 1, 1]  # same worker, nothing counted as a death
+    assert out["spawn"] == "WorkerStartError"
+    assert out["after_spawn"] == 3
+    before, after = out["fds_before_after"]
+    assert after <= before
