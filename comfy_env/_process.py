@@ -87,6 +87,7 @@ _STRIPPED_ENV = (
 
 CANARY_TARGET = "comfy_env_worker.tasks:echo"
 HOST_ID_VAR = "COMFY_ENV_HOST_ID"
+_HANDSHAKE_FRAME_BYTES = 1 << 20
 
 
 def canary_value(oob_bytes: int) -> Any:
@@ -326,6 +327,9 @@ class WorkerProcess:
         """HELLO -> CONFIG -> READY, then the canary. Raises ``WorkerStartError``."""
         started = time.monotonic()
         assert self.reader is not None and self.sock is not None
+        # HELLO and READY are a few hundred bytes: until the worker is known to speak our
+        # protocol, a frame announcing more is refused before anything is allocated for it.
+        self.reader.limit = min(self.config.max_frame_bytes, _HANDSHAKE_FRAME_BYTES)
         try:
             ftype, _, _, payload = self.reader.read(deadline)
             if ftype != FrameType.HELLO:
@@ -363,6 +367,7 @@ class WorkerProcess:
             ftype, _, _, _ = self.reader.read(deadline)
             if ftype != FrameType.READY:
                 raise FrameError(f"expected READY, got frame type {ftype}")
+            self.reader.limit = self.config.max_frame_bytes
             self._canary(deadline)
         except TimeoutError:
             raise self._start_error(
