@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -361,10 +363,16 @@ class HostStatus:
     path: str
 
 
-def read_status(*, measure: bool = True, remove_stale: bool = True) -> list[HostStatus]:
+def read_status(
+    *, measure: bool = True, remove_stale: bool = True, notes: list[str] | None = None
+) -> list[HostStatus]:
     """Every live host's status, sorted by pid. Files of dead hosts (and their leftover
     temporary files) are skipped and, with ``remove_stale``, deleted. Unreadable or malformed
-    files of live hosts are skipped. ``measure``: fill ``rss_bytes`` from the live processes."""
+    files of live hosts (not a regular file, over ``MAX_STATUS_BYTES``, deeply nested or
+    non-finite JSON, wrong shapes) are skipped, each with a line appended to ``notes``: reading
+    never blocks and never raises for a file's content. ``measure``: fill ``rss_bytes`` from
+    the live processes."""
+    notes = [] if notes is None else notes
     directory = status_dir()
     hosts: list[HostStatus] = []
     for name in sorted(os.listdir(directory)):
@@ -379,9 +387,16 @@ def read_status(*, measure: bool = True, remove_stale: bool = True) -> list[Host
             continue
         if name.startswith("."):
             continue  # a live host's write in progress
-        host = _load(path)
-        if host is not None:
-            hosts.append(_measured(host) if measure else host)
+        host = _load(path, notes)
+        if host is None:
+            continue
+        if measure:
+            try:
+                host = _measured(host)
+            except (ValueError, OverflowError, TypeError) as exc:
+                notes.append(f"skipped {path}: implausible values ({exc})")
+                continue
+        hosts.append(host)
     hosts.sort(key=lambda h: (h.pid, h.start_ms))
     return hosts
 
@@ -407,16 +422,68 @@ def _owner_alive(match: re.Match[str]) -> bool:
     return host_alive(int(match.group(1)), int(match.group(2)), int(match.group(3)))
 
 
-def _load(path: str) -> HostStatus | None:
+MAX_STATUS_BYTES = 4 * 1024 * 1024  # a real status file is a few KiB
+
+
+def _load(path: str, notes: list[str]) -> HostStatus | None:
+    """One status file, or None (with a note) if it cannot be trusted. Opened non-blocking (a
+    FIFO planted under a status name must not hang the reader), checked to be a regular file
+    of ours, read up to ``MAX_STATUS_BYTES``, parsed with non-finite numbers refused."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            if os.fstat(f.fileno()).st_uid != os.getuid():
-                return None
-            doc = json.loads(f.read())
-        return _parse(doc, path)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        notes.append(f"skipped {path}: cannot open it ({exc.strerror or exc})")
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            notes.append(f"skipped {path}: not a regular file")
+            return None
+        if st.st_uid != os.getuid():
+            notes.append(f"skipped {path}: owned by uid {st.st_uid}, not by this user")
+            return None
+        chunks = []
+        size = 0
+        while size <= MAX_STATUS_BYTES:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_STATUS_BYTES:
+            notes.append(f"skipped {path}: larger than {MAX_STATUS_BYTES} bytes")
+            return None
+    except OSError as exc:
+        notes.append(f"skipped {path}: cannot read it ({exc.strerror or exc})")
+        return None
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(
+            b"".join(chunks), parse_constant=_no_constant, parse_float=_finite_float
+        )
+        return _parse(doc, path)
+    except (
+        ValueError,  # JSONDecodeError, UnicodeDecodeError, non-finite numbers, huge ints
+        TypeError,
+        KeyError,
+        AttributeError,
+        OverflowError,
+        RecursionError,  # nested deeper than the parser's stack
+    ) as exc:
+        notes.append(f"skipped {path}: malformed ({type(exc).__name__}: {str(exc)[:200]})")
+        return None
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name} in a status file")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite number {text[:40]} in a status file")
+    return value
 
 
 def _opt_int(value: Any) -> int | None:
