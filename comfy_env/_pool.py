@@ -1202,12 +1202,16 @@ class Pool:
         stragglers = [p for p in processes if not p.exited.is_set()]
         for process in stragglers:
             process.kill(lc.Stop.KILL)
+        # One shared deadline per phase, never one wait per worker: with many workers stuck
+        # (or never launched) close() still takes close_timeout plus a bounded constant.
+        killed_by = time.monotonic() + 2.0
         for process in stragglers:
-            process.wait_exit(2.0)
+            process.wait_exit(max(0.0, killed_by - time.monotonic()))
+        drained_by = time.monotonic() + 0.5
         for entry in entries:
             for slot in entry.slots:
-                if slot.process is not None:
-                    slot.process.wait_output(0.5)
+                if slot.process is not None and slot.process.popen is not None:
+                    slot.process.wait_output(max(0.0, drained_by - time.monotonic()))
         all_processes = {s.process for e in entries for s in e.slots if s.process is not None}
         all_processes.update(processes)
 

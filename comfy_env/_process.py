@@ -60,6 +60,7 @@ from comfy_env_worker.protocol import (
 
 from ._codec import decode_reply, encode_call
 from ._config import PoolConfig
+from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
 from ._identity import host_token
@@ -87,6 +88,7 @@ _STRIPPED_ENV = (
 
 CANARY_TARGET = "comfy_env_worker.tasks:echo"
 HOST_ID_VAR = "COMFY_ENV_HOST_ID"
+WORKER_ID_VAR = "COMFY_ENV_WORKER_ID"
 _HANDSHAKE_FRAME_BYTES = 1 << 20
 
 
@@ -160,7 +162,7 @@ def _precompile(source: str) -> None:
         pass
 
 
-def worker_environment(config: PoolConfig) -> dict[str, str]:
+def worker_environment(config: PoolConfig, worker_id: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
     env["PYTHONNOUSERSITE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -168,6 +170,8 @@ def worker_environment(config: PoolConfig) -> dict[str, str]:
     # The sweep's proof that a process is this host's worker (a look-alike command line has
     # no such variable); set last so env_vars cannot forge or drop it.
     env[HOST_ID_VAR] = host_id()
+    if worker_id:
+        env[WORKER_ID_VAR] = worker_id  # one generation's mark (see _descendants)
     return env
 
 
@@ -211,6 +215,7 @@ class WorkerProcess:
         self._disposed = False
         self._kill_requested = False
         self._owner_pid = os.getpid()  # a forked copy of this object must never signal
+        self.worker_id = f"{host_id()}-w{next(_serials)}"  # marks the generation's processes
         # Shared memory, set up at the handshake when both sides can use it.
         self.shm_wanted = config.shared_memory and shm.shm_available()
         if config.shared_memory and not self.shm_wanted:
@@ -287,7 +292,7 @@ class WorkerProcess:
                     pass_fds=(child_fd, log_write),
                     close_fds=True,
                     start_new_session=True,
-                    env=worker_environment(self.config),
+                    env=worker_environment(self.config, self.worker_id),
                     cwd=self.config.cwd,
                 )
                 self.popen = proc
@@ -631,8 +636,11 @@ class WorkerProcess:
         if self._escalation is not None:
             self._escalation.cancel()
         self._worker_blocks_orphaned(exited=True)
-        # Survivors of the group (the worker's own children) go with it.
+        # Survivors of the group (the worker's own children) go with it, and so do
+        # descendants that left the group (setsid): they carry the generation's mark.
         self._signal_group(signal.SIGKILL)
+        if os.getpid() == self._owner_pid:
+            kill_marked(WORKER_ID_VAR, self.worker_id)
         # Report before waking waiters, so a caller that waited for the exit sees the pool's
         # bookkeeping (gate, breaker) already up to date.
         self._on_exit(self)
@@ -651,9 +659,22 @@ class WorkerProcess:
         self._on_finished(self)
 
     def _finish_now(self) -> None:
+        """Half a second after the exit, output pipes still open are held by a descendant
+        that escaped every stop (it cleared its environment): stop reading them and close
+        our ends, so a dead generation holds no host descriptors."""
         if not self._finished:
-            self._output_closed = True
-            self._maybe_finished()
+            self._close_output()
+
+    def _close_output(self) -> None:
+        popen = self.popen
+        if popen is not None:
+            for pipe in (popen.stdout, popen.stderr, self._log_pipe):
+                if pipe is not None and not pipe.closed:
+                    self.reactor.remove_reader(pipe)
+                    pipe.close()
+        self._output_closed = True
+        self._maybe_finished()
+        self.output_done.set()
 
     # ---- stopping ----
 
@@ -794,13 +815,7 @@ class WorkerProcess:
         popen = self.popen
         if popen is None:
             return
-        for pipe in (popen.stdout, popen.stderr, self._log_pipe):
-            if pipe is not None and not pipe.closed:
-                self.reactor.remove_reader(pipe)
-                pipe.close()
-        self._output_closed = True
-        self._maybe_finished()
-        self.output_done.set()
+        self._close_output()
         if self._pidfd is not None:
             self.reactor.remove_reader(self._pidfd)
             os.close(self._pidfd)

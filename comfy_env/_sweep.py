@@ -13,10 +13,11 @@ namespace>``, see ``_identity``):
 A sweep acts only on what it can prove belongs to a dead host of this user in this pid
 namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
 wall-clock step, or a name in an older format never make a live host's resources look dead.
-Before a process is signalled it is proven to be a worker of that dead host (see
-``_kill_stray_workers``), and it is signalled through a pidfd opened *before* that proof, so a
-pid reused in between cannot be hit. ``sweep()`` runs when a pool first starts workers, and on
-demand.
+Before a process is signalled it is proven to have been launched for that dead host (its
+environment carries the host's token; see ``_orphan_of_dead_host``): a worker, or one of its
+descendants, also those that left the worker's process group. It is signalled through a pidfd
+opened *before* that proof, so a pid reused in between cannot be hit. ``sweep()`` runs when a
+pool first starts workers, and on demand.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ import shutil
 import signal
 from dataclasses import dataclass
 
-import psutil
-
 from comfy_env_worker import shm
 
+from ._descendants import environ_of, pids
 from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
-from ._process import BOOT, HOST_ID_VAR
+from ._process import HOST_ID_VAR
 from ._rundir import runtime_root
 
 _log = logging.getLogger("comfy_env")
@@ -102,65 +102,52 @@ def sweep() -> SweepReport:
 
 
 def _kill_stray_workers() -> list[int]:
-    """Worker processes whose host is proven dead, each proven to be that host's worker."""
-    killed = []
-    me = os.getuid()
-    for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
-        try:
-            cmdline = proc.info["cmdline"] or []
-            uids = proc.info["uids"]
-            if uids is None or uids.real != me or BOOT not in cmdline:
-                continue
-            if _kill_if_orphan(proc.pid, cmdline):
-                killed.append(proc.pid)
-        except (psutil.Error, OSError, ValueError, IndexError):
-            continue
-    return killed
-
-
-def _kill_if_orphan(pid: int, cmdline: list[str]) -> bool:
-    """SIGKILL ``pid`` (and its group) if it is provably a worker of a dead host:
-
-    - its command line is our launch line: ``-c BOOT <runtime dir> <fd> <host pid> ...``, the
-      runtime dir named after the host and the host pid argument equal to the owner's pid;
-    - the owner is proven dead (``owner_dead``);
-    - the process runs in our pid namespace and started after its host did (a look-alike
-      started earlier, or one whose pid was reused, is not that host's worker);
-    - its environment names the host (``COMFY_ENV_HOST_ID``, set at launch);
-    - the pidfd the signal goes through was opened before these checks, so the process that
-      passed them is the one signalled."""
-    index = cmdline.index(BOOT)
-    if index < 1 or cmdline[index - 1] != "-c" or len(cmdline) < index + 4:
-        return False
-    owner = owner_of(os.path.basename(cmdline[index + 1]))
-    if owner is None or cmdline[index + 3] != str(owner[0]):
-        return False
+    """Processes of this user whose environment names a host proven dead: its workers, and
+    their descendants, including those that left the worker's process group (setsid)."""
     pidfd_open = getattr(os, "pidfd_open", None)
     send = getattr(signal, "pidfd_send_signal", None)
     if pidfd_open is None or send is None:  # pragma: no cover - kernels without pidfd
+        return []
+    killed = []
+    for pid in pids():
+        try:
+            pidfd = pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            if _orphan_of_dead_host(pid):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)  # a worker's group: a wrapper's children
+                send(pidfd, signal.SIGKILL)
+                killed.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        finally:
+            os.close(pidfd)
+    return killed
+
+
+def _orphan_of_dead_host(pid: int) -> bool:
+    """Is ``pid`` (already held as a pidfd by the caller, so it cannot be a reused pid by
+    the time it is signalled) provably a process launched for a dead host?
+
+    - it belongs to this user and runs in our pid namespace;
+    - its environment carries ``COMFY_ENV_HOST_ID=<host token>`` (set when the host launches
+      a worker, inherited by the worker's descendants; a look-alike command line has none);
+    - that host is proven dead (``owner_dead``), and the process started after it did."""
+    if os.stat(f"/proc/{pid}").st_uid != os.getuid():
         return False
-    try:
-        pidfd = pidfd_open(pid)
-    except OSError:
+    environ = environ_of(pid)
+    if not environ:
         return False
-    try:
-        if not owner_dead(*owner):
-            return False
-        if os.stat(f"/proc/{pid}/ns/pid").st_ino != pid_namespace():
-            return False
-        stat = proc_stat(pid)
-        if stat is None or stat[1] < owner[1]:
-            return False
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")
-        token = f"{owner[0]}-t{owner[1]}-n{owner[2]}"
-        if f"{HOST_ID_VAR}={token}".encode() not in environ:
-            return False
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)  # its group: a launcher wrapper's children included
-        send(pidfd, signal.SIGKILL)
-        return True
-    except (ProcessLookupError, OSError, ValueError, IndexError):
+    mark = f"{HOST_ID_VAR}=".encode()
+    token = next((e[len(mark) :] for e in environ if e.startswith(mark)), None)
+    if token is None:
         return False
-    finally:
-        os.close(pidfd)
+    owner = owner_of(f"host-{token.decode('ascii', 'replace')}-")
+    if owner is None or not owner_dead(*owner):
+        return False
+    if os.stat(f"/proc/{pid}/ns/pid").st_ino != pid_namespace():
+        return False
+    stat = proc_stat(pid)
+    return stat is not None and stat[1] >= owner[1]
