@@ -92,3 +92,21 @@ def raise_host_rebuild(kind: str) -> None:
 
 def add(a: int, b: int) -> int:
     return a + b
+
+
+def spawn_setsid_sleeper(clear_env: bool) -> int:
+    """A descendant that left the worker's process group (and, with ``clear_env``, its
+    environment); it inherits the worker's stdout and stderr."""
+    import subprocess
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        env={} if clear_env else None,
+    )
+    return child.pid
+
+
+def die(code: int) -> None:
+    os._exit(code)

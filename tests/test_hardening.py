@@ -21,10 +21,11 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pydantic
 import pytest
-from conftest import TESTS_DIR, wait_until
+from conftest import TESTS_DIR, alive, run_host, wait_until
 
 import comfy_env
 
@@ -860,3 +861,179 @@ def test_status_skips_malformed_state_files_with_a_note_and_never_hangs(
             os.rmdir(path)
         else:
             os.unlink(path)
+
+
+# ---- 6. shutdown and descendants -------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    return not alive(pid)
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_setsid_descendant_is_stopped_when_its_generation_dies(pool: comfy_env.Pool) -> None:
+    worker = pool.get_worker()
+    descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", False)
+    try:
+        assert alive(descendant)
+        with pytest.raises(comfy_env.WorkerCrashed):
+            worker.call("hardening_tasks:die", 3)
+        assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived its worker"
+    finally:
+        _kill_quietly(descendant)
+
+
+def test_a_setsid_descendant_is_stopped_at_close(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config) as pool:
+        descendant = pool.get_worker().call("hardening_tasks:spawn_setsid_sleeper", False)
+    try:
+        assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived close()"
+    finally:
+        _kill_quietly(descendant)
+
+
+def test_a_setsid_descendant_of_a_dead_host_is_swept() -> None:
+    host = run_host(
+        """
+        import sys, time, comfy_env
+        pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+        w = pool.get_worker()
+        print(w.call("hardening_tasks:spawn_setsid_sleeper", False), w.pid, flush=True)
+        time.sleep(60)
+        """,
+        str(TESTS_DIR),
+    )
+    descendant = 0
+    try:
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        assert line, host.communicate(timeout=30)
+        descendant, worker_pid = (int(x) for x in line.split())
+        host.kill()
+        host.communicate(timeout=30)
+        assert wait_until(lambda: _gone(worker_pid), 10)
+        assert alive(descendant)  # nothing of the dead host was left to stop it
+        report = comfy_env.sweep()
+        assert descendant in report.processes
+        assert wait_until(lambda: _gone(descendant), 10)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.communicate(timeout=30)
+        if descendant:
+            _kill_quietly(descendant)
+
+
+def _links(fds: list[int]) -> set[str]:
+    out = set()
+    for fd in fds:
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def _open_links() -> set[str]:
+    return _links([int(fd) for fd in os.listdir("/proc/self/fd")])
+
+
+def test_a_dead_generation_holds_no_host_descriptors_while_a_descendant_keeps_its_pipes(
+    pool: comfy_env.Pool,
+) -> None:
+    worker = pool.get_worker()
+    # It cleared its environment: no mark finds it, and it keeps stdout/stderr open.
+    descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", True)
+    try:
+        process = pool._entries[worker.env].slots[0].process
+        assert process is not None and process.popen is not None
+        popen = process.popen
+        pipes = [p.fileno() for p in (popen.stdout, popen.stderr, process._log_pipe) if p]
+        held = _links(pipes)
+        assert held and all(link.startswith("pipe:") for link in held)
+        with pytest.raises(comfy_env.WorkerCrashed):
+            worker.call("hardening_tasks:die", 3)
+        assert alive(descendant)
+        assert wait_until(lambda: not (held & _open_links()), 10), "the dead generation's pipes"
+        assert worker.call("hardening_tasks:add", 1, 2) == 3
+    finally:
+        _kill_quietly(descendant)
+
+
+def test_close_while_many_envs_start_is_one_bounded_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from comfy_env._process import WorkerProcess
+
+    real = os.path.realpath(sys.executable)
+    pidfile = tmp_path / "escaped.pids"
+    envs = []
+    for i in range(12):
+        env = tmp_path / f"slow{i}"
+        (env / "bin").mkdir(parents=True)
+        python = env / "bin" / "python"
+        # A slow start that ignores SIGTERM, with a descendant that escaped every stop (own
+        # session, empty environment) holding the output pipes: close() must escalate for
+        # every env, and draining output waits for nothing but a deadline.
+        python.write_text(
+            "#!/bin/sh\n"
+            f"setsid env -i /bin/sleep 60 & echo $! >> {pidfile}\n"
+            'trap "" TERM\n'
+            "sleep 60\n"
+            f'exec {real} "$@"\n'
+        )
+        python.chmod(0o755)
+        envs.append(str(env))
+    closer: list[threading.Thread] = []
+    deadlines: list[float] = []
+    for name in ("wait_exit", "wait_output"):
+        original = getattr(WorkerProcess, name)
+
+        def recording(self: WorkerProcess, timeout: float, _original: Any = original) -> Any:
+            if closer and threading.current_thread() is closer[0]:
+                deadlines.append(time.monotonic() + timeout)
+            return _original(self, timeout)
+
+        monkeypatch.setattr(WorkerProcess, name, recording)
+    cfg = comfy_env.PoolConfig(close_timeout=1.0, kill_grace=5.0, start_timeout=120)
+    pool = comfy_env.Pool(cfg)
+    errors: list[BaseException] = []
+
+    def call(env: str) -> None:
+        try:
+            pool.get_worker(env).call("hardening_tasks:add", 1, 2)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(env,)) for env in envs]
+    try:
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: len(pool._processes) == len(envs), 60)
+        assert wait_until(lambda: len(pidfile.read_text().split()) == len(envs), 30)
+        closer.append(threading.current_thread())
+        started = time.monotonic()
+        pool.close()
+        for t in threads:
+            t.join(30)
+        assert len(errors) == len(envs)
+        assert all(isinstance(e, comfy_env.PoolClosedError) for e in errors), errors
+        # Every wait close() made ended by one shared deadline per phase: close_timeout, then
+        # 2 s for SIGKILL to land, then 0.5 s to drain output (plus slack for a busy machine),
+        # never a wait per env (12 envs x 0.5 s of draining alone would pass the bound).
+        assert deadlines
+        assert max(deadlines) - started <= 1.0 + 2.0 + 0.5 + 2.0
+    finally:
+        pool.close()
+        if pidfile.exists():
+            for pid in pidfile.read_text().split():
+                _kill_quietly(int(pid))
