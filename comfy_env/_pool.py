@@ -783,12 +783,19 @@ class Pool:
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            if self._reactor is None:
-                self._reactor = Reactor()
-                self._reactor.start()
-                self._schedule_reaper()
-            if self._runtime_dir is None:
-                self._runtime_dir = make_runtime_dir()
+            try:
+                if self._reactor is None:
+                    self._reactor = Reactor()
+                    self._reactor.start()
+                    self._schedule_reaper()
+                if self._runtime_dir is None:
+                    self._runtime_dir = make_runtime_dir()
+            except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
+                raise WorkerStartError(
+                    f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
+                    "host out of file descriptors or disk space?)",
+                    env=entry.spec.key,
+                ) from exc
             reactor, runtime_dir = self._reactor, self._runtime_dir
         with entry.lock:
             if isinstance(entry.env_state, lc.EnvAbandoned):

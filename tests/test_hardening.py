@@ -74,6 +74,15 @@ with comfy_env.Pool(config) as pool:
     out["crashed"] = stats.crashed
     out["generation"] = stats.generation
 out["shm_warnings"] = [w for w in warnings if "shared memory is unavailable" in w]
+import contextlib, io
+from comfy_env._cli import main
+text = io.StringIO()
+with contextlib.redirect_stdout(text):
+    out["doctor_rc"] = main(["doctor", "--json"])
+steps = json.loads(text.getvalue())["steps"]
+out["doctor_shm"] = [
+    s.get("facts", {}).get("shared_memory") for s in steps if s["name"] == "shared memory"
+]
 print("RESULT " + json.dumps(out))
 """
 
@@ -129,6 +138,7 @@ def test_a_full_dev_shm_streams_inline_and_kills_nothing(
     assert out["spawns"] == 1 and out["generation"] == 1  # the canary passed; nothing died
     assert out["crashed"] == 0
     assert len(out["shm_warnings"]) == 1  # type: ignore[arg-type]
+    assert out["doctor_rc"] == 0 and out["doctor_shm"] == ["unavailable"]  # a WARN, not a FAIL
 
 
 def test_a_block_that_cannot_be_reserved_is_an_oserror_not_a_later_sigbus() -> None:
@@ -1037,3 +1047,39 @@ def test_close_while_many_envs_start_is_one_bounded_wait(
         if pidfile.exists():
             for pid in pidfile.read_text().split():
                 _kill_quietly(int(pid))
+
+
+def test_a_host_out_of_descriptors_before_its_first_worker_gets_a_typed_error() -> None:
+    code = """
+    import os, resource, sys, comfy_env
+    pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        pool.get_worker().call("hardening_tasks:add", 1, 2)
+        print("RESULT no error")
+    except Exception as exc:
+        print("RESULT", type(exc).__name__)
+    for fd in held:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    print("AFTER", pool.get_worker().call("hardening_tasks:add", 1, 2))
+    pool.close()
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(TESTS_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT WorkerStartError" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "AFTER 3" in proc.stdout
