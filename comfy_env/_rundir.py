@@ -152,9 +152,18 @@ def private_subdir(parent: str, name: str) -> str:
 
 def make_private_dir(parent: str, prefix: str) -> str:
     """A new directory ``parent/<prefix><random>`` (mode 0700), made relative to an opened
-    descriptor of ``parent``."""
+    descriptor of ``parent``, which is checked again to be ours and closed to others (the
+    path may have been swapped since ``runtime_root()`` looked, where the place above it is
+    not sticky)."""
     fd = os.open(parent, _DIR_FLAGS)
     try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise RuntimeRootError(
+                f"the comfy-env directory {parent} changed owner or mode since it was checked",
+                path=parent,
+                reason="replaced while in use",
+            )
         for _ in range(100):
             name = prefix + os.urandom(6).hex()
             try:
