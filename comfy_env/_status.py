@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._identity import pid_namespace
 from ._process import host_id
 from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
@@ -390,7 +391,9 @@ def read_status(
         host = _load(path, notes)
         if host is None:
             continue
-        if measure:
+        # A host in another pid namespace (a container sharing this directory) has pids that
+        # mean other processes here: it is listed, but nothing is measured for it.
+        if measure and int(match.group(3)) == pid_namespace():
             try:
                 host = _measured(host)
             except (ValueError, OverflowError, TypeError) as exc:
@@ -459,9 +462,7 @@ def _load(path: str, notes: list[str]) -> HostStatus | None:
     finally:
         os.close(fd)
     try:
-        doc = json.loads(
-            b"".join(chunks), parse_constant=_no_constant, parse_float=_finite_float
-        )
+        doc = json.loads(b"".join(chunks), parse_constant=_no_constant, parse_float=_finite_float)
         return _parse(doc, path)
     except (
         ValueError,  # JSONDecodeError, UnicodeDecodeError, non-finite numbers, huge ints
