@@ -20,17 +20,20 @@ from ._call import Call, CallEvent
 from ._config import PoolConfig
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
+    ArgumentError,
     CallCancelled,
     CallTimeout,
     ComfyEnvError,
     ConfigError,
     EnvAbandonedError,
     EnvError,
+    HostResourceError,
     PoolClosedError,
     ProtocolError,
     RefReleasedError,
     RemoteError,
     RemoteTraceback,
+    RuntimeRootError,
     SerializationError,
     StaleGenerationError,
     WorkerCrashed,
@@ -54,6 +57,7 @@ from ._worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "Call",
     "CallCancelled",
     "CallEvent",
@@ -66,6 +70,7 @@ __all__ = [
     "EnvReset",
     "EnvSpec",
     "EnvStats",
+    "HostResourceError",
     "Pool",
     "PoolClosedError",
     "PoolConfig",
@@ -74,6 +79,7 @@ __all__ = [
     "RemoteError",
     "RemoteRef",
     "RemoteTraceback",
+    "RuntimeRootError",
     "SerializationError",
     "ShmSwept",
     "StaleGenerationError",
