@@ -138,7 +138,7 @@ def prepare_comfyui(tarball: str) -> tuple[str, str]:
             current = fh.read().strip()
     if current != ROOT:
         print(f"dev.py: installing comfy-env (editable, from {ROOT}) into the ComfyUI venv")
-        _pip(py, "--no-deps", "-e", ROOT)
+        _pip(py, "-e", ROOT)
         with open(stamp, "w") as fh:
             fh.write(ROOT)
     return os.path.join(final, "ComfyUI"), py

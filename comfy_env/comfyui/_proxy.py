@@ -303,12 +303,14 @@ class NodeInfo:
         self.pending: dict[str, str] = {}
 
     def liveness_token(self, unique_id: str) -> str:
-        """Same token while the cached run is alive; a fresh one once its generation is gone."""
+        """The ``IS_CHANGED`` part for node ``unique_id``: the token of its last run while
+        that run's worker generation is alive (ComfyUI's cached outputs are usable), a fresh
+        one once it is gone (the cache entry misses and the node runs again). The run that
+        follows records the token it was scheduled under."""
         entry = self.runs.get(unique_id)
         if entry is not None and entry[1].alive:
-            return entry[0]
-        token = self.pending.get(unique_id)
-        if token is None or entry is not None:
+            token = entry[0]
+        else:
             token = f"comfy-env-run-{next(_tokens)}"
         self.pending[unique_id] = token
         return token

@@ -272,7 +272,39 @@ class Lazy:
         return (b if use_b else a,)
 
 
+class Digest:
+    """An output node that reports what it received (shape, dtype, exact values) as its UI
+    result, so tests can check values through ComfyUI's history."""
+
+    CATEGORY = "comfy-env/examples"
+    RETURN_TYPES = ()
+    FUNCTION = "run"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {},
+                "optional": {"image": ("IMAGE",), "mask": ("MASK",), "latent": ("LATENT",),
+                             "text": ("STRING", {"forceInput": True}),
+                             "text2": ("STRING", {"forceInput": True}),
+                             "number": ("INT", {"forceInput": True})}}
+
+    def run(self, image=None, mask=None, latent=None, text=None, text2=None, number=None):
+        report = {}
+        for name, value in (("image", image), ("mask", mask),
+                            ("latent", None if latent is None else latent["samples"])):
+            if value is not None:
+                report[name] = {"type": type(value).__module__, "dtype": str(value.dtype),
+                                "shape": list(value.shape),
+                                "values": value.reshape(-1).tolist()}
+        for name, value in (("text", text), ("text2", text2), ("number", number)):
+            if value is not None:
+                report[name] = value
+        return {"ui": {"digest": [report]}}
+
+
 NODE_CLASS_MAPPINGS = {
+    "CE_Digest": Digest,
     "CE_InvertImage": InvertImage,
     "CE_Passthrough": Passthrough,
     "CE_MaskAndLatent": MaskAndLatent,
