@@ -142,7 +142,12 @@ class _Collect(logging.Handler):
 def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
     """Scan in the env (a worker call); failures become ``NodePackError``."""
     collect = _Collect()
-    logger = logging.getLogger("comfy_env.worker")
+    # Worker output arrives on this logger, gated by its level; open it to INFO for the scan so
+    # a failure can quote what the worker printed (restored afterwards).
+    logger = logging.getLogger(f"comfy_env.worker.{pack.env.name}")
+    old_level = logger.level
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)
     logger.addHandler(collect)
     try:
         result: dict[str, Any] = worker.run(SCAN_TARGET, (pack.pack_dir, pack.module), timeout=timeout)
@@ -166,3 +171,4 @@ def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
         ) from exc
     finally:
         logger.removeHandler(collect)
+        logger.setLevel(old_level)
