@@ -85,8 +85,9 @@ class Server:
         import websocket
 
         client_id = uuid.uuid4().hex
-        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}",
-                                         timeout=timeout)
+        ws = websocket.create_connection(
+            f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=timeout
+        )
         messages: list[dict[str, Any]] = []
         try:
             status, body = self.post("/prompt", {"prompt": prompt, "client_id": client_id})
@@ -161,11 +162,26 @@ def server(tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str]) 
     log = base / "server.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-             "--disable-auto-launch", "--base-directory", str(base),
-             "--output-directory", str(base / "output")],
-            cwd=comfy_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            [
+                python,
+                "main.py",
+                "--cpu",
+                "--listen",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--disable-auto-launch",
+                "--base-directory",
+                str(base),
+                "--output-directory",
+                str(base / "output"),
+            ],
+            cwd=comfy_dir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     srv = Server(process, port, base, log)
     try:
@@ -176,9 +192,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str]) 
             try:
                 srv.get("/system_stats")
                 break
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError) as exc:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"ComfyUI did not start:\n{srv.log_text()[-4000:]}")
+                    raise AssertionError(
+                        f"ComfyUI did not start:\n{srv.log_text()[-4000:]}"
+                    ) from exc
                 time.sleep(0.25)
         yield srv
     finally:

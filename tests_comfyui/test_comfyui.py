@@ -7,15 +7,16 @@ import time
 from typing import Any
 
 import numpy as np
-
 from conftest import Server
 
 COLOR = 0x336699  # EmptyImage's fill: r=0x33, g=0x66, b=0x99
 
 
 def _empty_image(width: int = 8, height: int = 6, batch: int = 2, color: int = COLOR) -> dict:
-    return {"class_type": "EmptyImage",
-            "inputs": {"width": width, "height": height, "batch_size": batch, "color": color}}
+    return {
+        "class_type": "EmptyImage",
+        "inputs": {"width": width, "height": height, "batch_size": batch, "color": color},
+    }
 
 
 def _expected_image(width: int = 8, height: int = 6, batch: int = 2, color: int = COLOR):
@@ -61,13 +62,18 @@ def test_image_mask_latent_cross_with_exact_values(server: Server) -> None:
         "1": _empty_image(),
         "2": {"class_type": "CE_InvertImage", "inputs": {"image": ["1", 0]}},
         "3": {"class_type": "SolidMask", "inputs": {"value": 0.25, "width": 8, "height": 6}},
-        "4": {"class_type": "EmptyLatentImage",
-              "inputs": {"width": 64, "height": 48, "batch_size": 1}},
-        "5": {"class_type": "CE_MaskAndLatent",
-              "inputs": {"mask": ["3", 0], "latent": ["4", 0], "add": 1.5}},
-        "99": {"class_type": "CE_Digest",
-               "inputs": {"image": ["2", 0], "mask": ["5", 0], "latent": ["5", 1],
-                          "text": ["2", 1]}},
+        "4": {
+            "class_type": "EmptyLatentImage",
+            "inputs": {"width": 64, "height": 48, "batch_size": 1},
+        },
+        "5": {
+            "class_type": "CE_MaskAndLatent",
+            "inputs": {"mask": ["3", 0], "latent": ["4", 0], "add": 1.5},
+        },
+        "99": {
+            "class_type": "CE_Digest",
+            "inputs": {"image": ["2", 0], "mask": ["5", 0], "latent": ["5", 1], "text": ["2", 1]},
+        },
     }
     history, _ = server.run(prompt)
     report = _digest(history)
@@ -85,12 +91,15 @@ def test_a_torch_env_gets_torch_tensors_both_ways(server: Server) -> None:
         "1": _empty_image(),
         "2": {"class_type": "CE_TorchInvert", "inputs": {"image": ["1", 0]}},
         "3": {"class_type": "SolidMask", "inputs": {"value": 0.25, "width": 8, "height": 6}},
-        "4": {"class_type": "EmptyLatentImage",
-              "inputs": {"width": 64, "height": 48, "batch_size": 1}},
+        "4": {
+            "class_type": "EmptyLatentImage",
+            "inputs": {"width": 64, "height": 48, "batch_size": 1},
+        },
         "5": {"class_type": "CE_TorchLatent", "inputs": {"latent": ["4", 0], "mask": ["3", 0]}},
-        "99": {"class_type": "CE_Digest",
-               "inputs": {"image": ["2", 0], "text": ["2", 1], "mask": ["5", 1],
-                          "latent": ["5", 0]}},
+        "99": {
+            "class_type": "CE_Digest",
+            "inputs": {"image": ["2", 0], "text": ["2", 1], "mask": ["5", 1], "latent": ["5", 0]},
+        },
     }
     history, _ = server.run(prompt)
     report = _digest(history)
@@ -114,8 +123,10 @@ def test_a_v3_node_runs_isolated(server: Server) -> None:
 def test_a_segfault_fails_its_prompt_and_the_next_prompt_runs(server: Server) -> None:
     before = _digest(server.run(_kernel_prompt(scale=5.0))[0])["text"]
     history, messages = server.run(
-        {"1": {"class_type": "CE_Segfault", "inputs": {"value": 3}},
-         "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}}}
+        {
+            "1": {"class_type": "CE_Segfault", "inputs": {"value": 3}},
+            "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+        }
     )
     error = _error(history)
     assert error["exception_type"] == "comfy_env._errors.WorkerCrashed"
@@ -132,17 +143,27 @@ def test_a_segfault_fails_its_prompt_and_the_next_prompt_runs(server: Server) ->
 def test_a_raising_node_keeps_its_exception_type_and_shows_the_worker_traceback(
     server: Server,
 ) -> None:
-    error = _error(server.run({
-        "1": {"class_type": "CE_Raise", "inputs": {"value": 0}},
-        "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}}})[0])
+    error = _error(
+        server.run(
+            {
+                "1": {"class_type": "CE_Raise", "inputs": {"value": 0}},
+                "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+            }
+        )[0]
+    )
     assert error["exception_type"] == "ValueError"
     assert "bad value 0" in error["exception_message"]
     assert "worker traceback" in error["exception_message"]
     assert "nodes_impl.py" in error["exception_message"]
     # a class the server cannot import arrives as RemoteError naming it
-    error = _error(server.run({
-        "1": {"class_type": "CE_Raise", "inputs": {"value": 1}},
-        "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}}})[0])
+    error = _error(
+        server.run(
+            {
+                "1": {"class_type": "CE_Raise", "inputs": {"value": 1}},
+                "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+            }
+        )[0]
+    )
     assert "MeshError" in error["exception_message"]
     assert "degenerate mesh" in error["exception_message"]
 
@@ -161,9 +182,10 @@ def test_interrupt_stops_a_python_loop_and_a_node_stuck_in_native_code(server: S
         {"class_type": "CE_StuckNative", "inputs": {"seconds": 600}},
     ):
         started = time.monotonic()
-        history, messages = server.run(
+        _, messages = server.run(
             {"1": node, "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}}},
-            timeout=60, on_message=_interrupt_when_running(server, "1", 0.5),
+            timeout=60,
+            on_message=_interrupt_when_running(server, "1", 0.5),
         )
         assert any(m["type"] == "execution_interrupted" for m in messages), messages
         assert time.monotonic() - started < 60
@@ -176,8 +198,10 @@ def _kernel_prompt(scale: float = 2.0, color: int = COLOR, crash: bool = False) 
     return {
         "1": {"class_type": "CE_LoadKernel", "inputs": {"scale": scale}},
         "2": _empty_image(color=color),
-        "3": {"class_type": "CE_UseKernel",
-              "inputs": {"kernel": ["1", 0], "image": ["2", 0], "crash": crash}},
+        "3": {
+            "class_type": "CE_UseKernel",
+            "inputs": {"kernel": ["1", 0], "image": ["2", 0], "crash": crash},
+        },
         "99": {"class_type": "CE_Digest", "inputs": {"image": ["3", 0], "text": ["3", 1]}},
     }
 
@@ -222,8 +246,10 @@ def test_two_isolated_nodes_of_different_envs_overlap(server: Server) -> None:
 def test_an_output_node_saves_its_image_where_comfyui_shows_it(server: Server) -> None:
     prompt = {
         "1": _empty_image(width=16, height=8, batch=1),
-        "9": {"class_type": "CE_SaveImagePNG",
-              "inputs": {"images": ["1", 0], "filename_prefix": f"ce/{time.time_ns()}"}},
+        "9": {
+            "class_type": "CE_SaveImagePNG",
+            "inputs": {"images": ["1", 0], "filename_prefix": f"ce/{time.time_ns()}"},
+        },
     }
     history, messages = server.run(prompt)
     assert history["status"]["status_str"] == "success"
@@ -240,14 +266,29 @@ def test_an_output_node_saves_its_image_where_comfyui_shows_it(server: Server) -
 
 
 def test_validate_inputs_is_changed_and_lazy_inputs_are_forwarded(server: Server) -> None:
-    status, body = server.post("/prompt", {"prompt": {
-        "1": {"class_type": "CE_Lazy", "inputs": {"use_b": False, "a": 1, "b": 2,
-                                                   "limit": 5000}},
-        "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}}}})
+    status, body = server.post(
+        "/prompt",
+        {
+            "prompt": {
+                "1": {
+                    "class_type": "CE_Lazy",
+                    "inputs": {"use_b": False, "a": 1, "b": 2, "limit": 5000},
+                },
+                "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+            }
+        },
+    )
     assert status == 400 and "over 1000" in str(body)
     for use_b, expected in ((False, 1), (True, 2)):
-        report = _digest(server.run({
-            "1": {"class_type": "CE_Lazy", "inputs": {"use_b": use_b, "a": 1, "b": 2,
-                                                       "limit": 10}},
-            "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}}})[0])
+        report = _digest(
+            server.run(
+                {
+                    "1": {
+                        "class_type": "CE_Lazy",
+                        "inputs": {"use_b": use_b, "a": 1, "b": 2, "limit": 10},
+                    },
+                    "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+                }
+            )[0]
+        )
         assert report["number"] == expected

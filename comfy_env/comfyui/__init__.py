@@ -129,7 +129,7 @@ def isolate(
     for node in scan["nodes"]:
         try:
             proxy = make_v3_proxy(pack, node) if scan["kind"] == "v3" else make_v1_proxy(pack, node)
-        except Exception as exc:  # noqa: BLE001 - reported as the pack's failure
+        except Exception as exc:
             raise NodePackError(
                 f"comfy-env: cannot build the proxy of node {node.get('name')!r} of pack "
                 f"{pack_dir}: {type(exc).__name__}: {exc}",

@@ -53,8 +53,19 @@ INTERRUPT_POLL = 0.02  # seconds between looks at ComfyUI's interrupt flag while
 # unless the pack says otherwise (``isolate(crossing_types=...)``).
 CROSSING_TYPES = frozenset(
     (
-        "IMAGE", "MASK", "LATENT", "INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "NOISE",
-        "SIGMAS", "AUDIO", "VIDEO", "*",
+        "IMAGE",
+        "MASK",
+        "LATENT",
+        "INT",
+        "FLOAT",
+        "STRING",
+        "BOOLEAN",
+        "COMBO",
+        "NOISE",
+        "SIGMAS",
+        "AUDIO",
+        "VIDEO",
+        "*",
     )
 )
 
@@ -224,7 +235,13 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
     skeleton, tensors, refs = _encode_inputs(pack, kwargs)
     instance_id = getattr(instance, "_comfy_env_instance", None)
     args: tuple[Any, ...] = (
-        node.spec, instance_id, node.function, skeleton, tensors, refs, _context()
+        node.spec,
+        instance_id,
+        node.function,
+        skeleton,
+        tensors,
+        refs,
+        _context(),
     )
     worker = pack.worker
     run_ref: RemoteRef | None = None
@@ -241,7 +258,7 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
             reply = await loop.run_in_executor(None, run_ref.call_method, "crossing")
         else:
             reply = await _guarded(pack, worker.arun(RUN, args, timeout=pack.timeout))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - re-raised, with the worker's traceback folded in
         if type(exc).__name__ == "InterruptProcessingException" and type(exc).__module__ in (
             "comfy_env_worker.comfyui.standins",
         ):
@@ -279,7 +296,7 @@ async def call_hook(
     args = (node.spec, instance_id, method, skeleton, tensors, _context())
     try:
         return await _guarded(pack, pack.worker.arun(HOOK, args, timeout=pack.timeout))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - re-raised, with the worker's traceback folded in
         raise _with_remote_traceback(exc) from exc.__cause__
 
 
@@ -354,7 +371,7 @@ def _signature_function(
         f"    return await _body({first}, args)\n"
     )
     namespace: dict[str, Any] = {"_body": body}
-    exec(compile(source, f"<comfy-env proxy {name}>", "exec"), namespace)  # noqa: S102
+    exec(compile(source, f"<comfy-env proxy {name}>", "exec"), namespace)
     function: Callable[..., Any] = namespace[name]
     return function
 
@@ -365,7 +382,8 @@ def make_v1_proxy(pack: _Pack, data: dict[str, Any]) -> type:
     input_types = _tupled_inputs(attrs["INPUT_TYPES"])
     return_types = tuple(attrs.get("RETURN_TYPES", ()))
     node.keep = {
-        i: t for i, t in enumerate(return_types)
+        i: t
+        for i, t in enumerate(return_types)
         if isinstance(t, str) and t not in pack.crossing_types
     }
     hidden = input_types.setdefault("hidden", {})
@@ -406,12 +424,10 @@ def make_v1_proxy(pack: _Pack, data: dict[str, Any]) -> type:
 
     if "VALIDATE_INPUTS" in node.methods:
         namespace["VALIDATE_INPUTS"] = classmethod(
-            _signature_function(
-                "VALIDATE_INPUTS", node.methods["VALIDATE_INPUTS"], validate, False
-            )
+            _signature_function("VALIDATE_INPUTS", node.methods["VALIDATE_INPUTS"], validate, False)
         )
 
-    async def is_changed(cls: Any, **kwargs: Any) -> Any:
+    async def is_changed(cls: Any, /, **kwargs: Any) -> Any:
         unique_id = kwargs.pop(UNIQUE_ID_INPUT, None)
         author = None
         if "IS_CHANGED" in node.methods:
@@ -466,7 +482,7 @@ def make_v3_proxy(pack: _Pack, data: dict[str, Any]) -> type:
     def define_schema(cls: Any) -> Any:
         return _replay(io, schema_data)
 
-    async def execute(cls: Any, **kwargs: Any) -> Any:
+    async def execute(cls: Any, /, **kwargs: Any) -> Any:
         return await run_node(pack, node, None, kwargs)
 
     namespace: dict[str, Any] = {
@@ -490,8 +506,7 @@ def make_v3_proxy(pack: _Pack, data: dict[str, Any]) -> type:
             return await call_hook(pack, node, "check_lazy_status", None, args)
 
         namespace["check_lazy_status"] = classmethod(
-            _signature_function("check_lazy_status", node.methods["check_lazy_status"], lazy,
-                                False)
+            _signature_function("check_lazy_status", node.methods["check_lazy_status"], lazy, False)
         )
     class_name = "".join(c if c.isalnum() else "_" for c in node.name) or "Node"
     return type(f"Isolated_{class_name}", (io.ComfyNode,), namespace)

@@ -87,7 +87,8 @@ def cache_key(pack: PackSpec) -> str:
     env_dir = os.path.realpath(pack.env.key)
     for root, dirs, files in os.walk(pack.pack_dir):
         dirs[:] = sorted(
-            d for d in dirs
+            d
+            for d in dirs
             if d not in _SKIP_DIRS and os.path.realpath(os.path.join(root, d)) != env_dir
         )
         for name in sorted(files):
@@ -150,9 +151,10 @@ def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
         logger.setLevel(logging.INFO)
     logger.addHandler(collect)
     try:
-        result: dict[str, Any] = worker.run(SCAN_TARGET, (pack.pack_dir, pack.module), timeout=timeout)
+        args = (pack.pack_dir, pack.module)
+        result: dict[str, Any] = worker.run(SCAN_TARGET, args, timeout=timeout)
         return result
-    except Exception as exc:  # noqa: BLE001 - every failure is reported, loudly, as one type
+    except Exception as exc:
         remote = exc.__cause__
         detail = getattr(remote, "traceback_text", None) or getattr(exc, "traceback_text", "")
         tail = getattr(exc, "stderr_tail", "")

@@ -167,9 +167,7 @@ def run_node_kept(
     kwargs = _inputs(inputs, tensors, refs, context)
     kind, outputs, rest = _execute(spec, instance_id, function, kwargs)
     outputs = outputs or []
-    crossing = [
-        KeptOut(i, keep[i]) if i in keep else value for i, value in enumerate(outputs)
-    ]
+    crossing = [KeptOut(i, keep[i]) if i in keep else value for i, value in enumerate(outputs)]
     return NodeRun(outputs, _reply(kind, crossing, rest))
 
 

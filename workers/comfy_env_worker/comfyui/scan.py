@@ -66,7 +66,7 @@ def load_module(pack_dir: str, module: str) -> types.ModuleType:
     name = package_name(pack_dir)
     if name not in sys.modules:
         package = types.ModuleType(name, "comfy-env: the node pack at %s" % pack_dir)
-        package.__path__ = [pack_dir]  # type: ignore[attr-defined]
+        package.__path__ = [pack_dir]
         sys.modules[name] = package
     loaded = importlib.import_module("%s.%s" % (name, module))
     _MODULES[key] = loaded

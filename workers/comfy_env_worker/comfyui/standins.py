@@ -295,7 +295,7 @@ def _recording_module(name: str, explicit: Dict[str, Any]) -> types.ModuleType:
             raise AttributeError(attr)
         return Recorded((("attr", attr),))
 
-    module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    setattr(module, "__getattr__", __getattr__)  # noqa: B010 - a module-level __getattr__
     return module
 
 
@@ -316,7 +316,7 @@ def _module(name: str, attrs: Dict[str, Any], package: bool = False) -> types.Mo
     module.__dict__.update(attrs)
     module.__comfy_env_standin__ = True  # type: ignore[attr-defined]
     if package:
-        module.__path__ = []  # type: ignore[attr-defined]
+        module.__path__ = []
     return module
 
 
@@ -341,11 +341,13 @@ def install() -> List[str]:
     }
     if _absent("comfy"):
         comfy = _module("comfy", {}, package=True)
-        comfy.model_management = _module("comfy.model_management", mm)  # type: ignore[attr-defined]
-        comfy.utils = _module("comfy.utils", utils)  # type: ignore[attr-defined]
+        management = _module("comfy.model_management", mm)
+        helpers = _module("comfy.utils", utils)
+        comfy.model_management = management  # type: ignore[attr-defined]
+        comfy.utils = helpers  # type: ignore[attr-defined]
         sys.modules["comfy"] = comfy
-        sys.modules["comfy.model_management"] = comfy.model_management  # type: ignore[attr-defined]
-        sys.modules["comfy.utils"] = comfy.utils  # type: ignore[attr-defined]
+        sys.modules["comfy.model_management"] = management
+        sys.modules["comfy.utils"] = helpers
         INSTALLED.extend(["comfy", "comfy.model_management", "comfy.utils"])
     if _absent("server"):
         sys.modules["server"] = _module("server", {"PromptServer": PromptServer})
@@ -360,7 +362,8 @@ def install() -> List[str]:
         )
         ui = _recording_module("comfy_api.latest.ui", {"__comfy_env_standin__": True})
         latest = _module(
-            "comfy_api.latest", {"ComfyExtension": ComfyExtension, "io": io, "ui": ui},
+            "comfy_api.latest",
+            {"ComfyExtension": ComfyExtension, "io": io, "ui": ui},
             package=True,
         )
         api = _module("comfy_api", {"latest": latest}, package=True)
