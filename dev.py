@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Bootstrap and run: ``python3 dev.py demo``, ``python3 dev.py test [pytest args]`` or
-``python3 dev.py test-comfyui [--comfyui TARBALL] [pytest args]``.
+``python3 dev.py test-comfyui [--comfyui TARBALL] [pytest args]`` or
+``python3 dev.py bench-comfyui [--comfyui TARBALL] [--no-write]``.
 
 Creates ``.venv`` next to this file with the project installed in editable mode plus its test
 extras (re-installed only when ``pyproject.toml`` changes), then runs the command inside it.
@@ -193,14 +194,27 @@ def test_comfyui(argv: list[str]) -> int:
     return rc
 
 
+def bench_comfyui(argv: list[str]) -> int:
+    tarball, rest = comfyui_tarball(argv)
+    if tarball is None:
+        print("dev.py: bench-comfyui needs the ComfyUI source tarball (--comfyui PATH)")
+        return 1
+    _, py = prepare_comfyui(tarball)
+    script = os.path.join(ROOT, "benchmarks", "bench_comfyui.py")
+    envs = ["--numpy-env", prepare_pack_env("numpy"), "--torch-env", prepare_pack_env("torch")]
+    return subprocess.call([py, script, *envs, *rest], cwd=ROOT)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "test-comfyui"):
+    if not argv or argv[0] not in ("demo", "test", "test-comfyui", "bench-comfyui"):
         print(__doc__)
         return 2
     ensure_venv()
     command, rest = argv[0], argv[1:]
     if command == "test-comfyui":
         return test_comfyui(rest)
+    if command == "bench-comfyui":
+        return bench_comfyui(rest)
     if command == "demo":
         return subprocess.call([os.path.join(BIN, "comfy-env"), "demo", *rest], cwd=ROOT)
     rc = subprocess.call([PY, "-m", "pytest", *rest], cwd=ROOT)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import itertools
 import keyword
@@ -166,27 +167,19 @@ def _prepare_for(has_torch: bool) -> Callable[[Any], Any]:
 
 def _encode_inputs(pack: _Pack, kwargs: dict[str, Any]) -> tuple[Any, list[Any], list[RemoteRef]]:
     refs: list[RemoteRef] = []
-
-    def kept(v: Any) -> Any:
-        if isinstance(v, KeptOutput):
-            if v.ref.env != pack.worker.env:
-                raise TypeError(
-                    f"{v!r} lives in another env's worker; only nodes of that env can use it"
-                )
-            if v.ref not in refs:
-                refs.append(v.ref)
-            return runner.Kept(refs.index(v.ref), v.index)
-        kind = type(v)
-        if kind is list:
-            return [kept(x) for x in v]
-        if kind is tuple:
-            return tuple(kept(x) for x in v)
-        if kind is dict:
-            return {k: kept(x) for k, x in v.items()}
-        return v
-
-    skeleton, tensors = values.split(kept(kwargs), _prepare_for(pack.has_torch))
+    marked = values.replace(kwargs, functools.partial(_mark_kept, pack, refs))
+    skeleton, tensors = values.split(marked, _prepare_for(pack.has_torch))
     return skeleton, tensors, refs
+
+
+def _mark_kept(pack: _Pack, refs: list[RemoteRef], v: Any) -> Any:
+    if not isinstance(v, KeptOutput):
+        return v
+    if v.ref.env != pack.worker.env:
+        raise TypeError(f"{v!r} lives in another env's worker; only nodes of that env can use it")
+    if v.ref not in refs:
+        refs.append(v.ref)
+    return runner.Kept(refs.index(v.ref), v.index)
 
 
 async def _guarded(pack: _Pack, job: Any) -> Any:
@@ -264,15 +257,14 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
         ):
             _raise_interrupt()
         raise _with_remote_traceback(exc) from exc.__cause__
-    result = values.join(reply[0], reply[1], _to_host)
+    result = values.join(reply[0], reply[1:], _to_host)
 
-    def unkeep(v: Any) -> Any:
-        if isinstance(v, runner.KeptOut):
-            assert run_ref is not None
-            return KeptOutput(run_ref, v.index, v.type_name)
-        return v
-
-    outputs = [unkeep(v) for v in (result["outputs"] or [])]
+    outputs = [
+        KeptOutput(run_ref, v.index, v.type_name)
+        if isinstance(v, runner.KeptOut) and run_ref is not None
+        else v
+        for v in (result["outputs"] or [])
+    ]
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
     rest = result["rest"]

@@ -49,7 +49,23 @@ class TorchSleepStamp:
         return ("%f %f" % (start, time.time()),)
 
 
+class TorchPassthrough:
+    """Returns its IMAGE unchanged (the benchmark's node)."""
+
+    CATEGORY = "comfy-env/examples"
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "run"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"image": ("IMAGE",)}}
+
+    def run(self, image):
+        return (image,)
+
+
 NODE_CLASS_MAPPINGS = {
+    "CE_TorchPassthrough": TorchPassthrough,
     "CE_TorchInvert": TorchInvert,
     "CE_TorchLatent": TorchLatent,
     "CE_TorchSleepStamp": TorchSleepStamp,

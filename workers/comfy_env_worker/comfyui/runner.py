@@ -20,6 +20,7 @@ generation starts with none (they are caches, like everything a worker holds). S
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -84,20 +85,13 @@ def _inputs(inputs: Any, tensors: List[Any], refs: Sequence[Any], context: Dict[
     standins.install()
     standins.set_context(context)
     rebuilt = values.join(inputs, tensors, values.to_env_tensor)
+    if not refs:
+        return rebuilt
+    return values.replace(rebuilt, functools.partial(_resolve_kept, refs))
 
-    def resolve(v: Any) -> Any:
-        if isinstance(v, Kept):
-            return refs[v.ref].outputs[v.index]
-        kind = type(v)
-        if kind is list:
-            return [resolve(x) for x in v]
-        if kind is tuple:
-            return tuple(resolve(x) for x in v)
-        if kind is dict:
-            return {k: resolve(x) for k, x in v.items()}
-        return v
 
-    return resolve(rebuilt) if refs else rebuilt
+def _resolve_kept(refs: Sequence[Any], v: Any) -> Any:
+    return refs[v.ref].outputs[v.index] if isinstance(v, Kept) else v
 
 
 def _call(function: Any, kwargs: Dict[str, Any]) -> Any:
@@ -131,8 +125,13 @@ def _ui(ui: Any) -> Any:
     return ui
 
 
-def _reply(kind: str, outputs: Optional[List[Any]], rest: Dict[str, Any]) -> Tuple[Any, List[Any]]:
-    return values.split({"kind": kind, "outputs": outputs, "rest": rest}, values.to_wire)
+def _reply(kind: str, outputs: Optional[List[Any]], rest: Dict[str, Any]) -> List[Any]:
+    """``[skeleton, tensor0, tensor1, ...]``: flat, so every tensor sits directly in the result
+    and travels out of band (torch tensors nested deeper would be pickled in band)."""
+    skeleton, tensors = values.split(
+        {"kind": kind, "outputs": outputs, "rest": rest}, values.to_wire
+    )
+    return [skeleton, *tensors]
 
 
 def run_node(
@@ -143,9 +142,9 @@ def run_node(
     tensors: List[Any],
     refs: List[Any],
     context: Dict[str, Any],
-) -> Tuple[Any, List[Any]]:
-    """Run a node whose outputs all cross to the host. Returns ``values.split`` of
-    ``{"kind", "outputs", "rest"}``."""
+) -> List[Any]:
+    """Run a node whose outputs all cross to the host. Returns ``[skeleton, *tensors]`` of
+    ``{"kind", "outputs", "rest"}`` (see ``_reply``)."""
     kwargs = _inputs(inputs, tensors, refs, context)
     kind, outputs, rest = _execute(spec, instance_id, function, kwargs)
     return _reply(kind, outputs, rest)

@@ -49,45 +49,67 @@ def split(value: Any, prepare: Callable[[Any], Any]) -> Tuple[Any, List[Any]]:
     """``value`` with every tensor replaced by a ``TensorSlot``, and the tensors (passed through
     ``prepare``) in slot order."""
     found: List[Any] = []
+    return _split(value, prepare, found), found
 
-    def walk(v: Any) -> Any:
-        if is_tensor(v):
-            found.append(prepare(v))
-            return TensorSlot(len(found) - 1)
-        kind = type(v)
-        if kind is list:
-            return [walk(x) for x in v]
-        if kind is tuple:
-            return tuple(walk(x) for x in v)
-        if kind is dict:
-            return {k: walk(x) for k, x in v.items()}
-        return v
 
-    return walk(value), found
+# Module-level recursion, not a nested function: a nested recursive function is a reference
+# cycle (function -> closure cell -> function) that would keep the tensors alive until the next
+# garbage collection, and the worker would then report a received argument as retained (so the
+# host could never reuse that shared-memory block).
+def _split(v: Any, prepare: Callable[[Any], Any], found: List[Any]) -> Any:
+    if is_tensor(v):
+        found.append(prepare(v))
+        return TensorSlot(len(found) - 1)
+    kind = type(v)
+    if kind is list:
+        return [_split(x, prepare, found) for x in v]
+    if kind is tuple:
+        return tuple(_split(x, prepare, found) for x in v)
+    if kind is dict:
+        return {k: _split(x, prepare, found) for k, x in v.items()}
+    return v
 
 
 def join(value: Any, tensors: List[Any], convert: Callable[[Any], Any]) -> Any:
     """Inverse of ``split``: slots replaced by ``convert(tensor)``."""
+    if isinstance(value, TensorSlot):
+        return convert(tensors[value.index])
+    kind = type(value)
+    if kind is list:
+        return [join(x, tensors, convert) for x in value]
+    if kind is tuple:
+        return tuple(join(x, tensors, convert) for x in value)
+    if kind is dict:
+        return {k: join(x, tensors, convert) for k, x in value.items()}
+    return value
 
-    def walk(v: Any) -> Any:
-        if isinstance(v, TensorSlot):
-            return convert(tensors[v.index])
-        kind = type(v)
-        if kind is list:
-            return [walk(x) for x in v]
-        if kind is tuple:
-            return tuple(walk(x) for x in v)
-        if kind is dict:
-            return {k: walk(x) for k, x in v.items()}
-        return v
 
-    return walk(value)
+def replace(value: Any, swap: Callable[[Any], Any]) -> Any:
+    """``value`` with every item for which ``swap`` returns something else replaced by it, in
+    lists, tuples and dicts at any depth (``swap`` returns its argument to keep it)."""
+    swapped = swap(value)
+    if swapped is not value:
+        return swapped
+    kind = type(value)
+    if kind is list:
+        return [replace(x, swap) for x in value]
+    if kind is tuple:
+        return tuple(replace(x, swap) for x in value)
+    if kind is dict:
+        return {k: replace(x, swap) for k, x in value.items()}
+    return value
+
+
+_HAS_TORCH: List[bool] = []
 
 
 def env_has_torch() -> bool:
-    import importlib.util
+    """Whether this interpreter can import torch (looked up once: a lookup scans sys.path)."""
+    if not _HAS_TORCH:
+        import importlib.util
 
-    return importlib.util.find_spec("torch") is not None
+        _HAS_TORCH.append(importlib.util.find_spec("torch") is not None)
+    return _HAS_TORCH[0]
 
 
 def to_env_tensor(value: Any) -> Any:
@@ -105,9 +127,15 @@ def to_wire(value: Any) -> Any:
     A tensor made under ``torch.inference_mode()`` is read here through a plain view; numpy
     arrays pass unchanged (made contiguous)."""
     if type(value).__module__ == "numpy":
+        if value.flags.c_contiguous:
+            # The same object, not a new view: a new view of a received argument would count
+            # as the argument's memory being retained, and the host would stop reusing it.
+            return value
         import numpy
 
         return numpy.ascontiguousarray(value)
+    if value.device.type == "cpu" and not value.requires_grad and value.is_contiguous():
+        return value  # the same object (see above)
     tensor = value.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
