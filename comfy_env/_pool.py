@@ -734,8 +734,9 @@ class Pool:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        ticket: _Ticket | None = None,
     ) -> RemoteRef:
-        ticket = _Ticket()
+        ticket = ticket or _Ticket()
         ref_id = self.call(
             entry,
             "comfy_env_worker.refs:call_and_keep",

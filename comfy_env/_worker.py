@@ -85,6 +85,36 @@ class Worker:
         worker's generation is gone, using the ref raises ``StaleGenerationError``."""
         return self._pool.call_ref(self._entry, target, args, kwargs, None)
 
+    async def arun_ref(
+        self,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> RemoteRef:
+        """``call_ref`` for asyncio, with a per-call total deadline like ``arun``. Cancelling
+        the awaiting task stops the worker running the call (so nothing is kept) or removes the
+        call from the queue."""
+        from ._pool import _Ticket
+
+        loop = asyncio.get_running_loop()
+        ticket = _Ticket()
+        job = functools.partial(
+            self._pool.call_ref,
+            self._entry,
+            target,
+            tuple(args),
+            dict(kwargs or {}),
+            timeout,
+            ticket,
+        )
+        try:
+            return await loop.run_in_executor(None, job)
+        except asyncio.CancelledError:
+            self._pool._cancel(self._entry, ticket)
+            raise
+
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``call`` for asyncio. Cancelling the awaiting task stops the worker running the call
         (it is replaced on the next call) or removes the call from the queue."""

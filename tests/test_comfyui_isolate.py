@@ -115,8 +115,23 @@ class Counter:
         return (self.n,)
 
 
+class Sleep:
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "sleep"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seconds": ("FLOAT", {})}}
+
+    def sleep(self, seconds):
+        import time
+        time.sleep(seconds)
+        return (os.getpid(),)
+
+
 NODE_CLASS_MAPPINGS = {"Scale": Scale, "MakeBox": MakeBox, "OpenBox": OpenBox,
-                       "Crash": Crash, "Counter": Counter}
+                       "Crash": Crash, "Counter": Counter, "Sleep": Sleep}
 NODE_DISPLAY_NAME_MAPPINGS = {"Scale": "Scale it"}
 '''
 
@@ -223,3 +238,28 @@ def test_a_kept_object_is_reused_and_after_a_crash_its_producer_is_marked_change
     assert asyncio.run(make.IS_CHANGED(v=5, comfy_env_unique_id="7")) != token
     with pytest.raises(comfy_env.StaleGenerationError):
         asyncio.run(open_().open(box=box))
+
+
+def test_the_pack_timeout_bounds_each_node_call(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache", timeout=0.5)
+    with pytest.raises(comfy_env.CallTimeout):
+        asyncio.run(mappings["Sleep"]().sleep(seconds=30.0))
+    assert asyncio.run(mappings["Sleep"]().sleep(seconds=0.0))[0] > 0  # a fresh worker
+
+
+def test_a_crash_loop_says_how_to_reset(
+    pack: Path, tmp_path: Path, config: comfy_env.PoolConfig
+) -> None:
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+        mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+        crash = mappings["Crash"]()
+        for _ in range(2):
+            with pytest.raises(comfy_env.WorkerCrashed):
+                asyncio.run(crash.crash())
+        with pytest.raises(comfy_env.EnvAbandonedError) as info:
+            asyncio.run(crash.crash())
+        assert "To reset" in str(info.value) and "restart ComfyUI" in str(info.value)
+        pool.reset(None)
+        assert asyncio.run(mappings["Counter"]().count()) == (1,)

@@ -240,15 +240,18 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
     run_ref: RemoteRef | None = None
     try:
         if node.keep:
-            loop = asyncio.get_running_loop()
             run_ref = await _guarded(
-                pack,
-                loop.run_in_executor(
-                    None, lambda: worker.call_ref(RUN_KEPT, *args, dict(node.keep))
-                ),
+                pack, worker.arun_ref(RUN_KEPT, (*args, dict(node.keep)), timeout=pack.timeout)
             )
             assert run_ref is not None
-            reply = await loop.run_in_executor(None, run_ref.call_method, "crossing")
+            reply = await _guarded(
+                pack,
+                worker.arun(
+                    "comfy_env_worker.refs:call_method",
+                    (run_ref, "crossing", (), {}),
+                    timeout=pack.timeout,
+                ),
+            )
         else:
             reply = await _guarded(pack, worker.arun(RUN, args, timeout=pack.timeout))
     except Exception as exc:  # noqa: BLE001 - re-raised, with the worker's traceback folded in
