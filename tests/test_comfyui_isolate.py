@@ -263,3 +263,18 @@ def test_a_crash_loop_says_how_to_reset(
         assert "To reset" in str(info.value) and "restart ComfyUI" in str(info.value)
         pool.reset(None)
         assert asyncio.run(mappings["Counter"]().count()) == (1,)
+
+
+def test_importing_comfy_env_does_not_import_the_comfyui_layer_nor_comfyui_or_torch() -> None:
+    import subprocess
+
+    code = (
+        "import sys, comfy_env\n"
+        "assert 'comfy_env.comfyui' not in sys.modules\n"
+        "import comfy_env.comfyui\n"
+        "bad = [m for m in ('torch', 'folder_paths', 'comfy', 'comfy_api', 'server')"
+        " if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
