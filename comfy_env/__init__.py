@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 
+from ._call import Call, CallEvent
 from ._config import PoolConfig
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
@@ -51,7 +52,9 @@ from ._worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "Call",
     "CallCancelled",
+    "CallEvent",
     "CallTimeout",
     "ComfyEnvError",
     "EnvAbandoned",

@@ -32,7 +32,7 @@ from comfy_env_worker import shm
 from comfy_env_worker.protocol import FrameType
 from comfy_env_worker.shm import MIN_BLOCK
 
-from ._errors import RemoteError, RemoteTraceback, SerializationError
+from ._errors import CallCancelled, RemoteError, RemoteTraceback, SerializationError
 
 # Function -> "module:qualname" for functions found importable by name (weakly keyed would be
 # nicer, but functions are rarely collected; bounded instead).
@@ -161,6 +161,12 @@ def decode_reply(
 def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
     qualname, module, message, tb_text, pickled = pickle.loads(payload)
     cause = RemoteTraceback(tb_text)
+    if (module, qualname) == ("comfy_env_worker.control", "Cancelled"):
+        # The call stopped on a cancel (cooperatively or interrupted) and its worker lives on.
+        raise CallCancelled(
+            "the call was cancelled; it stopped in its worker, which lives on with its caches "
+            f"({message})"
+        ) from cause
     if pickled is not None:
         try:
             exc = pickle.loads(pickled)

@@ -37,6 +37,14 @@ class PoolConfig(BaseModel):
         description="Deadline for a worker to start, handshake and pass the canary. Generous: "
         "an env that imports torch with CUDA takes seconds.",
     )
+    cancel_grace: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds a cancelled call gets to end by itself (the worker is asked first: "
+        "comfy_env_worker.cancelled() turns true, and after half the grace pure-Python code is "
+        "interrupted with comfy_env_worker.Cancelled) before its worker is killed. A call that "
+        "ends in time leaves the worker alive, same generation, caches intact. 0 kills at once.",
+    )
     max_workers_per_env: int = Field(
         1, ge=1, le=256, description="Workers an env may run in parallel; callers queue FIFO."
     )

@@ -126,8 +126,9 @@ class CallTimeout(WorkerError, TimeoutError):
 
 
 class CallCancelled(WorkerError):
-    """The call was cancelled (asyncio cancellation or KeyboardInterrupt in the caller); the
-    worker running it was killed and is replaced on the next call."""
+    """The call was cancelled (``Call.cancel()``, asyncio task cancellation, Ctrl-C in the
+    waiting caller). If the worker stopped the call within ``PoolConfig.cancel_grace`` it lives
+    on in the same generation; otherwise it was killed and is replaced on the next call."""
 
 
 class ProtocolError(WorkerError):

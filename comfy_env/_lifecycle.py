@@ -6,8 +6,15 @@ A *slot* is a place for one worker process in an env. Each process that occupies
     (empty) --SpawnBegan--> Starting --HandshakeOk--> Idle <--CallStarted/Replied--> InCall
                                 |                      |                              |
                                 +------ StartFailed, Exited, ChannelClosed, DeadlineHit,
-                                        CallCancelled, ProtocolViolated, CloseRequested,
-                                        IdleExpired -----------------------------> Retired
+                                        CallCancelled, CancelGraceExpired, ProtocolViolated,
+                                        CloseRequested, IdleExpired --------------> Retired
+
+Cancellation is cooperative first: ``CancelRequested(call id, grace)`` keeps the slot
+``InCall`` but marks it asked (``cancel_requested_at``) and returns the ``SendCancel`` effect
+(CANCEL frame + grace timer). If the worker stops the call in time its reply arrives as
+``Replied`` and the worker goes back to ``Idle`` in the same generation, caches intact; if not,
+``CancelGraceExpired`` (naming the call id and the request time it is about) retires it. Both
+name their call id, so a cancel or a late grace timer of call N never touches call N+1.
 
 ``Retired`` is terminal for its generation: no event moves it back. The slot only moves on by
 ``SpawnBegan`` of a *newer* generation, which is how "never restart a process inside an existing
@@ -91,12 +98,14 @@ class Idle:
 
 @dataclass(frozen=True, slots=True)
 class InCall:
-    """Running call ``call_id`` since ``started_at``."""
+    """Running call ``call_id`` since ``started_at``. ``cancel_requested_at`` is set once the
+    worker was asked to stop the call (a CANCEL frame went out; the grace timer runs)."""
 
     generation: int
     pid: int
     call_id: int
     started_at: float
+    cancel_requested_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +185,31 @@ class DeadlineHit:
 
 @dataclass(frozen=True, slots=True)
 class CallCancelled:
+    """Stop the worker running ``call_id`` now (a cancel with no grace, or the escalation of a
+    second cancel while the first one is pending)."""
+
     generation: int
     call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequested:
+    """Someone cancelled running call ``call_id`` at ``at``: ask the worker first, and kill it
+    if the call has not ended ``grace`` seconds later (``grace`` 0: kill at once)."""
+
+    generation: int
+    call_id: int
+    at: float
+    grace: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelGraceExpired:
+    """The grace timer of the cancel requested at ``requested_at`` for ``call_id`` fired."""
+
+    generation: int
+    call_id: int
+    requested_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +249,8 @@ Event = (
     | ChannelClosed
     | DeadlineHit
     | CallCancelled
+    | CancelRequested
+    | CancelGraceExpired
     | ProtocolViolated
     | CloseRequested
     | IdleExpired
@@ -234,7 +268,18 @@ class KillWorker:
     stop: Stop
 
 
-Effect = KillWorker
+@dataclass(frozen=True, slots=True)
+class SendCancel:
+    """Send a CANCEL frame for ``call_id`` to generation ``generation``'s worker and start its
+    grace timer: ``CancelGraceExpired(generation, call_id, requested_at)`` after ``grace``."""
+
+    generation: int
+    call_id: int
+    requested_at: float
+    grace: float
+
+
+Effect = KillWorker | SendCancel
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,13 +356,28 @@ def step(state: State | None, event: Event) -> Transition | Dropped:
         if isinstance(event, CloseRequested):
             return _retire(state, RetireReason.CLOSED, Stop.ASK)
     elif isinstance(state, InCall):
-        if isinstance(event, (Replied, DeadlineHit, CallCancelled)):
+        if isinstance(event, (Replied, DeadlineHit, CallCancelled, CancelRequested)):
             if event.call_id != state.call_id:
-                return _OUTDATED
+                return _OUTDATED  # late news about another call: a cancel of N never hits N+1
             if isinstance(event, Replied):
+                # Also the end of a cancelled call the worker stopped in time: it lives on.
                 return Transition(Idle(state.generation, state.pid, event.at))
             if isinstance(event, DeadlineHit):
                 return _retire(state, RetireReason.TIMEOUT, Stop.TERMINATE)
+            if isinstance(event, CancelRequested):
+                if state.cancel_requested_at is not None:
+                    return _NOT_APPLICABLE  # already asked; the grace timer runs
+                if event.grace <= 0:
+                    return _retire(state, RetireReason.CANCELLED, Stop.KILL)
+                asked = InCall(
+                    state.generation, state.pid, state.call_id, state.started_at, event.at
+                )
+                cancel = SendCancel(state.generation, state.call_id, event.at, event.grace)
+                return Transition(asked, (cancel,))
+            return _retire(state, RetireReason.CANCELLED, Stop.KILL)
+        if isinstance(event, CancelGraceExpired):
+            if event.call_id != state.call_id or event.requested_at != state.cancel_requested_at:
+                return _OUTDATED  # the call ended in time (and maybe another one runs now)
             return _retire(state, RetireReason.CANCELLED, Stop.KILL)
         if isinstance(event, CloseRequested):
             return _retire(state, RetireReason.CLOSED, Stop.TERMINATE)

@@ -63,6 +63,7 @@ from comfy_env_worker.protocol import (
 from comfy_env_worker.shm import Block
 
 from . import _lifecycle as lc
+from ._call import EventCallback, event_handler
 from ._codec import decode_reply, encode_call, target_label
 from ._config import PoolConfig
 from ._envs import EnvSpec, resolve_env
@@ -137,14 +138,24 @@ class _Ticket:
         "closed",
         "event",
         "generation",
+        "interrupted",
+        "on_event",
         "ran_on",
+        "sink",
         "slot",
         "stage",
+        "waker",
         "wanted",
+        "woken",
     )
 
     def __init__(self, wanted: _Slot | None = None) -> None:
         self.event: threading.Event | None = None
+        self.waker: Callable[[], None] | None = None  # wakes a waiter that is not a thread
+        self.woken: Any = None  # the asyncio future an async waiter awaits (see _acall)
+        self.on_event: EventCallback | None = None  # the caller's callback
+        self.sink: Callable[[int, Any], None] | None = None  # EVENT frames of the current call
+        self.interrupted = False  # Ctrl-C during the call; the worker stopped it in time
         self.slot: _Slot | None = None
         self.wanted = wanted  # the one slot this call must run on (it uses a RemoteRef)
         self.bound_generation = 0  # ... and the generation that must still occupy it
@@ -154,6 +165,17 @@ class _Ticket:
         self.call_id = 0
         self.cancelled = False
         self.closed = False
+
+    def wake(self) -> None:
+        """The waiter's slot was handed over, or it must give up (closed, cancelled)."""
+        if self.waker is not None:
+            self.waker()
+        elif self.event is not None:
+            self.event.set()
+
+
+def _no_timer(delay: float, fn: Callable[[], None]) -> None:
+    raise AssertionError("a cancel's grace timer needs the pool's reactor")
 
 
 class _EnvEntry:
@@ -184,6 +206,8 @@ class _EnvEntry:
         # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
         # without the lock (from __del__), drained under it.
         self.dropped_refs: deque[tuple[_Slot, int, int]] = deque()
+        # Runs a function on the pool's reactor after a delay (the cancel grace timers).
+        self.call_later: Callable[[float, Callable[[], None]], object] = _no_timer
 
     # ---- the gate ----
 
@@ -211,10 +235,20 @@ class _EnvEntry:
             dispose = not leased and isinstance(slot.state, lc.Retired)
         if effects is None:
             return False
-        run_effects(effects, process, leased)
+        run_effects(effects, process, leased, self, slot)
         if dispose and process is not None:
             process.dispose()
         return True
+
+    def arm_grace(self, slot: _Slot, effect: lc.SendCancel) -> None:
+        """After the grace, the gate decides: the call still running is killed; a call that
+        ended (or any other call) is left alone, since the event names call id and request."""
+        expired = lc.CancelGraceExpired(effect.generation, effect.call_id, effect.requested_at)
+
+        def fire() -> None:
+            self.apply(slot, expired)
+
+        self.call_later(effect.grace, fire)
 
     def snapshot(self) -> EnvStats:
         with self.lock:
@@ -269,13 +303,22 @@ def _worker_stats(slot: _Slot) -> WorkerStats:
 
 
 def run_effects(
-    effects: tuple[lc.Effect, ...], process: WorkerProcess | None, leased: bool
+    effects: tuple[lc.Effect, ...],
+    process: WorkerProcess | None,
+    leased: bool,
+    entry: _EnvEntry | None = None,
+    slot: _Slot | None = None,
 ) -> None:
     """Run the gate's effects (outside the lock). Asking a worker to leave means writing on
     its channel, which only the lease holder may do: a leased slot's worker is terminated
-    instead."""
+    instead. A cancel goes on the cancel pipe, which any thread may write."""
     for effect in effects:
-        if isinstance(effect, lc.KillWorker):
+        if isinstance(effect, lc.SendCancel):
+            if process is not None and process.generation == effect.generation:
+                process.send_cancel(effect.call_id)
+            if entry is not None and slot is not None:
+                entry.arm_grace(slot, effect)
+        elif isinstance(effect, lc.KillWorker):
             if process is not None and process.generation == effect.generation:
                 stop = effect.stop
                 if stop is lc.Stop.ASK and leased:
@@ -442,8 +485,16 @@ class Pool:
             entry = self._entries.get(spec.key)
             if entry is None:
                 entry = _EnvEntry(spec, self.config.max_workers_per_env)
+                entry.call_later = self._call_later
                 self._entries[spec.key] = entry
             return entry
+
+    def _call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the reactor after ``delay`` seconds (a running call implies a
+        reactor); if the pool is closing, its workers are being stopped anyway."""
+        reactor = self._reactor
+        if reactor is not None and reactor.running:
+            reactor.call_later(delay, fn)
 
     def _acquire(self, entry: _EnvEntry, ticket: _Ticket, deadline: float | None) -> _Slot:
         with entry.lock:
@@ -454,6 +505,12 @@ class Pool:
                 ticket.stage = "in_flight"
                 entry.in_flight += 1
                 raise _abandoned_error(entry.spec.key, entry.env_state)
+            if ticket.cancelled:  # a submitted call cancelled before its thread got here
+                ticket.stage = "in_flight"
+                entry.in_flight += 1
+                raise CallCancelled(
+                    "the call was cancelled before it was queued", env=entry.spec.key
+                )
             if not entry.waiters:
                 slot = _free_slot(entry, ticket.wanted)
                 if slot is not None:
@@ -538,8 +595,11 @@ class Pool:
         else:
             process.dispose()
 
-    def _cancel(self, entry: _EnvEntry, ticket: _Ticket) -> None:
-        """Cancel a call from another thread: unqueue it, or kill the worker running it."""
+    def _cancel(self, entry: _EnvEntry, ticket: _Ticket, force: bool = False) -> None:
+        """Cancel a call from any thread: unqueue it, or ask the worker running it to stop
+        (``CancelRequested``: CANCEL frame, then the kill after ``cancel_grace``); ``force``
+        kills at once. A call holding a slot but not sent yet (its worker is starting) sees
+        the flag before it is sent."""
         with entry.lock:
             ticket.cancelled = True
             if ticket.stage == "queued" and ticket.slot is None:
@@ -547,13 +607,17 @@ class Pool:
                     entry.waiters.remove(ticket)
                 except ValueError:
                     pass
-                if ticket.event is not None:
-                    ticket.event.set()
+                ticket.wake()
                 return
             slot = ticket.slot
             if slot is None or ticket.call_id == 0:
                 return
-            event = lc.CallCancelled(ticket.generation, ticket.call_id)
+            event: lc.Event
+            if force:
+                event = lc.CallCancelled(ticket.generation, ticket.call_id)
+            else:
+                grace = self.config.cancel_grace
+                event = lc.CancelRequested(ticket.generation, ticket.call_id, self._clock(), grace)
         entry.apply(slot, event)
 
     # ---- the call ----
@@ -567,7 +631,45 @@ class Pool:
         timeout: float | None,
         ticket: _Ticket | None = None,
         bound: tuple[_Slot, int] | None = None,
+        on_event: EventCallback | None = None,
     ) -> Any:
+        if ticket is None:
+            ticket = _Ticket()
+        body, buffers, by_value, deadline = self._prepare(
+            entry, target, args, kwargs, timeout, ticket, bound
+        )
+        ticket.on_event = on_event
+        return self._call_prepared(entry, ticket, target, body, buffers, by_value, deadline)
+
+    def _call_prepared(
+        self,
+        entry: _EnvEntry,
+        ticket: _Ticket,
+        target: str | Callable[..., Any],
+        body: bytes,
+        buffers: list[memoryview],
+        by_value: bool,
+        deadline: float | None,
+    ) -> Any:
+        try:
+            slot = self._acquire(entry, ticket, deadline)
+        except BaseException as exc:
+            self._settle(entry, ticket, _outcome(exc), None)
+            raise
+        return self._run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
+
+    def _prepare(
+        self,
+        entry: _EnvEntry,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        ticket: _Ticket,
+        bound: tuple[_Slot, int] | None,
+    ) -> tuple[bytes, list[memoryview], bool, float | None]:
+        """Everything a call checks before it queues: pickle it (bad input raises here),
+        its size, its deadline (which starts now), the RemoteRefs that bind it to a slot."""
         if self._closed:
             raise self._closed_error()
         if bound is None and (args or kwargs):
@@ -584,19 +686,34 @@ class Pool:
         elif timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, not {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        if ticket is None:
-            ticket = _Ticket()
         if bound is not None:
             ticket.wanted, ticket.bound_generation = bound
             _check_bound(entry, bound[0], bound[1])
+        return body, buffers, by_value, deadline
+
+    def _run_leased(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot | None,
+        ticket: _Ticket,
+        target: str | Callable[..., Any],
+        body: bytes,
+        buffers: list[memoryview],
+        by_value: bool,
+        deadline: float | None,
+    ) -> Any:
+        """The rest of a call once it holds ``slot`` (None: acquiring failed and raised in
+        the caller, who still must settle): exchange, decode, settle, count once."""
         outcome = "failed"
         replied: lc.Replied | None = None
         try:
-            slot = self._acquire(entry, ticket, deadline)
+            assert slot is not None
             ftype, reply, reply_buffers, replied = self._exchange(
                 entry, slot, ticket, target, body, buffers, by_value, deadline
             )
             del buffers
+            if ticket.interrupted:
+                raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
             outcome = "raised"
             result = decode_reply(ftype, reply, target, reply_buffers)
             outcome = "ok"
@@ -604,7 +721,14 @@ class Pool:
         except CallTimeout:
             outcome = "timed_out"
             raise
-        except (CallCancelled, KeyboardInterrupt):
+        except CallCancelled as exc:
+            outcome = "cancelled"
+            if exc.env is None:  # stopped by the worker itself: it lives on
+                exc.env = entry.spec.key
+                exc.generation = ticket.generation
+                exc.pid = self._pid_of(slot, ticket.generation)
+            raise
+        except KeyboardInterrupt:
             outcome = "cancelled"
             raise
         except WorkerCrashed:
@@ -612,6 +736,11 @@ class Pool:
             raise
         finally:
             self._settle(entry, ticket, outcome, replied)
+
+    @staticmethod
+    def _pid_of(slot: _Slot | None, generation: int) -> int | None:
+        process = slot.process if slot is not None else None
+        return process.pid if process is not None and process.generation == generation else None
 
     def _exchange(
         self,
@@ -671,11 +800,15 @@ class Pool:
                 ticket.ran_on = slot
             if effects is None:
                 continue  # died idle after we looked: a fresh worker takes the call
+            if ticket.on_event is not None:
+                ticket.sink = event_handler(ticket.on_event, call_id, generation)
             sent, block = self._send(entry, slot, process, call_id, target, body, buffers, deadline)
             if not sent:
                 continue  # EPIPE before a byte went out: it died idle; nothing was sent
             try:
-                ftype, flags, reply = self._receive(entry, slot, process, call_id, target, deadline)
+                ftype, flags, reply = self._receive(
+                    entry, slot, process, ticket, call_id, target, deadline
+                )
             except _NotDelivered:
                 continue  # it died with our request unread: the call never ran
             replied = lc.Replied(generation, call_id, self._clock())
@@ -1008,6 +1141,7 @@ class Pool:
         entry: _EnvEntry,
         slot: _Slot,
         process: WorkerProcess,
+        ticket: _Ticket,
         call_id: int,
         target: str | Callable[..., Any],
         deadline: float | None,
@@ -1016,8 +1150,11 @@ class Pool:
         assert reader is not None
         try:
             ftype, flags, reply_id, reply = reader.read(deadline)
-            if ftype == FrameType.LOG:  # what the call logged: emit it, then read on
-                ftype, flags, reply_id, reply = process.read_frame(deadline, reply)
+            if ftype == FrameType.LOG or ftype == FrameType.EVENT:
+                # What the call logged or reported: handle it, then read on to the reply.
+                ftype, flags, reply_id, reply = process.read_frame(
+                    deadline, (ftype, reply_id, reply), ticket.sink
+                )
         except TimeoutError:
             label = target_label(target)
             raise self._timeout_error(entry, slot, process, call_id, label, deadline) from None
@@ -1034,11 +1171,18 @@ class Pool:
             raise self._crash_error(entry, slot, process, call_id, target_label(target)) from None
         except FrameError as exc:
             raise self._protocol_error(entry, slot, process, str(exc)) from None
-        except BaseException:
+        except BaseException as exc:
             # KeyboardInterrupt (or another async exception) while waiting: the call's result
-            # can no longer be delivered, so the worker running it is stopped and replaced.
-            entry.apply(slot, lc.CallCancelled(process.generation, call_id))
-            raise
+            # can no longer be delivered. Ctrl-C asks the worker first (it may keep its
+            # caches); anything else, or a second Ctrl-C, stops the worker at once.
+            if not isinstance(exc, KeyboardInterrupt) or self.config.cancel_grace <= 0:
+                entry.apply(slot, lc.CallCancelled(process.generation, call_id))
+                raise
+            frame = self._drain_cancelled(entry, slot, process, ticket, call_id)
+            if frame is None:
+                raise
+            ticket.interrupted = True
+            ftype, flags, reply_id, reply = frame
         if ftype == FrameType.ERROR:
             detail = bytes(reply).decode("utf-8", "replace")
             raise self._protocol_error(entry, slot, process, f"worker refused a frame: {detail}")
@@ -1050,6 +1194,28 @@ class Pool:
                 f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}",
             )
         return ftype, flags, reply
+
+    def _drain_cancelled(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        process: WorkerProcess,
+        ticket: _Ticket,
+        call_id: int,
+    ) -> tuple[int, int, int, Payload] | None:
+        """After Ctrl-C: ask the worker to stop ``call_id`` and read on until its reply (the
+        grace timer kills it if it does not stop). The reply frame, or None if the worker was
+        stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
+        self._cancel(entry, ticket)
+        try:
+            frame = process.read_frame(None, None, ticket.sink)
+        except BaseException:  # noqa: BLE001 - EOF after the kill, a garbled read, a second Ctrl-C
+            entry.apply(slot, lc.CallCancelled(process.generation, call_id))
+            return None
+        if frame[2] != call_id or frame[0] not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
+            entry.apply(slot, lc.ProtocolViolated(process.generation))
+            return None
+        return frame
 
     # ---- errors ----
 
@@ -1068,7 +1234,9 @@ class Pool:
             return PoolClosedError(f"the pool was closed during the call to {label}")
         if reason is lc.RetireReason.CANCELLED:
             return CallCancelled(
-                f"the call to {label} was cancelled; its worker was stopped",
+                f"the call to {label} was cancelled and did not stop within "
+                f"PoolConfig.cancel_grace={self.config.cancel_grace:g}s; its worker "
+                f"(generation {process.generation}) was killed",
                 env=entry.spec.key,
                 pid=process.pid,
                 generation=process.generation,
@@ -1163,8 +1331,7 @@ class Pool:
                 entry.waiters.clear()
                 for ticket in waiters:
                     ticket.closed = True
-                    if ticket.event is not None:
-                        ticket.event.set()
+                    ticket.wake()
                 live = [
                     (s, s.state.generation)
                     for s in entry.slots
@@ -1228,13 +1395,21 @@ def _release_locked(entry: _EnvEntry, slot: _Slot) -> WorkerProcess | None:
         nxt.stage = "in_flight"
         entry.queued -= 1
         entry.in_flight += 1
-        assert nxt.event is not None
-        nxt.event.set()
+        nxt.wake()
     else:
         slot.leased = False
     if isinstance(slot.state, lc.Retired):
         return slot.process
     return None
+
+
+def _outcome(exc: BaseException) -> str:
+    """The counter a call that ended with ``exc`` before it ran increments."""
+    if isinstance(exc, CallTimeout):
+        return "timed_out"
+    if isinstance(exc, (CallCancelled, KeyboardInterrupt)):
+        return "cancelled"
+    return "failed"
 
 
 def _free_slot(entry: _EnvEntry, wanted: _Slot | None = None) -> _Slot | None:

@@ -208,6 +208,8 @@ class WorkerProcess:
         self.output_done = threading.Event()  # stdout, stderr and the log pipe all closed
         self._open_streams = 0
         self._log_pipe: Any = None
+        self._cancel_fd: int | None = None  # write end of the cancel pipe (CANCEL frames)
+        self._cancel_lock = threading.Lock()  # a descriptor is never closed under a writer
         self._pidfd: int | None = None
         self._escalation: Any = None
         self._disposed = False
@@ -245,6 +247,9 @@ class WorkerProcess:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log_read, log_write = os.pipe()  # records between calls (see comfy_env_worker.logs)
         self._log_pipe = os.fdopen(log_read, "rb", buffering=0)
+        # CANCEL frames, read by the worker's watchdog while its main thread runs the call.
+        cancel_read, self._cancel_fd = os.pipe()
+        os.set_blocking(self._cancel_fd, False)
         self.sock = parent_sock
         self.reader = FrameReader(parent_sock, self.config.max_frame_bytes)
         try:
@@ -257,6 +262,7 @@ class WorkerProcess:
                 str(child_fd),
                 str(os.getpid()),
                 str(log_write),
+                str(cancel_read),
             ]
 
             def popen() -> subprocess.Popen[bytes]:
@@ -273,7 +279,7 @@ class WorkerProcess:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    pass_fds=(child_fd, log_write),
+                    pass_fds=(child_fd, log_write, cancel_read),
                     close_fds=True,
                     start_new_session=True,
                     env=worker_environment(self.config),
@@ -303,6 +309,7 @@ class WorkerProcess:
         finally:
             child_sock.close()  # the worker holds the only other end now
             os.close(log_write)
+            os.close(cancel_read)
 
     def handshake(self, deadline: float) -> None:
         """HELLO -> CONFIG -> READY, then the canary. Raises ``WorkerStartError``."""
@@ -332,6 +339,8 @@ class WorkerProcess:
                 "shm_pool_bytes": self.config.shm_pool_bytes,
                 "shm_pinned_ttl": self.config.shm_pinned_ttl,
                 "generation": self.generation,
+                # Cooperative code gets the first half of the grace to stop by itself.
+                "cancel_interrupt_after": self.config.cancel_grace / 2,
             }
             if use_shm:
                 prefix = f"{shm.NAME_PREFIX}{host_id()}"
@@ -357,20 +366,37 @@ class WorkerProcess:
         self.startup_seconds = time.monotonic() - started
 
     def read_frame(
-        self, deadline: float | None, pending_log: Payload | None = None
+        self,
+        deadline: float | None,
+        pending: tuple[int, int, Payload] | None = None,
+        on_event: Callable[[int, Payload], None] | None = None,
     ) -> tuple[int, int, int, Payload]:
-        """The next frame that is not a log record; log records met on the way (and
-        ``pending_log``, one the caller already read) are emitted, so whatever a call logged is
-        in the host's logging before its reply is returned."""
+        """The next frame that is not a log record or a call event; log records met on the way
+        are emitted and EVENT frames handed to ``on_event(call id, payload)`` (dropped without
+        one), so whatever a call logged or emitted is handled before its reply is returned.
+        ``pending`` is such a frame (type, call id, payload) the caller already read."""
         reader = self.reader
         assert reader is not None
-        if pending_log is not None:
-            self.log.emit_frame(pending_log)
+        if pending is not None:
+            self._side_frame(*pending, on_event)
         while True:
             frame = reader.read(deadline)
-            if frame[0] != FrameType.LOG:
+            ftype = frame[0]
+            if ftype != FrameType.LOG and ftype != FrameType.EVENT:
                 return frame
-            self.log.emit_frame(frame[3])
+            self._side_frame(ftype, frame[2], frame[3], on_event)
+
+    def _side_frame(
+        self,
+        ftype: int,
+        call_id: int,
+        payload: Payload,
+        on_event: Callable[[int, Payload], None] | None,
+    ) -> None:
+        if ftype == FrameType.LOG:
+            self.log.emit_frame(payload)
+        elif on_event is not None:
+            on_event(call_id, payload)
 
     def _canary(self, deadline: float) -> None:
         """One real call through the codec, with a buffer out of band (through shared memory
@@ -666,6 +692,19 @@ class WorkerProcess:
             return False
         return ftype == FrameType.PONG
 
+    def send_cancel(self, call_id: int) -> bool:
+        """Ask the worker to stop call ``call_id`` (any thread; never blocks). False if the
+        frame could not be written (the worker is gone; the grace timer settles it)."""
+        with self._cancel_lock:
+            fd = self._cancel_fd
+            if fd is None:
+                return False
+            try:
+                # 20 bytes, under PIPE_BUF: written whole or not at all.
+                return os.write(fd, encode_header(FrameType.CANCEL, call_id, 0)) == HEADER_SIZE
+            except OSError:
+                return False
+
     def release_refs(self, ref_ids: list[int]) -> None:
         """Tell the worker to drop kept objects (no reply)."""
         assert self.sock is not None
@@ -689,7 +728,14 @@ class WorkerProcess:
         self._disposed = True
         if self.sock is not None:
             self.sock.close()
+        self._close_cancel_pipe()
         self._release_shm()
+
+    def _close_cancel_pipe(self) -> None:
+        with self._cancel_lock:
+            fd, self._cancel_fd = self._cancel_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _release_shm(self) -> None:
         """Unlink our argument blocks, close mappings of the worker's blocks, and unlink the
@@ -719,6 +765,7 @@ class WorkerProcess:
         self._kill_requested = True
         if self.sock is not None:
             self.sock.close()
+        self._close_cancel_pipe()
         popen = self.popen
         if popen is not None:
             for pipe in (popen.stdout, popen.stderr, self._log_pipe):

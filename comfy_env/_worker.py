@@ -7,14 +7,13 @@ fresh generation. ``generation`` and ``pid`` report the env's first slot as of n
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle as lc
 
 if TYPE_CHECKING:
+    from ._call import Call, CallEvent
     from ._pool import Pool, _EnvEntry
     from ._refs import RemoteRef
     from ._stats import EnvStats
@@ -73,10 +72,43 @@ class Worker:
         kwargs: dict[str, Any] | None = None,
         *,
         timeout: float | None = None,
+        on_event: Callable[[CallEvent], object] | None = None,
     ) -> Any:
         """Explicit form of ``call`` with a per-call total deadline in seconds (queue wait
-        included; None: ``PoolConfig.call_timeout``)."""
-        return self._pool.call(self._entry, target, tuple(args), dict(kwargs or {}), timeout)
+        included; None: ``PoolConfig.call_timeout``). ``on_event`` receives the call's
+        ``CallEvent``s (``comfy_env_worker.progress``/``emit`` in the worker) on this thread,
+        in order, before the result is returned. Ctrl-C while waiting asks the worker to stop
+        the call (killed after ``PoolConfig.cancel_grace``), then raises ``KeyboardInterrupt``.
+        """
+        return self._pool.call(
+            self._entry, target, tuple(args), dict(kwargs or {}), timeout, on_event=on_event
+        )
+
+    def submit(
+        self,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        on_event: Callable[[CallEvent], object] | None = None,
+    ) -> Call:
+        """Start ``run(target, args, kwargs, timeout=..., on_event=...)`` and return a
+        ``Call`` at once (a ``concurrent.futures.Future``-like handle; ``call.cancel()``
+        cancels it queued or running). Bad input raises here, before anything runs.
+        ``on_event`` runs on the call's own thread."""
+        from ._call import Call
+        from ._pool import _Ticket
+
+        pool, entry = self._pool, self._entry
+        ticket = _Ticket()
+        prepared = pool._prepare(
+            entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, None
+        )
+        ticket.on_event = on_event
+        call = Call(pool, entry, ticket)
+        call._start(lambda: pool._call_prepared(entry, ticket, target, *prepared))
+        return call
 
     def call_ref(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> RemoteRef:
         """Run ``target(*args, **kwargs)`` and keep the result alive inside the worker; return
@@ -116,8 +148,7 @@ class Worker:
             raise
 
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """``call`` for asyncio. Cancelling the awaiting task stops the worker running the call
-        (it is replaced on the next call) or removes the call from the queue."""
+        """``call`` for asyncio; see ``arun``."""
         return await self.arun(target, args, kwargs)
 
     async def arun(
@@ -127,21 +158,19 @@ class Worker:
         kwargs: dict[str, Any] | None = None,
         *,
         timeout: float | None = None,
+        on_event: Callable[[CallEvent], object] | None = None,
     ) -> Any:
-        """``run`` for asyncio."""
-        from ._pool import _Ticket
+        """``run`` for asyncio, native: a queued call waits on a future (no thread), a warm
+        call is sent and read on the event loop, ``on_event`` runs on the loop. The deadline
+        starts now and holds while queued, while a worker starts and while the call runs.
+        Cancelling the task removes a queued call, or asks the worker to stop a running one
+        (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at once) and
+        raises ``CancelledError`` once the call has ended."""
+        from ._acall import arun
 
-        loop = asyncio.get_running_loop()
-        ticket = _Ticket()
-        job = functools.partial(
-            self._pool.call, self._entry, target, tuple(args), dict(kwargs or {}), timeout, ticket
+        return await arun(
+            self._pool, self._entry, target, tuple(args), dict(kwargs or {}), timeout, on_event
         )
-        future = loop.run_in_executor(None, job)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._pool._cancel(self._entry, ticket)
-            raise
 
     def __repr__(self) -> str:
         return f"<comfy_env.Worker env={self.env!r} generation={self.generation} pid={self.pid}>"

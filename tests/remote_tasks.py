@@ -300,3 +300,82 @@ def flood(megabytes: int, native: bool) -> int:
         for _ in range(megabytes * 1024):
             print(line)
     return megabytes
+
+
+# ---- call control (tests/test_call_control.py, tests/test_acall.py) ----
+
+
+def cooperative_loop(seconds: float) -> str:
+    """Works in small steps and stops when the host cancels (raise_if_cancelled)."""
+    import comfy_env_worker
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        comfy_env_worker.raise_if_cancelled()
+        time.sleep(0.01)
+    return "finished"
+
+
+def polite_loop(seconds: float) -> str:
+    """Polls cancelled() and returns early (a partial result) instead of raising."""
+    import comfy_env_worker
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if comfy_env_worker.cancelled():
+            return "stopped early"
+        time.sleep(0.01)
+    return "finished"
+
+
+def busy_loop(seconds: float) -> int:
+    """Pure Python that never checks: only an asynchronous exception stops it."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    return n
+
+
+def ignore_cancel(seconds: float) -> str:
+    """Swallows the cancel (even the asynchronous one): only the kill stops it."""
+    import comfy_env_worker
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.01)
+        except comfy_env_worker.Cancelled:
+            pass
+    return "finished"
+
+
+def report(n: int, kinds: tuple[str, ...] = ()) -> int:
+    """``n`` progress updates as fast as possible, then one event per kind."""
+    import comfy_env_worker
+
+    for i in range(1, n + 1):
+        comfy_env_worker.progress(i, n, stage="loop")
+    for kind in kinds:
+        comfy_env_worker.emit(kind, {"kind": kind})
+    return n
+
+
+def events_in_order(n: int) -> int:
+    """Interleaves emit and progress; every emit flushes the progress before it."""
+    import comfy_env_worker
+
+    for i in range(n):
+        comfy_env_worker.emit("step", i)
+        comfy_env_worker.progress(i + 1, n)
+    return n
+
+
+CALLS_SEEN = 0
+
+
+def count_calls() -> int:
+    """A module-level cache: survives between calls of one worker process."""
+    global CALLS_SEEN
+    CALLS_SEEN += 1
+    return CALLS_SEEN

@@ -288,12 +288,16 @@ def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
         host_pipe = os.readlink(f"/proc/self/fd/{read_end}")
         assert host_pipe not in targets.values()
         assert targets[0] == "/dev/null"
-        # stdio, the channel, its log pipe, and shared-memory blocks it mapped itself
+        # stdio, the channel, its log pipe, its cancel pipe, and shared-memory blocks it
+        # mapped itself
         assert targets[1].startswith("pipe:") and targets[2].startswith("pipe:")
         process = w._entry.slots[0].process
-        assert process is not None
+        assert process is not None and process._cancel_fd is not None
         log_pipe = os.readlink(f"/proc/self/fd/{process._log_pipe.fileno()}")
-        rest = {fd for fd, t in targets.items() if fd > 2 and t not in sockets and t != log_pipe}
+        cancel_pipe = os.readlink(f"/proc/self/fd/{process._cancel_fd}")
+        assert cancel_pipe in targets.values()
+        own = {log_pipe, cancel_pipe}
+        rest = {fd for fd, t in targets.items() if fd > 2 and t not in sockets and t not in own}
         assert all(targets[fd].startswith("/dev/shm/ce-") for fd in rest), targets
     finally:
         extra.close()

@@ -43,12 +43,16 @@ STARTED_AT = 200.0  # InCall's started_at
 AT = 300.0  # the timestamp every event with an ``at`` carries
 HELLO_PID = 5151  # the pid HandshakeOk reports (differs from PID so the table shows its source)
 NEXT_CALL_ID = 4  # the call id CallStarted carries
+REQUESTED_AT = 250.0  # when the representative cancel of CALL_ID was requested
+GRACE = 2.0  # the grace every CancelRequested of the table carries
 
 STATES: dict[str, lc.State | None] = {
     "None": None,
     "Starting": lc.Starting(G),
     "Idle": lc.Idle(G, PID, IDLE_SINCE),
     "InCall": lc.InCall(G, PID, CALL_ID, STARTED_AT),
+    # The same call once its worker was asked to stop it (CANCEL frame sent, grace running).
+    "Cancelling": lc.InCall(G, PID, CALL_ID, STARTED_AT, REQUESTED_AT),
     "Retired": lc.Retired(G, R.CRASHED, PID),
 }
 
@@ -65,6 +69,10 @@ EVENT_FACTORIES: dict[type, Callable[[int], lc.Event]] = {
     lc.ChannelClosed: lambda g: lc.ChannelClosed(g),
     lc.DeadlineHit: lambda g: lc.DeadlineHit(g, call_id=CALL_ID),
     lc.CallCancelled: lambda g: lc.CallCancelled(g, call_id=CALL_ID),
+    lc.CancelRequested: lambda g: lc.CancelRequested(g, call_id=CALL_ID, at=AT, grace=GRACE),
+    lc.CancelGraceExpired: lambda g: lc.CancelGraceExpired(
+        g, call_id=CALL_ID, requested_at=REQUESTED_AT
+    ),
     lc.ProtocolViolated: lambda g: lc.ProtocolViolated(g),
     lc.CloseRequested: lambda g: lc.CloseRequested(g),
     lc.IdleExpired: lambda g: lc.IdleExpired(g, idle_since=IDLE_SINCE),
@@ -134,6 +142,8 @@ EXPECTED: dict[tuple[str, type], Row] = {
     ("None", lc.ChannelClosed): EMPTY,
     ("None", lc.DeadlineHit): EMPTY,
     ("None", lc.CallCancelled): EMPTY,
+    ("None", lc.CancelRequested): EMPTY,
+    ("None", lc.CancelGraceExpired): EMPTY,
     ("None", lc.ProtocolViolated): EMPTY,
     ("None", lc.CloseRequested): EMPTY,
     ("None", lc.IdleExpired): EMPTY,
@@ -148,6 +158,8 @@ EXPECTED: dict[tuple[str, type], Row] = {
     ("Starting", lc.ChannelClosed): current(retire(R.START_FAILED, KILL, pid=None)),
     ("Starting", lc.DeadlineHit): current(N_A),
     ("Starting", lc.CallCancelled): current(N_A),
+    ("Starting", lc.CancelRequested): current(N_A),
+    ("Starting", lc.CancelGraceExpired): current(N_A),
     ("Starting", lc.ProtocolViolated): current(retire(R.START_FAILED, KILL, pid=None)),
     ("Starting", lc.CloseRequested): current(retire(R.CLOSED, TERMINATE, pid=None)),
     ("Starting", lc.IdleExpired): current(N_A),
@@ -162,6 +174,8 @@ EXPECTED: dict[tuple[str, type], Row] = {
     ("Idle", lc.ChannelClosed): current(retire(R.CRASHED, KILL)),
     ("Idle", lc.DeadlineHit): current(N_A),
     ("Idle", lc.CallCancelled): current(N_A),
+    ("Idle", lc.CancelRequested): current(N_A),
+    ("Idle", lc.CancelGraceExpired): current(N_A),
     ("Idle", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, KILL)),
     ("Idle", lc.CloseRequested): current(retire(R.CLOSED, ASK)),
     ("Idle", lc.IdleExpired): current(retire(R.IDLE, ASK)),
@@ -176,10 +190,37 @@ EXPECTED: dict[tuple[str, type], Row] = {
     ("InCall", lc.ChannelClosed): current(retire(R.CRASHED, KILL)),
     ("InCall", lc.DeadlineHit): current(retire(R.TIMEOUT, TERMINATE)),
     ("InCall", lc.CallCancelled): current(retire(R.CANCELLED, KILL)),
+    # Cooperative first: the call stays InCall, marked asked; a CANCEL frame and the grace
+    # timer go out as one effect.
+    ("InCall", lc.CancelRequested): current(
+        lc.Transition(
+            lc.InCall(G, PID, CALL_ID, STARTED_AT, AT),
+            (lc.SendCancel(G, CALL_ID, AT, GRACE),),
+        )
+    ),
+    # A grace timer for a cancel this call never had (another request time) is out of date.
+    ("InCall", lc.CancelGraceExpired): current(OUTDATED),
     ("InCall", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, KILL)),
     ("InCall", lc.CloseRequested): current(retire(R.CLOSED, TERMINATE)),
     ("InCall", lc.IdleExpired): current(N_A),
     ("InCall", lc.PingFailed): current(N_A),
+    # -- InCall(G, PID, CALL_ID, STARTED_AT, REQUESTED_AT): asked to stop call CALL_ID.
+    ("Cancelling", lc.SpawnBegan): SPAWN_ON_LIVE,
+    ("Cancelling", lc.HandshakeOk): current(N_A),
+    ("Cancelling", lc.StartFailed): current(N_A),
+    ("Cancelling", lc.CallStarted): current(N_A),
+    # The worker stopped the call in time (or its reply crossed the cancel): it lives on.
+    ("Cancelling", lc.Replied): current(to(lc.Idle(G, PID, AT))),
+    ("Cancelling", lc.Exited): current(retire(R.CRASHED, KILL)),
+    ("Cancelling", lc.ChannelClosed): current(retire(R.CRASHED, KILL)),
+    ("Cancelling", lc.DeadlineHit): current(retire(R.TIMEOUT, TERMINATE)),
+    ("Cancelling", lc.CallCancelled): current(retire(R.CANCELLED, KILL)),  # escalation
+    ("Cancelling", lc.CancelRequested): current(N_A),  # already asked; the timer runs
+    ("Cancelling", lc.CancelGraceExpired): current(retire(R.CANCELLED, KILL)),
+    ("Cancelling", lc.ProtocolViolated): current(retire(R.PROTOCOL_ERROR, KILL)),
+    ("Cancelling", lc.CloseRequested): current(retire(R.CLOSED, TERMINATE)),
+    ("Cancelling", lc.IdleExpired): current(N_A),
+    ("Cancelling", lc.PingFailed): current(N_A),
     # -- Retired(G, CRASHED, PID): terminal; only a newer generation's SpawnBegan moves on.
     ("Retired", lc.SpawnBegan): Row(same=STALE, older=STALE, newer=to(lc.Starting(G + 1))),
     ("Retired", lc.HandshakeOk): GONE,
@@ -190,6 +231,8 @@ EXPECTED: dict[tuple[str, type], Row] = {
     ("Retired", lc.ChannelClosed): GONE,
     ("Retired", lc.DeadlineHit): GONE,
     ("Retired", lc.CallCancelled): GONE,
+    ("Retired", lc.CancelRequested): GONE,
+    ("Retired", lc.CancelGraceExpired): GONE,
     ("Retired", lc.ProtocolViolated): GONE,
     ("Retired", lc.CloseRequested): GONE,
     ("Retired", lc.IdleExpired): GONE,
@@ -209,10 +252,12 @@ STOP: dict[tuple[str, type], lc.Stop] = {
     ("Idle", lc.PingFailed): KILL,
     ("InCall", lc.DeadlineHit): TERMINATE,
     ("InCall", lc.CallCancelled): KILL,
+    ("InCall", lc.CancelRequested): KILL,  # with grace 0 (tested below)
+    ("InCall", lc.CancelGraceExpired): KILL,
     ("InCall", lc.CloseRequested): TERMINATE,
 }
 
-LIVE = ("Starting", "Idle", "InCall")
+LIVE = ("Starting", "Idle", "InCall", "Cancelling")
 
 
 def _table_cases() -> Iterator[object]:
@@ -335,6 +380,52 @@ def test_deadline_and_cancel_for_another_call_id_are_dropped(event: lc.Event) ->
     assert lc.step(STATES["InCall"], event) == OUTDATED
 
 
+@pytest.mark.parametrize("state_name", ["InCall", "Cancelling"])
+@pytest.mark.parametrize(
+    "event",
+    [
+        lc.CancelRequested(G, call_id=CALL_ID + 1, at=AT, grace=GRACE),
+        lc.CancelRequested(G, call_id=CALL_ID - 1, at=AT, grace=0.0),
+        lc.CancelGraceExpired(G, call_id=CALL_ID + 1, requested_at=REQUESTED_AT),
+        lc.CancelGraceExpired(G, call_id=CALL_ID - 1, requested_at=REQUESTED_AT),
+    ],
+    ids=["request-next", "kill-previous", "timer-next", "timer-previous"],
+)
+def test_a_cancel_for_call_n_never_affects_another_call(state_name: str, event: lc.Event) -> None:
+    assert lc.step(STATES[state_name], event) == OUTDATED
+
+
+def test_cancel_with_no_grace_kills_at_once() -> None:
+    assert lc.step(STATES["InCall"], lc.CancelRequested(G, CALL_ID, AT, grace=0.0)) == retire(
+        R.CANCELLED, KILL
+    )
+
+
+def test_a_grace_timer_of_an_earlier_request_is_out_of_date() -> None:
+    # Call CALL_ID was asked at REQUESTED_AT; a timer naming another request time is not its.
+    late = lc.CancelGraceExpired(G, CALL_ID, requested_at=REQUESTED_AT - 1.0)
+    assert lc.step(STATES["Cancelling"], late) == OUTDATED
+
+
+def test_a_cancelled_call_that_ends_in_time_keeps_its_worker_and_generation() -> None:
+    events: list[lc.Event] = [
+        lc.CancelRequested(G, CALL_ID, at=AT, grace=GRACE),
+        lc.Replied(G, CALL_ID, at=AT + 0.5),  # the worker stopped the call by itself
+        lc.CancelGraceExpired(G, CALL_ID, requested_at=AT),  # the timer fires late: no effect
+        lc.CallStarted(G, NEXT_CALL_ID, at=AT + 3.0),
+        lc.CancelGraceExpired(G, CALL_ID, requested_at=AT),  # ... not even on call N+1
+    ]
+    state: lc.State | None = STATES["InCall"]
+    outcomes = []
+    for event in events:
+        result = lc.step(state, event)
+        outcomes.append(result)
+        if isinstance(result, lc.Transition):
+            state = result.state
+    assert outcomes[2] == N_A and outcomes[4] == OUTDATED
+    assert state == lc.InCall(G, PID, NEXT_CALL_ID, AT + 3.0)
+
+
 @pytest.mark.parametrize(
     "event",
     [lc.Exited(G, returncode=1), lc.ChannelClosed(G), lc.ProtocolViolated(G), lc.StartFailed(G)],
@@ -388,6 +479,11 @@ def test_effects_are_a_kill_exactly_when_retiring(state: lc.State | None, event:
         assert result.effects == (lc.KillWorker(state.generation, stop),)
         expected_pid = None if isinstance(state, lc.Starting) else state.pid
         assert result.state.pid == expected_pid
+    elif isinstance(event, lc.CancelRequested):
+        # The one non-retiring effect: ask the worker, start the grace timer.
+        assert result.effects == (
+            lc.SendCancel(event.generation, event.call_id, event.at, event.grace),
+        )
     else:
         assert result.effects == ()
         assert result.state.generation == event.generation
@@ -399,7 +495,7 @@ def test_every_killing_event_retires_from_some_state() -> None:
         for (name, cls), row in EXPECTED.items()
         if isinstance(row.same, lc.Transition) and isinstance(row.same.state, lc.Retired)
     }
-    assert retiring == {cls for _, cls in STOP}
+    assert retiring | {lc.CancelRequested} == {cls for _, cls in STOP}
 
 
 @pytest.mark.parametrize(("state", "event"), ALL_PAIRS)
@@ -417,6 +513,7 @@ def test_step_is_pure(state: lc.State | None, event: lc.Event) -> None:
         *(s for s in STATES.values() if s is not None),
         *(factory(G) for factory in EVENT_FACTORIES.values()),
         lc.KillWorker(G, lc.Stop.ASK),
+        lc.SendCancel(G, CALL_ID, AT, GRACE),
         lc.Transition(lc.Starting(G)),
         STALE,
     ],

@@ -9,9 +9,23 @@ Modules:
 - ``main``: the worker's serve loop (handshake, calls, exit on channel EOF).
 - ``tasks``: small built-in functions (echo for the canary, sleep, crash) usable by any env.
 - ``shm``: out-of-band buffers in shared memory; ``refs``: kept objects and release hooks.
+- ``control``: the running call's cancellation, progress and events. Env code uses them as
+  ``comfy_env_worker.cancelled()``, ``raise_if_cancelled()``, ``progress(done, total)`` and
+  ``emit(kind, data)``; all are harmless no-ops outside a worker call.
 """
 
+from .control import Cancelled, cancelled, emit, progress, raise_if_cancelled
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Cancelled",
+    "cancelled",
+    "emit",
+    "on_release",
+    "progress",
+    "raise_if_cancelled",
+]
 
 
 def on_release(hook):  # type: ignore[no-untyped-def]

@@ -10,8 +10,11 @@ Data flow (one worker process, one channel)::
 The main thread owns the channel: it blocks in ``recv`` between calls, so the host closing its
 end (or dying) is an EOF here and the worker exits. While a call runs, the main thread is busy,
 so a small watchdog thread polls the channel for hang-up (``POLLRDHUP``, without reading) and
-exits the process if the host goes away; ``PR_SET_PDEATHSIG`` is the second line of defence on
-Linux. Together they close the race "host killed while the worker is inside a long native call".
+exits the process if the host goes away. The same thread reads CANCEL frames from the cancel
+pipe (a second host -> worker descriptor, so the channel keeps one reader) and runs what call
+control has due: see ``control`` for cancellation, progress and events. ``PR_SET_PDEATHSIG`` is
+the second line of defence on Linux. Together they close the race "host killed while the worker
+is inside a long native call".
 
 The worker never writes to fd 1/2 on behalf of the protocol: those are pipes the host reads as
 plain output. ``faulthandler`` writes there on a fatal signal, which is how a segfault's Python
@@ -34,10 +37,12 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import logs, refs, shm
+from . import control, logs, refs, shm
 from .protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     FLAG_OOB,
+    HEADER,
+    HEADER_SIZE,
     PROTOCOL_VERSION,
     ChannelClosed,
     FrameError,
@@ -146,6 +151,17 @@ class Worker:
         self.pinned: Dict[int, Tuple[shm.Block, float]] = {}
         self.pinned_ttl = 60.0
         self.pin_lock = threading.Lock()
+        self.control = control.CallControl(self.send_event, 0.5)
+
+    def send_event(self, call_id: int, payload: bytes) -> bool:
+        """An EVENT frame of the running call, in band (dropped once its reply went out)."""
+        frame = encode_header(FrameType.EVENT, call_id, len(payload)) + payload
+        outbox = self.outbox
+        with outbox.lock:
+            if not outbox.in_call:
+                return False
+            self.sock.sendall(frame)
+            return True
 
     def send(self, ftype: int, call_id: int, payload: bytes = b"") -> None:
         with self.outbox.lock:
@@ -192,6 +208,7 @@ class Worker:
         self.reader.limit = limit
         self.threshold = int(config.get("shm_threshold_bytes") or shm.MIN_BLOCK)
         refs.GENERATION = int(config.get("generation") or 0)
+        self.control.interrupt_after = float(config.get("cancel_interrupt_after") or 0.0)
         host_id = config.get("shm_host_id")
         if host_id and shm.shm_available():
             prefix = "%s%s-w%d-" % (shm.NAME_PREFIX, host_id, os.getpid())
@@ -204,7 +221,13 @@ class Worker:
         while True:
             ftype, flags, call_id, payload = read()
             if ftype == FrameType.CALL:
-                self.run_call(call_id, flags, payload)
+                try:
+                    self.run_call(call_id, flags, payload)
+                except control.Cancelled as exc:
+                    # The asynchronous Cancelled landed in run_call's own error handling,
+                    # before the reply went out: the call ends cancelled.
+                    self.control.end()
+                    self.reply(FrameType.REPLY_ERR, call_id, error_record(exc))
             elif ftype == FrameType.CONSUMED:
                 self.consumed(call_id)
             elif ftype == FrameType.RELEASE_REFS:
@@ -242,7 +265,14 @@ class Worker:
                 fn = _TARGETS.get(target) or resolve_target(target)
             else:
                 fn = target  # a function sent by value (cloudpickle)
-            result = fn(*args, **kwargs)
+            calls = self.control
+            if calls.begin(call_id):
+                calls.end()
+                raise control.Cancelled("the call was cancelled before it started")
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                calls.end()
             del args, kwargs
             try:
                 data, buffers = shm.encode(result, self.threshold, _dumps, (result,))
@@ -252,6 +282,7 @@ class Worker:
         except FrameError:
             raise
         except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are replies too
+            self.control.end()  # idempotent: disarm before anything else runs
             try:
                 data = error_record(exc)
             finally:
@@ -390,23 +421,51 @@ def _exit_orphaned(worker: Worker) -> None:
     os._exit(0)
 
 
-def _start_watchdog(worker: Worker, host_pid: int) -> None:
+def _read_cancels(fd: int, buf: bytearray, calls: control.CallControl) -> bool:
+    """Read CANCEL frames from the cancel pipe into ``calls``. False at EOF."""
+    try:
+        data = os.read(fd, 4096)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        data = b""
+    if not data:
+        return False
+    buf += data
+    now = time.monotonic()
+    while len(buf) >= HEADER_SIZE:
+        _magic, ftype, _flags, _length, call_id = HEADER.unpack_from(buf)
+        del buf[:HEADER_SIZE]
+        if ftype == FrameType.CANCEL:
+            calls.cancel(call_id, now)
+    return True
+
+
+def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = None) -> None:
     """Exit when the host's end of the channel hangs up, even while a call is running; expire
-    pinned reply blocks on time (a timer, not a check on the next call)."""
+    pinned reply blocks on time (a timer, not a check on the next call); read CANCEL frames
+    from the cancel pipe and run what call control has due (interrupt, progress flush)."""
     poll_hup = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
     fd = worker.sock.fileno()
+    calls = worker.control
 
     def watch() -> None:
         poller = select.poll()
         poller.register(fd, poll_hup)
+        if cancel_fd is not None:
+            poller.register(cancel_fd, select.POLLIN)
+        pending = bytearray()
         wait = 1.0
         while True:
             events = poller.poll(min(wait, 1.0) * 1000 + 1)
-            wait = worker.expire_pins()
-            if events:
-                for _fd, ev in events:
-                    if ev & (poll_hup | select.POLLERR | select.POLLNVAL):
-                        _exit_orphaned(worker)
+            for _fd, ev in events:
+                if _fd == cancel_fd:
+                    if not _read_cancels(cancel_fd, pending, calls):
+                        poller.unregister(cancel_fd)  # the host closed it: it is going away
+                    continue
+                if ev & (poll_hup | select.POLLERR | select.POLLNVAL):
+                    _exit_orphaned(worker)
+            wait = min(worker.expire_pins(), calls.tick(time.monotonic()))
             # Fallback for the case a descriptor copy keeps the channel open: the host is gone.
             if host_pid and os.getppid() != host_pid and not _launched_via_wrapper:
                 _exit_orphaned(worker)
@@ -430,6 +489,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     fd = int(args[0])
     host_pid = int(args[1]) if len(args) > 1 else 0
     log_fd = int(args[2]) if len(args) > 2 else None
+    cancel_fd = int(args[3]) if len(args) > 3 else None
     _launched_via_wrapper = bool(host_pid) and os.getppid() != host_pid
     faulthandler.enable(all_threads=False)
     _set_parent_death_signal()
@@ -442,13 +502,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     # host may still forward SIGINT deliberately, which then interrupts the call as usual.
     if log_fd is not None:
         os.set_inheritable(log_fd, False)
+    if cancel_fd is not None:
+        os.set_inheritable(cancel_fd, False)
     worker = Worker(sock, log_fd)
     code = 0
     try:
         worker.handshake()
         logs.install(worker.outbox, worker.log_level)
         WORKER = worker
-        _start_watchdog(worker, host_pid)
+        control.CONTROL = worker.control
+        _start_watchdog(worker, host_pid, cancel_fd)
         worker.serve()
     except ChannelClosed:
         code = 0  # the host closed the channel: nothing left to serve

@@ -37,9 +37,10 @@ MAGIC = b"CE"
 
 
 class FrameType:
-    """Frame types. Worker -> host: HELLO, READY, REPLY_OK, REPLY_ERR, PONG, ERROR.
+    """Frame types. Worker -> host: HELLO, READY, REPLY_OK, REPLY_ERR, PONG, ERROR, LOG, EVENT.
 
-    Host -> worker: CONFIG, CALL, PING, SHUTDOWN.
+    Host -> worker: CONFIG, CALL, PING, SHUTDOWN, CONSUMED, RELEASE_REFS; CANCEL (on the cancel
+    pipe, see ``control``).
     """
 
     HELLO = 1  # worker -> host: {"protocol", "pid", "python", "executable", "platform"}
@@ -55,6 +56,8 @@ class FrameType:
     CONSUMED = 11  # host -> worker: the reply to call id was read; its blocks may be reused
     RELEASE_REFS = 12  # host -> worker: drop kept objects (pickled list of ids); no reply
     LOG = 13  # worker -> host: a log record or output line (see ``logs``); in band or log pipe
+    CANCEL = 14  # host -> worker, on the cancel pipe: stop call id (no payload; see ``control``)
+    EVENT = 15  # worker -> host, in band during call id: pickled (kind, data) for on_event
 
 
 FLAG_OOB = 1
@@ -160,6 +163,18 @@ class FrameReader:
     @limit.setter
     def limit(self, value: int) -> None:
         self._limit = value
+
+    def recv_nowait(self) -> bytes:
+        """What the socket holds now, up to 64 KiB (b"" at EOF; ``BlockingIOError`` if
+        nothing), read into the reusable scratch buffer. For a reader driven by readiness
+        callbacks (the host's asyncio path), which then owns the stream until ``unread``."""
+        n = self._sock.recv_into(self._scratch_view, _RECV_CHUNK, socket.MSG_DONTWAIT)
+        return bytes(self._scratch_view[:n])
+
+    def unread(self, data: bytes) -> None:
+        """Put back bytes another reader took off the socket beyond the frame it wanted (the
+        host's asyncio reader); the next ``read`` or idle check sees them first."""
+        self._buf[:0] = data
 
     def readable_now(self) -> bool:
         """Whether bytes (or EOF) are waiting, without blocking."""

@@ -1,0 +1,508 @@
+"""asyncio-native calls (``Worker.arun``/``acall``): no thread while a call waits or runs warm.
+
+Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
+
+    encode + deadline (starts now)         bad input raises here, as in ``Pool.call``
+    lease a slot, or queue the ticket      a queued call waits on an asyncio future that the
+                                           thread releasing a slot resolves through
+                                           ``call_soon_threadsafe``; no thread is held
+    warm path (idle verified worker, small request, no ping due):
+        gate(CallStarted) -> send CALL     one ``sendall`` of <= 64 KiB into an idle channel
+        loop.add_reader(channel)           frames parsed as they arrive: LOG -> logging,
+                                           EVENT -> on_event (on the loop), REPLY -> future
+        gate(Replied) via settle           the slot goes to the next waiter
+    otherwise (a worker must start, a ping is due, large or out-of-band payloads, RemoteRefs):
+        the sync exchange runs on a thread of its own (never the loop's default executor),
+        and the coroutine awaits its outcome; a worker start never blocks the loop.
+
+Deadline: one timer per call, from the moment ``arun`` is called. Queued: the ticket leaves
+the queue and the call raises ``CallTimeout``. Warm: the gate applies ``DeadlineHit`` and the
+worker is stopped, as in the sync path. On the thread path the caller gets ``CallTimeout`` at
+the deadline even while a worker is still starting; the thread finishes the start (a slow start
+is not a failed one) and ends the call with the same deadline, which counts it once.
+
+Cancellation (the task is cancelled): queued, the ticket is removed; running, the pool's
+cooperative cancel (``CancelRequested``: CANCEL frame, kill after ``cancel_grace``) and the
+coroutine keeps waiting for the call's end, so the slot is settled exactly once, then raises
+``CancelledError``. A second cancellation kills the worker at once. A reply that crosses the
+cancel is dropped (the task is cancelled) and counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType, encode_header
+
+from . import _lifecycle as lc
+from . import _pool
+from ._call import EventCallback, deliver, event_handler
+from ._codec import decode_reply, target_label
+from ._errors import CallCancelled, CallTimeout, PoolClosedError, WorkerCrashed
+from ._process import python_mismatch
+
+if TYPE_CHECKING:
+    from ._pool import Pool, _EnvEntry, _Slot, _Ticket
+    from ._process import WorkerProcess
+
+T = TypeVar("T")
+
+_SMALL = 65536  # a request this small goes out in one sendall on the loop
+_REPLY_SPIN = 0.0002  # seconds a warm call waits for its reply before yielding to the loop
+
+
+async def arun(
+    pool: Pool,
+    entry: _EnvEntry,
+    target: str | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float | None,
+    on_event: EventCallback | None,
+) -> Any:
+    ticket = _pool._Ticket()
+    body, buffers, by_value, deadline = pool._prepare(
+        entry, target, args, kwargs, timeout, ticket, None
+    )
+    ticket.on_event = on_event
+    try:
+        slot = _lease_now(pool, entry, ticket)
+        if slot is None:
+            slot = await _queued(pool, entry, ticket, deadline)
+    except BaseException as exc:
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        pool._settle(entry, ticket, "cancelled" if cancelled else _pool._outcome(exc), None)
+        raise
+    process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
+    if process is not None:
+        sent, value = await _warm_call(pool, entry, slot, ticket, process, target, body, deadline)
+        if sent:
+            return value
+    return await _on_thread(pool, entry, slot, ticket, target, body, buffers, by_value, deadline)
+
+
+# ---- queueing ---------------------------------------------------------------------------------
+
+
+def _resolve(future: asyncio.Future[Any], value: Any = None) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _lease_now(pool: Pool, entry: _EnvEntry, ticket: _Ticket) -> _Slot | None:
+    """Lease a free slot at once (no coroutine on the common path), or queue the ticket with
+    an asyncio future as its waker and return None."""
+    with entry.lock:
+        if pool._closed:
+            raise pool._closed_error()
+        entry.submitted += 1
+        if isinstance(entry.env_state, lc.EnvAbandoned):
+            ticket.stage = "in_flight"
+            entry.in_flight += 1
+            raise _pool._abandoned_error(entry.spec.key, entry.env_state)
+        if not entry.waiters:
+            slot = _pool._free_slot(entry, ticket.wanted)
+            if slot is not None:
+                slot.leased = True
+                ticket.slot = slot
+                ticket.stage = "in_flight"
+                entry.in_flight += 1
+                return slot
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            # Under the entry's lock, on whichever thread released a slot.
+            try:
+                loop.call_soon_threadsafe(_resolve, woken)
+            except RuntimeError:  # the loop is closed: its coroutine will never run again
+                pass
+
+        ticket.waker = wake
+        ticket.woken = woken
+        ticket.stage = "queued"
+        entry.queued += 1
+        entry.waiters.append(ticket)
+    return None
+
+
+async def _queued(pool: Pool, entry: _EnvEntry, ticket: _Ticket, deadline: float | None) -> _Slot:
+    """Wait, costing no thread, until a slot is handed over (or give up: deadline, cancel)."""
+    woken = ticket.woken
+    assert woken is not None
+    try:
+        if deadline is None:
+            await woken
+        else:
+            await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
+    except (asyncio.TimeoutError, TimeoutError):
+        pool._leave_queue(entry, ticket)
+        raise CallTimeout(
+            f"the call's deadline passed while it was queued for env {entry.spec.key}",
+            env=entry.spec.key,
+        ) from None
+    except BaseException:  # cancelled (or the coroutine closed): leave the queue
+        pool._leave_queue(entry, ticket)
+        raise
+    if ticket.slot is not None:
+        return ticket.slot
+    pool._leave_queue(entry, ticket)
+    if ticket.closed:
+        raise PoolClosedError("the pool was closed while the call was queued")
+    raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
+
+
+# ---- the warm path: on the loop ---------------------------------------------------------------
+
+
+def _warm_process(
+    pool: Pool,
+    entry: _EnvEntry,
+    slot: _Slot,
+    ticket: _Ticket,
+    body: bytes,
+    buffers: list[memoryview],
+    by_value: bool,
+) -> WorkerProcess | None:
+    """The slot's worker if this call can run on the loop: verified and idle, nothing to
+    ping, release or check first, a small in-band request. Else None (the thread path)."""
+    state, process = slot.state, slot.process
+    if not isinstance(state, lc.Idle) or process is None or process.sock is None:
+        return None
+    if buffers or len(body) > _SMALL or entry.dropped_refs or ticket.wanted is not None:
+        return None
+    ping_after = pool.config.ping_after_idle
+    if ping_after is not None and lc.needs_ping(state, pool._clock(), ping_after):
+        return None
+    if by_value and python_mismatch(process) is not None:
+        return None  # the thread path raises the clear error
+    if process.idle_channel_state() != "quiet":
+        return None  # the thread path retires it and starts a fresh one
+    return process
+
+
+class _ReplyReader:
+    """Parses the frames of one call as they arrive on the loop (non-blocking reads)."""
+
+    __slots__ = ("buf", "call_id", "done", "limit", "process", "reader", "sink")
+
+    def __init__(
+        self,
+        process: WorkerProcess,
+        call_id: int,
+        sink: Callable[[int, Any], None] | None,
+        done: asyncio.Future[tuple[str, Any]],
+    ) -> None:
+        assert process.reader is not None
+        self.process = process
+        self.reader = process.reader
+        self.limit = process.reader.limit
+        self.call_id = call_id
+        self.sink = sink
+        self.done = done  # replaced by the coroutine if a cancellation cancelled it
+        self.buf = b""
+
+    def finish(self, kind: str, value: Any = None) -> None:
+        _resolve(self.done, (kind, value))
+
+    def on_readable(self) -> None:
+        if self.done.done():
+            return
+        try:
+            data = self.reader.recv_nowait()
+        except (BlockingIOError, InterruptedError):
+            return
+        except ConnectionResetError:
+            self.finish("reset")
+            return
+        except OSError:
+            self.finish("eof")
+            return
+        if not data:
+            self.finish("eof")
+            return
+        buf = self.buf + data if self.buf else data
+        start = 0
+        size = len(buf)
+        while size - start >= HEADER_SIZE:
+            magic, ftype, flags, length, frame_call_id = HEADER.unpack_from(buf, start)
+            if magic != MAGIC:
+                self.finish("bad", f"bad frame magic {bytes(magic)!r} (stream corrupted)")
+                return
+            if length > self.limit:
+                self.finish("bad", f"frame of {length} bytes exceeds the limit of {self.limit}")
+                return
+            end = start + HEADER_SIZE + length
+            if size < end:
+                break
+            payload = buf[start + HEADER_SIZE : end]
+            start = end
+            if ftype == FrameType.LOG:
+                self.process.log.emit_frame(payload)
+            elif ftype == FrameType.EVENT:
+                if self.sink is not None:
+                    self.sink(frame_call_id, payload)
+            else:
+                self.finish("frame", (ftype, flags, frame_call_id, payload, buf[start:]))
+                return
+        self.buf = buf[start:]
+
+
+async def _warm_call(
+    pool: Pool,
+    entry: _EnvEntry,
+    slot: _Slot,
+    ticket: _Ticket,
+    process: WorkerProcess,
+    target: str | Callable[..., Any],
+    body: bytes,
+    deadline: float | None,
+) -> tuple[bool, Any]:
+    """Run the call on the loop. (False, None) if nothing was sent (the worker died idle under
+    our feet): the caller moves the call to the thread path, which starts a fresh worker."""
+    loop = asyncio.get_running_loop()
+    call_id = next(pool._call_ids)
+    generation = process.generation
+    with entry.lock:
+        cancelled = ticket.cancelled
+        effects = None
+        if not cancelled:
+            effects = entry.apply_locked(slot, lc.CallStarted(generation, call_id, pool._clock()))
+            ticket.generation = generation
+            ticket.call_id = call_id
+            ticket.ran_on = slot
+    if cancelled:
+        pool._settle(entry, ticket, "cancelled", None)
+        raise CallCancelled("the call was cancelled", env=entry.spec.key)
+    if effects is None:
+        return False, None
+    sock = process.sock
+    assert sock is not None
+    try:
+        sock.sendall(encode_header(FrameType.CALL, call_id, len(body)) + body)
+    except (BrokenPipeError, ConnectionResetError):
+        entry.apply(slot, lc.ChannelClosed(generation))
+        return False, None  # not one byte went out: the call never ran
+    except OSError:
+        pass  # the read below reports the crash
+    outcome = "failed"
+    replied: lc.Replied | None = None
+    cancels = 0
+    done: asyncio.Future[tuple[str, Any]] = loop.create_future()
+    sink = None if ticket.on_event is None else event_handler(ticket.on_event, call_id, generation)
+    reader = _ReplyReader(process, call_id, sink, done)
+    fd = sock.fileno()
+    timer = None
+    registered = False
+    try:
+        # A quick call replies within tens of microseconds: wait for that on the spot (at
+        # most _REPLY_SPIN, GIL released) rather than pay for a reader registration and two
+        # turns of the loop. A longer call is then read through the loop.
+        if fd < 1024:  # select()'s FD_SETSIZE
+            spin_end = time.monotonic() + _REPLY_SPIN
+            while not done.done():
+                left = spin_end - time.monotonic()
+                if left <= 0 or not select.select((fd,), (), (), left)[0]:
+                    break
+                reader.on_readable()
+        if not done.done():
+            loop.add_reader(fd, reader.on_readable)
+            registered = True
+        if deadline is not None and not done.done():
+            delay = max(0.0, deadline - time.monotonic())
+            timer = loop.call_later(delay, reader.finish, "deadline")
+        while True:
+            try:
+                kind, value = await reader.done
+                break
+            except asyncio.CancelledError:
+                # Ask the worker first; keep waiting for the call's end (the grace timer
+                # kills a worker that does not stop). A second cancellation kills at once.
+                finished = reader.done
+                if finished.done() and not finished.cancelled():
+                    kind, value = finished.result()  # it ended as the cancel came
+                    cancels += 1
+                    break
+                cancels += 1
+                reader.done = loop.create_future()
+                pool._cancel(entry, ticket, force=cancels > 1)
+        if registered:
+            registered = False
+            loop.remove_reader(fd)
+        if timer is not None:
+            timer.cancel()
+        label = target_label(target)
+        if kind == "frame":
+            ftype, flags, reply_id, payload, rest = value
+            if rest:
+                process.reader.unread(rest)  # type: ignore[union-attr]
+            if ftype == FrameType.ERROR:
+                detail = payload.decode("utf-8", "replace")
+                raise pool._protocol_error(
+                    entry, slot, process, f"worker refused a frame: {detail}"
+                )
+            if reply_id != call_id or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
+                raise pool._protocol_error(
+                    entry,
+                    slot,
+                    process,
+                    f"expected the reply to call {call_id}, got frame type {ftype} for call "
+                    f"{reply_id}",
+                )
+            replied = lc.Replied(generation, call_id, pool._clock())
+            reply_buffers = None
+            if flags:
+                from comfy_env_worker.protocol import FrameError
+
+                try:
+                    payload, reply_buffers, _ = process.open_reply(call_id, flags, payload)
+                except FrameError as exc:
+                    raise pool._protocol_error(entry, slot, process, str(exc)) from None
+            if cancels:
+                outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
+                raise asyncio.CancelledError
+            outcome = "raised"
+            result = decode_reply(ftype, payload, target, reply_buffers)
+            outcome = "ok"
+            return True, result
+        if kind == "bad":
+            raise pool._protocol_error(entry, slot, process, value)
+        if kind == "deadline" and entry.apply(slot, lc.DeadlineHit(generation, call_id)):
+            raise CallTimeout(
+                f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
+                f"worker pid {process.pid} (generation {generation}) was stopped",
+                env=entry.spec.key,
+                pid=process.pid,
+                generation=generation,
+                call_id=call_id,
+                target=label or None,
+            )
+        # EOF, reset, or a deadline that lost to another retirement: compose the crash report
+        # (it waits, bounded, for the exit status) off the loop.
+        raise await _blocking(lambda: pool._crash_error(entry, slot, process, call_id, label))
+    except CallCancelled as exc:
+        outcome = "cancelled"
+        if cancels:
+            raise asyncio.CancelledError from exc
+        if exc.env is None:
+            exc.env, exc.generation, exc.pid = entry.spec.key, generation, process.pid
+        raise
+    except CallTimeout:
+        outcome = "timed_out"
+        raise
+    except WorkerCrashed:
+        outcome = "crashed"
+        raise
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    finally:
+        if registered:
+            loop.remove_reader(fd)
+        if timer is not None:
+            timer.cancel()
+        pool._settle(entry, ticket, outcome, replied)
+
+
+# ---- everything else: a thread of its own -----------------------------------------------------
+
+
+async def _blocking(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a short-lived thread of its own (never the loop's default executor) and
+    return its result; cancellation waits for it (it is bounded)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(_resolve, done, outcome)
+        except RuntimeError:
+            pass
+
+    threading.Thread(target=run, name="comfy-env-acall", daemon=True).start()
+    while True:
+        try:
+            ok, value = await asyncio.shield(done)
+            break
+        except asyncio.CancelledError:
+            continue
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
+
+
+async def _on_thread(
+    pool: Pool,
+    entry: _EnvEntry,
+    slot: _Slot,
+    ticket: _Ticket,
+    target: str | Callable[..., Any],
+    body: bytes,
+    buffers: list[memoryview],
+    by_value: bool,
+    deadline: float | None,
+) -> Any:
+    loop = asyncio.get_running_loop()
+    callback = ticket.on_event
+    if callback is not None:
+
+        def on_loop(event: Any) -> None:
+            # Events run on the loop, in order, before the result (both go through the
+            # same FIFO of call_soon_threadsafe).
+            try:
+                loop.call_soon_threadsafe(deliver, callback, event)
+            except RuntimeError:
+                pass
+
+        ticket.on_event = on_loop
+    done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome: tuple[bool, Any] = (
+                True,
+                pool._run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline),
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(_resolve, done, outcome)
+        except RuntimeError:
+            pass
+
+    threading.Thread(target=run, name="comfy-env-acall", daemon=True).start()
+    cancels = 0
+    while True:
+        try:
+            if deadline is None or cancels:
+                ok, value = await asyncio.shield(done)
+            else:
+                remaining = max(0.0, deadline - time.monotonic())
+                ok, value = await asyncio.wait_for(asyncio.shield(done), remaining)
+            break
+        except (asyncio.TimeoutError, TimeoutError):
+            # The thread ends the call with the same deadline (and counts it); the caller
+            # does not wait for a worker that is still starting.
+            raise CallTimeout(
+                f"the call's deadline passed before it ended on env {entry.spec.key} "
+                "(its worker was starting or the call was running)",
+                env=entry.spec.key,
+                call_id=ticket.call_id or None,
+            ) from None
+        except asyncio.CancelledError:
+            cancels += 1
+            pool._cancel(entry, ticket, force=cancels > 1)
+    if cancels:
+        raise asyncio.CancelledError
+    if ok:
+        return value
+    raise value

@@ -1,0 +1,155 @@
+"""``CallEvent`` (what a running call reports) and ``Call`` (the handle ``Worker.submit`` returns).
+
+Events: code in the worker calls ``comfy_env_worker.progress(...)`` or ``emit(kind, data)``;
+the frames travel in band on the call's channel, ahead of its reply, and the thread (or event
+loop) that reads the reply turns each into a frozen ``CallEvent`` and hands it to the call's
+``on_event`` callback, in order, before the result is returned. A callback that raises is
+logged and does not disturb the call.
+
+``Call`` follows ``concurrent.futures.Future``: ``result(timeout)``, ``exception(timeout)``,
+``done()``, ``running()``, ``add_done_callback``. It differs where a subprocess call must:
+``cancel()`` also works on a running call (it starts the cooperative cancellation: the worker
+is asked, and killed after ``PoolConfig.cancel_grace``) and returns True when cancellation was
+requested; the call then ends with ``CallCancelled`` (or with its result, if the reply crossed
+the cancel). Each submitted call runs on a thread of its own while it waits and runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._errors import CallCancelled
+
+if TYPE_CHECKING:
+    from ._pool import Pool, _EnvEntry, _Ticket
+
+_log = logging.getLogger("comfy_env")
+
+
+@dataclass(frozen=True, slots=True)
+class CallEvent:
+    """Something a running call reported: ``kind`` ``"progress"`` (``data`` is
+    ``{"done", "total", **info}``) or the kind given to ``comfy_env_worker.emit``; ``call_id``
+    and ``generation`` name the call and the worker generation it ran on."""
+
+    kind: str
+    data: Any
+    call_id: int
+    generation: int
+
+
+EventCallback = Callable[[CallEvent], object]
+
+
+def event_handler(
+    callback: EventCallback, call_id: int, generation: int
+) -> Callable[[int, Any], None]:
+    """Turn EVENT frames of call ``call_id`` into ``callback(CallEvent)``; frames of any other
+    call id are late news and dropped."""
+
+    def handle(frame_call_id: int, payload: Any) -> None:
+        if frame_call_id != call_id:
+            return
+        try:
+            kind, data = pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - a bad event must not break the call
+            _log.warning("comfy-env: an event of call %d could not be unpickled", call_id)
+            return
+        deliver(callback, CallEvent(kind, data, call_id, generation))
+
+    return handle
+
+
+def deliver(callback: EventCallback, event: CallEvent) -> None:
+    try:
+        callback(event)
+    except Exception:  # noqa: BLE001 - the caller's callback must not break the call
+        _log.exception("comfy-env: on_event callback failed for %s", event)
+
+
+class Call:
+    """A call started by ``Worker.submit``. Not constructible by users."""
+
+    __slots__ = ("_entry", "_future", "_pool", "_ticket")
+
+    def __init__(self, pool: Pool, entry: _EnvEntry, ticket: _Ticket) -> None:
+        self._pool = pool
+        self._entry = entry
+        self._ticket = ticket
+        self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._future.set_running_or_notify_cancel()
+
+    def _start(self, run: Callable[[], Any]) -> None:
+        def body() -> None:
+            try:
+                result = run()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                self._future.set_exception(exc)
+            else:
+                self._future.set_result(result)
+
+        threading.Thread(target=body, name="comfy-env-call", daemon=True).start()
+
+    @property
+    def env(self) -> str:
+        return self._entry.spec.key
+
+    @property
+    def call_id(self) -> int:
+        """The call's id once it was sent to a worker, else 0."""
+        return self._ticket.call_id
+
+    @property
+    def generation(self) -> int:
+        """The worker generation the call was sent to, else 0."""
+        return self._ticket.generation
+
+    def cancel(self) -> bool:
+        """Cancel a queued call, or ask the worker to stop a running one (killed after
+        ``PoolConfig.cancel_grace``; a second ``cancel()`` kills it at once). False if the
+        call is already done."""
+        if self._future.done():
+            return False
+        self._pool._cancel(self._entry, self._ticket, force=self._ticket.cancelled)
+        return True
+
+    def cancelled(self) -> bool:
+        """True if the call ended because it was cancelled."""
+        return self._future.done() and isinstance(self._future.exception(), CallCancelled)
+
+    def running(self) -> bool:
+        return self._ticket.stage == "in_flight" and not self._future.done()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The call's result (or its error raised). ``timeout`` bounds this wait only
+        (``TimeoutError``); Ctrl-C while waiting cancels the call, then re-raises."""
+        try:
+            return self._future.result(timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return self._future.exception(timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def add_done_callback(self, fn: Callable[[Call], object]) -> None:
+        """Run ``fn(call)`` when the call is done (at once if it is), on the thread that
+        finished it."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else self._ticket.stage
+        return f"<comfy_env.Call {state} env={self.env!r} call_id={self.call_id}>"

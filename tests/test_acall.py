@@ -1,0 +1,262 @@
+"""asyncio-native ``arun``/``acall``: no borrowed threads, deadlines at every stage, cancellation.
+
+Every test runs its loop with a deliberately small default executor (2 threads) so that any
+call that borrowed an executor thread while it waits would starve the others and show. What
+they prove:
+
+* thousands of queued calls cost no thread, and a queue on one env never delays another env;
+* the deadline starts when ``arun`` is called and holds while queued, while a worker starts
+  and while the call runs;
+* task cancellation removes a queued call, and stops a running one cooperatively (the worker
+  lives on) or by the kill after the grace; ``on_event`` runs on the loop, in order, before
+  the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from conftest import TESTS_DIR, wait_until
+
+import comfy_env
+from comfy_env import CallEvent, CallTimeout, RemoteError, WorkerCrashed
+
+T = TypeVar("T")
+
+
+def run_small(main: Callable[[], Awaitable[T]]) -> T:
+    """Run ``main()`` on a fresh loop whose default executor has 2 threads."""
+
+    async def wrapper() -> T:
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        )
+        return await main()
+
+    return asyncio.run(wrapper())
+
+
+@pytest.fixture
+def apool() -> Iterator[comfy_env.Pool]:
+    cfg = comfy_env.PoolConfig(
+        sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0, cancel_grace=3.0
+    )
+    with comfy_env.Pool(cfg) as p:
+        yield p
+
+
+def _script(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+
+
+def test_a_queue_on_one_env_never_delays_another_env_and_costs_no_thread(
+    apool: comfy_env.Pool, foreign_venv: Path
+) -> None:
+    busy = apool.get_worker()
+    other = apool.get_worker(foreign_venv)
+    busy.call("remote_tasks:add", 1)
+    other.call("comfy_env_worker.tasks:echo", 0)  # both warm
+    threads_before = threading.active_count()
+
+    async def main() -> tuple[int, int, int]:
+        finished = 0
+
+        async def slow(i: int) -> None:
+            nonlocal finished
+            await busy.acall("remote_tasks:cooperative_loop", 0.05)
+            finished += 1
+
+        tasks = [asyncio.ensure_future(slow(i)) for i in range(40)]
+        await asyncio.sleep(0.1)
+        assert busy.stats().queued >= 30
+        threads_while_queued = threading.active_count()
+        # Another env answers while 30+ calls are queued on the busy one.
+        assert await other.acall("comfy_env_worker.tasks:echo", "fast") == "fast"
+        finished_then = finished
+        await asyncio.gather(*tasks)
+        return finished_then, threads_while_queued, finished
+
+    finished_then, threads_while_queued, finished = run_small(main)
+    assert finished_then < 20 and finished == 40
+    assert threads_while_queued <= threads_before + 1  # at most the loop's own helpers
+    stats = busy.stats()
+    assert (stats.ok, stats.queued, stats.in_flight) == (41, 0, 0)
+
+
+def test_thousands_of_queued_acalls_cost_no_threads(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
+    w.call("remote_tasks:add", 1)
+    threads_before = threading.active_count()
+
+    async def main() -> list[Any]:
+        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 0.3))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.ensure_future(w.acall("remote_tasks:add", i, 1)) for i in range(2000)]
+        await asyncio.sleep(0.05)
+        assert w.stats().queued == 2000
+        assert threading.active_count() <= threads_before + 1
+        return [await blocker, *await asyncio.gather(*tasks)]
+
+    results = run_small(main)
+    assert results == ["finished", *range(1, 2001)]
+
+
+def test_the_deadline_holds_while_queued(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
+    w.call("remote_tasks:add", 1)
+
+    async def main() -> None:
+        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 2.0))
+        await asyncio.sleep(0.05)
+        with pytest.raises(CallTimeout, match="queued"):
+            await w.arun("remote_tasks:add", (1,), timeout=0.3)
+        assert not blocker.done()  # it gave up while the call ahead still ran
+        assert await blocker == "finished"
+
+    run_small(main)
+    stats = w.stats()
+    assert (stats.timed_out, stats.queued, stats.in_flight, stats.ok) == (1, 0, 0, 2)
+
+
+def test_the_deadline_holds_while_a_worker_starts(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    # An env whose interpreter takes 1.5 s to start (a launcher that sleeps first).
+    _script(tmp_path / "env" / "bin" / "python", f'sleep 1.5\nexec "{sys.executable}" "$@"\n')
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker(tmp_path / "env")
+
+        async def main() -> None:
+            with pytest.raises(CallTimeout):
+                await w.arun("comfy_env_worker.tasks:echo", (1,), timeout=0.3)
+            assert w.stats().workers[0].state == "starting"  # the caller did not wait for it
+
+        run_small(main)
+        # The slow start was not a failed one: the next call uses the same worker.
+        assert wait_until(lambda: w.stats().in_flight == 0)
+        assert w.call("comfy_env_worker.tasks:echo", 2) == 2
+        assert (w.generation, w.stats().timed_out) == (1, 1)
+
+
+def test_the_deadline_holds_while_running(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
+    pid = w.call("remote_tasks:getpid")
+
+    async def main() -> None:
+        with pytest.raises(CallTimeout, match="missed its deadline"):
+            await w.arun("remote_tasks:ignore_cancel", (30,), timeout=0.3)
+
+    run_small(main)
+    assert w.call("remote_tasks:getpid") != pid
+    assert (w.generation, w.stats().timed_out) == (2, 1)
+
+
+def test_cancelling_a_running_task_stops_the_call_and_keeps_the_worker(
+    apool: comfy_env.Pool,
+) -> None:
+    w = apool.get_worker()
+    assert w.call("remote_tasks:count_calls") == 1
+    pid = w.pid
+
+    async def main() -> None:
+        task = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 30))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+
+    run_small(main)
+    assert w.call("remote_tasks:count_calls") == 2  # caches intact
+    assert (w.pid, w.generation) == (pid, 1)
+    stats = w.stats()
+    assert (stats.cancelled, stats.in_flight, stats.ok) == (1, 0, 2)
+
+
+def test_cancelling_a_queued_task_removes_it(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
+    w.call("remote_tasks:count_calls")
+
+    async def main() -> None:
+        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 0.5))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(w.acall("remote_tasks:count_calls"))
+        await asyncio.sleep(0.05)
+        assert w.stats().queued == 1
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert w.stats().queued == 0
+        assert await blocker == "finished"
+
+    run_small(main)
+    assert w.call("remote_tasks:count_calls") == 2  # the cancelled call never ran
+    stats = w.stats()
+    assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 3, 0, 0)
+
+
+def test_a_task_that_ignores_the_cancel_is_killed_after_the_grace(
+    config: comfy_env.PoolConfig,
+) -> None:
+    cfg = config.model_copy(update={"cancel_grace": 0.5})
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        pid = w.call("remote_tasks:getpid")
+
+        async def main() -> None:
+            task = asyncio.ensure_future(w.acall("remote_tasks:ignore_cancel", 30))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        run_small(main)
+        assert w.call("remote_tasks:getpid") != pid
+        assert (w.generation, w.stats().cancelled) == (2, 1)
+
+
+def test_on_event_runs_on_the_loop_in_order_before_the_result(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
+
+    async def main(warm: bool) -> None:
+        loop_thread = threading.get_ident()
+        seen: list[tuple[str, Any, int]] = []
+
+        def on_event(event: CallEvent) -> None:
+            seen.append((event.kind, event.data, threading.get_ident()))
+
+        result = await w.arun("remote_tasks:events_in_order", (3,), on_event=on_event)
+        assert result == 3
+        kinds = [(k, d if k == "step" else d["done"]) for k, d, _ in seen]
+        assert kinds == [x for i in range(3) for x in (("step", i), ("progress", i + 1))]
+        assert {t for _, _, t in seen} == {loop_thread}
+
+    run_small(lambda: main(warm=False))  # first call: the worker starts (thread path)
+    run_small(lambda: main(warm=True))  # warm: read on the loop
+    assert w.generation == 1
+
+
+def test_acall_errors_and_crashes(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
+    w.call("remote_tasks:add", 1)
+
+    async def main() -> None:
+        with pytest.raises(RemoteError, match="SystemExit"):
+            await w.acall("remote_tasks:system_exit", 3)
+        with pytest.raises(WorkerCrashed, match="SIGSEGV"):
+            await w.acall("comfy_env_worker.tasks:crash")
+        assert await w.acall("remote_tasks:add", 2, 3) == 5  # a fresh worker
+        big = bytes(3 * 1024 * 1024)
+        assert await w.acall("comfy_env_worker.tasks:echo", big) == big  # out of band
+
+    run_small(main)
+    assert w.generation == 2

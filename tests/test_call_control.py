@@ -1,0 +1,271 @@
+"""Cooperative cancellation, the kill after the grace, progress and events, ``Worker.submit``.
+
+Every test uses real worker processes. What they prove:
+
+* a cancelled call that stops within ``cancel_grace`` (by ``raise_if_cancelled``, by polling
+  ``cancelled()``, or interrupted asynchronously in pure-Python code) leaves its worker alive in
+  the same generation with its module caches, and the caller gets ``CallCancelled``;
+* a call that does not stop is killed after the grace; ``cancel_grace=0`` kills at once;
+* a queued call is removed from the queue; a reply that crosses a cancel is delivered once;
+* a CANCEL for call N never touches call N+1 (the late-news rule), stats count each call once;
+* events arrive in the order emitted, all before the result, progress coalesced;
+* ``Call`` follows ``concurrent.futures.Future`` conventions; Ctrl-C asks the worker first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import TESTS_DIR, wait_until
+
+import comfy_env
+import comfy_env_worker
+from comfy_env import CallCancelled, CallEvent
+from comfy_env import _lifecycle as lc
+
+
+@pytest.fixture
+def grace_pool() -> Iterator[comfy_env.Pool]:
+    cfg = comfy_env.PoolConfig(
+        sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0, cancel_grace=3.0
+    )
+    with comfy_env.Pool(cfg) as p:
+        yield p
+
+
+def _started(w: comfy_env.Worker, call: comfy_env.Call) -> None:
+    """Wait until ``call`` runs in the worker (it was sent; the worker reads it at once)."""
+    assert wait_until(lambda: call.call_id != 0 and w.stats().in_flight == 1)
+    time.sleep(0.1)  # let the worker read the CALL frame and enter the function
+
+
+@pytest.mark.parametrize("target", ["cooperative_loop", "polite_loop", "busy_loop"])
+def test_a_call_that_stops_in_time_keeps_its_worker_and_caches(
+    grace_pool: comfy_env.Pool, target: str
+) -> None:
+    w = grace_pool.get_worker()
+    assert w.call("remote_tasks:count_calls") == 1
+    pid = w.pid
+    call = w.submit(f"remote_tasks:{target}", (30,))
+    _started(w, call)
+    assert call.running()
+    assert call.cancel() is True
+    if target == "polite_loop":
+        # It chose to return a partial result: a result that crosses the cancel is delivered.
+        assert call.result(timeout=10) == "stopped early"
+        assert not call.cancelled()
+    else:
+        with pytest.raises(CallCancelled, match="lives on") as info:
+            call.result(timeout=10)
+        assert call.cancelled()
+        assert (info.value.env, info.value.generation, info.value.pid) == (w.env, 1, pid)
+    # Same process, same generation, module state intact.
+    assert w.call("remote_tasks:count_calls") == 2
+    assert (w.pid, w.generation) == (pid, 1)
+    stats = w.stats()
+    assert (stats.cancelled + stats.ok, stats.in_flight, stats.crashed) == (3, 0, 0)
+    assert stats.cancelled == (0 if target == "polite_loop" else 1)
+
+
+def test_a_call_that_ignores_the_cancel_is_killed_after_the_grace(
+    config: comfy_env.PoolConfig,
+) -> None:
+    cfg = config.model_copy(update={"cancel_grace": 0.6})
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        pid = w.call("remote_tasks:getpid")
+        call = w.submit("remote_tasks:ignore_cancel", (30,))
+        _started(w, call)
+        call.cancel()
+        with pytest.raises(CallCancelled, match="did not stop within") as info:
+            call.result(timeout=10)
+        assert info.value.generation == 1
+        assert w.call("remote_tasks:getpid") != pid
+        assert w.generation == 2
+        stats = w.stats()
+        assert (stats.cancelled, stats.crashed, stats.in_flight) == (1, 0, 0)
+
+
+def test_cancel_grace_zero_kills_at_once(config: comfy_env.PoolConfig) -> None:
+    cfg = config.model_copy(update={"cancel_grace": 0.0})
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:getpid")
+        call = w.submit("remote_tasks:cooperative_loop", (30,))
+        _started(w, call)
+        call.cancel()
+        with pytest.raises(CallCancelled, match="was killed"):
+            call.result(timeout=10)
+        w.call("remote_tasks:getpid")
+        assert w.generation == 2
+
+
+def test_a_second_cancel_kills_at_once(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    call = w.submit("remote_tasks:ignore_cancel", (30,))
+    _started(w, call)
+    call.cancel()
+    call.cancel()  # escalation: no grace
+    with pytest.raises(CallCancelled, match="was killed"):
+        call.result(timeout=2.5)  # well inside the 3 s grace
+    w.call("remote_tasks:getpid")
+    assert w.generation == 2
+
+
+def test_cancelling_a_queued_call_removes_it_from_the_queue(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    first = w.submit("remote_tasks:cooperative_loop", (1.0,))
+    _started(w, first)
+    queued = w.submit("remote_tasks:count_calls")
+    assert wait_until(lambda: w.stats().queued == 1)
+    assert queued.cancel()
+    with pytest.raises(CallCancelled, match="queued"):
+        queued.result(timeout=5)
+    assert first.result(timeout=10) == "finished"  # the running call is not touched
+    assert w.call("remote_tasks:count_calls") == 1  # the cancelled call never ran
+    stats = w.stats()
+    assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 2, 0, 0)
+
+
+def test_a_late_cancel_never_affects_the_next_call(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    done = w.submit("remote_tasks:cooperative_loop", (0.05,))
+    assert done.result(timeout=10) == "finished"
+    old_call_id = done.call_id
+    running = w.submit("remote_tasks:cooperative_loop", (0.8,))
+    _started(w, running)
+    assert running.call_id > old_call_id
+    entry = w._entry
+    slot = entry.slots[0]
+    process = slot.process
+    assert process is not None
+    # The cancel of call N arrives late, while call N+1 runs: the gate drops it ...
+    late = lc.CancelRequested(1, old_call_id, time.monotonic(), 3.0)
+    dropped_before = w.stats().stale_events_dropped
+    assert entry.apply(slot, late) is False
+    assert w.stats().stale_events_dropped == dropped_before + 1
+    # ... and so does the worker, should a CANCEL frame for call N reach it now.
+    assert process.send_cancel(old_call_id)
+    assert running.result(timeout=10) == "finished"
+    assert (w.generation, w.stats().cancelled, w.stats().ok) == (1, 0, 2)
+
+
+def test_a_cancel_that_arrives_before_its_call_is_read_still_applies(
+    grace_pool: comfy_env.Pool,
+) -> None:
+    w = grace_pool.get_worker()
+    w.call("remote_tasks:count_calls")
+    process = w._entry.slots[0].process
+    assert process is not None
+    # The CANCEL frame for the next call id reaches the worker before the CALL frame does.
+    next_id = int(repr(w._pool._call_ids)[len("count(") : -1])  # the next call id
+    assert process.send_cancel(next_id)
+    time.sleep(0.2)
+    with pytest.raises(CallCancelled, match="before it started"):
+        w.call("remote_tasks:count_calls")
+    assert w.call("remote_tasks:count_calls") == 2  # the cancelled call never ran
+    assert w.generation == 1
+
+
+def test_events_arrive_in_order_before_the_result(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    seen: list[CallEvent] = []
+    assert w.run("remote_tasks:events_in_order", (5,), on_event=seen.append) == 5
+    kinds = [(e.kind, e.data if e.kind == "step" else e.data["done"]) for e in seen]
+    assert kinds == [x for i in range(5) for x in (("step", i), ("progress", i + 1))]
+    call_ids = {e.call_id for e in seen}
+    assert len(call_ids) == 1 and call_ids != {0}
+    assert {e.generation for e in seen} == {1}
+    with pytest.raises(AttributeError):
+        seen[0].kind = "x"  # type: ignore[misc]  # frozen
+
+
+def test_a_progress_flood_is_coalesced_and_the_latest_wins(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    seen: list[CallEvent] = []
+    assert w.run("remote_tasks:report", (20000, ("done",)), on_event=seen.append) == 20000
+    progress = [e.data for e in seen if e.kind == "progress"]
+    assert 1 <= len(progress) < 20000
+    assert progress[-1] == {"done": 20000, "total": 20000, "stage": "loop"}
+    dones = [p["done"] for p in progress]
+    assert dones == sorted(dones)
+    assert seen[-1].kind == "done"  # the emit after the flood comes after its last progress
+
+
+def test_a_failing_event_callback_does_not_break_the_call(
+    grace_pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = grace_pool.get_worker()
+
+    def broken(event: CallEvent) -> None:
+        raise RuntimeError("callback bug")
+
+    assert w.run("remote_tasks:events_in_order", (2,), on_event=broken) == 2
+    assert "on_event callback failed" in caplog.text
+    assert w.call("remote_tasks:add", 1, 2) == 3
+
+
+def test_events_are_dropped_outside_a_call_and_helpers_are_inert_in_the_host() -> None:
+    # In the host (no worker), the helpers do nothing and nothing is cancelled.
+    assert comfy_env_worker.cancelled() is False
+    comfy_env_worker.raise_if_cancelled()
+    comfy_env_worker.progress(1, 2)
+    comfy_env_worker.emit("kind", {"x": 1})
+
+
+def test_submit_follows_future_conventions(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    call = w.submit("remote_tasks:add", (2,), {"b": 3})
+    assert call.result(timeout=10) == 5
+    assert call.done() and not call.running() and not call.cancelled()
+    assert call.exception() is None
+    assert call.cancel() is False  # done: nothing to cancel
+    finished: list[comfy_env.Call] = []
+    call.add_done_callback(finished.append)  # done: runs at once
+    assert finished == [call]
+    failing = w.submit("remote_tasks:raise_custom", (7,))
+    exc = failing.exception(timeout=10)
+    assert exc is not None and type(exc).__name__ == "CustomError"
+    with pytest.raises(type(exc)):
+        failing.result()
+    with pytest.raises(TypeError):
+        w.submit(42)  # type: ignore[arg-type]  # bad input raises at once
+    slow = w.submit("remote_tasks:cooperative_loop", (0.5,))
+    with pytest.raises(TimeoutError):
+        slow.result(timeout=0.01)  # bounds the wait only
+    assert slow.result(timeout=10) == "finished"
+
+
+def test_submit_with_events_and_a_deadline(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    seen: list[CallEvent] = []
+    call = w.submit("remote_tasks:events_in_order", (3,), on_event=seen.append)
+    assert call.result(timeout=10) == 3 and len(seen) == 6
+    late = w.submit("remote_tasks:cooperative_loop", (30,), timeout=0.5)
+    with pytest.raises(comfy_env.CallTimeout):
+        late.result(timeout=10)
+
+
+def test_ctrl_c_while_waiting_asks_the_worker_first(grace_pool: comfy_env.Pool) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread")
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        pytest.skip("SIGINT is ignored in this process (a background job)")
+    w = grace_pool.get_worker()
+    pid = w.call("remote_tasks:getpid")
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            w.call("remote_tasks:cooperative_loop", 30)
+    finally:
+        timer.join()
+    assert w.call("remote_tasks:getpid") == pid  # the worker stopped the call and lives on
+    assert w.generation == 1
+    stats = w.stats()
+    assert (stats.cancelled, stats.in_flight) == (1, 0)
