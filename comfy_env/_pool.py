@@ -868,6 +868,7 @@ class Pool:
         kwargs: dict[str, Any],
         timeout: float | None,
         ticket: _Ticket | None = None,
+        on_event: EventCallback | None = None,
     ) -> RemoteRef:
         ticket = ticket or _Ticket()
         ref_id = self.call(
@@ -877,6 +878,7 @@ class Pool:
             {},
             timeout,
             ticket,
+            on_event=on_event,
         )
         slot = ticket.ran_on
         assert slot is not None

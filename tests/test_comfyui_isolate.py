@@ -18,6 +18,7 @@ import pytest
 
 import comfy_env
 from comfy_env.comfyui import KeptOutput, NodePackError, isolate
+from comfy_env_worker.comfyui import values
 
 NODES = '''
 import os
@@ -278,3 +279,63 @@ def test_importing_comfy_env_does_not_import_the_comfyui_layer_nor_comfyui_or_to
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_progress_bars_in_node_code_become_call_events(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+    node = mappings["Scale"]._comfy_env_node
+    events: list[comfy_env.CallEvent] = []
+    image = np.zeros((1, 2, 2, 3), np.float32)
+    skeleton, tensors = values.split({"image": image, "n": 1}, values.to_wire)
+    pool.get_worker(None).run(
+        "comfy_env_worker.comfyui.runner:run_node",
+        (node.spec, 1, "go", skeleton, tensors, [], {}),
+        on_event=events.append,
+    )
+    assert [(e.kind, e.data["done"], e.data["total"]) for e in events] == [("progress", 1, 2)]
+
+
+def test_interrupt_checks_in_node_code_follow_the_call_s_cancellation(
+    pack: Path, config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    (pack / "nodes.py").write_text(
+        NODES
+        + """
+
+class Loop:
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "loop"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def loop(self):
+        import time
+        while True:
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            time.sleep(0.01)
+
+
+NODE_CLASS_MAPPINGS["Loop"] = Loop
+"""
+    )
+    with comfy_env.Pool(config.model_copy(update={"cancel_grace": 30.0})) as pool:
+        mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+        w = pool.get_worker(None)
+        generation = w.generation
+
+        async def main() -> None:
+            task = asyncio.ensure_future(mappings["Loop"]().loop())
+            while w.stats().in_flight == 0:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(main())
+        # the node stopped itself at its check (long before the 30 s grace): same worker
+        assert w.generation == generation and w.stats().cancelled == 1

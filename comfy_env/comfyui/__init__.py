@@ -50,12 +50,14 @@ class _Pack:
         spec: PackSpec,
         pool: Pool | None,
         timeout: float | None,
+        interrupt_grace: float | None,
         crossing_types: frozenset[str],
         scan: dict[str, Any],
     ) -> None:
         self.spec = spec
         self._pool = pool
         self.timeout = timeout
+        self.interrupt_grace = interrupt_grace
         self.crossing_types = crossing_types
         self.scan = scan
         self.has_torch = bool(scan.get("has_torch"))
@@ -76,6 +78,7 @@ def isolate(
     module: str,
     *,
     timeout: float | None = None,
+    interrupt_grace: float | None = None,
     scan_timeout: float = 300.0,
     crossing_types: Iterable[str] | None = None,
     extra_crossing_types: Iterable[str] = (),
@@ -89,7 +92,9 @@ def isolate(
     interpreter path (relative paths resolve against the pack directory; None: ComfyUI's own
     interpreter, still in a separate process). ``module``: the node module, relative to the pack
     directory (``"nodes_impl"`` or ``"impl.nodes"``), imported only in the env. ``timeout``: total
-    deadline of each node call in seconds (None: none). ``scan_timeout``: deadline of the scan.
+    deadline of each node call in seconds (None: none). ``interrupt_grace``: seconds an
+    interrupted node gets to stop cooperatively before its worker is killed (None: the pool's
+    ``cancel_grace``; 0: kill at once). ``scan_timeout``: deadline of the scan.
     ``crossing_types`` replaces (``extra_crossing_types`` extends) the socket types whose values
     cross to the server; outputs of any other type stay in the worker as ``KeptOutput``.
     ``pool``: a ``comfy_env.Pool`` (default: the process-wide one). ``cache_dir``: where scans
@@ -118,7 +123,9 @@ def isolate(
     key = cache_key(spec)
     scan = read_cached(spec, key)
     types = frozenset(crossing_types) if crossing_types is not None else CROSSING_TYPES
-    pack = _Pack(spec, pool, timeout, types | frozenset(extra_crossing_types), scan or {})
+    pack = _Pack(
+        spec, pool, timeout, interrupt_grace, types | frozenset(extra_crossing_types), scan or {}
+    )
     if scan is None:
         scan = run_scan(spec, pack.worker, scan_timeout)
         write_cached(spec, key, scan)

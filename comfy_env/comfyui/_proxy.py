@@ -185,7 +185,12 @@ def _mark_kept(pack: _Pack, refs: list[RemoteRef], v: Any) -> Any:
 async def _guarded(pack: _Pack, job: Any) -> Any:
     """Await ``job`` (a coroutine running one worker call), watching ComfyUI's interrupt flag.
 
-    On interrupt the call's task is cancelled (the library stops that worker) and ComfyUI's
+    On interrupt the call's task is cancelled, which is the library's cooperative cancel: the
+    worker is asked to stop (``comfy_env_worker.cancelled()`` turns true, so the stand-ins'
+    ``throw_exception_if_processing_interrupted()`` and ``ProgressBar.update()`` raise inside
+    the node, and the worker with its loaded models lives on); pure-Python code that never
+    checks is interrupted after half of ``PoolConfig.cancel_grace``, and the worker is killed
+    after all of it (or after the pack's ``interrupt_grace``, when set). Then ComfyUI's own
     interrupt exception is raised."""
     task = asyncio.ensure_future(job)
     try:
@@ -194,13 +199,15 @@ async def _guarded(pack: _Pack, job: Any) -> Any:
             if done:
                 break
             if _interrupted():
-                task.cancel()
-                try:
-                    await task
-                except BaseException:  # noqa: BLE001 - the call is being abandoned
-                    pass
+                await _stop(pack, task)
                 _raise_interrupt()
         return task.result()
+    except asyncio.CancelledError:
+        # This coroutine itself was cancelled: stop the call the same way and wait for its end,
+        # so the slot is settled and nothing is left running behind the caller.
+        if not task.done():
+            await _stop(pack, task)
+        raise
     except EnvAbandonedError as exc:
         exc.args = (
             f"{exc.args[0] if exc.args else exc}\nTo reset: fix the pack or its env, then "
@@ -210,6 +217,55 @@ async def _guarded(pack: _Pack, job: Any) -> Any:
     finally:
         if not task.done():
             task.cancel()
+
+
+async def _stop(pack: _Pack, task: asyncio.Future[Any]) -> None:
+    """Cancel the call cooperatively; kill its worker once ``interrupt_grace`` passed."""
+    task.cancel()
+    if pack.interrupt_grace is not None:
+        done, _ = await asyncio.wait({task}, timeout=pack.interrupt_grace)
+        if not done:
+            task.cancel()  # a second cancellation kills the worker at once
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: the call is abandoned, its outcome is the interrupt
+
+
+def _event_bridge(context: dict[str, Any]) -> Callable[[Any], None]:
+    """The call's ``on_event``: worker events become ComfyUI progress and websocket messages
+    of the node's prompt (runs on the loop or on the call's thread; both calls below are
+    thread-safe in ComfyUI)."""
+    prompt_id = context.get("prompt_id")
+    node_id = context.get("node_id")
+
+    def progress(value: Any, total: Any, preview: Any, node: Any) -> None:
+        try:
+            import comfy.model_management as mm
+            import comfy.utils
+        except ImportError:
+            return
+        hook = comfy.utils.PROGRESS_BAR_HOOK
+        if hook is None or mm.processing_interrupted():
+            return  # an interrupt is pending: the proxy handles it, the flag must stay set
+        try:
+            hook(value, total, preview, prompt_id=prompt_id, node_id=node or node_id)
+        except mm.InterruptProcessingException:
+            mm.interrupt_current_processing(True)  # the hook cleared the flag; keep it set
+
+    def on_event(event: Any) -> None:
+        data = event.data if isinstance(event.data, dict) else {}
+        if event.kind == "progress":
+            progress(data.get("done"), data.get("total"), None, data.get("node"))
+        elif event.kind == "comfyui.preview":
+            progress(data.get("value"), data.get("max"), data.get("preview"), data.get("node"))
+        elif event.kind == "comfyui.send_sync":
+            try:
+                from server import PromptServer
+            except ImportError:
+                return
+            PromptServer.instance.send_sync(data.get("event"), data.get("data"), data.get("sid"))
+
+    return on_event
 
 
 def _with_remote_traceback(exc: BaseException) -> BaseException:
@@ -223,10 +279,9 @@ def _with_remote_traceback(exc: BaseException) -> BaseException:
 
 async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str, Any]) -> Any:
     unique_id = kwargs.pop(UNIQUE_ID_INPUT, None)
-    if node.author_wants_unique_id is None and unique_id is None:
-        pass
     skeleton, tensors, refs = _encode_inputs(pack, kwargs)
     instance_id = getattr(instance, "_comfy_env_instance", None)
+    context = _context()
     args: tuple[Any, ...] = (
         node.spec,
         instance_id,
@@ -234,14 +289,18 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
         skeleton,
         tensors,
         refs,
-        _context(),
+        context,
     )
     worker = pack.worker
+    on_event = _event_bridge(context)
     run_ref: RemoteRef | None = None
     try:
         if node.keep:
             run_ref = await _guarded(
-                pack, worker.arun_ref(RUN_KEPT, (*args, dict(node.keep)), timeout=pack.timeout)
+                pack,
+                worker.arun_ref(
+                    RUN_KEPT, (*args, dict(node.keep)), timeout=pack.timeout, on_event=on_event
+                ),
             )
             assert run_ref is not None
             reply = await _guarded(
@@ -253,7 +312,9 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
                 ),
             )
         else:
-            reply = await _guarded(pack, worker.arun(RUN, args, timeout=pack.timeout))
+            reply = await _guarded(
+                pack, worker.arun(RUN, args, timeout=pack.timeout, on_event=on_event)
+            )
     except Exception as exc:  # noqa: BLE001 - re-raised, with the worker's traceback folded in
         if type(exc).__name__ == "InterruptProcessingException" and type(exc).__module__ in (
             "comfy_env_worker.comfyui.standins",

@@ -13,6 +13,7 @@ import comfy.model_management
 import folder_paths
 import numpy as np
 from comfy.utils import ProgressBar
+from server import PromptServer
 
 
 class InvertImage:
@@ -96,7 +97,8 @@ class Raise:
 
 
 class SlowSteps:
-    """Reports progress each step and checks ComfyUI's interrupt (cooperative)."""
+    """Reports progress each step and checks ComfyUI's interrupt (cooperative); announces
+    itself with ``PromptServer.instance.send_sync`` first."""
 
     CATEGORY = "comfy-env/examples"
     RETURN_TYPES = ("INT",)
@@ -108,6 +110,7 @@ class SlowSteps:
                              "delay": ("FLOAT", {"default": 0.05, "min": 0, "max": 10})}}
 
     def run(self, steps, delay):
+        PromptServer.instance.send_sync("comfy_env.example", {"steps": steps, "pid": os.getpid()})
         bar = ProgressBar(steps)
         for _ in range(steps):
             comfy.model_management.throw_exception_if_processing_interrupted()

@@ -10,17 +10,16 @@ Data flow:
 - **Host to worker**: every node call carries a context dict (prompt id, node id, ComfyUI's
   output/temp/input directories); ``runner`` hands it to ``set_context`` before the node runs,
   so ``folder_paths.get_output_directory()`` names the server's directory.
-- **Worker to host**: ``ProgressBar.update*``, ``PromptServer.instance.send_sync`` and preview
-  images become events on the running call's event channel (``emit``), which the host's node
-  proxy turns into ComfyUI websocket messages. Without an event channel (a host pool that has
-  none) they are dropped: progress is cosmetic, and the node must run the same either way.
+- **Worker to host**: ``ProgressBar.update*`` becomes ``comfy_env_worker.progress`` (coalesced,
+  the latest wins), preview images and ``PromptServer.instance.send_sync`` become
+  ``comfy_env_worker.emit`` events of the running call; the host's node proxy turns them into
+  ComfyUI's own progress hook and websocket messages. Outside a call they are no-ops.
 - **Interrupt**: ``throw_exception_if_processing_interrupted()`` and ``ProgressBar.update()``
   raise ``InterruptProcessingException`` once the host asked this call to stop cooperatively
   (``cancelled``); a node stuck in native code never gets there, and the host kills the worker.
 
-The hooks into the worker runtime (``emit`` and ``cancelled``) are looked up on the
-``comfy_env_worker`` package at call time, so this module runs unchanged on a runtime that lacks
-them. Stdlib only.
+The hooks into the worker runtime (``progress``, ``emit``, ``cancelled``) are looked up on the
+``comfy_env_worker`` package at call time (no import cycle at install time). Stdlib only.
 """
 
 from __future__ import annotations
@@ -53,6 +52,13 @@ def emit(kind: str, data: Any) -> None:
     hook = _runtime_hook("emit")
     if hook is not None:
         hook(kind, data)
+
+
+def progress(done: Any, total: Any, **info: Any) -> None:
+    """Report progress of the running call (coalesced by the runtime: the latest wins)."""
+    hook = _runtime_hook("progress")
+    if hook is not None:
+        hook(done, total, **info)
 
 
 def cancelled() -> bool:
@@ -105,10 +111,14 @@ class ProgressBar:
             value = self.total
         self.current = value
         throw_exception_if_processing_interrupted()
-        data = {"value": value, "max": self.total, "node": self.node_id}
         if preview is not None:
-            data["preview"] = preview
-        emit("comfyui.progress", data)
+            # Not coalesced: a preview image is its own event, in order with the progress.
+            emit(
+                "comfyui.preview",
+                {"value": value, "max": self.total, "node": self.node_id, "preview": preview},
+            )
+        else:
+            progress(value, self.total, node=self.node_id)
 
     def update(self, value: Any) -> None:
         self.update_absolute(self.current + value)
