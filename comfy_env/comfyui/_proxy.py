@@ -33,6 +33,7 @@ import functools
 import inspect
 import itertools
 import keyword
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -102,34 +103,32 @@ class KeptOutput:
 # ---- ComfyUI glue (imported lazily: this module must import without ComfyUI) ----------------
 
 
+def _server_module(name: str) -> Any:
+    """ComfyUI's module ``name`` if this process is a ComfyUI server, else None. Only modules
+    already imported are used (ComfyUI imports them all before it runs a node), so a proxy
+    called outside ComfyUI pays no failed import per call."""
+    return sys.modules.get(name)
+
+
 def _context() -> dict[str, Any]:
     context: dict[str, Any] = {}
-    try:
-        import folder_paths
-
+    folder_paths = _server_module("folder_paths")
+    if folder_paths is not None:
         context["output_directory"] = folder_paths.get_output_directory()
         context["temp_directory"] = folder_paths.get_temp_directory()
         context["input_directory"] = folder_paths.get_input_directory()
-    except ImportError:
-        pass
-    try:
-        from comfy_execution.utils import get_executing_context
-
-        executing = get_executing_context()
+    execution = _server_module("comfy_execution.utils")
+    if execution is not None:
+        executing = execution.get_executing_context()
         if executing is not None:
             context["prompt_id"] = executing.prompt_id
             context["node_id"] = executing.node_id
-    except ImportError:
-        pass
     return context
 
 
 def _interrupted() -> bool:
-    try:
-        import comfy.model_management as mm
-    except ImportError:
-        return False
-    return bool(mm.processing_interrupted())
+    mm = _server_module("comfy.model_management")
+    return mm is not None and bool(mm.processing_interrupted())
 
 
 def _raise_interrupt() -> None:
