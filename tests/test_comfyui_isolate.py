@@ -339,3 +339,22 @@ NODE_CLASS_MAPPINGS["Loop"] = Loop
         asyncio.run(main())
         # the node stopped itself at its check (long before the 30 s grace): same worker
         assert w.generation == generation and w.stats().cancelled == 1
+
+
+def test_a_package_installed_into_the_env_invalidates_the_scan(
+    pack: Path, tmp_path: Path, config: comfy_env.PoolConfig, foreign_venv: Path
+) -> None:
+    """A bare venv without comfy-env, numpy or ComfyUI scans the pack; changing its
+    site-packages (what ``pip install`` does) makes the next start scan again."""
+    cache = tmp_path / "cache"
+
+    def spawns() -> int:
+        with comfy_env.Pool(config) as pool:
+            isolate(str(pack), str(foreign_venv), "nodes", pool=pool, cache_dir=str(cache))
+            return sum(s.spawns for s in pool.stats().values())
+
+    assert spawns() == 1
+    assert spawns() == 0
+    (site,) = foreign_venv.glob("lib/python*/site-packages")
+    (site / "newly_installed.py").write_text("")
+    assert spawns() == 1

@@ -10,6 +10,7 @@
 
 The key hashes every ``.py`` file of the pack (paths and bytes; the env directory, VCS and cache
 directories skipped), the env's interpreter (path, size, mtime, and ``pyvenv.cfg``), the
+modification time of the env's ``site-packages`` (a package installed or removed), the
 comfy-env version and the bytes of the worker-side ComfyUI helpers. Any change invalidates it;
 an unchanged pack starts warm without a worker. A failed scan is never cached: it raises
 ``NodePackError`` carrying the worker's traceback and output, and the next server start tries
@@ -18,6 +19,7 @@ again.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -103,6 +105,13 @@ def cache_key(pack: PackSpec) -> str:
     if os.path.isfile(cfg):
         with open(cfg, "rb") as fh:
             h.update(fh.read())
+    # Installing or removing a package touches its site-packages directory: a cheap signal
+    # that what the pack imports may have changed (its INPUT_TYPES may list new choices).
+    for site in sorted(
+        glob.glob(os.path.join(glob.escape(pack.env.key), "lib", "python*", "site-packages"))
+        + glob.glob(os.path.join(glob.escape(pack.env.key), "Lib", "site-packages"))
+    ):
+        h.update(f"{site}\0{os.stat(site).st_mtime_ns}\0".encode())
     return h.hexdigest()[:32]
 
 
