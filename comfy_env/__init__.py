@@ -20,15 +20,18 @@ from ._call import Call, CallEvent
 from ._config import PoolConfig
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
+    ArgumentError,
     CallCancelled,
     CallTimeout,
     ComfyEnvError,
     EnvAbandonedError,
     EnvError,
+    HostResourceError,
     PoolClosedError,
     ProtocolError,
     RemoteError,
     RemoteTraceback,
+    RuntimeRootError,
     SerializationError,
     StaleGenerationError,
     WorkerCrashed,
@@ -52,6 +55,7 @@ from ._worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "Call",
     "CallCancelled",
     "CallEvent",
@@ -63,6 +67,7 @@ __all__ = [
     "EnvReset",
     "EnvSpec",
     "EnvStats",
+    "HostResourceError",
     "Pool",
     "PoolClosedError",
     "PoolConfig",
@@ -70,6 +75,7 @@ __all__ = [
     "RemoteError",
     "RemoteRef",
     "RemoteTraceback",
+    "RuntimeRootError",
     "SerializationError",
     "ShmSwept",
     "StaleGenerationError",

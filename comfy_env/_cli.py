@@ -459,12 +459,19 @@ class _Doctor:
             "via_shared_memory": blocks > 0,
             "first_trip_ms": round(cold_ms, 3),
             "worker": shm,
+            "shared_memory": worker.stats().shared_memory,
         }
         if not equal:
             step.status = "FAIL"
             step.error = {"type": "MismatchError", "message": "the echo came back different"}
         elif blocks == 0:
-            if config.shared_memory:
+            if worker.stats().shared_memory == "unavailable":
+                step.status = "WARN"
+                notes.append(
+                    "shared memory is unavailable (/dev/shm is missing, full or too small); "
+                    "large buffers are streamed inline"
+                )
+            elif config.shared_memory:
                 step.status = "WARN"
                 notes.append(
                     "shared memory is on but unused (no usable /dev/shm in the host or the "
@@ -659,7 +666,10 @@ def status_command(*, as_json: bool = False) -> int:
     """List live hosts from their status files; returns the exit code."""
     from ._status import read_status, status_dir
 
-    hosts = read_status()
+    notes: list[str] = []
+    hosts = read_status(notes=notes)
+    for note in notes:
+        print(f"comfy-env: status: note: {note}", file=sys.stderr)
     now = time.time()
     if as_json:
         documents = []
@@ -672,7 +682,7 @@ def status_command(*, as_json: bool = False) -> int:
                     w_doc["idle_seconds"] = None if idle is None else round(idle, 3)
                     w_doc["busy_seconds"] = None if busy is None else round(busy, 3)
             documents.append(doc)
-        _print_json({"status_dir": status_dir(), "hosts": documents})
+        _print_json({"status_dir": status_dir(), "hosts": documents, "notes": notes})
         return EXIT_OK
     if not hosts:
         print(f"no live comfy-env hosts for this user (status dir {status_dir()})")

@@ -150,12 +150,21 @@ def decode_reply(
     if ftype == FrameType.REPLY_OK:
         try:
             return pickle.loads(payload, buffers=buffers)
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from a reducer included
+            # A result whose reconstruction raises SystemExit or KeyboardInterrupt must fail
+            # this call, never unwind the caller as itself.
             raise SerializationError(
                 f"the result of {target_label(target)} could not be unpickled in the host: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+                f"{type(exc).__name__}: {_text(exc)}"
+            ) from (exc if isinstance(exc, Exception) else None)
     raise_remote(payload)
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except BaseException:  # noqa: BLE001 - a __str__ that raises
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
@@ -170,8 +179,8 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
     if pickled is not None:
         try:
             exc = pickle.loads(pickled)
-        except Exception:  # noqa: BLE001 - class missing here or broken reduce: keep the text
-            exc = None
+        except BaseException:  # noqa: BLE001 - class missing here, broken reduce, even a
+            exc = None  # SystemExit from a reconstructor: keep the text
         if isinstance(exc, Exception):
             raise exc from cause
     type_name = qualname if module in ("builtins", None) else f"{module}.{qualname}"

@@ -13,26 +13,42 @@ import json
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "COMFY_ENV_"
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
+# The longest timeout (seconds, about 11.6 days) any field or call accepts: deadlines go into
+# poll(2) in milliseconds and timer heaps; longer waits are spelled None (no deadline).
+MAX_SECONDS = 1_000_000.0
+
 
 class PoolConfig(BaseModel):
     """Settings of a ``Pool``. Immutable; every field also reads ``COMFY_ENV_<FIELD>``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # inf and nan are refused for every float (they overflowed deadlines, killed workers and
+    # made close() leak); "no deadline" is spelled None where a field allows it.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     call_timeout: float | None = Field(
         None,
+        le=MAX_SECONDS,
         gt=0,
         description="Default total deadline of a call in seconds (queue wait included); "
         "None waits forever. Per call: Worker.run(timeout=...).",
     )
     start_timeout: float = Field(
         60.0,
+        le=MAX_SECONDS,
         gt=0,
         description="Deadline for a worker to start, handshake and pass the canary. Generous: "
         "an env that imports torch with CUDA takes seconds.",
@@ -56,12 +72,16 @@ class PoolConfig(BaseModel):
     )
     kill_grace: float = Field(
         1.0,
+        le=MAX_SECONDS,
         ge=0,
         description="Seconds between SIGTERM and SIGKILL when a worker's process group is "
         "stopped on timeout or close.",
     )
     close_timeout: float = Field(
-        5.0, ge=0, description="One bounded wait for all workers to exit in Pool.close()."
+        5.0,
+        le=MAX_SECONDS,
+        ge=0,
+        description="One bounded wait for all workers to exit in Pool.close().",
     )
     stderr_tail_lines: int = Field(
         40, ge=0, le=10000, description="Lines of worker output kept for crash reports."
@@ -76,24 +96,30 @@ class PoolConfig(BaseModel):
     log_level: str = Field("INFO", description="Level of the worker's root logger.")
     idle_timeout: float | None = Field(
         1800.0,
+        le=MAX_SECONDS,
         gt=0,
         description="Seconds a worker may sit idle before the reaper retires it (its release "
         "hooks run first); the next call spawns a fresh one. None disables reaping.",
     )
     ping_after_idle: float | None = Field(
         60.0,
+        le=MAX_SECONDS,
         gt=0,
         description="A worker idle this long is pinged before it gets a call; one that does "
         "not answer is replaced and the call runs on the fresh worker. None disables.",
     )
-    ping_timeout: float = Field(5.0, gt=0, description="Deadline of that health ping.")
+    ping_timeout: float = Field(
+        5.0, le=MAX_SECONDS, gt=0, description="Deadline of that health ping."
+    )
     max_restarts: int = Field(
         5,
         ge=0,
         description="Crash-loop breaker: more than this many worker deaths (start-up "
         "failures included) within restart_window abandon the env until Pool.reset(env).",
     )
-    restart_window: float = Field(60.0, gt=0, description="The breaker's window in seconds.")
+    restart_window: float = Field(
+        60.0, le=MAX_SECONDS, gt=0, description="The breaker's window in seconds."
+    )
     reap_with_refs: bool = Field(
         False, description="Let the idle reaper retire a worker that holds live RemoteRefs."
     )
@@ -113,6 +139,7 @@ class PoolConfig(BaseModel):
     )
     shm_pinned_ttl: float = Field(
         60.0,
+        le=MAX_SECONDS,
         gt=0,
         description="Seconds a worker keeps a reply's blocks pinned waiting for the host's "
         "ack before it gives them up (the host died or hung).",
@@ -139,6 +166,53 @@ class PoolConfig(BaseModel):
         if self.log_level.upper() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
         return self
+
+    @field_validator("env_vars")
+    @classmethod
+    def _check_env_vars(cls, value: dict[str, str]) -> dict[str, str]:
+        """What ``execve`` cannot take is refused here, naming the variable, not at spawn."""
+        for name, text in value.items():
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(
+                    f"env_vars: variable name {name!r} must be non-empty and contain no '=' "
+                    "and no NUL character"
+                )
+            if "\0" in text:
+                raise ValueError(f"env_vars: the value of {name!r} contains a NUL character")
+        return value
+
+    @field_validator("sys_path")
+    @classmethod
+    def _check_sys_path(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if "\0" in entry:
+                raise ValueError(f"sys_path: entry {entry!r} contains a NUL character")
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _check_cwd(cls, value: str | None) -> str | None:
+        if value is not None and ("\0" in value or not value):
+            raise ValueError(f"cwd {value!r} must be a non-empty path without NUL characters")
+        return value
+
+
+def check_timeout(value: object, what: str = "timeout") -> float | None:
+    """A per-call timeout: None, or a finite number of seconds in (0, MAX_SECONDS]. Anything
+    else is an ``ArgumentError`` naming it (inf, nan and huge values included)."""
+    from ._errors import ArgumentError
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"{what} must be seconds (a number) or None, not {value!r}")
+    seconds = float(value)
+    if not (0 < seconds <= MAX_SECONDS):  # also false for nan
+        raise ArgumentError(
+            f"{what} must be positive seconds up to {MAX_SECONDS:g} (or None for no "
+            f"deadline), not {value!r}"
+        )
+    return seconds
 
 
 def _parse_env_value(var: str, raw: str, annotation: Any) -> Any:

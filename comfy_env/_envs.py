@@ -57,6 +57,18 @@ def _is_interpreter(path: Path) -> bool:
 
 def resolve_env(env: str | os.PathLike[str] | None) -> EnvSpec:
     """Resolve ``env`` or raise ``EnvError`` listing every path that was tried."""
+    try:
+        return _resolve(env)
+    except PermissionError as exc:  # pathlib lets EACCES through; it is the env's problem
+        where = exc.filename or os.fspath(env or "")
+        raise EnvError(
+            f"env {where} cannot be read by this user (permission denied)",
+            env=str(where),
+            tried=(str(where),),
+        ) from None
+
+
+def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
     if env is None:
         return current_env()
     if not isinstance(env, (str, os.PathLike)):
@@ -68,6 +80,12 @@ def resolve_env(env: str | os.PathLike[str] | None) -> EnvSpec:
         raise EnvError("env is an empty string; pass None for the current interpreter")
     path = Path(os.path.abspath(os.path.expanduser(raw)))
     if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise EnvError(
+                f"env directory {path} cannot be read by this user (permission denied)",
+                env=str(path),
+                tried=(str(path),),
+            )
         tried = []
         for rel in INTERPRETER_CANDIDATES:
             candidate = path / rel
@@ -89,6 +107,16 @@ def resolve_env(env: str | os.PathLike[str] | None) -> EnvSpec:
         folder = path.parent
         env_dir = folder.parent if folder.name in ("bin", "Scripts") else folder
         return _spec(env_dir, path)
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise EnvError(
+            f"env {path} cannot be reached by this user (permission denied on a parent directory)",
+            env=str(path),
+            tried=(str(path),),
+        ) from None
+    except (OSError, ValueError):
+        pass
     raise EnvError(f"env {path} does not exist", env=str(path), tried=(str(path),))
 
 

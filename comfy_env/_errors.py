@@ -2,6 +2,9 @@
 
 ``ComfyEnvError``
   ``PoolClosedError``    you closed the pool
+  ``ArgumentError``      an argument (a timeout, ...) cannot be used (also a ``ValueError``)
+  ``HostResourceError``  the host ran out of descriptors or memory handling a reply
+  ``RuntimeRootError``   the runtime root is not ours and no private one could be made
   ``EnvError``           no such env, or no interpreter in it
   ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
   ``WorkerError``        the worker broke (something outside the call's own code)
@@ -20,6 +23,34 @@ from typing import Any
 
 class ComfyEnvError(Exception):
     """Base class of every error comfy-env raises itself."""
+
+
+class RuntimeRootError(ComfyEnvError):
+    """A directory comfy-env writes or runs code from is not safely ours (a symlink, another
+    user's, not a directory) and no private replacement could be made.
+
+    ``path`` is the directory, ``reason`` what is wrong with it."""
+
+    def __init__(self, message: str, *, path: str, reason: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class ArgumentError(ComfyEnvError, ValueError):
+    """An argument comfy-env cannot use (a timeout that is not a finite positive number of
+    seconds, ...); raised before anything runs. The message names the argument."""
+
+
+class HostResourceError(ComfyEnvError):
+    """The host ran out of something (descriptors, memory for a mapping) while handling a
+    call's reply. The host's fault, not the worker's: the worker is kept, the call fails.
+
+    ``errno`` is the operating system's error number, if any."""
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class PoolClosedError(ComfyEnvError):

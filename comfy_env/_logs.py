@@ -16,6 +16,9 @@ configuration controls it::
 
     logging.getLogger("comfy_env.worker").setLevel(logging.WARNING)
 
+**Long lines.** Native output without newlines (a progress bar, a binary dump) is cut into
+pieces of ``LINE_CAP`` bytes as it arrives, in linear time; each piece is a line.
+
 **Floods.** A token bucket per worker (lines and bytes per second, with a burst) bounds what is
 emitted; lines over budget are dropped and counted, with one warning per worker. Reading never
 stops, so a worker printing megabytes can neither block on a full pipe nor starve a reply.
@@ -40,6 +43,7 @@ LINE_BURST = 20000.0
 BYTES_PER_SECOND = 4.0 * 1024 * 1024
 BYTE_BURST = 16.0 * 1024 * 1024
 _MAX_PIPE_FRAME = 16 * 1024 * 1024
+LINE_CAP = 64 * 1024  # native output lines are cut into pieces of this many bytes
 
 
 class WorkerLog:
@@ -57,7 +61,7 @@ class WorkerLog:
         self._refilled = time.monotonic()
         self.dropped = 0
         self._warned = False
-        self._partial: dict[str, bytes] = {}
+        self._partial: dict[str, bytearray] = {}
         self._pipe_buf = bytearray()
 
     # ---- budget and emission ----
@@ -136,16 +140,30 @@ class WorkerLog:
     # ---- native output (reactor thread) ----
 
     def feed_native(self, stream: str, data: bytes) -> None:
-        buf = self._partial.get(stream, b"") + data
-        *complete, rest = buf.split(b"\n")
-        self._partial[stream] = rest
-        for raw in complete:
-            self._native_line(stream, raw)
+        """Complete lines of ``data`` (after what is pending) are emitted; a line longer than
+        ``LINE_CAP`` bytes is emitted in pieces as it arrives. Only new bytes are searched and
+        the pending part never exceeds ``LINE_CAP``: linear time, bounded memory, whatever
+        the worker writes (output without newlines included)."""
+        pending = self._partial.setdefault(stream, bytearray())
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            pending += data[start:end]
+            for piece in range(0, max(1, len(pending)), LINE_CAP):
+                self._native_line(stream, bytes(pending[piece : piece + LINE_CAP]))
+            pending.clear()
+            start = end + 1
+        pending += data[start:]
+        while len(pending) >= LINE_CAP:
+            self._native_line(stream, bytes(pending[:LINE_CAP]))
+            del pending[:LINE_CAP]
 
     def finish_native(self, stream: str) -> None:
         rest = self._partial.pop(stream, b"")
         if rest:
-            self._native_line(stream, rest)
+            self._native_line(stream, bytes(rest))
 
     def _native_line(self, stream: str, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")

@@ -65,12 +65,13 @@ from comfy_env_worker.shm import Block
 from . import _lifecycle as lc
 from ._call import EventCallback, event_handler
 from ._codec import decode_reply, encode_call, target_label
-from ._config import PoolConfig
+from ._config import PoolConfig, check_timeout
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
     CallCancelled,
     CallTimeout,
     EnvAbandonedError,
+    HostResourceError,
     PoolClosedError,
     ProtocolError,
     SerializationError,
@@ -279,6 +280,7 @@ class _EnvEntry:
                 abandoned=isinstance(self.env_state, lc.EnvAbandoned),
                 log_lines_dropped=self.log_lines_dropped
                 + sum(s.process.log.dropped for s in self.slots if s.process is not None),
+                shared_memory=primary.shared_memory,
             )
 
 
@@ -299,6 +301,7 @@ def _worker_stats(slot: _Slot) -> WorkerStats:
         startup,
         idle_since,
         len(slot.live_refs),
+        slot.process.shm_state if slot.process is not None else None,
     )
 
 
@@ -381,7 +384,11 @@ class Pool:
     ) -> None:
         """``clock`` (monotonic seconds) times idleness, the reaper and the breaker; tests
         inject a fake one. Call deadlines always use real time."""
-        self.config = config if config is not None else PoolConfig()
+        # Validated again: ``model_copy(update=...)`` skips pydantic's checks, and a value the
+        # OS or the clock cannot take must fail here, not inside a worker or a timer.
+        self.config = (
+            PoolConfig.model_validate(config.model_dump()) if config is not None else PoolConfig()
+        )
         self._clock = clock
         self._events = Dispatcher()
         self._reaper: TimerHandle | None = None
@@ -681,10 +688,9 @@ class Pool:
                 f"the call to {target_label(target)} pickles to {inline} bytes, over "
                 f"PoolConfig.max_frame_bytes={self.config.max_frame_bytes}"
             )
+        timeout = check_timeout(timeout)
         if timeout is None:
             timeout = self.config.call_timeout
-        elif timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds or None, not {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         if bound is not None:
             ticket.wanted, ticket.bound_generation = bound
@@ -718,6 +724,9 @@ class Pool:
             result = decode_reply(ftype, reply, target, reply_buffers)
             outcome = "ok"
             return result
+        except _HostFault as fault:
+            replied = fault.replied  # the worker replied whole: it goes back to idle
+            raise fault.error from None
         except CallTimeout:
             outcome = "timed_out"
             raise
@@ -818,6 +827,9 @@ class Pool:
                 reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
             except FrameError as exc:
                 raise self._protocol_error(entry, slot, process, str(exc)) from None
+            except HostResourceError as exc:  # the host's fault: the worker stays, idle
+                process.finish_request(block, [block.name] if block is not None else [])
+                raise _HostFault(replied, exc) from None
             process.finish_request(block, retained)
             return ftype, reply_body, reply_buffers, replied
 
@@ -907,12 +919,19 @@ class Pool:
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            if self._reactor is None:
-                self._reactor = Reactor()
-                self._reactor.start()
-                self._schedule_reaper()
-            if self._runtime_dir is None:
-                self._runtime_dir = make_runtime_dir()
+            try:
+                if self._reactor is None:
+                    self._reactor = Reactor()
+                    self._reactor.start()
+                    self._schedule_reaper()
+                if self._runtime_dir is None:
+                    self._runtime_dir = make_runtime_dir()
+            except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
+                raise WorkerStartError(
+                    f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
+                    "host out of file descriptors or disk space?)",
+                    env=entry.spec.key,
+                ) from exc
             reactor, runtime_dir = self._reactor, self._runtime_dir
         with entry.lock:
             if isinstance(entry.env_state, lc.EnvAbandoned):
@@ -1360,12 +1379,16 @@ class Pool:
         stragglers = [p for p in processes if not p.exited.is_set()]
         for process in stragglers:
             process.kill(lc.Stop.KILL)
+        # One shared deadline per phase, never one wait per worker: with many workers stuck
+        # (or never launched) close() still takes close_timeout plus a bounded constant.
+        killed_by = time.monotonic() + 2.0
         for process in stragglers:
-            process.wait_exit(2.0)
+            process.wait_exit(max(0.0, killed_by - time.monotonic()))
+        drained_by = time.monotonic() + 0.5
         for entry in entries:
             for slot in entry.slots:
-                if slot.process is not None:
-                    slot.process.wait_output(0.5)
+                if slot.process is not None and slot.process.popen is not None:
+                    slot.process.wait_output(max(0.0, drained_by - time.monotonic()))
         all_processes = {s.process for e in entries for s in e.slots if s.process is not None}
         all_processes.update(processes)
 
@@ -1384,6 +1407,16 @@ class Pool:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
         host_publisher().publish()  # without this pool (the file goes with the last pool)
         self._events.close()
+
+
+class _HostFault(Exception):
+    """Carries a ``HostResourceError`` out of ``_exchange`` with the call's ``Replied``, so the
+    worker that replied whole is settled as idle (not retired) while the call fails."""
+
+    def __init__(self, replied: lc.Replied, error: HostResourceError) -> None:
+        super().__init__(str(error))
+        self.replied = replied
+        self.error = error
 
 
 def _release_locked(entry: _EnvEntry, slot: _Slot) -> WorkerProcess | None:

@@ -37,7 +37,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -61,11 +60,14 @@ from comfy_env_worker.protocol import (
 
 from ._codec import decode_reply, encode_call
 from ._config import PoolConfig
+from ._descendants import kill_marked
 from ._envs import EnvSpec
-from ._errors import SerializationError, WorkerStartError, describe_exit
+from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
+from ._identity import host_token
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
+from ._rundir import copy_tree, make_private_dir, runtime_root
 
 _log = logging.getLogger("comfy_env")
 
@@ -85,6 +87,9 @@ _STRIPPED_ENV = (
 )
 
 CANARY_TARGET = "comfy_env_worker.tasks:echo"
+HOST_ID_VAR = "COMFY_ENV_HOST_ID"
+WORKER_ID_VAR = "COMFY_ENV_WORKER_ID"
+_HANDSHAKE_FRAME_BYTES = 1 << 20
 
 
 def canary_value(oob_bytes: int) -> Any:
@@ -98,32 +103,15 @@ def canary_value(oob_bytes: int) -> Any:
     )
 
 
-def runtime_root() -> str:
-    """Per-user directory (0700) holding each pool's runtime directory."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        root = os.path.join(base, "comfy-env")
-    else:
-        root = os.path.join(tempfile.gettempdir(), f"comfy-env-{os.getuid()}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    return root
-
-
-def host_token() -> str:
-    """``<pid>-<start time>``: names resources so a dead host's leftovers are recognisable even
-    when its pid is reused."""
-    import psutil
-
-    return f"{os.getpid()}-{int(psutil.Process().create_time() * 1000)}"
-
-
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
-    """Shared memory trouble is said loudly, but once per process, not once per call."""
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(message: str, key: str | None = None) -> None:
+    """Shared memory trouble is said loudly, but once per process (per ``key``, by default
+    the message), not once per call."""
+    key = message if key is None else key
+    if key not in _warned:
+        _warned.add(key)
         _log.warning("comfy-env: %s", message)
 
 
@@ -132,7 +120,8 @@ _serials = itertools.count(1)
 
 
 def host_id() -> str:
-    """This process's ``<pid>-<start ms>``, cached per pid (a forked child computes its own)."""
+    """This process's ``host_token()`` (``<pid>-t<start ticks>-n<pid namespace>``), cached per
+    pid (a forked child computes its own)."""
     global _HOST_TOKEN
     pid = os.getpid()
     if _HOST_TOKEN is None or _HOST_TOKEN[0] != pid:
@@ -144,13 +133,21 @@ def make_runtime_dir() -> str:
     """Create a private runtime directory holding the worker package and cloudpickle."""
     import cloudpickle
 
-    path = tempfile.mkdtemp(prefix=f"host-{host_token()}-", dir=runtime_root())
-    for package in (comfy_env_worker, cloudpickle):
-        source = os.path.dirname(package.__file__ or "")
-        _precompile(source)
-        # copy2 keeps modification times, so the byte code copied along stays valid and a
-        # worker of the same Python version does not recompile the runtime at every start.
-        shutil.copytree(source, os.path.join(path, package.__name__))
+    # Made and filled relative to descriptors of directories checked to be ours (see
+    # _rundir): nobody else can put code where the worker imports it from.
+    path = make_private_dir(runtime_root(), f"host-{host_token()}-")
+    try:
+        for package in (comfy_env_worker, cloudpickle):
+            source = os.path.dirname(package.__file__ or "")
+            _precompile(source)
+            # Modification times are kept, so the byte code copied along stays valid and a
+            # worker of the same Python version does not recompile the runtime at every start.
+            dest = os.path.join(path, package.__name__)
+            os.mkdir(dest, 0o700)
+            copy_tree(source, dest)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path
 
 
@@ -165,11 +162,16 @@ def _precompile(source: str) -> None:
         pass
 
 
-def worker_environment(config: PoolConfig) -> dict[str, str]:
+def worker_environment(config: PoolConfig, worker_id: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
     env["PYTHONNOUSERSITE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(config.env_vars)
+    # The sweep's proof that a process is this host's worker (a look-alike command line has
+    # no such variable); set last so env_vars cannot forge or drop it.
+    env[HOST_ID_VAR] = host_id()
+    if worker_id:
+        env[WORKER_ID_VAR] = worker_id  # one generation's mark (see _descendants)
     return env
 
 
@@ -215,12 +217,18 @@ class WorkerProcess:
         self._disposed = False
         self._kill_requested = False
         self._owner_pid = os.getpid()  # a forked copy of this object must never signal
+        self.worker_id = f"{host_id()}-w{next(_serials)}"  # marks the generation's processes
         # Shared memory, set up at the handshake when both sides can use it.
         self.shm_wanted = config.shared_memory and shm.shm_available()
         if config.shared_memory and not self.shm_wanted:
             _warn_once(f"{shm.SHM_DIR} is not usable here; large buffers are streamed inline")
         self.blocks: shm.BlockPool | None = None
         self.mappings: shm.PeerMappings | None = None
+        # "on" (the last large transfer went through shared memory), "off" (configured off),
+        # "unavailable" (wanted, but /dev/shm is missing or full: buffers stream inline).
+        self.shm_state = "on" if self.shm_wanted else "off"
+        if config.shared_memory and not self.shm_wanted:
+            self.shm_state = "unavailable"
         self.ack_consumed = True  # tests turn this off to exercise the worker's TTL
         self._orphan_lock = threading.Lock()
         self._exit_seen = False
@@ -244,8 +252,16 @@ class WorkerProcess:
         refuse it (the pool refuses once it is closing); ``after_launch`` runs right after, on
         the same thread, so the pool registers the process before anything can stop the
         reactor."""
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        log_read, log_write = os.pipe()  # records between calls (see comfy_env_worker.logs)
+        try:
+            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # out of descriptors (EMFILE/ENFILE): nothing to release
+            raise self._no_channel(exc) from exc
+        try:
+            log_read, log_write = os.pipe()  # records between calls (see comfy_env_worker.logs)
+        except OSError as exc:
+            parent_sock.close()
+            child_sock.close()
+            raise self._no_channel(exc) from exc
         self._log_pipe = os.fdopen(log_read, "rb", buffering=0)
         # CANCEL frames, read by the worker's watchdog while its main thread runs the call.
         cancel_read, self._cancel_fd = os.pipe()
@@ -282,7 +298,7 @@ class WorkerProcess:
                     pass_fds=(child_fd, log_write, cancel_read),
                     close_fds=True,
                     start_new_session=True,
-                    env=worker_environment(self.config),
+                    env=worker_environment(self.config, self.worker_id),
                     cwd=self.config.cwd,
                 )
                 self.popen = proc
@@ -311,10 +327,21 @@ class WorkerProcess:
             os.close(log_write)
             os.close(cancel_read)
 
+    def _no_channel(self, exc: OSError) -> WorkerStartError:
+        return WorkerStartError(
+            f"cannot create the channel to a worker of env {self.spec.key}: {exc} (is the "
+            "host out of file descriptors? see ulimit -n)",
+            env=self.spec.key,
+            generation=self.generation,
+        )
+
     def handshake(self, deadline: float) -> None:
         """HELLO -> CONFIG -> READY, then the canary. Raises ``WorkerStartError``."""
         started = time.monotonic()
         assert self.reader is not None and self.sock is not None
+        # HELLO and READY are a few hundred bytes: until the worker is known to speak our
+        # protocol, a frame announcing more is refused before anything is allocated for it.
+        self.reader.limit = min(self.config.max_frame_bytes, _HANDSHAKE_FRAME_BYTES)
         try:
             ftype, _, _, payload = self.reader.read(deadline)
             if ftype != FrameType.HELLO:
@@ -348,10 +375,13 @@ class WorkerProcess:
                     f"{prefix}-h{next(_serials)}-", self.config.shm_pool_bytes
                 )
                 self.mappings = shm.PeerMappings(f"{prefix}-w{self.pid}-")
+            elif self.config.shared_memory:
+                self.shm_state = "unavailable"
             send_frame(self.sock, FrameType.CONFIG, 0, pickle.dumps(config, protocol=5))
             ftype, _, _, _ = self.reader.read(deadline)
             if ftype != FrameType.READY:
                 raise FrameError(f"expected READY, got frame type {ftype}")
+            self.reader.limit = self.config.max_frame_bytes
             self._canary(deadline)
         except TimeoutError:
             raise self._start_error(
@@ -445,8 +475,9 @@ class WorkerProcess:
         if self.blocks is not None:
             try:
                 parts, block, length = shm.pack(body, buffers, self.blocks)
-            except OSError as exc:  # /dev/shm full: stream inline this time
-                _warn_once(f"shared memory failed ({exc}); large buffers are streamed inline")
+                self.shm_state = "on"
+            except OSError as exc:  # /dev/shm full (ENOSPC at reservation): inline this time
+                self._shm_unavailable(f"cannot create a block ({exc})")
                 parts, block, length = shm.pack(body, buffers, None)
         else:
             parts, block, length = shm.pack(body, buffers, None)
@@ -491,16 +522,49 @@ class WorkerProcess:
             return payload, None, []
         try:
             body, buffers, sources, retained = shm.unpack(payload, self.mappings, copy_out=True)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
-        if self.ack_consumed and any(source is not None for source in sources):
-            sock = self.sock
-            assert sock is not None
-            try:
-                sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0))
-            except OSError:
-                pass  # the worker is gone; its blocks go with it (see dispose)
+        except FileNotFoundError as exc:  # a block the worker never made: a forged table
+            raise FrameError(f"bad out-of-band reply: {exc}") from None
+        except (OSError, MemoryError) as exc:
+            # Out of descriptors or address space *here* (EMFILE, ENOMEM): the host's fault.
+            # The frame was read whole, so the channel is in sync; the worker gets its blocks
+            # back and stays, and only this call fails.
+            self._send_consumed(call_id)
+            raise HostResourceError(
+                f"the host could not open the reply of call {call_id} from env "
+                f"{self.spec.key}: {exc} (out of file descriptors or memory in the host? see "
+                "ulimit -n); the worker is fine and was kept",
+                errno=getattr(exc, "errno", None),
+            ) from None
+        if self.mappings is not None and buffers:
+            if any(source is not None for source in sources):
+                self.shm_state = "on"
+            else:  # the worker could not create a reply block: it streamed them inline
+                self._shm_unavailable("the worker cannot create a block")
+        if any(source is not None for source in sources):
+            self._send_consumed(call_id)
         return body, buffers, retained
+
+    def _send_consumed(self, call_id: int) -> None:
+        if not self.ack_consumed:
+            return
+        sock = self.sock
+        assert sock is not None
+        try:
+            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0))
+        except OSError:
+            pass  # the worker is gone; its blocks go with it (see dispose)
+
+    def _shm_unavailable(self, why: str) -> None:
+        self.shm_state = "unavailable"
+        _log.debug("comfy-env: shared memory failed: %s", why)
+        # One warning per process, whichever side ran out first.
+        _warn_once(
+            f"shared memory is unavailable ({why}); large buffers are streamed inline "
+            f"until it works again (is {shm.SHM_DIR} full or too small?)",
+            key="shm-unavailable",
+        )
 
     def finish_request(self, block: shm.Block | None, retained: list[str]) -> None:
         """The request's block may be reused, unless the worker kept a view of it."""
@@ -608,6 +672,10 @@ class WorkerProcess:
             # A grandchild that escaped the group may hold the output pipes: don't wait forever.
             self.reactor.call_later(0.5, self._finish_now)
         self.exited.set()
+        # Descendants that left the group (setsid) carry the generation's mark. Found by a
+        # scan of /proc (about 10 us a process), so after the exit is reported, not before.
+        if os.getpid() == self._owner_pid:
+            kill_marked(WORKER_ID_VAR, self.worker_id)
 
     def _maybe_finished(self) -> None:
         """Reactor thread: once the process is reaped *and* its output drained, report it
@@ -618,9 +686,22 @@ class WorkerProcess:
         self._on_finished(self)
 
     def _finish_now(self) -> None:
+        """Half a second after the exit, output pipes still open are held by a descendant
+        that escaped every stop (it cleared its environment): stop reading them and close
+        our ends, so a dead generation holds no host descriptors."""
         if not self._finished:
-            self._output_closed = True
-            self._maybe_finished()
+            self._close_output()
+
+    def _close_output(self) -> None:
+        popen = self.popen
+        if popen is not None:
+            for pipe in (popen.stdout, popen.stderr, self._log_pipe):
+                if pipe is not None and not pipe.closed:
+                    self.reactor.remove_reader(pipe)
+                    pipe.close()
+        self._output_closed = True
+        self._maybe_finished()
+        self.output_done.set()
 
     # ---- stopping ----
 
@@ -782,13 +863,7 @@ class WorkerProcess:
         popen = self.popen
         if popen is None:
             return
-        for pipe in (popen.stdout, popen.stderr, self._log_pipe):
-            if pipe is not None and not pipe.closed:
-                self.reactor.remove_reader(pipe)
-                pipe.close()
-        self._output_closed = True
-        self._maybe_finished()
-        self.output_done.set()
+        self._close_output()
         if self._pidfd is not None:
             self.reactor.remove_reader(self._pidfd)
             os.close(self._pidfd)

@@ -57,7 +57,11 @@ class Reactor:
     def __init__(self, name: str = "comfy-env-reactor") -> None:
         self._name = name
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
+        try:
+            self._wake_r, self._wake_w = socket.socketpair()
+        except OSError:  # out of descriptors: leave nothing open behind
+            self._selector.close()
+            raise
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._pending: deque[Callable[[], None]] = deque()

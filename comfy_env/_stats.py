@@ -16,7 +16,9 @@ CALL_COUNTERS = ("submitted", *OUTCOMES, "in_flight", "queued", "spawns")
 @dataclass(frozen=True)
 class WorkerStats:
     """One slot's worker as of the snapshot. ``state`` is ``"empty"`` before the first spawn.
-    ``idle_since`` is on the pool's clock (monotonic); ``live_refs`` counts RemoteRefs held."""
+    ``idle_since`` is on the pool's clock (monotonic); ``live_refs`` counts RemoteRefs held.
+    ``shared_memory`` is ``"on"``, ``"off"`` (configured off) or ``"unavailable"`` (/dev/shm is
+    missing or full: large buffers stream inline); None before the first spawn."""
 
     slot: int
     generation: int
@@ -26,6 +28,7 @@ class WorkerStats:
     startup_seconds: float | None
     idle_since: float | None = None
     live_refs: int = 0
+    shared_memory: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,4 @@ class EnvStats:
     live_refs: int = 0
     abandoned: bool = False
     log_lines_dropped: int = 0
+    shared_memory: str | None = None  # the first slot's ``WorkerStats.shared_memory``

@@ -15,12 +15,12 @@ Data flow::
                                                               live with psutil
 
 The status directory is ``<runtime_root()>/status`` (per user, mode 0700); files are mode 0600
-and named after the host: ``<pid>-<start ms>.json``, the same ``host_id()`` that names the
-host's shared-memory blocks and runtime directories, so a reused pid never passes for a dead
-host. A host writes only its own file, always whole (temporary file + ``os.replace``), so a
-reader never sees a partial document. Readers and the CLI never need the host's cooperation:
-everything the file does not say (RSS, whether the host is still alive) is measured at read
-time.
+and named after the host: ``<pid>-t<start ticks>-n<pid namespace>.json``, the same ``host_id()``
+that names the host's shared-memory blocks and runtime directories, so a reused pid never passes
+for a dead host, and a host in another pid namespace is never taken for dead. A host writes
+only its own file, always whole (temporary file + ``os.replace``), so a reader never sees a
+partial document. Readers and the CLI never need the host's cooperation: everything the file
+does not say (RSS, whether the host is still alive) is measured at read time.
 
 Times in the file are wall-clock seconds (``time.time()``): ``updated_at`` (when the file was
 written), and per worker ``idle_since`` (idle workers) or ``busy_since`` (a worker in a call),
@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -45,7 +47,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._process import host_id, runtime_root
+from ._identity import pid_namespace
+from ._process import host_id
+from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
 
 if TYPE_CHECKING:
@@ -53,20 +57,16 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
-_FILE = re.compile(r"^\.?(\d+)-(\d+)\.json(?:\.tmp)?$")
+_FILE = re.compile(r"^\.?(\d+)-t(\d+)-n(\d+)\.json(?:\.tmp)?$")
 _COUNTERS = CALL_COUNTERS
 
 Snapshot = dict[str, Any]
 
 
 def status_dir() -> str:
-    """``<runtime_root()>/status``, created with mode 0700 if missing."""
-    path = os.path.join(runtime_root(), STATUS_DIR_NAME)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    with contextlib.suppress(OSError):
-        if os.stat(path).st_mode & 0o077:
-            os.chmod(path, 0o700)
-    return path
+    """``<runtime_root()>/status``, created with mode 0700 if missing and checked to be ours
+    (``RuntimeRootError`` if it is a symlink, another user's, or not a directory)."""
+    return private_subdir(runtime_root(), STATUS_DIR_NAME)
 
 
 # ---- building a snapshot (host side) ------------------------------------------------------
@@ -236,12 +236,12 @@ class StatusPublisher:
             os.unlink(self.path)
 
     def _write(self, pools: list[Snapshot]) -> str:
-        pid, start_ms = self.host_id.split("-", 1)
+        pid = self.host_id.split("-", 1)[0]
         document = {
             "schema": SCHEMA,
             "host_id": self.host_id,
             "pid": int(pid),
-            "start_ms": int(start_ms),
+            "start_ms": _start_ms(),
             "updated_at": round(time.time(), 3),
             "argv": [str(a)[:200] for a in sys.argv[:16]],
             "executable": sys.executable,
@@ -252,7 +252,9 @@ class StatusPublisher:
         directory = self._dir()
         final = os.path.join(directory, f"{self.host_id}.json")
         tmp = os.path.join(directory, f".{self.host_id}.json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a write this process never finished
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -262,6 +264,13 @@ class StatusPublisher:
                 os.unlink(tmp)
             raise
         return final
+
+
+def _start_ms() -> int:
+    """This host's start in wall-clock ms, for display only (liveness uses the host id)."""
+    import psutil
+
+    return int(psutil.Process().create_time() * 1000)
 
 
 def _version() -> str:
@@ -355,10 +364,16 @@ class HostStatus:
     path: str
 
 
-def read_status(*, measure: bool = True, remove_stale: bool = True) -> list[HostStatus]:
+def read_status(
+    *, measure: bool = True, remove_stale: bool = True, notes: list[str] | None = None
+) -> list[HostStatus]:
     """Every live host's status, sorted by pid. Files of dead hosts (and their leftover
     temporary files) are skipped and, with ``remove_stale``, deleted. Unreadable or malformed
-    files of live hosts are skipped. ``measure``: fill ``rss_bytes`` from the live processes."""
+    files of live hosts (not a regular file, over ``MAX_STATUS_BYTES``, deeply nested or
+    non-finite JSON, wrong shapes) are skipped, each with a line appended to ``notes``: reading
+    never blocks and never raises for a file's content. ``measure``: fill ``rss_bytes`` from
+    the live processes."""
+    notes = [] if notes is None else notes
     directory = status_dir()
     hosts: list[HostStatus] = []
     for name in sorted(os.listdir(directory)):
@@ -373,9 +388,18 @@ def read_status(*, measure: bool = True, remove_stale: bool = True) -> list[Host
             continue
         if name.startswith("."):
             continue  # a live host's write in progress
-        host = _load(path)
-        if host is not None:
-            hosts.append(_measured(host) if measure else host)
+        host = _load(path, notes)
+        if host is None:
+            continue
+        # A host in another pid namespace (a container sharing this directory) has pids that
+        # mean other processes here: it is listed, but nothing is measured for it.
+        if measure and int(match.group(3)) == pid_namespace():
+            try:
+                host = _measured(host)
+            except (ValueError, OverflowError, TypeError) as exc:
+                notes.append(f"skipped {path}: implausible values ({exc})")
+                continue
+        hosts.append(host)
     hosts.sort(key=lambda h: (h.pid, h.start_ms))
     return hosts
 
@@ -398,19 +422,69 @@ def remove_stale_status() -> list[str]:
 def _owner_alive(match: re.Match[str]) -> bool:
     from ._sweep import host_alive
 
-    return host_alive(int(match.group(1)), int(match.group(2)))
+    return host_alive(int(match.group(1)), int(match.group(2)), int(match.group(3)))
 
 
-def _load(path: str) -> HostStatus | None:
+MAX_STATUS_BYTES = 4 * 1024 * 1024  # a real status file is a few KiB
+
+
+def _load(path: str, notes: list[str]) -> HostStatus | None:
+    """One status file, or None (with a note) if it cannot be trusted. Opened non-blocking (a
+    FIFO planted under a status name must not hang the reader), checked to be a regular file
+    of ours, read up to ``MAX_STATUS_BYTES``, parsed with non-finite numbers refused."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            if os.fstat(f.fileno()).st_uid != os.getuid():
-                return None
-            doc = json.loads(f.read())
-        return _parse(doc, path)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        notes.append(f"skipped {path}: cannot open it ({exc.strerror or exc})")
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            notes.append(f"skipped {path}: not a regular file")
+            return None
+        if st.st_uid != os.getuid():
+            notes.append(f"skipped {path}: owned by uid {st.st_uid}, not by this user")
+            return None
+        chunks = []
+        size = 0
+        while size <= MAX_STATUS_BYTES:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_STATUS_BYTES:
+            notes.append(f"skipped {path}: larger than {MAX_STATUS_BYTES} bytes")
+            return None
+    except OSError as exc:
+        notes.append(f"skipped {path}: cannot read it ({exc.strerror or exc})")
+        return None
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(b"".join(chunks), parse_constant=_no_constant, parse_float=_finite_float)
+        return _parse(doc, path)
+    except (
+        ValueError,  # JSONDecodeError, UnicodeDecodeError, non-finite numbers, huge ints
+        TypeError,
+        KeyError,
+        AttributeError,
+        OverflowError,
+        RecursionError,  # nested deeper than the parser's stack
+    ) as exc:
+        notes.append(f"skipped {path}: malformed ({type(exc).__name__}: {str(exc)[:200]})")
+        return None
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name} in a status file")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite number {text[:40]} in a status file")
+    return value
 
 
 def _opt_int(value: Any) -> int | None:

@@ -2,36 +2,40 @@
 
 A host that is killed outright (SIGKILL, OOM) cannot clean up, and when its workers die with it
 (parent-death signal) they cannot either. Everything either side creates is therefore named
-after the host that owns it, as ``<pid>-<start time in ms>``:
+after the host that owns it, with its ``host_token()`` (``<pid>-<start ticks>-<pid
+namespace>``, see ``_identity``):
 
-- shared-memory blocks ``/dev/shm/ce-<pid>-<start>-...`` (the host's and its workers');
-- runtime directories ``<runtime root>/host-<pid>-<start>-...``;
-- worker processes, whose command line carries their runtime directory;
-- status files ``<runtime root>/status/<pid>-<start>.json`` (``comfy-env status``).
+- shared-memory blocks ``/dev/shm/ce-<token>-...`` (the host's and its workers');
+- runtime directories ``<runtime root>/host-<token>-...``;
+- worker processes, whose command line carries their runtime directory and host pid;
+- status files ``<runtime root>/status/<token>.json`` (``comfy-env status``).
 
-A host counts as alive when a process with that pid exists *and* started at that time, so a
-reused pid never protects a dead host's leftovers, and a live host's resources are never
-touched. ``sweep()`` runs when a pool first starts workers, and on demand.
+A sweep acts only on what it can prove belongs to a dead host of this user in this pid
+namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
+wall-clock step, or a name in an older format never make a live host's resources look dead.
+Before a process is signalled it is proven to have been launched for that dead host (its
+environment carries the host's token; see ``_orphan_of_dead_host``): a worker, or one of its
+descendants, also those that left the worker's process group. It is signalled through a pidfd
+opened *before* that proof, so a pid reused in between cannot be hit. ``sweep()`` runs when a
+pool first starts workers, and on demand.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 from dataclasses import dataclass
 
-import psutil
-
 from comfy_env_worker import shm
 
-from ._process import BOOT, runtime_root
+from ._descendants import environ_of, pids
+from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
+from ._process import HOST_ID_VAR
+from ._rundir import runtime_root
 
 _log = logging.getLogger("comfy_env")
-
-_OWNER = re.compile(r"^(?:ce-|host-)(\d+)-(\d+)-")
 
 
 @dataclass(frozen=True)
@@ -47,20 +51,14 @@ class SweepReport:
         return bool(self.blocks or self.runtime_dirs or self.processes or self.status_files)
 
 
-def host_alive(pid: int, start_ms: int) -> bool:
-    """Is the host ``<pid>-<start_ms>`` still running (and not a later process reusing pid)?"""
-    try:
-        started = int(psutil.Process(pid).create_time() * 1000)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
-    return abs(started - start_ms) <= 10  # create_time is derived from clock ticks
+def host_alive(pid: int, ticks: int, namespace: int) -> bool:
+    """Might the host ``<pid>-t<ticks>-n<namespace>`` still be running? True unless it is proven
+    dead (so "alive" includes "cannot tell")."""
+    return not owner_dead(pid, ticks, namespace)
 
 
 def _dead_owner(name: str) -> bool:
-    match = _OWNER.match(name)
-    if match is None:
-        return False  # not ours, or not named after a host: never touched
-    return not host_alive(int(match.group(1)), int(match.group(2)))
+    return name_of_dead_owner(name)
 
 
 def sweep() -> SweepReport:
@@ -104,23 +102,52 @@ def sweep() -> SweepReport:
 
 
 def _kill_stray_workers() -> list[int]:
-    """Worker processes (ours: launched with ``BOOT``) whose host is dead."""
+    """Processes of this user whose environment names a host proven dead: its workers, and
+    their descendants, including those that left the worker's process group (setsid)."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    send = getattr(signal, "pidfd_send_signal", None)
+    if pidfd_open is None or send is None:  # pragma: no cover - kernels without pidfd
+        return []
     killed = []
-    me = os.getuid()
-    for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
+    for pid in pids():
         try:
-            cmdline = proc.info["cmdline"] or []
-            uids = proc.info["uids"]
-            if uids is None or uids.real != me or len(cmdline) < 4 or BOOT not in cmdline:
-                continue
-            runtime_dir = cmdline[cmdline.index(BOOT) + 1]
-            if not _dead_owner(os.path.basename(runtime_dir)):
-                continue
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, signal.SIGKILL)  # its group: a launcher wrapper included
-            else:
-                proc.kill()
-            killed.append(proc.pid)
-        except (psutil.Error, OSError, ValueError, IndexError):
+            pidfd = pidfd_open(pid)
+        except OSError:
             continue
+        try:
+            if _orphan_of_dead_host(pid):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)  # a worker's group: a wrapper's children
+                send(pidfd, signal.SIGKILL)
+                killed.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        finally:
+            os.close(pidfd)
     return killed
+
+
+def _orphan_of_dead_host(pid: int) -> bool:
+    """Is ``pid`` (already held as a pidfd by the caller, so it cannot be a reused pid by
+    the time it is signalled) provably a process launched for a dead host?
+
+    - it belongs to this user and runs in our pid namespace;
+    - its environment carries ``COMFY_ENV_HOST_ID=<host token>`` (set when the host launches
+      a worker, inherited by the worker's descendants; a look-alike command line has none);
+    - that host is proven dead (``owner_dead``), and the process started after it did."""
+    if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+        return False
+    environ = environ_of(pid)
+    if not environ:
+        return False
+    mark = f"{HOST_ID_VAR}=".encode()
+    token = next((e[len(mark) :] for e in environ if e.startswith(mark)), None)
+    if token is None:
+        return False
+    owner = owner_of(f"host-{token.decode('ascii', 'replace')}-")
+    if owner is None or not owner_dead(*owner):
+        return False
+    if os.stat(f"/proc/{pid}/ns/pid").st_ino != pid_namespace():
+        return False
+    stat = proc_stat(pid)
+    return stat is not None and stat[1] >= owner[1]

@@ -22,6 +22,7 @@ import pytest
 
 import comfy_env
 from comfy_env._cli import main
+from comfy_env._process import host_id
 from comfy_env._status import StatusPublisher, read_status, snapshot_pool, status_dir
 from comfy_env_worker.shm import shm_available
 
@@ -310,12 +311,14 @@ def test_status_removes_stale_file_of_dead_host(capsys: pytest.CaptureFixture[st
     directory = status_dir()
     pid = _dead_pid()
     start_ms = int(time.time() * 1000) - 60_000
-    stale = os.path.join(directory, f"{pid}-{start_ms}.json")
-    stale_tmp = os.path.join(directory, f".{pid}-{start_ms}.json.tmp")
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    ticks = int(host_id().split("-")[1][1:])
+    stale = os.path.join(directory, f"{pid}-t{ticks}-n{ns}.json")
+    stale_tmp = os.path.join(directory, f".{pid}-t{ticks}-n{ns}.json.tmp")
     # Our own pid with another start time: a host that died and whose pid was reused.
-    reused = os.path.join(directory, f"{os.getpid()}-{start_ms}.json")
+    reused = os.path.join(directory, f"{os.getpid()}-t{ticks - 1}-n{ns}.json")
     document = {
-        "host_id": f"{pid}-{start_ms}",
+        "host_id": f"{pid}-t{ticks}-n{ns}",
         "pid": pid,
         "start_ms": start_ms,
         "updated_at": start_ms / 1000,

@@ -195,6 +195,12 @@ def expectation(where: str, how: str) -> Expect | str:
             if where == "encode-args":
                 detail = r"cannot be pickled: FaultError: host-exception"
             return Expect("raises", SerializationError, detail, replaced=False)
+        if where == "decode-result" and (how == "keyboard-interrupt" or "sys-exit" in how):
+            # Raised while the host unpickles a result: a typed error for this call, never
+            # the caller unwinding as KeyboardInterrupt/SystemExit (issue 11, item 7).
+            name = "KeyboardInterrupt" if how == "keyboard-interrupt" else "SystemExit"
+            detail = rf"could not be unpickled in the host: {name}"
+            return Expect("raises", SerializationError, detail, replaced=False)
         if how == "keyboard-interrupt":
             return Expect("raises", KeyboardInterrupt, replaced=False)
         if how.startswith("sys-exit-"):

@@ -37,6 +37,25 @@ from .protocol import FrameType, encode_header
 # A record on the wire: (level, logger name, message, exception text, created, stream).
 # stream: "logging", "stdout" or "stderr".
 
+# A line of stdout/stderr is cut into pieces of this many characters: output without newlines
+# (progress bars, a native library's dump) is forwarded as it comes, in linear time.
+LINE_CAP = 64 * 1024
+# The largest record payload on either path. The host reads the log pipe with a 16 MiB frame
+# limit and the channel with max_frame_bytes; a record is clipped to the smaller budget.
+RECORD_CAP = 8 * 1024 * 1024
+_CUT = "\n[... comfy-env: %d characters cut ...]\n"
+
+
+def clip(text: str, max_chars: int) -> str:
+    """``text`` if it has at most ``max_chars`` characters, else its head and tail with a
+    visible marker saying how much was cut between them."""
+    if len(text) <= max_chars:
+        return text
+    keep = max(0, max_chars - 64)
+    head = keep // 2
+    tail = keep - head
+    return text[:head] + _CUT % (len(text) - keep) + (text[len(text) - tail :] if tail else "")
+
 
 class Outbox:
     """Sends log records in band during a call and to the log pipe between calls."""
@@ -46,18 +65,32 @@ class Outbox:
         self.log_fd = log_fd
         self.lock = threading.Lock()  # every write on the channel or the log pipe
         self.in_call = False
+        self.max_payload = RECORD_CAP  # lowered by the host's max_frame_bytes (CONFIG)
 
     def send_record(self, record: Tuple[Any, ...]) -> None:
         try:
             payload = pickle.dumps(record, protocol=4)
+            if len(payload) > self.max_payload:
+                payload = pickle.dumps(self._clipped(record), protocol=4)
         except Exception:  # noqa: BLE001 - never let logging break the worker
             return
         frame = encode_header(FrameType.LOG, 0, len(payload)) + payload
+        del payload
         with self.lock:
             if self.in_call:
                 self.sock.sendall(frame)
             elif self.log_fd is not None:
                 _write_all(self.log_fd, frame)
+
+    def _clipped(self, record: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """The record with message and exception text clipped so that its payload fits (UTF-8
+        takes up to 4 bytes a character; both texts share the budget)."""
+        level, name, message, exc_text, created, stream = record
+        chars = max(256, (self.max_payload - 4096) // 8)
+        message = clip(str(message), chars)
+        if exc_text is not None:
+            exc_text = clip(str(exc_text), chars)
+        return (level, clip(str(name), 256), message, exc_text, created, stream)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -106,7 +139,8 @@ class LineStream(io.TextIOBase):
         self.stream = stream
         self.level = level
         self.original = original
-        self._buf = ""
+        self._parts: "list[str]" = []  # text written since the last complete line
+        self._size = 0
         self._lock = threading.Lock()
 
     @property
@@ -127,22 +161,41 @@ class LineStream(io.TextIOBase):
         if not isinstance(text, str):
             raise TypeError("write() argument must be str, not %s" % type(text).__name__)
         with self._lock:
-            self._buf += text
-            if "\n" not in self._buf:
+            # Only new text is searched, pending text is joined once per LINE_CAP, and a line
+            # never grows past LINE_CAP: output without newlines (one character at a time,
+            # or megabytes at once) costs linear time and bounded memory.
+            self._parts.append(text)
+            self._size += len(text)
+            if "\n" not in text and self._size < LINE_CAP:
                 return len(text)
-            *lines, self._buf = self._buf.split("\n")
-        for line in lines:
+            *lines, rest = "".join(self._parts).split("\n")
+            pieces = [piece for line in lines for piece in _pieces(line)]
+            tail = _pieces(rest)
+            keep = tail.pop() if len(tail[-1]) < LINE_CAP else ""
+            pieces.extend(tail)
+            self._parts = [keep] if keep else []
+            self._size = len(keep)
+        for line in pieces:
             self._emit(line)
         return len(text)
 
     def flush(self) -> None:
         with self._lock:
-            rest, self._buf = self._buf, ""
+            rest = "".join(self._parts)
+            self._parts = []
+            self._size = 0
         if rest:
             self._emit(rest)
 
     def _emit(self, line: str) -> None:
         self.outbox.send_record((self.level, self.stream, line, None, time.time(), self.stream))
+
+
+def _pieces(line: str) -> "list[str]":
+    """``line`` cut into pieces of at most LINE_CAP characters (one piece if it is short)."""
+    if len(line) <= LINE_CAP:
+        return [line]
+    return [line[i : i + LINE_CAP] for i in range(0, len(line), LINE_CAP)]
 
 
 def install(outbox: Outbox, level: str) -> None:

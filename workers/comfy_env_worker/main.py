@@ -94,27 +94,62 @@ def resolve_target(target: str) -> Callable[..., Any]:
     return fn
 
 
-def error_record(exc: BaseException) -> bytes:
+def _salvage(get: Callable[[], Any], fallback: str) -> str:
+    """``get()`` as a plain str, or ``fallback`` if it raises anything at all (an exception's
+    ``__str__`` may raise even ``SystemExit``) or returns something else."""
+    try:
+        value = get()
+        if type(value) is not str:
+            return fallback
+        return "".join((value,))  # a real str, not a subclass with surprises
+    except BaseException:  # noqa: BLE001 - whatever it raises, the error reply must go out
+        return fallback
+
+
+def error_record(exc: BaseException, limit: Optional[int] = None) -> bytes:
     """Encode a remote exception: (type name, module, message, traceback text, pickled exc).
 
     The exception object itself is pickled when possible so the host can re-raise the same
-    class; the text fields always survive, so an unpicklable exception is never lost.
+    class; the text fields always survive, so an unpicklable exception is never lost. Nothing
+    the exception does (a ``__str__``, ``__repr__`` or ``__reduce__`` that raises, even a
+    ``BaseException``) stops the record: whatever can be salvaged goes out. With ``limit``
+    (the frame limit) the record fits it: the pickled exception is dropped first, then the
+    texts are clipped with a visible marker.
     """
-    import traceback  # only on the error path: it is slow to import at start-up
-
-    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc_type = type(exc)
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error
-        message = "<unprintable %s>" % exc_type.__name__
+    qualname = _salvage(lambda: exc_type.__qualname__, "<exception>")
+    module = _salvage(lambda: exc_type.__module__, "builtins")
+    message = _salvage(lambda: str(exc), "<unprintable %s>" % qualname)
+
+    def formatted() -> str:
+        import traceback  # only on the error path: it is slow to import at start-up
+
+        return "".join(traceback.format_exception(exc_type, exc, exc.__traceback__))
+
+    def stack_only() -> str:
+        import traceback
+
+        lines = traceback.format_tb(exc.__traceback__)
+        return "".join(lines) + "%s: %s\n" % (qualname, message)
+
+    tb_text = _salvage(formatted, "")
+    if not tb_text:
+        tb_text = _salvage(stack_only, "%s: %s\n" % (qualname, message))
     pickled: Optional[bytes]
     try:
         pickled = pickle.dumps(exc, protocol=_PICKLE_PROTOCOL)
-    except Exception:  # noqa: BLE001 - fall back to the text fields
+    except BaseException:  # noqa: BLE001 - a raising __reduce__: the text fields carry it
         pickled = None
-    record = (exc_type.__qualname__, exc_type.__module__, message, tb_text, pickled)
-    return pickle.dumps(record, protocol=_PICKLE_PROTOCOL)
+    record = pickle.dumps((qualname, module, message, tb_text, pickled), protocol=_PICKLE_PROTOCOL)
+    budget = None if limit is None else limit - HEADER_SIZE - 1024
+    if budget is None or len(record) <= budget:
+        return record
+    # Too large for one frame (a 2 MiB message under a 1 MiB limit): clip what is text.
+    chars = max(256, budget // 10)
+    return pickle.dumps(
+        (qualname[:256], module[:256], logs.clip(message, chars), logs.clip(tb_text, chars), None),
+        protocol=_PICKLE_PROTOCOL,
+    )
 
 
 def _dumps_result(result: Any) -> bytes:
@@ -206,6 +241,7 @@ class Worker:
         limit = int(config.get("max_frame_bytes") or DEFAULT_MAX_FRAME_BYTES)
         self.max_frame_bytes = limit
         self.reader.limit = limit
+        self.outbox.max_payload = min(logs.RECORD_CAP, limit - 4096)
         self.threshold = int(config.get("shm_threshold_bytes") or shm.MIN_BLOCK)
         refs.GENERATION = int(config.get("generation") or 0)
         self.control.interrupt_after = float(config.get("cancel_interrupt_after") or 0.0)
@@ -284,7 +320,7 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are replies too
             self.control.end()  # idempotent: disarm before anything else runs
             try:
-                data = error_record(exc)
+                data = error_record(exc, self.max_frame_bytes)
             finally:
                 del exc
             if arg_views:
@@ -345,7 +381,7 @@ class Worker:
             "the result pickles to %d bytes, over the frame limit of %d bytes "
             "(PoolConfig.max_frame_bytes)" % (length, self.max_frame_bytes)
         )
-        self.reply(FrameType.REPLY_ERR, call_id, error_record(too_big))
+        self.reply(FrameType.REPLY_ERR, call_id, error_record(too_big, self.max_frame_bytes))
 
     @staticmethod
     def release_args(views: List[Any], sources: List[Optional[str]]) -> List[str]:

@@ -134,6 +134,10 @@ def send_frame(sock: socket.socket, ftype: int, call_id: int, payload: bytes = b
     send_parts(sock, [header, payload])
 
 
+# Frames up to this size get their whole buffer at once; larger ones grow as data arrives.
+_EAGER_BYTES = 64 * 1024 * 1024
+
+
 class FrameReader:
     """Reads frames from a stream socket, buffering what arrived beyond the current frame.
 
@@ -237,20 +241,32 @@ class FrameReader:
             payload = bytes(buf[HEADER_SIZE:end])
             del buf[:end]
             return ftype, flags, call_id, payload
-        # A large frame: read the rest of the payload in place, one copy.
-        big = bytearray(length)
+        # A large frame: read the rest of the payload in place, one copy up to
+        # _EAGER_BYTES. Beyond that the buffer grows (doubling) as bytes actually arrive: a
+        # peer that merely *announces* a huge frame (a fake interpreter's HELLO) gets no
+        # memory for it.
         have = len(buf) - HEADER_SIZE
+        big = bytearray(min(length, max(_EAGER_BYTES, have)))
         big[:have] = buf[HEADER_SIZE:]
         buf.clear()
-        view = memoryview(big)
         sock = self._sock
+        view = memoryview(big)
         try:
             while have < length:
+                if have == len(big):
+                    view.release()
+                    big.extend(bytes(min(length, 2 * len(big)) - len(big)))
+                    view = memoryview(big)
                 self._wait_readable(deadline)
                 n = sock.recv_into(view[have:])
                 if n == 0:
                     raise ChannelClosed(partial=True)
                 have += n
-        finally:
+        except BaseException:
+            # The traceback keeps this frame alive (a caller may hold the error for long):
+            # it must not keep the partial payload too.
             view.release()
+            del view, big
+            raise
+        view.release()
         return ftype, flags, call_id, big

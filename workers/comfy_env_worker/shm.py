@@ -38,6 +38,7 @@ never registered with ``multiprocessing.resource_tracker``.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import pickle
@@ -53,6 +54,23 @@ ALIGN = 64
 _U32 = struct.Struct("<I")
 
 Table = List[Tuple[Any, ...]]
+
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def reserve(fd: int, size: int) -> None:
+    """Size a new block *and* reserve its memory now.
+
+    ``ftruncate`` alone succeeds on a full tmpfs; the first write into the mapping then raises
+    SIGBUS, which kills the process (the host, on an argument). ``posix_fallocate`` makes a
+    full /dev/shm an ``OSError`` (ENOSPC) here, which the sender answers by streaming the
+    buffers inline. Where the call is missing or the file system cannot reserve space, the
+    block is refused too (``OSError``): an unreserved block is exactly the SIGBUS risk."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # pragma: no cover - not Linux: no /dev/shm either
+        raise OSError(errno.EOPNOTSUPP, "posix_fallocate is not available")
+    fallocate(fd, 0, size)
 
 
 def shm_available() -> bool:
@@ -264,9 +282,9 @@ class Block:
 
     def __init__(self, name: str, size: int) -> None:
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, size)
+            reserve(fd, size)
             self.mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)

@@ -1,0 +1,1085 @@
+"""Hostile and unlucky machines (issue 11): a full /dev/shm, a hostile runtime root, sweeps
+that cannot tell live from dead, unbounded frames and lines, values the OS cannot take,
+exceptions that fight back, malformed status files.
+
+Tests that need a private mount namespace (a small tmpfs over /dev/shm) run a host script in a
+child made with ``unshare -m``; the test process itself stays in the normal namespace. They
+skip cleanly where unshare or mount is not permitted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+from conftest import TESTS_DIR, alive, run_host, wait_until
+
+import comfy_env
+
+# ---- 1. shared memory that runs out -----------------------------------------------------------
+
+
+def _namespace_usable() -> bool:
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    try:
+        probe = subprocess.run(
+            ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /dev/shm"],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+needs_mount_namespace = pytest.mark.skipif(
+    not _namespace_usable(), reason="needs unshare -m and mount (root in a Linux namespace)"
+)
+
+SMALL_SHM_HOST = """
+import json, logging, sys
+import comfy_env
+
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            warnings.append(record.getMessage())
+logging.getLogger("comfy_env").addHandler(Keep())
+
+nbytes = int(sys.argv[1])
+config = comfy_env.PoolConfig(sys_path=(sys.argv[2],), start_timeout=60)
+out = {}
+with comfy_env.Pool(config) as pool:
+    worker = pool.get_worker()
+    payload = bytes(range(256)) * (nbytes // 256)
+    out["equal"] = [worker.call("fault_tasks:identity", payload) == payload for _ in range(3)]
+    stats = worker.stats()
+    out["shared_memory"] = stats.shared_memory
+    out["spawns"] = stats.spawns
+    out["crashed"] = stats.crashed
+    out["generation"] = stats.generation
+out["shm_warnings"] = [w for w in warnings if "shared memory is unavailable" in w]
+import contextlib, io
+from comfy_env._cli import main
+text = io.StringIO()
+with contextlib.redirect_stdout(text):
+    out["doctor_rc"] = main(["doctor", "--json"])
+steps = json.loads(text.getvalue())["steps"]
+out["doctor_shm"] = [
+    s.get("facts", {}).get("shared_memory") for s in steps if s["name"] == "shared memory"
+]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run_in_small_shm(size: str, fill_mib: int, nbytes: int) -> dict[str, object]:
+    script = (
+        f"mount -t tmpfs -o size={size} tmpfs /dev/shm && "
+        + (
+            f"dd if=/dev/zero of=/dev/shm/someone-else bs=1M count={fill_mib} 2>/dev/null && "
+            if fill_mib
+            else ""
+        )
+        + 'exec "$0" -c "$1" "$2" "$3"'
+    )
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    proc = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            script,
+            sys.executable,
+            textwrap.dedent(SMALL_SHM_HOST),
+            str(nbytes),
+            str(TESTS_DIR),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    # Before the fix the host died of SIGBUS (rc -7) writing its argument into the block.
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    result: dict[str, object] = json.loads(line[0][len("RESULT ") :])
+    return result
+
+
+@needs_mount_namespace
+@pytest.mark.parametrize(
+    ("size", "fill_mib", "nbytes"),
+    [("1M", 0, 4 << 20), ("3M", 0, 2 << 20), ("64M", 60, 8 << 20)],
+    ids=["1MiB", "3MiB", "64MiB-60MiB-used"],
+)
+def test_a_full_dev_shm_streams_inline_and_kills_nothing(
+    size: str, fill_mib: int, nbytes: int
+) -> None:
+    out = _run_in_small_shm(size, fill_mib, nbytes)
+    assert out["equal"] == [True, True, True]
+    assert out["shared_memory"] == "unavailable"
+    assert out["spawns"] == 1 and out["generation"] == 1  # the canary passed; nothing died
+    assert out["crashed"] == 0
+    assert len(out["shm_warnings"]) == 1  # type: ignore[arg-type]
+    assert out["doctor_rc"] == 0 and out["doctor_shm"] == ["unavailable"]  # a WARN, not a FAIL
+
+
+def test_a_block_that_cannot_be_reserved_is_an_oserror_not_a_later_sigbus() -> None:
+    from comfy_env_worker import shm
+
+    r, w = os.pipe()  # not a file: fallocate fails like a full tmpfs would, with OSError
+    try:
+        with pytest.raises(OSError):
+            shm.reserve(w, 1 << 20)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+# ---- 2. the runtime root must be ours, or refused ---------------------------------------------
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's dir")
+
+
+@pytest.fixture
+def shared_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh stand-in for /tmp as the only runtime-root candidate (no XDG_RUNTIME_DIR)."""
+    from comfy_env import _rundir
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(_rundir, "_private", None)
+    return tmp
+
+
+def _root_after_warning(caplog: pytest.LogCaptureFixture) -> tuple[str, list[str]]:
+    from comfy_env._rundir import runtime_root
+
+    with caplog.at_level(logging.WARNING, logger="comfy_env"):
+        root = runtime_root()
+        again = runtime_root()
+    assert again == root
+    warnings = [r.getMessage() for r in caplog.records if "not safe to use" in r.getMessage()]
+    return root, warnings
+
+
+def test_a_symlink_planted_at_the_runtime_root_is_never_followed(
+    shared_tmp: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "attacker"
+    target.mkdir()
+    (shared_tmp / f"comfy-env-{os.getuid()}").symlink_to(target)
+    root, warnings = _root_after_warning(caplog)
+    try:
+        assert not root.startswith(str(target)) and os.path.realpath(root) != str(target)
+        assert len(warnings) == 1 and "symbolic link" in warnings[0]
+        assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+        assert os.listdir(target) == []
+    finally:
+        shutil.rmtree(root)
+
+
+@root_only
+@pytest.mark.parametrize("mode", [0o777, 0o700])
+def test_another_users_runtime_root_is_refused_with_one_warning(
+    shared_tmp: Path, caplog: pytest.LogCaptureFixture, mode: int
+) -> None:
+    foreign = shared_tmp / f"comfy-env-{os.getuid()}"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)
+    foreign.chmod(mode)
+    root, warnings = _root_after_warning(caplog)
+    try:
+        assert root != str(foreign)
+        assert len(warnings) == 1 and "belongs to uid 65534" in warnings[0]
+        assert os.stat(root).st_uid == os.getuid()
+        assert os.listdir(foreign) == []
+    finally:
+        shutil.rmtree(root)
+
+
+def test_our_own_root_with_loose_permissions_is_tightened(shared_tmp: Path) -> None:
+    from comfy_env._rundir import runtime_root
+
+    ours = shared_tmp / f"comfy-env-{os.getuid()}"
+    ours.mkdir()
+    ours.chmod(0o777)
+    assert runtime_root() == str(ours)
+    assert stat.S_IMODE(os.stat(ours).st_mode) == 0o700
+
+
+def test_a_status_dir_that_is_a_symlink_is_a_typed_error(shared_tmp: Path, tmp_path: Path) -> None:
+    from comfy_env import RuntimeRootError
+    from comfy_env._status import status_dir
+
+    root = shared_tmp / f"comfy-env-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "status").symlink_to(elsewhere)
+    with pytest.raises(RuntimeRootError, match="symbolic link") as info:
+        status_dir()
+    assert info.value.path == str(root / "status")
+
+
+def test_no_usable_root_at_all_is_a_typed_error_not_a_permission_error(
+    shared_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from comfy_env import ComfyEnvError, RuntimeRootError
+    from comfy_env._rundir import runtime_root
+
+    (shared_tmp / f"comfy-env-{os.getuid()}").write_text("not a directory")
+
+    def refuse(*_a: object, **_k: object) -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(RuntimeRootError, match=r"not a directory|cannot open") as info:
+        runtime_root()
+    assert isinstance(info.value, ComfyEnvError)
+    assert "XDG_RUNTIME_DIR" in str(info.value)
+
+
+def test_a_pool_under_a_hostile_root_runs_its_calls_from_a_private_root(
+    shared_tmp: Path, tmp_path: Path, config: comfy_env.PoolConfig
+) -> None:
+    from comfy_env._rundir import runtime_root
+
+    target = tmp_path / "attacker"
+    target.mkdir()
+    (shared_tmp / f"comfy-env-{os.getuid()}").symlink_to(target)
+    try:
+        with comfy_env.Pool(config) as pool:
+            assert pool.get_worker().call("remote_tasks:add", 1, 2) == 3
+        assert os.listdir(target) == []
+    finally:
+        shutil.rmtree(runtime_root())
+
+
+# ---- 3. sweeps must never touch a live host ---------------------------------------------------
+
+LIVE_HOST = """
+import sys, comfy_env
+config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
+with comfy_env.Pool(config) as pool:
+    w = pool.get_worker()
+    big = bytes(4 << 20)
+    assert w.call("fault_tasks:identity", big) == big  # blocks on both sides now exist
+    from comfy_env._process import host_id
+    print(host_id(), w.pid, flush=True)
+    sys.stdin.readline()  # the test sweeps now
+    assert w.call("fault_tasks:identity", big) == big
+    s = w.stats()
+    print("AFTER", s.generation, s.crashed, s.spawns, flush=True)
+"""
+
+
+def _start_live_host(prefix: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-c", textwrap.dedent(LIVE_HOST), str(TESTS_DIR)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _finish_live_host(host: subprocess.Popen[str]) -> str:
+    assert host.stdin is not None
+    host.stdin.write("go\n")
+    host.stdin.flush()
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err[-3000:]
+    return out
+
+
+def _leftovers_of(token: str) -> tuple[list[str], list[str]]:
+    from comfy_env._rundir import runtime_root
+
+    blocks = [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{token}-")]
+    dirs = [d for d in os.listdir(runtime_root()) if d.startswith(f"host-{token}-")]
+    return blocks, dirs
+
+
+def test_a_wall_clock_step_never_makes_a_live_host_look_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    import psutil
+
+    host = _start_live_host([])
+    try:
+        assert host.stdout is not None
+        token, worker_pid = host.stdout.readline().split()
+        blocks, dirs = _leftovers_of(token)
+        assert blocks and dirs
+        # NTP or a VM resume steps the clock by an hour: wall-clock start times all shift.
+        real_create_time = psutil.Process.create_time
+        monkeypatch.setattr(
+            psutil.Process, "create_time", lambda self: real_create_time(self) + 3600
+        )
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() + 3600)
+        report = comfy_env.sweep()
+        monkeypatch.undo()
+        assert not set(report.blocks) & set(blocks)
+        assert not set(report.runtime_dirs) & set(dirs)
+        assert int(worker_pid) not in report.processes
+        assert set(blocks) <= set(os.listdir("/dev/shm"))
+        out = _finish_live_host(host)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.communicate(timeout=30)
+    assert "AFTER 1 0 1" in out  # the same worker served both calls: nothing was killed
+
+
+def _pid_namespace_usable() -> bool:
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    try:
+        probe = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _pid_namespace_usable(), reason="needs unshare --pid (root)")
+@pytest.mark.parametrize("mount_proc", [True, False], ids=["own-proc", "shared-proc"])
+def test_a_host_in_another_pid_namespace_is_never_swept(mount_proc: bool) -> None:
+    prefix = ["unshare", "--pid", "--fork"] + (["--mount-proc"] if mount_proc else [])
+    host = _start_live_host(prefix)
+    try:
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        assert line, host.communicate(timeout=30)[1][-3000:]
+        token, _ = line.split()
+        assert token.split("-")[2] != f"n{os.stat('/proc/self/ns/pid').st_ino}"
+        blocks, dirs = _leftovers_of(token)
+        assert blocks and dirs
+        # Its pid means nothing here (or names another process): it must look "unknown",
+        # never "dead".
+        report = comfy_env.sweep()
+        assert not set(report.blocks) & set(blocks)
+        assert not set(report.runtime_dirs) & set(dirs)
+        assert set(blocks) <= set(os.listdir("/dev/shm"))
+        out = _finish_live_host(host)
+    finally:
+        if host.poll() is None:
+            os.killpg(host.pid, 9)
+            host.communicate(timeout=30)
+    assert "AFTER 1 0 1" in out
+
+
+def test_owner_checks_prove_death_or_leave_things_alone() -> None:
+    from comfy_env._identity import owner_dead, pid_namespace, proc_stat
+    from comfy_env._process import host_id
+
+    ns = pid_namespace()
+    assert ns is not None
+    pid, ticks, my_ns = (int(x.lstrip("tn")) for x in host_id().split("-"))
+    assert (my_ns, ticks) == (ns, proc_stat("self")[1])  # type: ignore[index]
+    assert not owner_dead(pid, ticks, ns)  # us
+    assert owner_dead(pid, ticks + 1, ns)  # our pid, another start: a reused pid
+    dead = 4_000_000
+    while os.path.exists(f"/proc/{dead}"):
+        dead -= 1
+    assert owner_dead(dead, ticks, ns)
+    assert not owner_dead(dead, ticks, ns + 1)  # another namespace: cannot tell
+    assert not owner_dead(dead, ticks, 0)  # no /proc when it was named: cannot tell
+    # Earlier versions judged any ``<digits>-<digits>-`` name by wall-clock start time: our
+    # names must never match their pattern, or a host of an older version sweeps us.
+    import re
+
+    old_pattern = re.compile(r"^(?:ce-|host-)(\d+)-(\d+)-")
+    assert old_pattern.match(f"ce-{host_id()}-h1-1") is None
+    assert old_pattern.match(f"host-{host_id()}-abc") is None
+
+
+def test_a_look_alike_of_a_dead_hosts_worker_is_never_signalled(tmp_path: Path) -> None:
+    from comfy_env._identity import pid_namespace
+    from comfy_env._process import BOOT
+
+    dead = 4_000_000
+    while os.path.exists(f"/proc/{dead}"):
+        dead -= 1
+    runtime_dir = tmp_path / f"host-{dead}-t1-n{pid_namespace()}-abc"
+    # Same launch line as a real worker of that dead host, but not launched by it.
+    look_alike = subprocess.Popen(
+        ["sh", "-c", "sleep 60; :", "-c", BOOT, str(runtime_dir), "3", str(dead), "4"],
+        start_new_session=True,
+    )
+    try:
+        report = comfy_env.sweep()
+        assert look_alike.pid not in report.processes
+        assert look_alike.poll() is None
+    finally:
+        os.killpg(look_alike.pid, 9)
+        look_alike.wait(30)
+
+
+# ---- 5. config and arguments that the OS or the clock cannot take -----------------------------
+
+TIME_FIELDS = (
+    "call_timeout",
+    "start_timeout",
+    "kill_grace",
+    "close_timeout",
+    "idle_timeout",
+    "ping_after_idle",
+    "ping_timeout",
+    "restart_window",
+    "shm_pinned_ttl",
+)
+
+
+@pytest.mark.parametrize("field", TIME_FIELDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 1e300, 10**30])
+def test_config_timeouts_the_clock_cannot_take_are_validation_errors(
+    field: str, value: float
+) -> None:
+    with pytest.raises(pydantic.ValidationError, match=field):
+        comfy_env.PoolConfig(**{field: value})
+
+
+def test_config_timeouts_from_the_environment_are_checked_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COMFY_ENV_CLOSE_TIMEOUT", "inf")
+    with pytest.raises(
+        (pydantic.ValidationError, ValueError), match=r"CLOSE_TIMEOUT|close_timeout"
+    ):
+        comfy_env.PoolConfig()
+
+
+def test_a_config_copied_past_validation_is_checked_when_the_pool_takes_it(
+    config: comfy_env.PoolConfig,
+) -> None:
+    bad = config.model_copy(update={"close_timeout": math.inf})
+    with pytest.raises(pydantic.ValidationError, match="close_timeout"):
+        comfy_env.Pool(bad)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 1e300, -1.0, 0, True, "5"])
+def test_per_call_timeouts_the_clock_cannot_take_are_argument_errors(
+    pool: comfy_env.Pool, value: object
+) -> None:
+    worker = pool.get_worker()
+    with pytest.raises(comfy_env.ArgumentError, match="timeout"):
+        worker.run("remote_tasks:add", (1, 2), timeout=value)  # type: ignore[arg-type]
+    stats = worker.stats()
+    assert stats.spawns == 0 and stats.crashed == 0  # refused before anything ran
+    assert worker.run("remote_tasks:add", (1, 2), timeout=30) == 3
+
+
+@pytest.mark.parametrize(
+    ("env_vars", "needle"),
+    [
+        ({"A=B": "x"}, "A=B"),
+        ({"A\0B": "x"}, "NUL"),
+        ({"": "x"}, "non-empty"),
+        ({"A": "x\0y"}, "NUL"),
+    ],
+)
+def test_env_vars_execve_cannot_take_are_validation_errors(
+    env_vars: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(pydantic.ValidationError, match="env_vars") as info:
+        comfy_env.PoolConfig(env_vars=env_vars)
+    assert needle in str(info.value)
+
+
+def test_paths_with_nul_are_validation_errors() -> None:
+    with pytest.raises(pydantic.ValidationError, match="sys_path"):
+        comfy_env.PoolConfig(sys_path=("a\0b",))
+    with pytest.raises(pydantic.ValidationError, match="cwd"):
+        comfy_env.PoolConfig(cwd="a\0b")
+
+
+def test_an_interpreter_that_cannot_be_executed_is_an_env_error(tmp_path: Path) -> None:
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    python = env / "bin" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o644)
+    with pytest.raises(comfy_env.EnvError):
+        comfy_env.resolve_env(env)
+
+
+@root_only
+def test_an_env_dir_without_permission_is_an_env_error(tmp_path: Path) -> None:
+    env = tmp_path / "private-env"
+    (env / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, env / "bin" / "python")
+    env.chmod(0o700)  # root's; the probe below runs as nobody
+    tmp_path.chmod(0o755)
+    code = (
+        "import sys, comfy_env\n"
+        "try:\n"
+        "    comfy_env.resolve_env(sys.argv[1])\n"
+        "except comfy_env.EnvError as exc:\n"
+        "    print('EnvError', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(env)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=65534,
+        env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
+    )
+    if "ImportError" in out.stderr or "ModuleNotFoundError" in out.stderr:
+        pytest.skip(f"nobody cannot import comfy_env here: {out.stderr[-300:]}")
+    assert out.stdout.startswith("EnvError"), out.stdout + out.stderr
+    assert "permission denied" in out.stdout
+
+
+EMFILE_HOST = """
+import json, os, resource, sys, comfy_env
+
+def exhaust():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    return soft, hard, held
+
+def restore(limits):
+    soft, hard, held = limits
+    for fd in held:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+out = {}
+config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
+with comfy_env.Pool(config) as pool:
+    w = pool.get_worker()
+    small = bytes(2 << 20)
+    assert w.call("fault_tasks:identity", small) == small
+    fds = len(os.listdir("/proc/self/fd"))
+    # 1. Out of descriptors while opening a reply block the worker has just made.
+    bigger = bytes(8 << 20)
+    limits = exhaust()
+    try:
+        w.call("fault_tasks:identity", bigger)
+        out["reply"] = "no error"
+    except Exception as exc:
+        out["reply"] = type(exc).__name__
+    finally:
+        restore(limits)
+    assert w.call("fault_tasks:identity", bigger) == bigger
+    s = w.stats()
+    out["after_reply"] = [s.generation, s.crashed, s.failed, s.spawns]
+    # 2. Out of descriptors at spawn.
+    pid = w.pid
+    os.kill(pid, 9)
+    import time
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        time.sleep(0.01)
+    time.sleep(0.2)
+    limits = exhaust()
+    try:
+        w.call("remote_tasks:add", 1, 2)
+        out["spawn"] = "no error"
+    except Exception as exc:
+        out["spawn"] = type(exc).__name__
+    finally:
+        restore(limits)
+    out["after_spawn"] = w.call("remote_tasks:add", 1, 2)
+    out["fds_before_after"] = [fds, len(os.listdir("/proc/self/fd"))]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_host_out_of_descriptors_gets_typed_errors_and_keeps_its_worker() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EMFILE_HOST), str(TESTS_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    out = json.loads(line[0][len("RESULT ") :])
+    assert out["reply"] == "HostResourceError"  # was ProtocolError, and the worker retired
+    assert out["after_reply"] == [1, 0, 1, 1]  # same worker, nothing counted as a death
+    assert out["spawn"] == "WorkerStartError"
+    assert out["after_spawn"] == 3
+    before, after = out["fds_before_after"]
+    assert after <= before
+
+
+# ---- 4. every frame and line bounded, in both directions -------------------------------------
+
+
+@pytest.fixture
+def small_frames(config: comfy_env.PoolConfig) -> Iterator[comfy_env.Pool]:
+    cfg = config.model_copy(update={"max_frame_bytes": 1 << 20})
+    with comfy_env.Pool(cfg) as pool:
+        yield pool
+
+
+def _unharmed(worker: comfy_env.Worker) -> None:
+    assert worker.call("hardening_tasks:add", 1, 2) == 3
+    stats = worker.stats()
+    assert (stats.generation, stats.spawns, stats.crashed) == (1, 1, 0)
+
+
+def test_an_exception_too_large_for_a_frame_arrives_clipped_and_the_worker_lives(
+    small_frames: comfy_env.Pool,
+) -> None:
+    worker = small_frames.get_worker()
+    for _ in range(3):  # repeated: nothing counts toward the breaker
+        with pytest.raises((comfy_env.RemoteError, ValueError)) as info:
+            worker.call("hardening_tasks:raise_big", 2 << 20)
+        text = str(info.value)
+        assert "characters cut" in text and len(text) < (1 << 20)
+    _unharmed(worker)
+
+
+def test_a_log_record_too_large_for_a_frame_arrives_clipped(
+    small_frames: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = small_frames.get_worker()
+    with caplog.at_level(logging.INFO, logger="comfy_env.worker"):
+        assert worker.call("hardening_tasks:log_big", 2 << 20) == "logged"
+    clipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LLLL")]
+    assert clipped and "characters cut" in clipped[0] and len(clipped[0]) < (1 << 20)
+    _unharmed(worker)
+
+
+def test_python_output_without_newlines_is_cut_into_bounded_lines(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from comfy_env_worker.logs import LINE_CAP
+
+    worker = pool.get_worker()
+    with caplog.at_level(logging.INFO, logger="comfy_env.worker"):
+        # 4 MiB one character at a time, then 4 MiB in one write: both linear.
+        assert worker.call("hardening_tasks:print_big_no_newline", 1 << 20, 1) == "printed"
+        assert worker.call("hardening_tasks:print_big_no_newline", 4 << 20, 4 << 20) == "printed"
+    lines = [r.getMessage() for r in caplog.records if getattr(r, "stream", "") == "stdout"]
+    assert lines and max(len(line) for line in lines) <= LINE_CAP
+    assert sum(len(line) for line in lines) + worker.stats().log_lines_dropped * LINE_CAP >= (
+        5 << 20
+    )
+    _unharmed(worker)
+
+
+def test_native_output_without_newlines_is_cut_in_linear_time_within_the_flood_budget(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from comfy_env._logs import LINE_CAP
+
+    worker = pool.get_worker()
+    with caplog.at_level(logging.INFO, logger="comfy_env.worker"):
+        # 32 MiB without a newline: before, quadratic (minutes) and the reply starved.
+        assert worker.run("hardening_tasks:native_no_newline", (32 << 20,), timeout=120) == (
+            "written"
+        )
+        assert wait_until(lambda: worker.stats().log_lines_dropped > 0, 30)
+    pieces = [
+        r.getMessage() for r in caplog.records if getattr(r, "stream", "").startswith("native")
+    ]
+    assert pieces and max(len(p) for p in pieces) <= LINE_CAP
+    _unharmed(worker)
+
+
+def test_a_peer_announcing_a_huge_frame_gets_no_memory_for_it() -> None:
+    import socket
+    import tracemalloc
+
+    from comfy_env_worker.protocol import HEADER, MAGIC, ChannelClosed, FrameReader, FrameType
+
+    a, b = socket.socketpair()
+    try:
+        reader = FrameReader(a, 4 << 30)
+        b.sendall(HEADER.pack(MAGIC, FrameType.REPLY_OK, 0, 3 << 30, 1) + b"\0" * 1000)
+        b.close()
+        tracemalloc.start()
+        try:
+            with pytest.raises(ChannelClosed) as info:
+                reader.read()
+            _, peak = tracemalloc.get_traced_memory()
+            held = info.value  # a caller keeping the error must not keep the payload
+            current, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert held is not None
+        assert peak < 128 << 20  # not 3 GiB up front
+        assert current < 1 << 20
+    finally:
+        a.close()
+
+
+def test_a_fake_interpreter_announcing_a_huge_hello_is_refused_at_once(tmp_path: Path) -> None:
+    env = tmp_path / "fake-env"
+    (env / "bin").mkdir(parents=True)
+    fake = env / "bin" / "python"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import os, struct, sys, time\n"
+        "from comfy_env_worker.protocol import HEADER, MAGIC, FrameType\n"
+        "fd = int(sys.argv[4])\n"
+        "os.write(fd, HEADER.pack(MAGIC, FrameType.HELLO, 0, 2 << 30, 0) + b'x' * 100)\n"
+        "time.sleep(30)\n"
+    )
+    fake.chmod(0o755)
+    worker_dir = Path(comfy_env.__file__).parent.parent / "workers"
+    cfg = comfy_env.PoolConfig(env_vars={"PYTHONPATH": str(worker_dir)}, kill_grace=0.2)
+    with comfy_env.Pool(cfg) as pool:
+        with pytest.raises(comfy_env.WorkerStartError, match="exceeds the limit"):
+            pool.get_worker(str(env)).call("hardening_tasks:add", 1, 2)
+
+
+# ---- 7. exceptions that fight back ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["str", "reduce", "base"])
+def test_an_exception_whose_str_repr_or_reduce_raises_still_gets_a_reply(
+    pool: comfy_env.Pool, kind: str
+) -> None:
+    import hardening_tasks
+
+    worker = pool.get_worker()
+    with pytest.raises((comfy_env.RemoteError, hardening_tasks.StrRaises)) as info:
+        worker.call("hardening_tasks:raise_fighting", kind)
+    expected = {"str": "StrRaises", "reduce": "ReduceRaises", "base": "BaseEverythingRaises"}
+    error = info.value
+    if isinstance(error, comfy_env.RemoteError):
+        assert expected[kind] in error.type_name
+        assert error.traceback_text
+        if kind == "reduce":
+            assert "reduce text" in error.message  # what could be salvaged
+    else:  # it unpickled here: re-raised as itself, with the remote traceback as its cause
+        assert kind == "str" and isinstance(error.__cause__, comfy_env.RemoteTraceback)
+    _unharmed(worker)
+
+
+@pytest.mark.parametrize("kind", ["exit", "interrupt"])
+def test_systemexit_while_the_host_unpickles_an_exception_is_a_typed_error(
+    pool: comfy_env.Pool, kind: str
+) -> None:
+    worker = pool.get_worker()
+    with pytest.raises(comfy_env.RemoteError, match="HostRebuildRaises"):
+        worker.call("hardening_tasks:raise_host_rebuild", kind)
+    _unharmed(worker)
+
+
+# ---- 8. comfy-env status against malformed state files ----------------------------------------
+
+
+def _live_foreign_host_name() -> str:
+    """A status file name of a host that is alive (pid 1 of this namespace), not this one."""
+    from comfy_env._identity import pid_namespace, proc_stat
+
+    stat_1 = proc_stat(1)
+    assert stat_1 is not None
+    return f"1-t{stat_1[1]}-n{pid_namespace()}.json"
+
+
+def _valid_document(**over: object) -> dict[str, object]:
+    doc: dict[str, object] = {
+        "schema": 1,
+        "host_id": "1-t1-n1",
+        "pid": 1,
+        "start_ms": 1000,
+        "updated_at": 1000.0,
+        "pools": [],
+    }
+    doc.update(over)
+    return doc
+
+
+MALFORMED = {
+    "deeply-nested": b"[" * 200_000 + b"]" * 200_000,
+    "infinity": json.dumps(_valid_document(updated_at=math.inf)).encode(),
+    "nan": json.dumps(_valid_document(start_ms=math.nan)).encode(),
+    "overflowing-float": json.dumps(_valid_document())
+    .replace('"start_ms": 1000', '"start_ms": 1e999')
+    .encode(),
+    "huge-int": json.dumps(_valid_document())
+    .replace('"pid": 1,', '"pid": ' + "9" * 5000 + ",")
+    .encode(),
+    "huge-file": b'{"pad": "' + b"x" * (5 << 20) + b'"}',
+    "not-json": b"\xff\xfe garbage",
+    "wrong-shape": b'{"pools": 5}',
+}
+
+
+@pytest.mark.parametrize("kind", [*MALFORMED, "fifo", "directory"])
+def test_status_skips_malformed_state_files_with_a_note_and_never_hangs(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from comfy_env._cli import main
+    from comfy_env._status import read_status, status_dir
+
+    path = os.path.join(status_dir(), _live_foreign_host_name())
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)  # opening it for reading would block without O_NONBLOCK
+    elif kind == "directory":
+        os.mkdir(path, 0o700)
+    else:
+        with open(path, "wb") as f:
+            f.write(MALFORMED[kind])
+    try:
+        notes: list[str] = []
+        hosts = read_status(notes=notes)
+        assert all(h.pid != 1 for h in hosts)
+        assert any(path in note for note in notes), notes
+        assert main(["status", "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert any(path in note for note in json.loads(out)["notes"])
+        assert main(["status"]) == 0
+        out, err = capsys.readouterr()
+        assert "note:" in err
+    finally:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+
+
+# ---- 6. shutdown and descendants -------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    return not alive(pid)
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_setsid_descendant_is_stopped_when_its_generation_dies(pool: comfy_env.Pool) -> None:
+    worker = pool.get_worker()
+    descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", False)
+    try:
+        assert alive(descendant)
+        with pytest.raises(comfy_env.WorkerCrashed):
+            worker.call("hardening_tasks:die", 3)
+        assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived its worker"
+    finally:
+        _kill_quietly(descendant)
+
+
+def test_a_setsid_descendant_is_stopped_at_close(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config) as pool:
+        descendant = pool.get_worker().call("hardening_tasks:spawn_setsid_sleeper", False)
+    try:
+        assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived close()"
+    finally:
+        _kill_quietly(descendant)
+
+
+def test_a_setsid_descendant_of_a_dead_host_is_swept() -> None:
+    host = run_host(
+        """
+        import sys, time, comfy_env
+        pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+        w = pool.get_worker()
+        print(w.call("hardening_tasks:spawn_setsid_sleeper", False), w.pid, flush=True)
+        time.sleep(60)
+        """,
+        str(TESTS_DIR),
+    )
+    descendant = 0
+    try:
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        assert line, host.communicate(timeout=30)
+        descendant, worker_pid = (int(x) for x in line.split())
+        host.kill()
+        host.communicate(timeout=30)
+        assert wait_until(lambda: _gone(worker_pid), 10)
+        assert alive(descendant)  # nothing of the dead host was left to stop it
+        report = comfy_env.sweep()
+        assert descendant in report.processes
+        assert wait_until(lambda: _gone(descendant), 10)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.communicate(timeout=30)
+        if descendant:
+            _kill_quietly(descendant)
+
+
+def _links(fds: list[int]) -> set[str]:
+    out = set()
+    for fd in fds:
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def _open_links() -> set[str]:
+    return _links([int(fd) for fd in os.listdir("/proc/self/fd")])
+
+
+def test_a_dead_generation_holds_no_host_descriptors_while_a_descendant_keeps_its_pipes(
+    pool: comfy_env.Pool,
+) -> None:
+    worker = pool.get_worker()
+    # It cleared its environment: no mark finds it, and it keeps stdout/stderr open.
+    descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", True)
+    try:
+        process = pool._entries[worker.env].slots[0].process
+        assert process is not None and process.popen is not None
+        popen = process.popen
+        pipes = [p.fileno() for p in (popen.stdout, popen.stderr, process._log_pipe) if p]
+        held = _links(pipes)
+        assert held and all(link.startswith("pipe:") for link in held)
+        with pytest.raises(comfy_env.WorkerCrashed):
+            worker.call("hardening_tasks:die", 3)
+        assert alive(descendant)
+        assert wait_until(lambda: not (held & _open_links()), 10), "the dead generation's pipes"
+        assert worker.call("hardening_tasks:add", 1, 2) == 3
+    finally:
+        _kill_quietly(descendant)
+
+
+def test_close_while_many_envs_start_is_one_bounded_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from comfy_env._process import WorkerProcess
+
+    real = os.path.realpath(sys.executable)
+    pidfile = tmp_path / "escaped.pids"
+    envs = []
+    for i in range(12):
+        env = tmp_path / f"slow{i}"
+        (env / "bin").mkdir(parents=True)
+        python = env / "bin" / "python"
+        # A slow start that ignores SIGTERM, with a descendant that escaped every stop (own
+        # session, empty environment) holding the output pipes: close() must escalate for
+        # every env, and draining output waits for nothing but a deadline.
+        python.write_text(
+            "#!/bin/sh\n"
+            f"setsid env -i /bin/sleep 60 & echo $! >> {pidfile}\n"
+            'trap "" TERM\n'
+            "sleep 60\n"
+            f'exec {real} "$@"\n'
+        )
+        python.chmod(0o755)
+        envs.append(str(env))
+    closer: list[threading.Thread] = []
+    deadlines: list[float] = []
+    for name in ("wait_exit", "wait_output"):
+        original = getattr(WorkerProcess, name)
+
+        def recording(self: WorkerProcess, timeout: float, _original: Any = original) -> Any:
+            if closer and threading.current_thread() is closer[0]:
+                deadlines.append(time.monotonic() + timeout)
+            return _original(self, timeout)
+
+        monkeypatch.setattr(WorkerProcess, name, recording)
+    cfg = comfy_env.PoolConfig(close_timeout=1.0, kill_grace=5.0, start_timeout=120)
+    pool = comfy_env.Pool(cfg)
+    errors: list[BaseException] = []
+
+    def call(env: str) -> None:
+        try:
+            pool.get_worker(env).call("hardening_tasks:add", 1, 2)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(env,)) for env in envs]
+    try:
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: len(pool._processes) == len(envs), 60)
+        assert wait_until(lambda: len(pidfile.read_text().split()) == len(envs), 30)
+        closer.append(threading.current_thread())
+        started = time.monotonic()
+        pool.close()
+        for t in threads:
+            t.join(30)
+        assert len(errors) == len(envs)
+        assert all(isinstance(e, comfy_env.PoolClosedError) for e in errors), errors
+        # Every wait close() made ended by one shared deadline per phase: close_timeout, then
+        # 2 s for SIGKILL to land, then 0.5 s to drain output (plus slack for a busy machine),
+        # never a wait per env (12 envs x 0.5 s of draining alone would pass the bound).
+        assert deadlines
+        assert max(deadlines) - started <= 1.0 + 2.0 + 0.5 + 2.0
+    finally:
+        pool.close()
+        if pidfile.exists():
+            for pid in pidfile.read_text().split():
+                _kill_quietly(int(pid))
+
+
+def test_a_host_out_of_descriptors_before_its_first_worker_gets_a_typed_error() -> None:
+    code = """
+    import os, resource, sys, comfy_env
+    pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        pool.get_worker().call("hardening_tasks:add", 1, 2)
+        print("RESULT no error")
+    except Exception as exc:
+        print("RESULT", type(exc).__name__)
+    for fd in held:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    print("AFTER", pool.get_worker().call("hardening_tasks:add", 1, 2))
+    pool.close()
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(TESTS_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT WorkerStartError" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "AFTER 3" in proc.stdout
