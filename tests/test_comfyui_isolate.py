@@ -358,3 +358,16 @@ def test_a_package_installed_into_the_env_invalidates_the_scan(
     (site,) = foreign_venv.glob("lib/python*/site-packages")
     (site / "newly_installed.py").write_text("")
     assert spawns() == 1
+
+
+def test_a_pack_runs_in_a_python_3_8_env(pack: Path, pool: comfy_env.Pool, tmp_path: Path) -> None:
+    from conftest import other_python
+
+    py38 = other_python(8)
+    if py38 is None:
+        pytest.skip("no Python 3.8 on this machine")
+    mappings, _ = isolate(str(pack), py38, "nodes", pool=pool, cache_dir=str(tmp_path))
+    counter = mappings["Counter"]()
+    assert [asyncio.run(counter.count())[0] for _ in range(2)] == [1, 2]
+    box, _ = asyncio.run(mappings["MakeBox"]().make(v=3, comfy_env_unique_id="1"))
+    assert asyncio.run(mappings["OpenBox"]().open(box=box))[0] == 3
