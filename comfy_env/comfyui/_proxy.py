@@ -5,18 +5,27 @@ A proxy carries the scanned attributes (``INPUT_TYPES``, ``RETURN_TYPES``, ...) 
 independent isolated nodes overlap. One node execution::
 
     ComfyUI task -> proxy.<FUNCTION>(**inputs)               (server process, prompt loop)
-      inputs: tensors split out (values.split), KeptOutput handles -> Kept markers + refs
-      -> Worker.arun("...runner:run_node", ...)              (pool: lease, send, wait)
+      inputs: tensors split out (values.split), KeptOutput handles -> Kept markers + refs;
+      context: prompt id, node id, ComfyUI's directories
+      -> Worker.arun("...runner:run_node", ..., on_event=bridge)   (pool: lease, send, wait)
          or, when some outputs stay in the worker,
-         Worker.call_ref("...runner:run_node_kept") + ref.call_method("crossing")
-      <- tensors joined back as torch tensors; KeptOut markers -> KeptOutput(ref, index)
+         Worker.arun_ref("...runner:run_node_kept") + a call of the run's crossing()
+      <- [skeleton, *tensors]: tensors joined back as torch tensors; KeptOut -> KeptOutput
     ComfyUI caches the outputs under the node's input signature
 
+**Events** (``on_event``, on the loop or the call's thread): ``progress`` (from the stand-in
+``ProgressBar``) goes to ComfyUI's ``PROGRESS_BAR_HOOK`` with the node's prompt and node ids,
+which sends the websocket ``progress`` message; ``comfyui.preview`` the same with its image;
+``comfyui.send_sync`` to ``PromptServer.instance.send_sync``.
+
 **Interrupt** (``POST /interrupt`` sets ComfyUI's flag): while a call runs, the proxy polls the
-flag; when set, it cancels the call's task, which stops the worker (the library's cancellation),
-and raises ComfyUI's own ``InterruptProcessingException`` through
-``throw_exception_if_processing_interrupted`` (which also clears the flag, as ComfyUI expects).
-The next node call spawns generation g+1.
+flag; when set, it cancels the call's task: the library's cooperative cancel (the worker is
+asked; the stand-ins raise inside the node at its next check; pure Python is interrupted after
+half of ``cancel_grace``; the worker is killed after the grace or the pack's
+``interrupt_grace``). Then it raises ComfyUI's own ``InterruptProcessingException`` through
+``throw_exception_if_processing_interrupted``, which also clears the flag as ComfyUI expects.
+The progress hook would clear the flag too, so the bridge never calls it while an interrupt is
+pending (and sets the flag again if the hook consumed one that arrived in between).
 
 **Kept outputs and ComfyUI's cache.** An output whose socket type stays in the worker is a
 ``KeptOutput`` holding the run's ``RemoteRef``. Such proxies get a hidden ``UNIQUE_ID`` and an
