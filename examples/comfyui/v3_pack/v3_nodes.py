@@ -1,0 +1,34 @@
+"""A V3 node: ``comfy_entrypoint()`` returns a ``ComfyExtension`` listing ``io.ComfyNode``
+classes. In the env, ``comfy_api.latest`` is comfy-env's stand-in (the env has no ComfyUI)."""
+
+import numpy as np
+from comfy_api.latest import ComfyExtension, io
+
+
+class ScaleImageV3(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="CE_ScaleImageV3",
+            display_name="Scale image (isolated, V3)",
+            category="comfy-env/examples",
+            inputs=[
+                io.Image.Input("image"),
+                io.Float.Input("factor", default=0.5, min=0.0, max=10.0, step=0.01),
+            ],
+            outputs=[io.Image.Output(), io.String.Output(display_name="kind")],
+        )
+
+    @classmethod
+    def execute(cls, image, factor):
+        out = (np.asarray(image, dtype=np.float32) * np.float32(factor)).astype(np.float32)
+        return io.NodeOutput(out, type(image).__module__)
+
+
+class V3Extension(ComfyExtension):
+    async def get_node_list(self):
+        return [ScaleImageV3]
+
+
+async def comfy_entrypoint():
+    return V3Extension()
