@@ -398,6 +398,9 @@ class Pool:
         self.config = PoolConfig(**config.model_dump()) if config is not None else PoolConfig()
         self._clock = clock
         self._events = Dispatcher()
+        # Host-side owners of RemoteRefs asked before the reaper retires a worker holding refs
+        # (``add_reap_hook``). A tuple, replaced whole: the reaper reads it without a lock.
+        self._reap_hooks: tuple[Callable[[str, int], bool], ...] = ()
         self._reaper: TimerHandle | None = None
         self._lock = threading.Lock()
         self._entries: dict[str, _EnvEntry] = {}
@@ -430,6 +433,39 @@ class Pool:
         if self._closed:
             raise self._closed_error()
         return self._events.subscribe(callback)
+
+    def add_reap_hook(self, hook: Callable[[str, int], bool]) -> Callable[[], None]:
+        """Ask ``hook(env, generation)`` before the idle reaper retires a worker that holds live
+        RemoteRefs (``reap_with_refs`` False). The hook should let go of what it holds in that
+        generation (evict it from its own bookkeeping) and return True; the worker is then
+        retired even though refs are live (they turn stale, as after any retirement). The
+        worker is retired only when every hook returns True; a hook that raises counts as
+        False (logged). Hooks run on the reaper's thread (the reactor, or the caller of
+        ``reap_idle``) outside every pool lock: keep them short and do not call workers from
+        them. A call that starts meanwhile keeps the worker (the reaper's decision names the
+        ``idle_since`` it saw). Returns a function that removes the hook."""
+        with self._lock:
+            self._reap_hooks = (*self._reap_hooks, hook)
+
+        def remove() -> None:
+            with self._lock:
+                self._reap_hooks = tuple(h for h in self._reap_hooks if h is not hook)
+
+        return remove
+
+    def _hooks_consent_to_reap(self, env: str, generation: int) -> bool:
+        hooks = self._reap_hooks
+        if not hooks:
+            return False
+        consent = True
+        for hook in hooks:  # every hook runs: each evicts its own part
+            try:
+                consent = bool(hook(env, generation)) and consent
+            except Exception:  # noqa: BLE001 - a hook's bug keeps the worker, never breaks the reaper
+                _log.exception("comfy-env: reap hook %r failed for %s generation %d", hook, env,
+                               generation)
+                consent = False
+        return consent
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
         """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise);
@@ -1059,11 +1095,20 @@ class Pool:
         for entry in entries:
             for slot in entry.slots:
                 with entry.lock:
-                    if slot.leased or (slot.live_refs and not self.config.reap_with_refs):
+                    if slot.leased:
                         continue
                     decision = lc.idle_expired(slot.state, now, self.config.idle_timeout)
                     if decision is None:
                         continue
+                    held = bool(slot.live_refs) and not self.config.reap_with_refs
+                if held:
+                    # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex).
+                    if not self._hooks_consent_to_reap(entry.spec.key, decision.generation):
+                        continue
+                with entry.lock:
+                    if slot.leased:
+                        continue
+                    # A call in between moved idle_since: the gate drops this decision.
                     effects = entry.apply_locked(slot, decision)
                     if effects is None:
                         continue

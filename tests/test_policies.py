@@ -105,6 +105,62 @@ def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
             ref.call_method("add", 1)
 
 
+def test_reap_hooks_decide_whether_a_worker_holding_refs_is_reaped(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        ref = w.call_ref(remote_tasks.make_counter)
+        asked: list[tuple[str, int]] = []
+        answers = [False]
+
+        def hook(env: str, generation: int) -> bool:
+            asked.append((env, generation))
+            return answers[0]
+
+        def broken(env: str, generation: int) -> bool:
+            raise RuntimeError("a buggy owner")
+
+        remove = pool.add_reap_hook(hook)
+        clock.now += 5
+        assert pool.reap_idle() == 0 and asked == []  # not idle long enough: nobody is asked
+        clock.now += 100
+        assert pool.reap_idle() == 0  # the owner keeps it
+        assert asked == [(w.env, 1)]
+        remove_broken = pool.add_reap_hook(broken)
+        answers[0] = True
+        assert pool.reap_idle() == 0  # every hook must agree; one that raises keeps the worker
+        remove_broken()
+        assert pool.reap_idle() == 1  # the owner let go: retired with a live ref
+        assert w.stats().workers[0].retire_reason == "idle"
+        with pytest.raises(StaleGenerationError, match="generation 1"):
+            ref.call_method("add", 1)
+        remove()
+        ref2 = w.call_ref(remote_tasks.make_counter)  # generation 2, spawned as a first call
+        assert ref2.generation == 2
+        clock.now += 100
+        assert pool.reap_idle() == 0  # no hooks left: refs keep the worker, as by default
+
+
+def test_a_reap_hook_consent_is_void_when_a_call_ran_in_between(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        ref = w.call_ref(remote_tasks.make_counter)
+
+        def hook(env: str, generation: int) -> bool:
+            assert ref.call_method("add", 1) == 1  # a call lands while the owner is asked
+            return True
+
+        pool.add_reap_hook(hook)
+        clock.now += 100
+        assert pool.reap_idle() == 0  # the decision named the old idle_since: dropped
+        assert w.generation == 1 and ref.alive
+
+
 # ---- the health ping ---------------------------------------------------------------------------
 
 
