@@ -434,16 +434,15 @@ class Pool:
             raise self._closed_error()
         return self._events.subscribe(callback)
 
-    def add_reap_hook(self, hook: Callable[[str, int], bool]) -> Callable[[], None]:
-        """Ask ``hook(env, generation)`` before the idle reaper retires a worker that holds live
-        RemoteRefs (``reap_with_refs`` False). The hook should let go of what it holds in that
-        generation (evict it from its own bookkeeping) and return True; the worker is then
-        retired even though refs are live (they turn stale, as after any retirement). The
-        worker is retired only when every hook returns True; a hook that raises counts as
-        False (logged). Hooks run on the reaper's thread (the reactor, or the caller of
-        ``reap_idle``) outside every pool lock: keep them short and do not call workers from
-        them. A call that starts meanwhile keeps the worker (the reaper's decision names the
-        ``idle_since`` it saw). Returns a function that removes the hook."""
+    def add_reap_hook(self, hook: Callable[[str, int], object]) -> Callable[[], None]:
+        """Call ``hook(env, generation)`` before the idle reaper skips an expired worker because
+        it holds live RemoteRefs (``reap_with_refs`` False). A hook lets go of what it holds in
+        that generation (``RemoteRef.discard()``, no call to the worker); when no live ref is
+        left afterwards, the worker is retired now. Refs of owners without a hook keep the
+        worker as before. A hook that raises is logged. Hooks run on the reaper's thread (the
+        reactor, or the caller of ``reap_idle``) outside every pool lock: keep them short and do
+        not call workers from them. A call that starts meanwhile keeps the worker (the reaper's
+        decision names the ``idle_since`` it saw). Returns a function that removes the hook."""
         with self._lock:
             self._reap_hooks = (*self._reap_hooks, hook)
 
@@ -453,19 +452,17 @@ class Pool:
 
         return remove
 
-    def _hooks_consent_to_reap(self, env: str, generation: int) -> bool:
+    def _run_reap_hooks(self, env: str, generation: int) -> bool:
+        """Run the reap hooks; False if there are none (nothing can change)."""
         hooks = self._reap_hooks
-        if not hooks:
-            return False
-        consent = True
-        for hook in hooks:  # every hook runs: each evicts its own part
+        for hook in hooks:  # every hook runs: each lets go of its own refs
             try:
-                consent = bool(hook(env, generation)) and consent
+                hook(env, generation)
             except Exception:  # noqa: BLE001 - a hook's bug keeps the worker, never breaks the reaper
-                _log.exception("comfy-env: reap hook %r failed for %s generation %d", hook, env,
-                               generation)
-                consent = False
-        return consent
+                _log.exception(
+                    "comfy-env: reap hook %r failed for %s generation %d", hook, env, generation
+                )
+        return bool(hooks)
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
         """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise);
@@ -907,7 +904,9 @@ class Pool:
                 ref_slot, generation, ref_id = entry.dropped_refs.popleft()
                 if ref_slot is not slot:
                     others.append((ref_slot, generation, ref_id))
-                elif generation == process.generation and ref_id in slot.live_refs:
+                elif generation == process.generation:
+                    # Garbage-collected refs are still counted live; discarded ones
+                    # (RemoteRef.discard) were uncounted at once. Both are released here.
                     slot.live_refs.discard(ref_id)
                     mine.append(ref_id)
                 # else: its generation is gone, and the object with it
@@ -1102,11 +1101,12 @@ class Pool:
                         continue
                     held = bool(slot.live_refs) and not self.config.reap_with_refs
                 if held:
-                    # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex).
-                    if not self._hooks_consent_to_reap(entry.spec.key, decision.generation):
+                    # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex)
+                    # and discards its refs (RemoteRef.discard takes the entry lock).
+                    if not self._run_reap_hooks(entry.spec.key, decision.generation):
                         continue
                 with entry.lock:
-                    if slot.leased:
+                    if slot.leased or (slot.live_refs and not self.config.reap_with_refs):
                         continue
                     # A call in between moved idle_since: the gate drops this decision.
                     effects = entry.apply_locked(slot, decision)

@@ -21,6 +21,7 @@ from conftest import wait_until as _wait
 import comfy_env
 from comfy_env import (
     EnvAbandonedError,
+    RefReleasedError,
     StaleGenerationError,
     WorkerCrashed,
     WorkerStartError,
@@ -105,45 +106,52 @@ def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
             ref.call_method("add", 1)
 
 
-def test_reap_hooks_decide_whether_a_worker_holding_refs_is_reaped(
+def test_a_reap_hook_that_discards_its_refs_lets_the_reaper_retire_the_worker(
     config: comfy_env.PoolConfig,
 ) -> None:
     clock = FakeClock()
     with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
         w = pool.get_worker()
-        ref = w.call_ref(remote_tasks.make_counter)
+        mine = w.call_ref(remote_tasks.make_counter)
+        other = w.call_ref(remote_tasks.make_counter)  # an owner without a hook
         asked: list[tuple[str, int]] = []
-        answers = [False]
+        let_go = [False]
+        held = [mine]
 
-        def hook(env: str, generation: int) -> bool:
+        def hook(env: str, generation: int) -> None:
             asked.append((env, generation))
-            return answers[0]
+            if let_go[0]:
+                for ref in held:
+                    ref.discard()
 
-        def broken(env: str, generation: int) -> bool:
+        def broken(env: str, generation: int) -> None:
             raise RuntimeError("a buggy owner")
 
         remove = pool.add_reap_hook(hook)
+        pool.add_reap_hook(broken)  # logged; the other hooks still run
         clock.now += 5
         assert pool.reap_idle() == 0 and asked == []  # not idle long enough: nobody is asked
         clock.now += 100
-        assert pool.reap_idle() == 0  # the owner keeps it
-        assert asked == [(w.env, 1)]
-        remove_broken = pool.add_reap_hook(broken)
-        answers[0] = True
-        assert pool.reap_idle() == 0  # every hook must agree; one that raises keeps the worker
-        remove_broken()
-        assert pool.reap_idle() == 1  # the owner let go: retired with a live ref
-        assert w.stats().workers[0].retire_reason == "idle"
-        with pytest.raises(StaleGenerationError, match="generation 1"):
-            ref.call_method("add", 1)
-        remove()
-        ref2 = w.call_ref(remote_tasks.make_counter)  # generation 2, spawned as a first call
-        assert ref2.generation == 2
+        assert pool.reap_idle() == 0  # the owner keeps its ref
+        assert asked == [(w.env, 1)] and mine.alive
+        let_go[0] = True
+        assert pool.reap_idle() == 0  # it let go, but another owner's ref keeps the worker
+        assert not mine.alive and other.alive
+        assert w.call(remote_tasks.kept_objects) == 1  # the discarded object was dropped first
+        other.release()  # a call: the worker is idle anew from now
+        assert pool.reap_idle() == 0
+        mine2 = w.call_ref(remote_tasks.make_counter)
+        held.append(mine2)
         clock.now += 100
-        assert pool.reap_idle() == 0  # no hooks left: refs keep the worker, as by default
+        assert pool.reap_idle() == 1 and not mine2.alive  # discarded by its hook, then reaped
+        assert w.stats().workers[0].retire_reason == "idle"
+        with pytest.raises(RefReleasedError):
+            mine2.call_method("add", 1)
+        remove()
+        assert w.call_ref(remote_tasks.make_counter).generation == 2  # spawned as a first call
 
 
-def test_a_reap_hook_consent_is_void_when_a_call_ran_in_between(
+def test_a_reap_hook_cannot_retire_a_worker_that_ran_a_call_meanwhile(
     config: comfy_env.PoolConfig,
 ) -> None:
     clock = FakeClock()
@@ -151,14 +159,14 @@ def test_a_reap_hook_consent_is_void_when_a_call_ran_in_between(
         w = pool.get_worker()
         ref = w.call_ref(remote_tasks.make_counter)
 
-        def hook(env: str, generation: int) -> bool:
-            assert ref.call_method("add", 1) == 1  # a call lands while the owner is asked
-            return True
+        def hook(env: str, generation: int) -> None:
+            w.call("comfy_env_worker.tasks:echo", 0)  # a call lands while the owner is asked
+            ref.discard()
 
         pool.add_reap_hook(hook)
         clock.now += 100
         assert pool.reap_idle() == 0  # the decision named the old idle_since: dropped
-        assert w.generation == 1 and ref.alive
+        assert w.generation == 1 and not ref.alive
 
 
 # ---- the health ping ---------------------------------------------------------------------------
