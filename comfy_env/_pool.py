@@ -400,7 +400,7 @@ class Pool:
         self._events = Dispatcher()
         # Host-side owners of RemoteRefs asked before the reaper retires a worker holding refs
         # (``add_reap_hook``). A tuple, replaced whole: the reaper reads it without a lock.
-        self._reap_hooks: tuple[Callable[[str, int], bool], ...] = ()
+        self._reap_hooks: tuple[Callable[[str, int], object], ...] = ()
         self._reaper: TimerHandle | None = None
         self._lock = threading.Lock()
         self._entries: dict[str, _EnvEntry] = {}

@@ -34,10 +34,12 @@ reports itself unloaded (size 0) and its ``detach`` sends nothing: ``RemoteRef``
 generation in the host and releases are bound to it, so a proxy never reaches a new worker.
 
 **Reaping.** Before the idle reaper retires a worker holding registered models, the pool's reap
-hook evicts them through ComfyUI's model manager (``LoadedModel.model_unload`` and removal from
-the list), under ComfyUI's queue mutex and only while no prompt runs and no ``/free`` is pending
-(the prompt thread is the list's only other user; otherwise the reaper tries again on its next
-tick). The worker itself is not called (the reaper retires it right after).
+hook (``Pool.add_reap_hook``) evicts them through ComfyUI's model manager
+(``LoadedModel.model_unload`` and removal from the list), under ComfyUI's queue mutex and only
+while no prompt runs and no ``/free`` is pending (the prompt thread is the list's only other
+user; otherwise the worker stays and the reaper asks again on its next tick). The refs are
+discarded without a call (``RemoteRef.discard``); with no live ref left, the reaper retires the
+worker.
 
 **What is counted.** ``model_size()`` / ``loaded_size()`` are the bytes of the kept outputs as
 measured in the worker right after the run (numpy arrays, torch tensors and module parameters,
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from .._pool import Pool
     from .._refs import RemoteRef
 
-_log = logging.getLogger("comfy_env.comfyui")
+log = logging.getLogger("comfy_env.comfyui")
 
 LOADED = "loaded"
 EVICTED = "evicted"
@@ -158,13 +160,14 @@ class WorkerModel:
         self.evicted_by = self.evicted_by or "comfyui"
         self._registry.evicted(self)
         if self.evicted_by == "reaper":
-            return  # the worker is retired right after; nothing to send
+            self.ref.discard()  # the worker is retired right after: nothing is sent
+            return
         try:
             self.ref.release()  # a no-op when its generation is already gone
         except WorkerError as exc:
             # The worker died under this call. Its retirement is handled here, inside
             # ComfyUI's iteration: the callback only marks proxies (see the module docstring).
-            _log.warning("comfy-env: evicting %s: its worker is gone (%s)", self.label, exc)
+            log.warning("comfy-env: evicting %s: its worker is gone (%s)", self.label, exc)
             self._registry.generation_retired(self.env, self.generation)
 
     def __repr__(self) -> str:
@@ -267,37 +270,40 @@ class ModelRegistry:
             self._live.append(model)
         mm.load_models_gpu([model])
 
-    def evict_for_reap(self, env: str, generation: int) -> bool:
+    def evict_for_reap(self, env: str, generation: int) -> None:
         """The pool's reap hook: evict the models of ``(env, generation)`` through ComfyUI's
-        model manager before the worker is retired. False (keep the worker for now) while a
-        prompt runs or a ``/free`` is pending."""
+        model manager (their refs are discarded, so the reaper can retire the worker). Does
+        nothing while a prompt runs or a ``/free`` is pending: the worker then stays, and the
+        reaper asks again on its next tick."""
         with self._lock:
             ours = [m for m in self._live if m.env == env and m.generation == generation]
         if not ours:
-            return True
+            return
         mm = sys.modules.get("comfy.model_management")
         queue = _prompt_queue()
         if mm is None or queue is None:
             for m in ours:
                 m.evicted_by = "reaper"
                 m.detach()
-            return True
+            return
         with queue.mutex:
             if queue.currently_running or queue.flags:
-                return False
+                return
             loaded = mm.current_loaded_models
             for i in range(len(loaded) - 1, -1, -1):
                 entry = loaded[i]
                 model = entry.model
                 if any(model is m for m in ours):
                     model.evicted_by = "reaper"
-                    entry.model_unload()  # ComfyUI's own unload: detach, finalizer detached
+                    if getattr(entry, "model_finalizer", None) is not None:
+                        entry.model_unload()  # ComfyUI's own unload: detach + finalizer
+                    else:
+                        model.detach()
                     loaded.pop(i)
-            for m in ours:  # registered but no longer listed: retire them all the same
-                if m.state == LOADED:
-                    m.evicted_by = "reaper"
-                    m.detach()
-        return True
+        for m in ours:  # registered but no longer listed: let go all the same
+            if m.state == LOADED:
+                m.evicted_by = "reaper"
+                m.detach()
 
 
 def _prompt_queue() -> Any:

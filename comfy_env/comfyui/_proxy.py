@@ -32,6 +32,10 @@ pending (and sets the flag again if the hook consumed one that arrived in betwee
 ``IS_CHANGED`` whose value is a token remembered per node id: the same token while the run that
 produced the cached outputs is alive, a fresh one once its generation is gone. ComfyUI therefore
 re-runs the producer after a crash instead of handing out a stale ref.
+
+**Registered models.** Each kept run is also registered with ComfyUI's model manager
+(``_models``), sized as measured in the worker: ComfyUI's ``free_memory`` evicts it (the worker
+drops it, the ref is released, so the token above changes and the producer runs again).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from comfy_env_worker.comfyui import runner, values
 
 from .._errors import EnvAbandonedError
 from .._refs import RemoteRef
+from . import _models
 
 if TYPE_CHECKING:
     from . import _Pack
@@ -339,6 +344,8 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
     ]
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
+    if run_ref is not None and pack.register_models:
+        _register_kept(pack, node, run_ref, result.get("kept_bytes"), unique_id)
     rest = result["rest"]
     if result["kind"] == "v3":
         from comfy_api.latest import io
@@ -350,6 +357,18 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
             out["result"] = tuple(outputs)
         return out
     return tuple(outputs)
+
+
+def _register_kept(
+    pack: _Pack, node: NodeInfo, run_ref: RemoteRef, kept_bytes: Any, unique_id: Any
+) -> None:
+    """Hand the kept run to ComfyUI's model manager (a no-op outside ComfyUI). A failure
+    there is logged, never the node's failure: registration is bookkeeping."""
+    label = f"{node.name}#{unique_id}" if unique_id is not None else node.name
+    try:
+        _models.register(pack.pool, run_ref, int(kept_bytes or 0), label)
+    except Exception:  # noqa: BLE001 - see the docstring
+        _models.log.exception("comfy-env: could not register %s with ComfyUI", label)
 
 
 async def call_hook(
