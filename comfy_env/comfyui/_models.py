@@ -167,7 +167,7 @@ class WorkerModel:
         except WorkerError as exc:
             # The worker died under this call. Its retirement is handled here, inside
             # ComfyUI's iteration: the callback only marks proxies (see the module docstring).
-            log.warning("comfy-env: evicting %s: its worker is gone (%s)", self.label, exc)
+            log.warning("comfy-env: evicting %s: its worker is gone (%s)", self.label, str(exc))
             self._registry.generation_retired(self.env, self.generation)
 
     def __repr__(self) -> str:
