@@ -112,9 +112,7 @@ class FakeModelManagement:
 
     def free_memory(self, device: str = "cpu") -> list[LoadedModel]:
         loaded = self.current_loaded_models
-        can_unload = [
-            (e.model.model_size(), i) for i, e in enumerate(loaded) if e.device == device
-        ]
+        can_unload = [(e.model.model_size(), i) for i, e in enumerate(loaded) if e.device == device]
         unloaded = []
         self._iterating = True
         try:
