@@ -106,6 +106,14 @@ def test_a_worker_model_is_counted_by_comfyui_and_post_free_returns_its_memory(
     assert not _ours(_probe(server)["retired"], labels)  # dropped at that registration
 
 
+def test_a_worker_models_size_follows_the_worker(server: Server) -> None:
+    prompt = _load_prompt({"megabytes": 8})
+    prompt["99"]["inputs"]["grow_megabytes"] = 16  # the user node loads more into the model
+    _report(server, prompt)
+    [entry] = _ours(_probe(server)["entries"], _labels(prompt))
+    assert entry["measured"] == entry["size"] == 24 * MIB
+
+
 def test_a_worker_crash_during_an_eviction_pass_leaves_comfyuis_list_consistent(
     server: Server,
 ) -> None:

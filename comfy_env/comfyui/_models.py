@@ -42,12 +42,13 @@ discarded without a call (``RemoteRef.discard``); with no live ref left, the rea
 worker.
 
 **What is counted.** ``model_size()`` / ``loaded_size()`` are the bytes of the kept outputs as
-measured in the worker right after the run (numpy arrays, torch tensors and module parameters,
-bytes, containers and object attributes; see ``comfy_env_worker.comfyui.runner.measure``), and 0
-once the model is evicted or its generation is gone. They count against
-``comfy.model_management.get_torch_device()`` (the device ``unload_all_models`` frees), also
-when the worker holds the object in RAM. The worker's own interpreter (~20-200 MB) is not
-counted: evicting cannot free it; only the reaper does.
+measured in the worker right after the run, and again after every node run that used them
+(``update_sizes``: a node may load more into a kept object, or drop some): numpy arrays, torch
+tensors and module parameters, bytes, containers and object attributes (see
+``comfy_env_worker.comfyui.runner.measure``); 0 once the model is evicted or its generation is
+gone. They count against ``comfy.model_management.get_torch_device()`` (the device
+``unload_all_models`` frees), also when the worker holds the object in RAM. The worker's own
+interpreter (~20-200 MB) is not counted: evicting cannot free it; only the reaper does.
 """
 
 from __future__ import annotations
@@ -234,6 +235,17 @@ class ModelRegistry:
             self._retired.extend(gone)
             self.retirements += 1
         return len(gone)
+
+    def update_sizes(self, refs: list[RemoteRef], sizes: list[int | None]) -> None:
+        """The worker measured the kept runs ``refs`` again (after a node used them): their
+        models report the new sizes from now on."""
+        with self._lock:
+            for ref, size in zip(refs, sizes, strict=False):
+                if size is None:
+                    continue
+                for m in self._live:
+                    if m.ref is ref:
+                        m.size = m.model.size = max(int(size), 0)
 
     def evicted(self, model: WorkerModel) -> None:
         with self._lock:

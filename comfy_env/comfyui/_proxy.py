@@ -344,6 +344,8 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
     ]
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
+    if refs and result.get("ref_bytes"):
+        _models.REGISTRY.update_sizes(refs, result["ref_bytes"])
     if run_ref is not None and pack.register_models:
         _register_kept(pack, node, run_ref, result.get("kept_bytes"), unique_id)
     rest = result["rest"]

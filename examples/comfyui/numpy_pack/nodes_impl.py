@@ -191,6 +191,7 @@ class BigModel:
         self.weights = np.ones(int(megabytes) * 1024 * 1024 // 8, dtype=np.float64)
         self.crash_on_release = bool(crash_on_release)
         self.pid = os.getpid()
+        self.extra = []  # what UseBigModel(grow=...) adds later
 
     def __del__(self):
         if self.crash_on_release:
@@ -228,9 +229,12 @@ class UseBigModel:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("CE_BIG_MODEL",)},
-                "optional": {"model2": ("CE_BIG_MODEL",), "model3": ("CE_BIG_MODEL",)}}
+                "optional": {"model2": ("CE_BIG_MODEL",), "model3": ("CE_BIG_MODEL",),
+                             "grow_megabytes": ("INT", {"default": 0, "min": 0})}}
 
-    def run(self, model, model2=None, model3=None):
+    def run(self, model, model2=None, model3=None, grow_megabytes=0):
+        if grow_megabytes:
+            model.extra.append(np.ones(grow_megabytes * 1024 * 1024 // 8, dtype=np.float64))
         models = [m for m in (model, model2, model3) if m is not None]
         report = {"pid": os.getpid(), "loads": LoadBigModel.LOADS[0],
                   "megabytes": [m.weights.nbytes // (1024 * 1024) for m in models],

@@ -131,12 +131,26 @@ def _ui(ui: Any) -> Any:
 
 
 def _reply(
-    kind: str, outputs: Optional[List[Any]], rest: Dict[str, Any], kept_bytes: int = 0
+    kind: str,
+    outputs: Optional[List[Any]],
+    rest: Dict[str, Any],
+    refs: Sequence[Any] = (),
+    kept_bytes: int = 0,
 ) -> List[Any]:
     """``[skeleton, tensor0, tensor1, ...]``: flat, so every tensor sits directly in the result
-    and travels out of band (torch tensors nested deeper would be pickled in band)."""
+    and travels out of band (torch tensors nested deeper would be pickled in band).
+    ``kept_bytes``: what this run keeps in the worker; ``ref_bytes``: what each kept run it
+    used holds now (a node may have loaded more into it, or dropped some), so the host's
+    model sizes follow the worker."""
+    ref_bytes = [ref.size() if isinstance(ref, NodeRun) else None for ref in refs]
     skeleton, tensors = values.split(
-        {"kind": kind, "outputs": outputs, "rest": rest, "kept_bytes": kept_bytes},
+        {
+            "kind": kind,
+            "outputs": outputs,
+            "rest": rest,
+            "kept_bytes": kept_bytes,
+            "ref_bytes": ref_bytes,
+        },
         values.to_wire,
     )
     return [skeleton, *tensors]
@@ -211,7 +225,7 @@ def run_node(
     ``{"kind", "outputs", "rest"}`` (see ``_reply``)."""
     kwargs = _inputs(inputs, tensors, refs, context)
     kind, outputs, rest = _execute(spec, instance_id, function, kwargs)
-    return _reply(kind, outputs, rest)
+    return _reply(kind, outputs, rest, refs)
 
 
 def run_node_kept(
@@ -232,7 +246,7 @@ def run_node_kept(
     outputs = outputs or []
     crossing = [KeptOut(i, keep[i]) if i in keep else value for i, value in enumerate(outputs)]
     kept_bytes = measure([value for i, value in enumerate(outputs) if i in keep])
-    return NodeRun(outputs, _reply(kind, crossing, rest, kept_bytes))
+    return NodeRun(outputs, _reply(kind, crossing, rest, refs, kept_bytes))
 
 
 def call_hook(
