@@ -162,6 +162,20 @@ def test_comfyui_counts_a_registered_model_and_its_eviction_releases_it_in_the_w
     assert registry.retired() == []
 
 
+def test_a_model_that_comfyuis_cache_drops_leaves_through_comfyuis_own_cleanup(
+    setup: tuple[_models.ModelRegistry, FakeModelManagement, World],
+) -> None:
+    registry, mm, world = setup
+    kept = _register(registry, mm, world, 100)  # held by the cache (a KeptOutput), not by us
+    other = _register(registry, mm, world, 5)
+    assert len(mm.current_loaded_models) == 2
+    ref = weakref.ref(kept.ref)
+    del kept
+    gc.collect()
+    assert [e.model for e in mm.current_loaded_models] == [other]  # cleanup_models popped it
+    assert registry.live() == [other] and ref() is None  # its ref is gone: released by the pool
+
+
 def test_a_worker_dying_inside_free_memorys_iteration_mutates_nothing_and_skips_nothing(
     setup: tuple[_models.ModelRegistry, FakeModelManagement, World],
 ) -> None:

@@ -7,7 +7,11 @@ kernel) leaves a ``RemoteRef`` of its run in the host. ``register`` wraps that r
 ``current_loaded_models`` with the size measured in the worker. Data flow::
 
     proxy.run_node (prompt thread, node execution)
-      -> REGISTRY.register(mm, WorkerModel(run ref, bytes measured in the worker))
+      -> REGISTRY.register(mm, WorkerModel(run ref, bytes measured in the worker)); the run's
+         KeptOutputs hold the proxy, so ComfyUI's output cache owns it, as it owns its own
+         ModelPatchers (current_loaded_models only holds them by weak reference): when the
+         cache drops the outputs, ComfyUI's cleanup_models removes the entry and the run's ref
+         is released
            1. purge: entries of retired proxies (evicted, or of a dead generation) leave
               current_loaded_models; the retired proxies are dropped (now they may be freed)
            2. mm.load_models_gpu([proxy])  -> LoadedModel(proxy) inserted by ComfyUI itself
@@ -179,14 +183,17 @@ class WorkerModel:
 
 
 class ModelRegistry:
-    """The host's registered worker models: live ones, and retired ones kept alive until the
-    next registration. Thread-safe: ``generation_retired`` arrives on the pool's event thread
-    (and inside ComfyUI's iteration), the reap hook on the reactor thread, the rest on ComfyUI's
-    prompt thread."""
+    """The host's registered worker models: live ones (weakly: ComfyUI's cache owns them), and
+    retired ones (strongly) kept alive until the next registration. Thread-safe:
+    ``generation_retired`` arrives on the pool's event thread (and inside ComfyUI's iteration),
+    the reap hook on the reactor thread, the rest on ComfyUI's prompt thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: list[WorkerModel] = []
+        # Weak, like ComfyUI's own list: ComfyUI's output cache owns a live model (through its
+        # KeptOutputs); once the cache drops it, ComfyUI's cleanup_models removes its entry and
+        # the run's ref is released. Only retired proxies are held strongly.
+        self._live: weakref.WeakSet[WorkerModel] = weakref.WeakSet()
         self._retired: list[WorkerModel] = []  # strong refs: see the module docstring
         self._pools: weakref.WeakSet[Pool] = weakref.WeakSet()
         self.retirements = 0  # generation_retired calls that retired at least one proxy
@@ -231,7 +238,8 @@ class ModelRegistry:
                 return 0
             for m in gone:
                 m.state = STALE
-            self._live = [m for m in self._live if m not in gone]
+            for m in gone:
+                self._live.discard(m)
             self._retired.extend(gone)
             self.retirements += 1
         return len(gone)
@@ -252,7 +260,7 @@ class ModelRegistry:
             if model.state != LOADED:
                 return
             model.state = EVICTED
-            self._live = [m for m in self._live if m is not model]
+            self._live.discard(model)
             self._retired.append(model)
 
     def purge(self, loaded: list[Any]) -> int:
@@ -279,7 +287,7 @@ class ModelRegistry:
         purging retired entries. Runs on the prompt thread, from the node's proxy."""
         self.purge(mm.current_loaded_models)
         with self._lock:
-            self._live.append(model)
+            self._live.add(model)
         mm.load_models_gpu([model])
 
     def evict_for_reap(self, env: str, generation: int) -> None:

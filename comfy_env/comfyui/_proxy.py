@@ -94,14 +94,19 @@ class KeptOutput:
 
     ComfyUI passes it along like any value; an isolated node of the same env receives the live
     object. ``ref`` is the ``RemoteRef`` of the run that produced it, ``index`` the output
-    index, ``type_name`` the socket type."""
+    index, ``type_name`` the socket type, ``model`` the run's entry in ComfyUI's model manager
+    (``_models.WorkerModel``; None outside ComfyUI): held here, so that ComfyUI's output cache
+    owns it as it owns its own models."""
 
-    __slots__ = ("index", "ref", "type_name")
+    __slots__ = ("index", "model", "ref", "type_name")
 
-    def __init__(self, ref: RemoteRef, index: int, type_name: str) -> None:
+    def __init__(
+        self, ref: RemoteRef, index: int, type_name: str, model: _models.WorkerModel | None = None
+    ) -> None:
         self.ref = ref
         self.index = index
         self.type_name = type_name
+        self.model = model
 
     @property
     def alive(self) -> bool:
@@ -336,18 +341,19 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
         raise _with_remote_traceback(exc) from exc.__cause__
     result = values.join(reply[0], reply[1:], _to_host)
 
+    if refs and result.get("ref_bytes"):
+        _models.REGISTRY.update_sizes(refs, result["ref_bytes"])
+    model = None
+    if run_ref is not None and pack.register_models:
+        model = _register_kept(pack, node, run_ref, result.get("kept_bytes"), unique_id)
     outputs = [
-        KeptOutput(run_ref, v.index, v.type_name)
+        KeptOutput(run_ref, v.index, v.type_name, model)
         if isinstance(v, runner.KeptOut) and run_ref is not None
         else v
         for v in (result["outputs"] or [])
     ]
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
-    if refs and result.get("ref_bytes"):
-        _models.REGISTRY.update_sizes(refs, result["ref_bytes"])
-    if run_ref is not None and pack.register_models:
-        _register_kept(pack, node, run_ref, result.get("kept_bytes"), unique_id)
     rest = result["rest"]
     if result["kind"] == "v3":
         from comfy_api.latest import io
@@ -363,14 +369,15 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
 
 def _register_kept(
     pack: _Pack, node: NodeInfo, run_ref: RemoteRef, kept_bytes: Any, unique_id: Any
-) -> None:
-    """Hand the kept run to ComfyUI's model manager (a no-op outside ComfyUI). A failure
-    there is logged, never the node's failure: registration is bookkeeping."""
+) -> _models.WorkerModel | None:
+    """Hand the kept run to ComfyUI's model manager (None outside ComfyUI). A failure there
+    is logged, never the node's failure: registration is bookkeeping."""
     label = f"{node.name}#{unique_id}" if unique_id is not None else node.name
     try:
-        _models.register(pack.pool, run_ref, int(kept_bytes or 0), label)
+        return _models.register(pack.pool, run_ref, int(kept_bytes or 0), label)
     except Exception:  # noqa: BLE001 - see the docstring
         _models.log.exception("comfy-env: could not register %s with ComfyUI", label)
+        return None
 
 
 async def call_hook(
