@@ -384,6 +384,26 @@ def _after_fork_in_child() -> None:
     _live_pools.clear()
 
 
+def _held_refs(entry: _EnvEntry, slot: _Slot) -> set[int]:
+    """The slot's refs that someone in the host still holds (entry lock held): live refs minus
+    those garbage collected and queued for release (``dropped_refs``, drained before the next
+    call), which must not keep an idle worker from being reaped."""
+    if not slot.live_refs or not entry.dropped_refs:
+        return slot.live_refs
+    for _ in range(8):
+        try:
+            queued = tuple(entry.dropped_refs)  # appended lock-free by RemoteRef.__del__
+            break
+        except RuntimeError:  # a __del__ appended during the copy: look again
+            continue
+    else:
+        return slot.live_refs
+    state = slot.state
+    generation = state.generation if state is not None else None
+    dropped = {rid for s, g, rid in queued if s is slot and g == generation}
+    return slot.live_refs - dropped
+
+
 class Pool:
     """Workers keyed by env. Create with a ``PoolConfig``; use as a context manager or call
     ``close()``. Workers spawn lazily, on an env's first call."""
@@ -1099,14 +1119,14 @@ class Pool:
                     decision = lc.idle_expired(slot.state, now, self.config.idle_timeout)
                     if decision is None:
                         continue
-                    held = bool(slot.live_refs) and not self.config.reap_with_refs
+                    held = bool(_held_refs(entry, slot)) and not self.config.reap_with_refs
                 if held:
                     # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex)
                     # and discards its refs (RemoteRef.discard takes the entry lock).
                     if not self._run_reap_hooks(entry.spec.key, decision.generation):
                         continue
                 with entry.lock:
-                    if slot.leased or (slot.live_refs and not self.config.reap_with_refs):
+                    if slot.leased or (_held_refs(entry, slot) and not self.config.reap_with_refs):
                         continue
                     # A call in between moved idle_since: the gate drops this decision.
                     effects = entry.apply_locked(slot, decision)

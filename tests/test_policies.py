@@ -106,6 +106,22 @@ def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
             ref.call_method("add", 1)
 
 
+def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        kept = w.call_ref(remote_tasks.make_counter)
+        dropped = w.call_ref(remote_tasks.make_counter)
+        del dropped
+        gc.collect()  # queued for release before the next call; no call comes
+        clock.now += 100
+        assert pool.reap_idle() == 0  # the ref still held keeps the worker
+        kept.discard()
+        assert pool.reap_idle() == 1
+
+
 def test_a_reap_hook_that_discards_its_refs_lets_the_reaper_retire_the_worker(
     config: comfy_env.PoolConfig,
 ) -> None:

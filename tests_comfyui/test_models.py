@@ -179,12 +179,14 @@ def test_after_a_crash_a_proxy_reports_itself_unloaded_and_leaves_at_the_next_lo
     prompt = _load_prompt({"megabytes": 8})
     labels = _labels(prompt)
     _report(server, prompt)
-    history, _ = server.run(
-        {
-            "1": {"class_type": "CE_Segfault", "inputs": {"value": next(_tags)}},
-            "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
-        }
-    )
+    # The same loader (cached by ComfyUI, so its model stays in ComfyUI's hands) and a node
+    # that crashes the worker.
+    crash = {
+        **prompt,
+        "1": {"class_type": "CE_Segfault", "inputs": {"value": next(_tags)}},
+        "98": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+    }
+    history, _ = server.run(crash)
     assert history["status"]["status_str"] == "error"
     [stale] = _wait(lambda: [e for e in _ours(_probe(server)["entries"], labels) if e["size"] == 0])
     assert not stale["dead"]  # still listed, kept alive, reporting 0 bytes
@@ -207,7 +209,8 @@ def test_the_reaper_evicts_through_the_model_manager_before_retiring_the_worker(
     first = _report(server, prompt)
     [entry] = _ours(_probe(server)["entries"], labels)
     reaped = server.post("/ce_probe/reap", {})[1]
-    assert reaped["reaped"] >= 1
+    assert reaped["reaped"] >= 1, reaped
+    assert not any(n for env in reaped["live_refs"].values() for n in env), reaped
     assert not _ours(reaped["entries"], labels)  # gone from ComfyUI's list ...
     [evicted] = _ours(reaped["retired"], labels)
     assert evicted["evicted_by"] == "reaper" and evicted["detach_calls"] == 1  # ... unloaded

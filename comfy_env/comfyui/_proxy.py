@@ -47,6 +47,7 @@ import inspect
 import itertools
 import keyword
 import sys
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -408,7 +409,11 @@ class NodeInfo:
         self.keep: dict[int, str] = {}
         self.author_wants_unique_id: str | None = None
         # node id -> (token, the RemoteRef of the run whose outputs ComfyUI may have cached)
-        self.runs: dict[str, tuple[str, RemoteRef]] = {}
+        # Weakly: ComfyUI's output cache owns the run (through its KeptOutputs); once the cache
+        # drops it, the ref is released and the worker frees the object (a strong ref here
+        # would keep it alive in the worker, out of ComfyUI's sight, for as long as the node
+        # id is remembered).
+        self.runs: dict[str, tuple[str, weakref.ref[RemoteRef]]] = {}
         self.pending: dict[str, str] = {}
 
     def liveness_token(self, unique_id: str) -> str:
@@ -417,7 +422,8 @@ class NodeInfo:
         one once it is gone (the cache entry misses and the node runs again). The run that
         follows records the token it was scheduled under."""
         entry = self.runs.get(unique_id)
-        if entry is not None and entry[1].alive:
+        ref = entry[1]() if entry is not None else None
+        if entry is not None and ref is not None and ref.alive:
             token = entry[0]
         else:
             token = f"comfy-env-run-{next(_tokens)}"
@@ -426,7 +432,7 @@ class NodeInfo:
 
     def record_run(self, unique_id: str, ref: RemoteRef) -> None:
         token = self.pending.pop(unique_id, None) or f"comfy-env-run-{next(_tokens)}"
-        self.runs[unique_id] = (token, ref)
+        self.runs[unique_id] = (token, weakref.ref(ref))
 
 
 def _tupled_inputs(spec: dict[str, Any]) -> dict[str, Any]:

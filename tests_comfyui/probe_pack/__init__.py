@@ -158,4 +158,5 @@ async def report(request):
 async def reap(request):
     pool = comfy_env.default_pool()
     reaped = pool.reap_idle(time.monotonic() + 10 * (pool.config.idle_timeout or 0) + 86400)
-    return web.json_response({"reaped": reaped, **_snapshot()})
+    refs = {env: [w.live_refs for w in st.workers] for env, st in pool.stats().items()}
+    return web.json_response({"reaped": reaped, "live_refs": refs, **_snapshot()})
