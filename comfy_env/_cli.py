@@ -51,14 +51,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from . import __version__
 from ._config import PoolConfig
 from ._envs import resolve_env
 from ._errors import (
     CallTimeout,
     ComfyEnvError,
+    ConfigError,
     EnvError,
     RemoteError,
     RemoteTraceback,
@@ -185,6 +184,13 @@ def _error_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _error_message(exc: BaseException) -> str:
+    """The error's text without its type name (``RemoteError``'s own text starts with it)."""
+    if isinstance(exc, RemoteError):
+        return exc.message
+    return str(exc)
+
+
 def _remote_traceback(exc: BaseException) -> str | None:
     if isinstance(exc, RemoteError):
         return exc.traceback_text or None
@@ -196,7 +202,7 @@ def _remote_traceback(exc: BaseException) -> str | None:
 
 def _error_record(exc: BaseException) -> dict[str, Any]:
     """The JSON form of an error: its type name, message and the facts it carries."""
-    record: dict[str, Any] = {"type": _error_name(exc), "message": str(exc)}
+    record: dict[str, Any] = {"type": _error_name(exc), "message": _error_message(exc)}
     for attr in ("env", "pid", "generation", "exitcode", "signal", "call_id", "target"):
         value = getattr(exc, attr, None)
         if value is not None:
@@ -315,10 +321,10 @@ class _Doctor:
         step = Step("config")
         try:
             config: PoolConfig = self._timed(step, PoolConfig)
-        except ValidationError as exc:
+        except ConfigError as exc:
             step.status = "FAIL"
             step.detail = f"invalid COMFY_ENV_* setting:\n{exc}"
-            step.error = {"type": "ValidationError", "message": str(exc)}
+            step.error = _error_record(exc)
             return None
         overrides = sorted(k for k in os.environ if k.startswith("COMFY_ENV_"))
         step.detail = (
@@ -579,7 +585,7 @@ def call(
     check_target(target)
     try:
         config = PoolConfig()
-    except ValidationError as exc:
+    except ConfigError as exc:
         raise UsageError(f"invalid COMFY_ENV_* setting:\n{exc}") from None
     with _worker_output(_StderrLines()), Pool(config) as pool:
         started = time.perf_counter()
@@ -591,7 +597,7 @@ def call(
             if remote and not as_json:
                 print(remote.rstrip(), file=sys.stderr)
             # The worker's output was forwarded as it came; the message need not repeat it.
-            message = str(exc).split("\n--- worker output", 1)[0]
+            message = _error_message(exc).split("\n--- worker output", 1)[0]
             print(f"comfy-env: {_error_name(exc)}: {message}", file=sys.stderr)
             if as_json:
                 _print_json({"ok": False, "target": target, "error": _error_record(exc)})
@@ -619,11 +625,12 @@ def call(
 # ---- sweep -----------------------------------------------------------------------------------
 
 
-def sweep_command(*, as_json: bool = False) -> int:
-    """Remove dead hosts' leftovers and say what went; returns the exit code."""
+def sweep_command(*, as_json: bool = False, dry_run: bool = False) -> int:
+    """Remove dead hosts' leftovers and say what went (``dry_run``: what would go, and
+    nothing is changed); returns the exit code."""
     from ._sweep import sweep
 
-    report = sweep()
+    report = sweep(dry_run=dry_run)
     removed: dict[str, list[Any]] = {
         "blocks": list(report.blocks),
         "runtime_dirs": list(report.runtime_dirs),
@@ -631,19 +638,20 @@ def sweep_command(*, as_json: bool = False) -> int:
         "status_files": list(report.status_files),
     }
     if as_json:
-        _print_json(removed)
+        _print_json({**removed, "dry_run": True} if dry_run else removed)
         return EXIT_OK
     labels = {
         "blocks": "shared-memory blocks",
         "runtime_dirs": "runtime directories",
-        "processes": "worker processes (killed)",
+        "processes": "worker processes (to kill)" if dry_run else "worker processes (killed)",
         "status_files": "status files",
     }
     if not any(removed.values()):
         print("nothing to remove: no leftovers of dead hosts")
         return EXIT_OK
+    verb = "would remove" if dry_run else "removed"
     for key, items in removed.items():
-        print(f"removed {len(items)} {labels[key]}")
+        print(f"{verb} {len(items)} {labels[key]}")
         for item in items:
             print(f"  {item}")
     return EXIT_OK
@@ -797,6 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(p_call)
 
     p_sweep = add("sweep", "remove leftovers of dead hosts (shm blocks, dirs, workers, status)")
+    p_sweep.add_argument(
+        "--dry-run", action="store_true", help="report what would be removed, change nothing"
+    )
     add_json(p_sweep)
 
     p_status = add("status", "list live comfy-env hosts of this user and their workers")
@@ -820,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.env, args.target, args.json_args, timeout=args.timeout, as_json=args.json
             )
         if args.command == "sweep":
-            return sweep_command(as_json=args.json)
+            return sweep_command(as_json=args.json, dry_run=args.dry_run)
         if args.command == "status":
             return status_command(as_json=args.json)
     except UsageError as exc:

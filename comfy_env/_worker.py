@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import _acall
 from . import _lifecycle as lc
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ class Worker:
 
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``call`` for asyncio; see ``arun``."""
-        return await self.arun(target, args, kwargs)
+        return await _acall.arun(self._pool, self._entry, target, args, kwargs, None, None)
 
     async def arun(
         self,
@@ -202,9 +203,7 @@ class Worker:
         Cancelling the task removes a queued call, or asks the worker to stop a running one
         (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at once) and
         raises ``CancelledError`` once the call has ended."""
-        from ._acall import arun
-
-        return await arun(
+        return await _acall.arun(
             self._pool, self._entry, target, tuple(args), dict(kwargs or {}), timeout, on_event
         )
 
