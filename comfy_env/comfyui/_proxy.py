@@ -89,11 +89,11 @@ class KeptOutput:
 
     ComfyUI passes it along like any value; an isolated node of the same env receives the live
     object. ``ref`` is the ``RemoteRef`` of the run that produced it, ``index`` the output
-    index, ``type_name`` the socket type."""
+    index (``(i, j)``: item ``j`` of the list output ``i``), ``type_name`` the socket type."""
 
     __slots__ = ("index", "ref", "type_name")
 
-    def __init__(self, ref: RemoteRef, index: int, type_name: str) -> None:
+    def __init__(self, ref: RemoteRef, index: int | tuple[int, int], type_name: str) -> None:
         self.ref = ref
         self.index = index
         self.type_name = type_name
@@ -307,7 +307,10 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
             run_ref = await _guarded(
                 pack,
                 worker.arun_ref(
-                    RUN_KEPT, (*args, dict(node.keep)), timeout=pack.timeout, on_event=on_event
+                    RUN_KEPT,
+                    (*args, dict(node.keep), list(node.listed)),
+                    timeout=pack.timeout,
+                    on_event=on_event,
                 ),
             )
             assert run_ref is not None
@@ -331,12 +334,7 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
         raise _with_remote_traceback(exc) from exc.__cause__
     result = values.join(reply[0], reply[1:], _to_host)
 
-    outputs = [
-        KeptOutput(run_ref, v.index, v.type_name)
-        if isinstance(v, runner.KeptOut) and run_ref is not None
-        else v
-        for v in (result["outputs"] or [])
-    ]
+    outputs = [_unkeep(run_ref, v) for v in (result["outputs"] or [])]
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
     rest = result["rest"]
@@ -350,6 +348,16 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
             out["result"] = tuple(outputs)
         return out
     return tuple(outputs)
+
+
+def _unkeep(run_ref: RemoteRef | None, v: Any) -> Any:
+    if run_ref is None:
+        return v
+    if isinstance(v, runner.KeptOut):
+        return KeptOutput(run_ref, v.index, v.type_name)
+    if type(v) is list and v and isinstance(v[0], runner.KeptOut):
+        return [KeptOutput(run_ref, item.index, item.type_name) for item in v]
+    return v
 
 
 async def call_hook(
@@ -377,7 +385,8 @@ class NodeInfo:
         self.methods: dict[str, Any] = data.get("methods", {})
         self.data = data
         self.function: str = data.get("attrs", {}).get("FUNCTION", "execute")
-        self.keep: dict[int, str] = {}
+        self.keep: dict[int, str] = {}  # output index -> socket type, for outputs kept
+        self.listed: tuple[int, ...] = ()  # kept outputs that are OUTPUT_IS_LIST
         self.author_wants_unique_id: str | None = None
         # node id -> (token, the RemoteRef of the run whose outputs ComfyUI may have cached)
         self.runs: dict[str, tuple[str, RemoteRef]] = {}
@@ -450,6 +459,8 @@ def make_v1_proxy(pack: _Pack, data: dict[str, Any]) -> type:
         for i, t in enumerate(return_types)
         if isinstance(t, str) and t not in pack.crossing_types
     }
+    is_list = list(attrs.get("OUTPUT_IS_LIST") or ())
+    node.listed = tuple(i for i in node.keep if i < len(is_list) and is_list[i])
     hidden = input_types.setdefault("hidden", {})
     for name, value in list(hidden.items()):
         if value == "UNIQUE_ID":

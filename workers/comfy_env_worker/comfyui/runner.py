@@ -32,11 +32,12 @@ _INSTANCES: Dict[Tuple[str, str, str, int], Any] = {}
 
 
 class Kept:
-    """In the inputs: output ``index`` of the kept run ``refs[ref]``."""
+    """In the inputs: output ``index`` of the kept run ``refs[ref]`` (an int, or ``(i, j)``
+    for item ``j`` of a list output ``i``)."""
 
     __slots__ = ("index", "ref")
 
-    def __init__(self, ref: int, index: int) -> None:
+    def __init__(self, ref: int, index: Any) -> None:
         self.ref = ref
         self.index = index
 
@@ -45,11 +46,12 @@ class Kept:
 
 
 class KeptOut:
-    """In a result: output ``index`` stayed in the worker (reach it through the run's ref)."""
+    """In a result: output ``index`` stayed in the worker (reach it through the run's ref);
+    ``(i, j)`` names item ``j`` of an ``OUTPUT_IS_LIST`` output ``i``."""
 
     __slots__ = ("index", "type_name")
 
-    def __init__(self, index: int, type_name: str) -> None:
+    def __init__(self, index: Any, type_name: str) -> None:
         self.index = index
         self.type_name = type_name
 
@@ -91,7 +93,12 @@ def _inputs(inputs: Any, tensors: List[Any], refs: Sequence[Any], context: Dict[
 
 
 def _resolve_kept(refs: Sequence[Any], v: Any) -> Any:
-    return refs[v.ref].outputs[v.index] if isinstance(v, Kept) else v
+    if not isinstance(v, Kept):
+        return v
+    outputs = refs[v.ref].outputs
+    if isinstance(v.index, tuple):
+        return outputs[v.index[0]][v.index[1]]
+    return outputs[v.index]
 
 
 def _call(function: Any, kwargs: Dict[str, Any]) -> Any:
@@ -159,14 +166,23 @@ def run_node_kept(
     refs: List[Any],
     context: Dict[str, Any],
     keep: Dict[int, str],
+    listed: Sequence[int] = (),
 ) -> NodeRun:
-    """Run a node whose outputs ``keep`` (index -> socket type) stay here. Runs under
+    """Run a node whose outputs ``keep`` (index -> socket type) stay here; those in ``listed``
+    are ``OUTPUT_IS_LIST`` outputs, kept item by item (ComfyUI iterates over them). Runs under
     ``call_ref``: the returned ``NodeRun`` stays in the worker; the host then fetches
     ``crossing()``."""
     kwargs = _inputs(inputs, tensors, refs, context)
     kind, outputs, rest = _execute(spec, instance_id, function, kwargs)
     outputs = outputs or []
-    crossing = [KeptOut(i, keep[i]) if i in keep else value for i, value in enumerate(outputs)]
+    crossing: List[Any] = []
+    for i, value in enumerate(outputs):
+        if i not in keep:
+            crossing.append(value)
+        elif i in listed:
+            crossing.append([KeptOut((i, j), keep[i]) for j in range(len(value))])
+        else:
+            crossing.append(KeptOut(i, keep[i]))
     return NodeRun(outputs, _reply(kind, crossing, rest))
 
 
