@@ -80,6 +80,9 @@ CROSSING_TYPES = frozenset(
     )
 )
 
+# V3 hidden inputs that cross (``cls.hidden.<name>`` in the worker).
+V3_HIDDEN = ("unique_id", "prompt", "extra_pnginfo", "auth_token_comfy_org", "api_key_comfy_org")
+
 _instance_ids = itertools.count(1)
 _tokens = itertools.count(1)
 
@@ -285,11 +288,19 @@ def _with_remote_traceback(exc: BaseException) -> BaseException:
     return exc
 
 
-async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str, Any]) -> Any:
+async def run_node(
+    pack: _Pack,
+    node: NodeInfo,
+    instance: Any,
+    kwargs: dict[str, Any],
+    hidden: dict[str, Any] | None = None,
+) -> Any:
     unique_id = kwargs.pop(UNIQUE_ID_INPUT, None)
     skeleton, tensors, refs = _encode_inputs(pack, kwargs)
     instance_id = getattr(instance, "_comfy_env_instance", None)
     context = _context()
+    if hidden:
+        context["hidden"] = hidden
     args: tuple[Any, ...] = (
         node.spec,
         instance_id,
@@ -558,7 +569,11 @@ def make_v3_proxy(pack: _Pack, data: dict[str, Any]) -> type:
         return _replay(io, schema_data)
 
     async def execute(cls: Any, /, **kwargs: Any) -> Any:
-        return await run_node(pack, node, None, kwargs)
+        # ComfyUI runs execute on a clone whose ``hidden`` holds the hidden inputs; the
+        # picklable ones go along (DYNPROMPT is a live server object and stays here).
+        holder = getattr(cls, "hidden", None)
+        hidden = {name: getattr(holder, name, None) for name in V3_HIDDEN} if holder else {}
+        return await run_node(pack, node, None, kwargs, hidden)
 
     namespace: dict[str, Any] = {
         "__module__": __name__,

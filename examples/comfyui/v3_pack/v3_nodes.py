@@ -17,12 +17,13 @@ class ScaleImageV3(io.ComfyNode):
                 io.Float.Input("factor", default=0.5, min=0.0, max=10.0, step=0.01),
             ],
             outputs=[io.Image.Output(), io.String.Output(display_name="kind")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, image, factor):
         out = (np.asarray(image, dtype=np.float32) * np.float32(factor)).astype(np.float32)
-        return io.NodeOutput(out, type(image).__module__)
+        return io.NodeOutput(out, "%s node=%s" % (type(image).__module__, cls.hidden.unique_id))
 
 
 class V3Extension(ComfyExtension):

@@ -71,6 +71,16 @@ class NodeRun:
         return self._crossing
 
 
+class _Hidden:
+    """``cls.hidden`` of a V3 node: the hidden inputs by name, None for any other name."""
+
+    def __init__(self, values: Dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:
+        return None
+
+
 def _node(spec: Spec, instance_id: Optional[int]) -> Any:
     pack_dir, module, kind, name = spec
     cls = scan.node_class(pack_dir, module, kind, name)
@@ -112,6 +122,9 @@ def _execute(spec: Spec, instance_id: Optional[int], function: str, kwargs: Dict
     """Run the node; return (kind, outputs, rest) where rest is the ui and other result keys."""
     target = _node(spec, instance_id)
     if spec[2] == "v3":
+        # ``cls.hidden.unique_id`` etc., as ComfyUI's clone of the class would have them (one
+        # call at a time per worker, so setting it on the class is safe).
+        target.hidden = _Hidden(standins.CONTEXT.get("hidden") or {})
         out = _call(target.execute, kwargs)
         if isinstance(out, standins.NodeOutput):
             return "v3", list(out.args), {"ui": _ui(out.ui)}
