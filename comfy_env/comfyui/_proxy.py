@@ -346,6 +346,8 @@ async def run_node(
     result = values.join(reply[0], reply[1:], _to_host)
 
     outputs = [_unkeep(run_ref, v) for v in (result["outputs"] or [])]
+    if unique_id is None:
+        unique_id = context.get("node_id")  # ComfyUI's executing context (V3, or no hidden id)
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
     rest = result["rest"]
@@ -581,15 +583,39 @@ def make_v3_proxy(pack: _Pack, data: dict[str, Any]) -> type:
         "define_schema": classmethod(define_schema),
         "execute": classmethod(execute),
     }
-    for method in ("fingerprint_inputs", "validate_inputs"):
-        if method in node.methods:
+    schema = _replay(io, schema_data)
+    outputs = list(getattr(schema, "outputs", None) or [])
+    node.keep = {
+        i: str(o.get_io_type())
+        for i, o in enumerate(outputs)
+        if str(o.get_io_type()) not in pack.crossing_types
+    }
+    node.listed = tuple(i for i in node.keep if getattr(outputs[i], "is_output_list", False))
+    if "validate_inputs" in node.methods:
 
-            async def hook(cls: Any, args: dict[str, Any], _m: str = method) -> Any:
-                return await call_hook(pack, node, _m, None, args)
+        async def validate(cls: Any, args: dict[str, Any]) -> Any:
+            return await call_hook(pack, node, "validate_inputs", None, args)
 
-            namespace[method] = classmethod(
-                _signature_function(method, node.methods[method], hook, False)
+        namespace["validate_inputs"] = classmethod(
+            _signature_function("validate_inputs", node.methods["validate_inputs"], validate, False)
+        )
+    if "fingerprint_inputs" in node.methods or node.keep:
+
+        async def fingerprint(cls: Any, args: dict[str, Any]) -> Any:
+            author = None
+            if "fingerprint_inputs" in node.methods:
+                author = await call_hook(pack, node, "fingerprint_inputs", None, args)
+            unique_id = _context().get("node_id")
+            if not node.keep or unique_id is None:
+                return author
+            token = node.liveness_token(str(unique_id))
+            return token if author is None else [author, token]
+
+        namespace["fingerprint_inputs"] = classmethod(
+            _signature_function(
+                "fingerprint_inputs", node.methods.get("fingerprint_inputs"), fingerprint, False
             )
+        )
     if "check_lazy_status" in node.methods:
 
         async def lazy(cls: Any, args: dict[str, Any]) -> Any:
