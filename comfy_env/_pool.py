@@ -891,8 +891,10 @@ class Pool:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        ticket: _Ticket | None = None,
+        on_event: EventCallback | None = None,
     ) -> RemoteRef:
-        ticket = _Ticket()
+        ticket = ticket or _Ticket()
         ref_id = self.call(
             entry,
             "comfy_env_worker.refs:call_and_keep",
@@ -900,6 +902,7 @@ class Pool:
             {},
             timeout,
             ticket,
+            on_event=on_event,
         )
         slot = ticket.ran_on
         assert slot is not None

@@ -52,6 +52,13 @@ class RemoteRef:
     def env(self) -> str:
         return self._entry.spec.key
 
+    @property
+    def alive(self) -> bool:
+        """Whether the object can still be used: not released, and its worker generation is
+        still the live one. (A True answer can turn False at any moment if the worker dies;
+        using the ref then raises ``StaleGenerationError``.)"""
+        return not self._released and self._pool._ref_is_live(self)
+
     def call_method(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
         """Call ``obj.name(*args, **kwargs)`` on the live object in its worker."""
         if self._released:
