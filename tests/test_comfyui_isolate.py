@@ -131,8 +131,23 @@ class Sleep:
         return (os.getpid(),)
 
 
+class MakeBoxes:
+    RETURN_TYPES = ("BOX",)
+    OUTPUT_IS_LIST = (True,)
+    FUNCTION = "make"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"n": ("INT", {})}}
+
+    def make(self, n):
+        return ([Box(v) for v in range(n)],)
+
+
 NODE_CLASS_MAPPINGS = {"Scale": Scale, "MakeBox": MakeBox, "OpenBox": OpenBox,
-                       "Crash": Crash, "Counter": Counter, "Sleep": Sleep}
+                       "Crash": Crash, "Counter": Counter, "Sleep": Sleep,
+                       "MakeBoxes": MakeBoxes}
 NODE_DISPLAY_NAME_MAPPINGS = {"Scale": "Scale it"}
 '''
 
@@ -371,3 +386,13 @@ def test_a_pack_runs_in_a_python_3_8_env(pack: Path, pool: comfy_env.Pool, tmp_p
     assert [asyncio.run(counter.count())[0] for _ in range(2)] == [1, 2]
     box, _ = asyncio.run(mappings["MakeBox"]().make(v=3, comfy_env_unique_id="1"))
     assert asyncio.run(mappings["OpenBox"]().open(box=box))[0] == 3
+
+
+def test_a_list_output_that_stays_in_the_worker_is_kept_item_by_item(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+    (boxes,) = asyncio.run(mappings["MakeBoxes"]().make(n=3, comfy_env_unique_id="2"))
+    assert [type(b) for b in boxes] == [KeptOutput] * 3  # ComfyUI iterates over the list
+    opened = [asyncio.run(mappings["OpenBox"]().open(box=b))[0] for b in boxes]
+    assert opened == [0, 1, 2]

@@ -117,7 +117,7 @@ def test_a_v3_node_runs_isolated(server: Server) -> None:
     }
     report = _digest(server.run(prompt)[0])
     assert np.array_equal(_values(report["image"]), _expected_image() * np.float32(0.5))
-    assert report["text"] == "numpy"
+    assert report["text"] == "numpy node=2"  # cls.hidden.unique_id reached the V3 node
 
 
 def test_a_segfault_fails_its_prompt_and_the_next_prompt_runs(server: Server) -> None:
@@ -330,3 +330,28 @@ def test_validate_inputs_is_changed_and_lazy_inputs_are_forwarded(server: Server
             )[0]
         )
         assert report["number"] == expected
+
+
+def test_a_v3_object_stays_in_the_worker_and_its_producer_reruns_after_a_crash(
+    server: Server,
+) -> None:
+    def prompt(salt: int) -> dict:
+        return {
+            "1": {"class_type": "CE_MakeThingV3", "inputs": {"start": 10}},
+            "2": {"class_type": "CE_BumpThingV3", "inputs": {"thing": ["1", 0], "salt": salt}},
+            "99": {"class_type": "CE_Digest", "inputs": {"text": ["2", 0]}},
+        }
+
+    a = _fields(_digest(server.run(prompt(1))[0])["text"])
+    b = _fields(_digest(server.run(prompt(2))[0])["text"])
+    assert b["pid"] == a["pid"] and b["value"] == a["value"] + 1  # the same live object
+    _error(
+        server.run(
+            {
+                "1": {"class_type": "CE_Segfault", "inputs": {"value": 5}},
+                "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+            }
+        )[0]
+    )
+    c = _fields(_digest(server.run(prompt(3))[0])["text"])
+    assert c["pid"] != a["pid"] and c["value"] == 11  # made again in the new worker

@@ -86,6 +86,9 @@ CROSSING_TYPES = frozenset(
     )
 )
 
+# V3 hidden inputs that cross (``cls.hidden.<name>`` in the worker).
+V3_HIDDEN = ("unique_id", "prompt", "extra_pnginfo", "auth_token_comfy_org", "api_key_comfy_org")
+
 _instance_ids = itertools.count(1)
 _tokens = itertools.count(1)
 
@@ -95,14 +98,18 @@ class KeptOutput:
 
     ComfyUI passes it along like any value; an isolated node of the same env receives the live
     object. ``ref`` is the ``RemoteRef`` of the run that produced it, ``index`` the output
-    index, ``type_name`` the socket type, ``model`` the run's entry in ComfyUI's model manager
-    (``_models.WorkerModel``; None outside ComfyUI): held here, so that ComfyUI's output cache
-    owns it as it owns its own models."""
+    index (``(i, j)``: item ``j`` of the list output ``i``), ``type_name`` the socket type,
+    ``model`` the run's entry in ComfyUI's model manager (``_models.WorkerModel``; None outside
+    ComfyUI): held here, so that ComfyUI's output cache owns it as it owns its own models."""
 
     __slots__ = ("index", "model", "ref", "type_name")
 
     def __init__(
-        self, ref: RemoteRef, index: int, type_name: str, model: _models.WorkerModel | None = None
+        self,
+        ref: RemoteRef,
+        index: int | tuple[int, int],
+        type_name: str,
+        model: _models.WorkerModel | None = None,
     ) -> None:
         self.ref = ref
         self.index = index
@@ -296,11 +303,19 @@ def _with_remote_traceback(exc: BaseException) -> BaseException:
     return exc
 
 
-async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str, Any]) -> Any:
+async def run_node(
+    pack: _Pack,
+    node: NodeInfo,
+    instance: Any,
+    kwargs: dict[str, Any],
+    hidden: dict[str, Any] | None = None,
+) -> Any:
     unique_id = kwargs.pop(UNIQUE_ID_INPUT, None)
     skeleton, tensors, refs = _encode_inputs(pack, kwargs)
     instance_id = getattr(instance, "_comfy_env_instance", None)
     context = _context()
+    if hidden:
+        context["hidden"] = hidden
     args: tuple[Any, ...] = (
         node.spec,
         instance_id,
@@ -318,7 +333,10 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
             run_ref = await _guarded(
                 pack,
                 worker.arun_ref(
-                    RUN_KEPT, (*args, dict(node.keep)), timeout=pack.timeout, on_event=on_event
+                    RUN_KEPT,
+                    (*args, dict(node.keep), list(node.listed)),
+                    timeout=pack.timeout,
+                    on_event=on_event,
                 ),
             )
             assert run_ref is not None
@@ -342,17 +360,14 @@ async def run_node(pack: _Pack, node: NodeInfo, instance: Any, kwargs: dict[str,
         raise _with_remote_traceback(exc) from exc.__cause__
     result = values.join(reply[0], reply[1:], _to_host)
 
+    if unique_id is None:
+        unique_id = context.get("node_id")  # ComfyUI's executing context (V3, or no hidden id)
     if refs and result.get("ref_bytes"):
         _models.REGISTRY.update_sizes(refs, result["ref_bytes"])
     model = None
     if run_ref is not None and pack.register_models:
         model = _register_kept(pack, node, run_ref, result.get("kept_bytes"), unique_id)
-    outputs = [
-        KeptOutput(run_ref, v.index, v.type_name, model)
-        if isinstance(v, runner.KeptOut) and run_ref is not None
-        else v
-        for v in (result["outputs"] or [])
-    ]
+    outputs = [_unkeep(run_ref, v, model) for v in (result["outputs"] or [])]
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
     rest = result["rest"]
@@ -381,6 +396,16 @@ def _register_kept(
         return None
 
 
+def _unkeep(run_ref: RemoteRef | None, v: Any, model: _models.WorkerModel | None) -> Any:
+    if run_ref is None:
+        return v
+    if isinstance(v, runner.KeptOut):
+        return KeptOutput(run_ref, v.index, v.type_name, model)
+    if type(v) is list and v and isinstance(v[0], runner.KeptOut):
+        return [KeptOutput(run_ref, item.index, item.type_name, model) for item in v]
+    return v
+
+
 async def call_hook(
     pack: _Pack, node: NodeInfo, method: str, instance: Any, kwargs: dict[str, Any]
 ) -> Any:
@@ -406,7 +431,8 @@ class NodeInfo:
         self.methods: dict[str, Any] = data.get("methods", {})
         self.data = data
         self.function: str = data.get("attrs", {}).get("FUNCTION", "execute")
-        self.keep: dict[int, str] = {}
+        self.keep: dict[int, str] = {}  # output index -> socket type, for outputs kept
+        self.listed: tuple[int, ...] = ()  # kept outputs that are OUTPUT_IS_LIST
         self.author_wants_unique_id: str | None = None
         # node id -> (token, the RemoteRef of the run whose outputs ComfyUI may have cached)
         # Weakly: ComfyUI's output cache owns the run (through its KeptOutputs); once the cache
@@ -484,6 +510,8 @@ def make_v1_proxy(pack: _Pack, data: dict[str, Any]) -> type:
         for i, t in enumerate(return_types)
         if isinstance(t, str) and t not in pack.crossing_types
     }
+    is_list = list(attrs.get("OUTPUT_IS_LIST") or ())
+    node.listed = tuple(i for i in node.keep if i < len(is_list) and is_list[i])
     hidden = input_types.setdefault("hidden", {})
     for name, value in list(hidden.items()):
         if value == "UNIQUE_ID":
@@ -581,7 +609,11 @@ def make_v3_proxy(pack: _Pack, data: dict[str, Any]) -> type:
         return _replay(io, schema_data)
 
     async def execute(cls: Any, /, **kwargs: Any) -> Any:
-        return await run_node(pack, node, None, kwargs)
+        # ComfyUI runs execute on a clone whose ``hidden`` holds the hidden inputs; the
+        # picklable ones go along (DYNPROMPT is a live server object and stays here).
+        holder = getattr(cls, "hidden", None)
+        hidden = {name: getattr(holder, name, None) for name in V3_HIDDEN} if holder else {}
+        return await run_node(pack, node, None, kwargs, hidden)
 
     namespace: dict[str, Any] = {
         "__module__": __name__,
@@ -589,15 +621,39 @@ def make_v3_proxy(pack: _Pack, data: dict[str, Any]) -> type:
         "define_schema": classmethod(define_schema),
         "execute": classmethod(execute),
     }
-    for method in ("fingerprint_inputs", "validate_inputs"):
-        if method in node.methods:
+    schema = _replay(io, schema_data)
+    outputs = list(getattr(schema, "outputs", None) or [])
+    node.keep = {
+        i: str(o.get_io_type())
+        for i, o in enumerate(outputs)
+        if str(o.get_io_type()) not in pack.crossing_types
+    }
+    node.listed = tuple(i for i in node.keep if getattr(outputs[i], "is_output_list", False))
+    if "validate_inputs" in node.methods:
 
-            async def hook(cls: Any, args: dict[str, Any], _m: str = method) -> Any:
-                return await call_hook(pack, node, _m, None, args)
+        async def validate(cls: Any, args: dict[str, Any]) -> Any:
+            return await call_hook(pack, node, "validate_inputs", None, args)
 
-            namespace[method] = classmethod(
-                _signature_function(method, node.methods[method], hook, False)
+        namespace["validate_inputs"] = classmethod(
+            _signature_function("validate_inputs", node.methods["validate_inputs"], validate, False)
+        )
+    if "fingerprint_inputs" in node.methods or node.keep:
+
+        async def fingerprint(cls: Any, args: dict[str, Any]) -> Any:
+            author = None
+            if "fingerprint_inputs" in node.methods:
+                author = await call_hook(pack, node, "fingerprint_inputs", None, args)
+            unique_id = _context().get("node_id")
+            if not node.keep or unique_id is None:
+                return author
+            token = node.liveness_token(str(unique_id))
+            return token if author is None else [author, token]
+
+        namespace["fingerprint_inputs"] = classmethod(
+            _signature_function(
+                "fingerprint_inputs", node.methods.get("fingerprint_inputs"), fingerprint, False
             )
+        )
     if "check_lazy_status" in node.methods:
 
         async def lazy(cls: Any, args: dict[str, Any]) -> Any:

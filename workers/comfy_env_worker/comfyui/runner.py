@@ -33,11 +33,12 @@ _INSTANCES: Dict[Tuple[str, str, str, int], Any] = {}
 
 
 class Kept:
-    """In the inputs: output ``index`` of the kept run ``refs[ref]``."""
+    """In the inputs: output ``index`` of the kept run ``refs[ref]`` (an int, or ``(i, j)``
+    for item ``j`` of a list output ``i``)."""
 
     __slots__ = ("index", "ref")
 
-    def __init__(self, ref: int, index: int) -> None:
+    def __init__(self, ref: int, index: Any) -> None:
         self.ref = ref
         self.index = index
 
@@ -46,11 +47,12 @@ class Kept:
 
 
 class KeptOut:
-    """In a result: output ``index`` stayed in the worker (reach it through the run's ref)."""
+    """In a result: output ``index`` stayed in the worker (reach it through the run's ref);
+    ``(i, j)`` names item ``j`` of an ``OUTPUT_IS_LIST`` output ``i``."""
 
     __slots__ = ("index", "type_name")
 
-    def __init__(self, index: int, type_name: str) -> None:
+    def __init__(self, index: Any, type_name: str) -> None:
         self.index = index
         self.type_name = type_name
 
@@ -72,6 +74,16 @@ class NodeRun:
     def size(self) -> int:
         """Bytes the kept outputs hold now (``measure``)."""
         return measure(self.outputs)
+
+
+class _Hidden:
+    """``cls.hidden`` of a V3 node: the hidden inputs by name, None for any other name."""
+
+    def __init__(self, values: Dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:
+        return None
 
 
 def _node(spec: Spec, instance_id: Optional[int]) -> Any:
@@ -96,7 +108,12 @@ def _inputs(inputs: Any, tensors: List[Any], refs: Sequence[Any], context: Dict[
 
 
 def _resolve_kept(refs: Sequence[Any], v: Any) -> Any:
-    return refs[v.ref].outputs[v.index] if isinstance(v, Kept) else v
+    if not isinstance(v, Kept):
+        return v
+    outputs = refs[v.ref].outputs
+    if isinstance(v.index, tuple):
+        return outputs[v.index[0]][v.index[1]]
+    return outputs[v.index]
 
 
 def _call(function: Any, kwargs: Dict[str, Any]) -> Any:
@@ -110,6 +127,9 @@ def _execute(spec: Spec, instance_id: Optional[int], function: str, kwargs: Dict
     """Run the node; return (kind, outputs, rest) where rest is the ui and other result keys."""
     target = _node(spec, instance_id)
     if spec[2] == "v3":
+        # ``cls.hidden.unique_id`` etc., as ComfyUI's clone of the class would have them (one
+        # call at a time per worker, so setting it on the class is safe).
+        target.hidden = _Hidden(standins.CONTEXT.get("hidden") or {})
         out = _call(target.execute, kwargs)
         if isinstance(out, standins.NodeOutput):
             return "v3", list(out.args), {"ui": _ui(out.ui)}
@@ -237,14 +257,23 @@ def run_node_kept(
     refs: List[Any],
     context: Dict[str, Any],
     keep: Dict[int, str],
+    listed: Sequence[int] = (),
 ) -> NodeRun:
-    """Run a node whose outputs ``keep`` (index -> socket type) stay here. Runs under
+    """Run a node whose outputs ``keep`` (index -> socket type) stay here; those in ``listed``
+    are ``OUTPUT_IS_LIST`` outputs, kept item by item (ComfyUI iterates over them). Runs under
     ``call_ref``: the returned ``NodeRun`` stays in the worker; the host then fetches
     ``crossing()``."""
     kwargs = _inputs(inputs, tensors, refs, context)
     kind, outputs, rest = _execute(spec, instance_id, function, kwargs)
     outputs = outputs or []
-    crossing = [KeptOut(i, keep[i]) if i in keep else value for i, value in enumerate(outputs)]
+    crossing: List[Any] = []
+    for i, value in enumerate(outputs):
+        if i not in keep:
+            crossing.append(value)
+        elif i in listed:
+            crossing.append([KeptOut((i, j), keep[i]) for j in range(len(value))])
+        else:
+            crossing.append(KeptOut(i, keep[i]))
     kept_bytes = measure([value for i, value in enumerate(outputs) if i in keep])
     return NodeRun(outputs, _reply(kind, crossing, rest, refs, kept_bytes))
 
