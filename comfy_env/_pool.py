@@ -384,6 +384,26 @@ def _after_fork_in_child() -> None:
     _live_pools.clear()
 
 
+def _held_refs(entry: _EnvEntry, slot: _Slot) -> set[int]:
+    """The slot's refs that someone in the host still holds (entry lock held): live refs minus
+    those garbage collected and queued for release (``dropped_refs``, drained before the next
+    call), which must not keep an idle worker from being reaped."""
+    if not slot.live_refs or not entry.dropped_refs:
+        return slot.live_refs
+    for _ in range(8):
+        try:
+            queued = tuple(entry.dropped_refs)  # appended lock-free by RemoteRef.__del__
+            break
+        except RuntimeError:  # a __del__ appended during the copy: look again
+            continue
+    else:
+        return slot.live_refs
+    state = slot.state
+    generation = state.generation if state is not None else None
+    dropped = {rid for s, g, rid in queued if s is slot and g == generation}
+    return slot.live_refs - dropped
+
+
 class Pool:
     """Workers keyed by env. Create with a ``PoolConfig``; use as a context manager or call
     ``close()``. Workers spawn lazily, on an env's first call."""
@@ -398,6 +418,9 @@ class Pool:
         self.config = PoolConfig(**config.model_dump()) if config is not None else PoolConfig()
         self._clock = clock
         self._events = Dispatcher()
+        # Host-side owners of RemoteRefs asked before the reaper retires a worker holding refs
+        # (``add_reap_hook``). A tuple, replaced whole: the reaper reads it without a lock.
+        self._reap_hooks: tuple[Callable[[str, int], object], ...] = ()
         self._reaper: TimerHandle | None = None
         self._lock = threading.Lock()
         self._entries: dict[str, _EnvEntry] = {}
@@ -430,6 +453,36 @@ class Pool:
         if self._closed:
             raise self._closed_error()
         return self._events.subscribe(callback)
+
+    def add_reap_hook(self, hook: Callable[[str, int], object]) -> Callable[[], None]:
+        """Call ``hook(env, generation)`` before the idle reaper skips an expired worker because
+        it holds live RemoteRefs (``reap_with_refs`` False). A hook lets go of what it holds in
+        that generation (``RemoteRef.discard()``, no call to the worker); when no live ref is
+        left afterwards, the worker is retired now. Refs of owners without a hook keep the
+        worker as before. A hook that raises is logged. Hooks run on the reaper's thread (the
+        reactor, or the caller of ``reap_idle``) outside every pool lock: keep them short and do
+        not call workers from them. A call that starts meanwhile keeps the worker (the reaper's
+        decision names the ``idle_since`` it saw). Returns a function that removes the hook."""
+        with self._lock:
+            self._reap_hooks = (*self._reap_hooks, hook)
+
+        def remove() -> None:
+            with self._lock:
+                self._reap_hooks = tuple(h for h in self._reap_hooks if h is not hook)
+
+        return remove
+
+    def _run_reap_hooks(self, env: str, generation: int) -> bool:
+        """Run the reap hooks; False if there are none (nothing can change)."""
+        hooks = self._reap_hooks
+        for hook in hooks:  # every hook runs: each lets go of its own refs
+            try:
+                hook(env, generation)
+            except Exception:  # noqa: BLE001 - a hook's bug keeps the worker, never breaks the reaper
+                _log.exception(
+                    "comfy-env: reap hook %r failed for %s generation %d", hook, env, generation
+                )
+        return bool(hooks)
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
         """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise);
@@ -871,7 +924,9 @@ class Pool:
                 ref_slot, generation, ref_id = entry.dropped_refs.popleft()
                 if ref_slot is not slot:
                     others.append((ref_slot, generation, ref_id))
-                elif generation == process.generation and ref_id in slot.live_refs:
+                elif generation == process.generation:
+                    # Garbage-collected refs are still counted live; discarded ones
+                    # (RemoteRef.discard) were uncounted at once. Both are released here.
                     slot.live_refs.discard(ref_id)
                     mine.append(ref_id)
                 # else: its generation is gone, and the object with it
@@ -1059,11 +1114,21 @@ class Pool:
         for entry in entries:
             for slot in entry.slots:
                 with entry.lock:
-                    if slot.leased or (slot.live_refs and not self.config.reap_with_refs):
+                    if slot.leased:
                         continue
                     decision = lc.idle_expired(slot.state, now, self.config.idle_timeout)
                     if decision is None:
                         continue
+                    held = bool(_held_refs(entry, slot)) and not self.config.reap_with_refs
+                if held:
+                    # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex)
+                    # and discards its refs (RemoteRef.discard takes the entry lock).
+                    if not self._run_reap_hooks(entry.spec.key, decision.generation):
+                        continue
+                with entry.lock:
+                    if slot.leased or (_held_refs(entry, slot) and not self.config.reap_with_refs):
+                        continue
+                    # A call in between moved idle_since: the gate drops this decision.
                     effects = entry.apply_locked(slot, decision)
                     if effects is None:
                         continue

@@ -83,6 +83,17 @@ class RemoteRef:
             )
             self._pool._ref_released(self)
 
+    def discard(self) -> None:
+        """Let go of the object without calling the worker: it is dropped there before the
+        worker's next call (or with the worker when it is retired). Idempotent; for code that
+        must not call a worker (a reap hook, a finalizer)."""
+        if self._released:
+            return
+        self._released = True
+        if self._pool._ref_is_live(self):
+            self._entry.dropped_refs.append((self._slot, self.generation, self.id))
+            self._pool._ref_released(self)
+
     def __reduce__(self) -> tuple[Any, ...]:
         # In the worker this unpickles to the live object (or raises if stale).
         return (worker_refs.resolve, (self.id, self.generation))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 from comfy_env.comfyui._proxy import NodeInfo
@@ -61,6 +63,10 @@ def test_the_liveness_token_is_stable_while_the_run_lives_and_fresh_once_it_is_g
     ref.alive = False
     stale = node.liveness_token("5")
     assert stale != first  # the cache entry misses: the producer runs again
-    node.record_run("5", _Ref(alive=True))  # type: ignore[arg-type]
+    again = _Ref(alive=True)
+    node.record_run("5", again)  # type: ignore[arg-type]
     assert node.liveness_token("5") == stale  # and its new outputs are cached under it
     assert node.liveness_token("6") not in (first, stale)  # another node id
+    del again  # ComfyUI's cache dropped the outputs: the record does not keep the run alive
+    gc.collect()
+    assert node.liveness_token("5") != stale

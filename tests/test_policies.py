@@ -21,6 +21,7 @@ from conftest import wait_until as _wait
 import comfy_env
 from comfy_env import (
     EnvAbandonedError,
+    RefReleasedError,
     StaleGenerationError,
     WorkerCrashed,
     WorkerStartError,
@@ -103,6 +104,85 @@ def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
         assert pool.reap_idle() == 1
         with pytest.raises(StaleGenerationError, match="generation 1"):
             ref.call_method("add", 1)
+
+
+def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        kept = w.call_ref(remote_tasks.make_counter)
+        dropped = w.call_ref(remote_tasks.make_counter)
+        del dropped
+        gc.collect()  # queued for release before the next call; no call comes
+        clock.now += 100
+        assert pool.reap_idle() == 0  # the ref still held keeps the worker
+        kept.discard()
+        assert pool.reap_idle() == 1
+
+
+def test_a_reap_hook_that_discards_its_refs_lets_the_reaper_retire_the_worker(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        mine = w.call_ref(remote_tasks.make_counter)
+        other = w.call_ref(remote_tasks.make_counter)  # an owner without a hook
+        asked: list[tuple[str, int]] = []
+        let_go = [False]
+        held = [mine]
+
+        def hook(env: str, generation: int) -> None:
+            asked.append((env, generation))
+            if let_go[0]:
+                for ref in held:
+                    ref.discard()
+
+        def broken(env: str, generation: int) -> None:
+            raise RuntimeError("a buggy owner")
+
+        remove = pool.add_reap_hook(hook)
+        pool.add_reap_hook(broken)  # logged; the other hooks still run
+        clock.now += 5
+        assert pool.reap_idle() == 0 and asked == []  # not idle long enough: nobody is asked
+        clock.now += 100
+        assert pool.reap_idle() == 0  # the owner keeps its ref
+        assert asked == [(w.env, 1)] and mine.alive
+        let_go[0] = True
+        assert pool.reap_idle() == 0  # it let go, but another owner's ref keeps the worker
+        assert not mine.alive and other.alive
+        assert w.call(remote_tasks.kept_objects) == 1  # the discarded object was dropped first
+        other.release()  # a call: the worker is idle anew from now
+        assert pool.reap_idle() == 0
+        mine2 = w.call_ref(remote_tasks.make_counter)
+        held.append(mine2)
+        clock.now += 100
+        assert pool.reap_idle() == 1 and not mine2.alive  # discarded by its hook, then reaped
+        assert w.stats().workers[0].retire_reason == "idle"
+        with pytest.raises(RefReleasedError):
+            mine2.call_method("add", 1)
+        remove()
+        assert w.call_ref(remote_tasks.make_counter).generation == 2  # spawned as a first call
+
+
+def test_a_reap_hook_cannot_retire_a_worker_that_ran_a_call_meanwhile(
+    config: comfy_env.PoolConfig,
+) -> None:
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        ref = w.call_ref(remote_tasks.make_counter)
+
+        def hook(env: str, generation: int) -> None:
+            w.call("comfy_env_worker.tasks:echo", 0)  # a call lands while the owner is asked
+            ref.discard()
+
+        pool.add_reap_hook(hook)
+        clock.now += 100
+        assert pool.reap_idle() == 0  # the decision named the old idle_since: dropped
+        assert w.generation == 1 and not ref.alive
 
 
 # ---- the health ping ---------------------------------------------------------------------------

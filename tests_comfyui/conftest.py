@@ -5,7 +5,8 @@
 ``COMFY_ENV_TEST_PACK_ENV_{NUMPY,TORCH}``; without them every test here skips with that message.
 
 One server per session (start-up is 6-15 s): a temporary base directory whose ``custom_nodes``
-links the example packs (numpy, torch, V3, and the pack whose env is missing), its own output
+links the example packs (numpy, torch, V3, and the pack whose env is missing) and the test-only
+``probe_pack`` (routes that show and instrument ComfyUI's model manager), its own output
 directory and scan cache, on 127.0.0.1 with a free port. Teardown kills the server's whole
 process group (its comfy-env workers included) and checks that none of them survived.
 """
@@ -151,6 +152,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str]) 
     (base / "output").mkdir()
     for pack in PACKS:
         (base / "custom_nodes" / pack).symlink_to(REPO / "examples" / "comfyui" / pack)
+    # test-only, runs in the server: shows and instruments ComfyUI's model manager
+    (base / "custom_nodes" / "ce_probe").symlink_to(REPO / "tests_comfyui" / "probe_pack")
     port = free_port()
     env = dict(os.environ)
     env.update(
@@ -158,6 +161,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str]) 
         COMFY_ENV_EXAMPLE_TORCH_ENV=pack_envs["torch"],
         COMFY_ENV_COMFYUI_CACHE=str(base / "scan-cache"),
         PYTHONFAULTHANDLER="1",
+        # the session provokes many deliberate crashes; the breaker is tested in tests/
+        COMFY_ENV_MAX_RESTARTS="50",
     )
     log = base / "server.log"
     with open(log, "wb") as out:

@@ -345,7 +345,13 @@ def test_a_v3_object_stays_in_the_worker_and_its_producer_reruns_after_a_crash(
     a = _fields(_digest(server.run(prompt(1))[0])["text"])
     b = _fields(_digest(server.run(prompt(2))[0])["text"])
     assert b["pid"] == a["pid"] and b["value"] == a["value"] + 1  # the same live object
-    _error(server.run({"1": {"class_type": "CE_Segfault", "inputs": {"value": 5}},
-                       "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}}})[0])
+    _error(
+        server.run(
+            {
+                "1": {"class_type": "CE_Segfault", "inputs": {"value": 5}},
+                "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+            }
+        )[0]
+    )
     c = _fields(_digest(server.run(prompt(3))[0])["text"])
     assert c["pid"] != a["pid"] and c["value"] == 11  # made again in the new worker

@@ -53,14 +53,24 @@ class _Pack:
         interrupt_grace: float | None,
         crossing_types: frozenset[str],
         scan: dict[str, Any],
+        register_models: bool = True,
     ) -> None:
         self.spec = spec
+        self.register_models = register_models
         self._pool = pool
         self.timeout = timeout
         self.interrupt_grace = interrupt_grace
         self.crossing_types = crossing_types
         self.scan = scan
         self.has_torch = bool(scan.get("has_torch"))
+
+    @property
+    def pool(self) -> Pool:
+        if self._pool is not None:
+            return self._pool
+        import comfy_env
+
+        return comfy_env.default_pool()
 
     @property
     def worker(self) -> Worker:
@@ -84,6 +94,7 @@ def isolate(
     extra_crossing_types: Iterable[str] = (),
     pool: Pool | None = None,
     cache_dir: str | None = None,
+    register_models: bool = True,
 ) -> tuple[dict[str, type], dict[str, str]]:
     """Register a node pack whose nodes run in ``env``; returns
     ``(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)``.
@@ -99,6 +110,10 @@ def isolate(
     cross to the server; outputs of any other type stay in the worker as ``KeptOutput``.
     ``pool``: a ``comfy_env.Pool`` (default: the process-wide one). ``cache_dir``: where scans
     are cached (default ``$COMFY_ENV_COMFYUI_CACHE`` or ``~/.cache/comfy-env/comfyui-scan``).
+    ``register_models``: register each run whose outputs stay in the worker with ComfyUI's
+    model manager (``comfy.model_management``), sized as measured in the worker, so ComfyUI
+    counts it and ``free_memory`` / ``unload_all_models`` / ``POST /free`` evict it (the
+    producing node then runs again on next use); see ``comfy_env.comfyui._models``.
 
     Raises ``NodePackError`` when the env is missing or the scan fails.
     """
@@ -124,7 +139,13 @@ def isolate(
     scan = read_cached(spec, key)
     types = frozenset(crossing_types) if crossing_types is not None else CROSSING_TYPES
     pack = _Pack(
-        spec, pool, timeout, interrupt_grace, types | frozenset(extra_crossing_types), scan or {}
+        spec,
+        pool,
+        timeout,
+        interrupt_grace,
+        types | frozenset(extra_crossing_types),
+        scan or {},
+        register_models,
     )
     if scan is None:
         scan = run_scan(spec, pack.worker, scan_timeout)

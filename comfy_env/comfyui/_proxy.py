@@ -32,6 +32,10 @@ pending (and sets the flag again if the hook consumed one that arrived in betwee
 ``IS_CHANGED`` whose value is a token remembered per node id: the same token while the run that
 produced the cached outputs is alive, a fresh one once its generation is gone. ComfyUI therefore
 re-runs the producer after a crash instead of handing out a stale ref.
+
+**Registered models.** Each kept run is also registered with ComfyUI's model manager
+(``_models``), sized as measured in the worker: ComfyUI's ``free_memory`` evicts it (the worker
+drops it, the ref is released, so the token above changes and the producer runs again).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import inspect
 import itertools
 import keyword
 import sys
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +55,7 @@ from comfy_env_worker.comfyui import runner, values
 
 from .._errors import EnvAbandonedError
 from .._refs import RemoteRef
+from . import _models
 
 if TYPE_CHECKING:
     from . import _Pack
@@ -92,14 +98,23 @@ class KeptOutput:
 
     ComfyUI passes it along like any value; an isolated node of the same env receives the live
     object. ``ref`` is the ``RemoteRef`` of the run that produced it, ``index`` the output
-    index (``(i, j)``: item ``j`` of the list output ``i``), ``type_name`` the socket type."""
+    index (``(i, j)``: item ``j`` of the list output ``i``), ``type_name`` the socket type,
+    ``model`` the run's entry in ComfyUI's model manager (``_models.WorkerModel``; None outside
+    ComfyUI): held here, so that ComfyUI's output cache owns it as it owns its own models."""
 
-    __slots__ = ("index", "ref", "type_name")
+    __slots__ = ("index", "model", "ref", "type_name")
 
-    def __init__(self, ref: RemoteRef, index: int | tuple[int, int], type_name: str) -> None:
+    def __init__(
+        self,
+        ref: RemoteRef,
+        index: int | tuple[int, int],
+        type_name: str,
+        model: _models.WorkerModel | None = None,
+    ) -> None:
         self.ref = ref
         self.index = index
         self.type_name = type_name
+        self.model = model
 
     @property
     def alive(self) -> bool:
@@ -345,9 +360,14 @@ async def run_node(
         raise _with_remote_traceback(exc) from exc.__cause__
     result = values.join(reply[0], reply[1:], _to_host)
 
-    outputs = [_unkeep(run_ref, v) for v in (result["outputs"] or [])]
     if unique_id is None:
         unique_id = context.get("node_id")  # ComfyUI's executing context (V3, or no hidden id)
+    if refs and result.get("ref_bytes"):
+        _models.REGISTRY.update_sizes(refs, result["ref_bytes"])
+    model = None
+    if run_ref is not None and pack.register_models:
+        model = _register_kept(pack, node, run_ref, result.get("kept_bytes"), unique_id)
+    outputs = [_unkeep(run_ref, v, model) for v in (result["outputs"] or [])]
     if run_ref is not None and unique_id is not None:
         node.record_run(str(unique_id), run_ref)
     rest = result["rest"]
@@ -363,13 +383,26 @@ async def run_node(
     return tuple(outputs)
 
 
-def _unkeep(run_ref: RemoteRef | None, v: Any) -> Any:
+def _register_kept(
+    pack: _Pack, node: NodeInfo, run_ref: RemoteRef, kept_bytes: Any, unique_id: Any
+) -> _models.WorkerModel | None:
+    """Hand the kept run to ComfyUI's model manager (None outside ComfyUI). A failure there
+    is logged, never the node's failure: registration is bookkeeping."""
+    label = f"{node.name}#{unique_id}" if unique_id is not None else node.name
+    try:
+        return _models.register(pack.pool, run_ref, int(kept_bytes or 0), label)
+    except Exception:  # noqa: BLE001 - see the docstring
+        _models.log.exception("comfy-env: could not register %s with ComfyUI", label)
+        return None
+
+
+def _unkeep(run_ref: RemoteRef | None, v: Any, model: _models.WorkerModel | None) -> Any:
     if run_ref is None:
         return v
     if isinstance(v, runner.KeptOut):
-        return KeptOutput(run_ref, v.index, v.type_name)
+        return KeptOutput(run_ref, v.index, v.type_name, model)
     if type(v) is list and v and isinstance(v[0], runner.KeptOut):
-        return [KeptOutput(run_ref, item.index, item.type_name) for item in v]
+        return [KeptOutput(run_ref, item.index, item.type_name, model) for item in v]
     return v
 
 
@@ -402,7 +435,11 @@ class NodeInfo:
         self.listed: tuple[int, ...] = ()  # kept outputs that are OUTPUT_IS_LIST
         self.author_wants_unique_id: str | None = None
         # node id -> (token, the RemoteRef of the run whose outputs ComfyUI may have cached)
-        self.runs: dict[str, tuple[str, RemoteRef]] = {}
+        # Weakly: ComfyUI's output cache owns the run (through its KeptOutputs); once the cache
+        # drops it, the ref is released and the worker frees the object (a strong ref here
+        # would keep it alive in the worker, out of ComfyUI's sight, for as long as the node
+        # id is remembered).
+        self.runs: dict[str, tuple[str, weakref.ref[RemoteRef]]] = {}
         self.pending: dict[str, str] = {}
 
     def liveness_token(self, unique_id: str) -> str:
@@ -411,7 +448,8 @@ class NodeInfo:
         one once it is gone (the cache entry misses and the node runs again). The run that
         follows records the token it was scheduled under."""
         entry = self.runs.get(unique_id)
-        if entry is not None and entry[1].alive:
+        ref = entry[1]() if entry is not None else None
+        if entry is not None and ref is not None and ref.alive:
             token = entry[0]
         else:
             token = f"comfy-env-run-{next(_tokens)}"
@@ -420,7 +458,7 @@ class NodeInfo:
 
     def record_run(self, unique_id: str, ref: RemoteRef) -> None:
         token = self.pending.pop(unique_id, None) or f"comfy-env-run-{next(_tokens)}"
-        self.runs[unique_id] = (token, ref)
+        self.runs[unique_id] = (token, weakref.ref(ref))
 
 
 def _tupled_inputs(spec: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ stand-ins there. Tensors arrive as numpy arrays ([B,H,W,C] float32 IMAGE, [B,H,W
 
 import ctypes
 import os
+import signal
 import struct
 import time
 import zlib
@@ -181,6 +182,66 @@ class UseKernel:
         return (out, "pid=%d uses=%d loads=%d" % (kernel.pid, kernel.uses, LoadKernel.LOADS[0]))
 
 
+class BigModel:
+    """A large object that stays in the worker: a stand-in for model weights (its pages are
+    written, so they count in the worker's RSS). ``crash_on_release`` kills the worker when
+    the object is freed (to crash a worker in the middle of an eviction)."""
+
+    def __init__(self, megabytes, crash_on_release):
+        self.weights = np.ones(int(megabytes) * 1024 * 1024 // 8, dtype=np.float64)
+        self.crash_on_release = bool(crash_on_release)
+        self.pid = os.getpid()
+        self.extra = []  # what UseBigModel(grow=...) adds later
+
+    def __del__(self):
+        if self.crash_on_release:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LoadBigModel:
+    """Loads a BigModel; ComfyUI's model manager sees it (size measured in the worker)."""
+
+    CATEGORY = "comfy-env/examples"
+    RETURN_TYPES = ("CE_BIG_MODEL",)
+    FUNCTION = "load"
+    LOADS = [0]
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"megabytes": ("INT", {"default": 64, "min": 1, "max": 4096})},
+                "optional": {"crash_on_release": ("BOOLEAN", {"default": False}),
+                             "tag": ("INT", {"default": 0})}}
+
+    def load(self, megabytes, crash_on_release=False, tag=0):
+        LoadBigModel.LOADS[0] += 1
+        return (BigModel(megabytes, crash_on_release),)
+
+
+class UseBigModel:
+    """An output node that uses up to three BigModels and reports the worker's pid, how often a
+    model was loaded in this worker, and the models' sizes."""
+
+    CATEGORY = "comfy-env/examples"
+    RETURN_TYPES = ()
+    FUNCTION = "run"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("CE_BIG_MODEL",)},
+                "optional": {"model2": ("CE_BIG_MODEL",), "model3": ("CE_BIG_MODEL",),
+                             "grow_megabytes": ("INT", {"default": 0, "min": 0})}}
+
+    def run(self, model, model2=None, model3=None, grow_megabytes=0):
+        if grow_megabytes:
+            model.extra.append(np.ones(grow_megabytes * 1024 * 1024 // 8, dtype=np.float64))
+        models = [m for m in (model, model2, model3) if m is not None]
+        report = {"pid": os.getpid(), "loads": LoadBigModel.LOADS[0],
+                  "megabytes": [m.weights.nbytes // (1024 * 1024) for m in models],
+                  "sum": float(sum(float(m.weights[:8].sum()) for m in models))}
+        return {"ui": {"report": [report]}}
+
+
 class SleepStamp:
     """Sleeps, then returns "start end" wall-clock stamps (for the overlap test)."""
 
@@ -316,6 +377,8 @@ NODE_CLASS_MAPPINGS = {
     "CE_SlowSteps": SlowSteps,
     "CE_StuckNative": StuckNative,
     "CE_LoadKernel": LoadKernel,
+    "CE_LoadBigModel": LoadBigModel,
+    "CE_UseBigModel": UseBigModel,
     "CE_UseKernel": UseKernel,
     "CE_SleepStamp": SleepStamp,
     "CE_SaveImagePNG": SaveImagePNG,

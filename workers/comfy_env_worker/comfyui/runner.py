@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import scan, standins, values
 
@@ -69,6 +70,10 @@ class NodeRun:
     def crossing(self) -> Any:
         """The part of the result that goes to the host (fetched once, right after the run)."""
         return self._crossing
+
+    def size(self) -> int:
+        """Bytes the kept outputs hold now (``measure``)."""
+        return measure(self.outputs)
 
 
 class _Hidden:
@@ -145,13 +150,86 @@ def _ui(ui: Any) -> Any:
     return ui
 
 
-def _reply(kind: str, outputs: Optional[List[Any]], rest: Dict[str, Any]) -> List[Any]:
+def _reply(
+    kind: str,
+    outputs: Optional[List[Any]],
+    rest: Dict[str, Any],
+    refs: Sequence[Any] = (),
+    kept_bytes: int = 0,
+) -> List[Any]:
     """``[skeleton, tensor0, tensor1, ...]``: flat, so every tensor sits directly in the result
-    and travels out of band (torch tensors nested deeper would be pickled in band)."""
+    and travels out of band (torch tensors nested deeper would be pickled in band).
+    ``kept_bytes``: what this run keeps in the worker; ``ref_bytes``: what each kept run it
+    used holds now (a node may have loaded more into it, or dropped some), so the host's
+    model sizes follow the worker."""
+    ref_bytes = [ref.size() if isinstance(ref, NodeRun) else None for ref in refs]
     skeleton, tensors = values.split(
-        {"kind": kind, "outputs": outputs, "rest": rest}, values.to_wire
+        {
+            "kind": kind,
+            "outputs": outputs,
+            "rest": rest,
+            "kept_bytes": kept_bytes,
+            "ref_bytes": ref_bytes,
+        },
+        values.to_wire,
     )
     return [skeleton, *tensors]
+
+
+_MEASURE_DEPTH = 6
+_MEASURE_ITEMS = 100000
+
+
+def measure(obj: Any) -> int:
+    """Bytes held by ``obj`` as ComfyUI's model manager should count them: numpy arrays and
+    torch tensors (their data), torch modules (parameters and buffers), bytes-like objects,
+    and whatever containers and object attributes hold (6 levels deep, each object once).
+    An object may say it itself with a ``comfy_env_size()`` method. Plain Python objects
+    count 0 (they are small next to a model)."""
+    seen: Set[int] = set()
+    budget = [_MEASURE_ITEMS]
+
+    def walk(value: Any, depth: int) -> int:
+        if id(value) in seen or budget[0] <= 0:
+            return 0
+        seen.add(id(value))
+        budget[0] -= 1
+        custom = getattr(type(value), "comfy_env_size", None)
+        if callable(custom):
+            return int(custom(value))
+        if any((c.__module__ or "").startswith(("numpy", "torch")) for c in type(value).__mro__):
+            # numpy/torch objects and their subclasses (a user's torch.nn.Module)
+            if hasattr(value, "element_size") and hasattr(value, "numel"):
+                return int(value.element_size() * value.numel())
+            nbytes = getattr(value, "nbytes", None)
+            if isinstance(nbytes, int):
+                return nbytes
+            if callable(getattr(value, "parameters", None)):
+                total = sum(walk(p, depth + 1) for p in value.parameters())
+                buffers = getattr(value, "buffers", None)
+                if callable(buffers):
+                    total += sum(walk(b, depth + 1) for b in buffers())
+                return total
+        if isinstance(value, (bytes, bytearray)):
+            return len(value)
+        if isinstance(value, memoryview):
+            return value.nbytes
+        if depth >= _MEASURE_DEPTH or isinstance(value, (str, int, float, bool, type(None))):
+            return 0
+        if isinstance(value, dict):
+            return sum(walk(v, depth + 1) for v in value.values())
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return sum(walk(v, depth + 1) for v in value)
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(value, type):
+            return sum(walk(v, depth + 1) for v in attrs.values())
+        return 0
+
+    try:
+        return walk(obj, 0)
+    except Exception:  # noqa: BLE001 - a size is advice; a strange object must not fail the run
+        sys.stderr.write("comfy-env worker: could not measure %r\n" % (type(obj),))
+        return 0
 
 
 def run_node(
@@ -167,7 +245,7 @@ def run_node(
     ``{"kind", "outputs", "rest"}`` (see ``_reply``)."""
     kwargs = _inputs(inputs, tensors, refs, context)
     kind, outputs, rest = _execute(spec, instance_id, function, kwargs)
-    return _reply(kind, outputs, rest)
+    return _reply(kind, outputs, rest, refs)
 
 
 def run_node_kept(
@@ -196,7 +274,8 @@ def run_node_kept(
             crossing.append([KeptOut((i, j), keep[i]) for j in range(len(value))])
         else:
             crossing.append(KeptOut(i, keep[i]))
-    return NodeRun(outputs, _reply(kind, crossing, rest))
+    kept_bytes = measure([value for i, value in enumerate(outputs) if i in keep])
+    return NodeRun(outputs, _reply(kind, crossing, rest, refs, kept_bytes))
 
 
 def call_hook(
