@@ -63,7 +63,7 @@ from ._config import PoolConfig
 from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
-from ._identity import host_token
+from ._identity import host_id, host_token
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
@@ -115,18 +115,7 @@ def _warn_once(message: str, key: str | None = None) -> None:
         _log.warning("comfy-env: %s", message)
 
 
-_HOST_TOKEN: tuple[int, str] | None = None
 _serials = itertools.count(1)
-
-
-def host_id() -> str:
-    """This process's ``host_token()`` (``<pid>-t<start ticks>-n<pid namespace>``), cached per
-    pid (a forked child computes its own)."""
-    global _HOST_TOKEN
-    pid = os.getpid()
-    if _HOST_TOKEN is None or _HOST_TOKEN[0] != pid:
-        _HOST_TOKEN = (pid, host_token())
-    return _HOST_TOKEN[1]
 
 
 def make_runtime_dir() -> str:

@@ -47,8 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._identity import pid_namespace
-from ._process import host_id
+from ._identity import host_id, pid_namespace
 from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
 
