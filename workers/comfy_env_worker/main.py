@@ -486,6 +486,11 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
     calls = worker.control
 
     def watch() -> None:
+        # The parent-death signal is armed here, off the start-up path (ctypes costs a few ms
+        # to import and load): until now, a host that dies is seen as EOF on the channel.
+        _set_parent_death_signal()
+        if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
+            _exit_orphaned(worker)  # the host died before the signal was armed
         poller = select.poll()
         poller.register(fd, poll_hup)
         if cancel_fd is not None:
@@ -528,9 +533,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     cancel_fd = int(args[3]) if len(args) > 3 else None
     _launched_via_wrapper = bool(host_pid) and os.getppid() != host_pid
     faulthandler.enable(all_threads=False)
-    _set_parent_death_signal()
     if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
-        os._exit(0)  # the host died before we could arm the death signal
+        os._exit(0)  # the host died before we started
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)  # our own children must not hold the channel open
     CHANNEL = sock
