@@ -130,44 +130,31 @@ class _Slot:
 
 
 class _Ticket:
-    """One call's place in the pool: queued, then holding a slot; cancellable from any thread."""
+    """One call's place in the pool: queued, then holding a slot; cancellable from any thread.
 
-    __slots__ = (
-        "bound_generation",
-        "call_id",
-        "cancelled",
-        "closed",
-        "event",
-        "generation",
-        "interrupted",
-        "on_event",
-        "ran_on",
-        "sink",
-        "slot",
-        "stage",
-        "started",
-        "waker",
-        "wanted",
-        "woken",
-    )
+    The fields are class-level defaults (all immutable), so a ticket costs one allocation and
+    only the fields a call actually sets: the common call sets about five."""
+
+    event: threading.Event | None = None
+    waker: Callable[[], None] | None = None  # wakes a waiter that is not a thread
+    woken: Any = None  # the asyncio future an async waiter awaits (see _acall)
+    on_event: EventCallback | None = None  # the caller's callback
+    sink: Callable[[int, Any], None] | None = None  # EVENT frames of the current call
+    interrupted = False  # Ctrl-C during the call; the worker stopped it in time
+    slot: _Slot | None = None
+    wanted: _Slot | None = None  # the one slot this call must run on (it uses a RemoteRef)
+    bound_generation = 0  # ... and the generation that must still occupy it
+    ran_on: _Slot | None = None  # the slot the call was sent to
+    started: WorkerProcess | None = None  # started in _acquire, not sent yet
+    stage = "new"  # "queued" -> "in_flight" -> "done"
+    generation = 0
+    call_id = 0
+    cancelled = False
+    closed = False
 
     def __init__(self, wanted: _Slot | None = None) -> None:
-        self.event: threading.Event | None = None
-        self.waker: Callable[[], None] | None = None  # wakes a waiter that is not a thread
-        self.woken: Any = None  # the asyncio future an async waiter awaits (see _acall)
-        self.on_event: EventCallback | None = None  # the caller's callback
-        self.sink: Callable[[int, Any], None] | None = None  # EVENT frames of the current call
-        self.interrupted = False  # Ctrl-C during the call; the worker stopped it in time
-        self.slot: _Slot | None = None
-        self.wanted = wanted  # the one slot this call must run on (it uses a RemoteRef)
-        self.bound_generation = 0  # ... and the generation that must still occupy it
-        self.ran_on: _Slot | None = None  # the slot the call was sent to
-        self.started: WorkerProcess | None = None  # started in _acquire, not sent yet
-        self.stage = "new"  # "queued" -> "in_flight" -> "done"
-        self.generation = 0
-        self.call_id = 0
-        self.cancelled = False
-        self.closed = False
+        if wanted is not None:
+            self.wanted = wanted
 
     def wake(self) -> None:
         """The waiter's slot was handed over, or it must give up (closed, cancelled)."""
