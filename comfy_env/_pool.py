@@ -97,9 +97,12 @@ from ._refs import RemoteRef
 from ._stats import EnvStats, WorkerStats
 from ._status import host_publisher
 
+# Imported with the pool, not on first use: a first call made when the host is out of
+# descriptors must fail as WorkerStartError, not as an import's EMFILE.
+from ._worker import Worker
+
 if TYPE_CHECKING:
     from ._sweep import SweepReport
-    from ._worker import Worker
 
 _log = logging.getLogger("comfy_env")
 
@@ -400,8 +403,6 @@ class Pool:
 
     def get_worker(self, env: str | os.PathLike[str] | None = None) -> Worker:
         """A handle on ``env``'s workers (None: the current interpreter). Spawns nothing."""
-        from ._worker import Worker
-
         return Worker(self, self._entry(resolve_env(env)))
 
     def subscribe(self, callback: Callable[[Event], object]) -> Callable[[], None]:
