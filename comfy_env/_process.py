@@ -465,7 +465,7 @@ class WorkerProcess:
         sock = self.sock
         assert sock is not None
         # Loans returned since the last request ride in front of it, in the same write.
-        returns = self._take_returns() if self.returned else b""
+        returns = self.take_returns() if self.returned else b""
         if not buffers:
             if len(body) <= 65536:
                 sock.sendall(returns + encode_header(FrameType.CALL, call_id, len(body)) + body)
@@ -578,7 +578,7 @@ class WorkerProcess:
         for mm in mappings:
             weakref.finalize(mm, gone)
 
-    def _take_returns(self) -> bytes:
+    def take_returns(self) -> bytes:
         """CONSUMED frames of the loans returned so far (lease holder only)."""
         frames = []
         while True:

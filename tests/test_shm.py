@@ -137,6 +137,20 @@ def test_kept_results_never_share_a_block_and_return_when_they_die(pool: comfy_e
     assert _worker_shm(w)["pinned"] == 0
 
 
+def test_async_calls_give_loaned_blocks_back_too(pool: comfy_env.Pool) -> None:
+    import asyncio
+
+    w = pool.get_worker()
+
+    async def main() -> tuple[int, int]:
+        out = await w.acall(remote_tasks.filled, 1.0, MiB)
+        held = (await w.acall("comfy_env_worker.tasks:shm_stats"))["pinned"]
+        del out
+        return held, (await w.acall("comfy_env_worker.tasks:shm_stats"))["pinned"]
+
+    assert asyncio.run(main()) == (1, 0)
+
+
 def test_beyond_the_loan_bound_results_are_private_copies(pool: comfy_env.Pool) -> None:
     from comfy_env._process import MAX_LOANS
 
