@@ -376,7 +376,12 @@ class Worker:
         with self.outbox.lock:
             send_parts(self.sock, [header, *parts])
             self.outbox.in_call = False
-        if block is not None and pool is not None and not pool.has_idle(block.size):
+        if (
+            block is not None
+            and pool is not None
+            and block.size >= shm.SPARE_MIN_BYTES
+            and not pool.has_idle(block.size)
+        ):
             self.spare_soon(block.size)
 
     def spare_soon(self, size: int) -> None:

@@ -309,6 +309,9 @@ class Block:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
+# Reply blocks at least this big get a pre-faulted spare when a reply takes the last idle one
+# (smaller ones fault in quickly enough; an idle worker keeps no spare of the canary's size).
+SPARE_MIN_BYTES = 8 << 20
 
 
 def prefault(mm: mmap.mmap) -> None:
@@ -336,6 +339,8 @@ class BlockPool:
         self._seq = 0
         self._lock = threading.Lock()
         self.live: Dict[str, Block] = {}  # every block not destroyed, by name
+        self._idle_since: Dict[str, int] = {}  # name -> release order (the oldest goes first)
+        self._clock = 0
         self.dropped: List[str] = []  # destroyed since the peer last heard, so it can unmap
 
     def acquire(self, nbytes: int) -> Block:
@@ -345,6 +350,7 @@ class BlockPool:
             if free:
                 block = free.pop()
                 self._idle_bytes -= size
+                self._idle_since.pop(block.name, None)
                 return block
             self._seq += 1
             name = "%s%d" % (self._prefix, self._seq)
@@ -354,18 +360,34 @@ class BlockPool:
         return block
 
     def release(self, block: Block) -> None:
+        """Keep ``block`` idle for reuse. Over the idle bound, the blocks idle the longest are
+        given up first (whatever their size), so the sizes in use now stay cached."""
+        victims: List[Block] = []
         with self._lock:
             if block.name not in self.live:
                 return
-            if self._idle_bytes + block.size <= self._max_idle:
+            if block.size > self._max_idle:
+                victims.append(block)
+            else:
+                while self._idle_bytes + block.size > self._max_idle:
+                    oldest = min(
+                        (b for blocks in self._free.values() for b in blocks),
+                        key=lambda b: self._idle_since[b.name],
+                    )
+                    self._free[oldest.size].remove(oldest)
+                    self._idle_bytes -= oldest.size
+                    victims.append(oldest)
                 self._free.setdefault(block.size, []).append(block)
                 self._idle_bytes += block.size
-                return
-        self.give_up(block)
+                self._clock += 1
+                self._idle_since[block.name] = self._clock
+        for victim in victims:
+            self.give_up(victim)
 
     def give_up(self, block: Block) -> None:
         """Unlink ``block`` and never reuse it (its memory lives on in any peer mapping)."""
         with self._lock:
+            self._idle_since.pop(block.name, None)
             if self.live.pop(block.name, None) is None:
                 return
             for blocks in self._free.values():
@@ -385,7 +407,7 @@ class BlockPool:
         path (about 175 ms per 256 MiB). Run off the hot path (a helper thread)."""
         size = size_class(nbytes)
         with self._lock:
-            if self._idle_bytes + size > self._max_idle:
+            if size > self._max_idle:
                 return
             self._seq += 1
             name = "%s%d" % (self._prefix, self._seq)
@@ -410,6 +432,7 @@ class BlockPool:
             blocks = list(self.live.values())
             self.live.clear()
             self._free.clear()
+            self._idle_since.clear()
             self._idle_bytes = 0
         for block in blocks:
             block.destroy()
