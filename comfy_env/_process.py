@@ -94,6 +94,9 @@ WORKER_ID_VAR = "COMFY_ENV_WORKER_ID"
 _HANDSHAKE_FRAME_BYTES = 1 << 20
 # Reply mappings one worker process may have lent out at a time (see ``open_reply``).
 MAX_LOANS = 64
+# Replies with less shared memory than this are copied out: mapping a block afresh (and
+# unmapping it later) costs more than copying a few MiB.
+LOAN_MIN = 8 << 20
 
 
 def canary_value(oob_bytes: int) -> Any:
@@ -532,7 +535,7 @@ class WorkerProcess:
         loaned: list[Any] | None = [] if self._loans[0] < MAX_LOANS else None
         try:
             body, buffers, sources, retained = shm.unpack(
-                payload, self.mappings, copy_out=loaned is None, loaned=loaned
+                payload, self.mappings, copy_out=loaned is None, loaned=loaned, loan_min=LOAN_MIN
             )
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
@@ -556,8 +559,8 @@ class WorkerProcess:
                 self._shm_unavailable("the worker cannot create a block")
         if loaned:
             self._lend(call_id, loaned)
-        elif loaned is None and any(source is not None for source in sources):
-            self._send_consumed(call_id)
+        elif any(source is not None for source in sources):
+            self._send_consumed(call_id)  # copied out (few bytes, or too many loans)
         return body, buffers, retained
 
     def _lend(self, call_id: int, mappings: list[Any]) -> None:

@@ -99,20 +99,36 @@ def test_a_block_the_worker_keeps_is_never_reused_by_the_host(pool: comfy_env.Po
     assert w.call(remote_tasks.kept_sum, index) == float(2 * MiB)
 
 
-def test_the_consumed_ack_frees_a_reply_block_once_its_result_is_gone(
-    pool: comfy_env.Pool,
-) -> None:
+def test_the_consumed_ack_frees_pinned_reply_blocks_at_once(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
-    out = w.call(remote_tasks.filled, 1.0, MiB)
+    out = w.call(remote_tasks.filled, 1.0, MiB)  # 4 MiB: below LOAN_MIN, copied out
     assert out.nbytes == 4 * MiB
-    assert _worker_shm(w)["pinned"] == 1  # the result is a view of the loaned reply block
-    del out  # its last view: the next request carries the block back
     assert _worker_shm(w)["pinned"] == 0
     _host_process(w).ack_consumed = False
     w.call(remote_tasks.filled, 1.0, MiB)
     assert _worker_shm(w)["pinned"] == 1  # no ack: the reply block stays pinned
 
 
+@pytest.fixture
+def loans_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lend every shared-memory reply, however small (the tests' buffers are a few MiB)."""
+    import comfy_env._process
+
+    monkeypatch.setattr(comfy_env._process, "LOAN_MIN", 0)
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_the_consumed_ack_frees_a_loaned_block_once_its_result_is_gone(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    out = w.call(remote_tasks.filled, 1.0, MiB)
+    assert _worker_shm(w)["pinned"] == 1  # the result is a view of the loaned reply block
+    del out  # its last view: the next request carries the block back
+    assert _worker_shm(w)["pinned"] == 0
+
+
+@pytest.mark.usefixtures("loans_for_all")
 def test_a_result_is_a_loaned_view_of_the_reply_block_with_no_copy(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     out = w.call(remote_tasks.filled, 2.0, 2 * MiB)
@@ -126,6 +142,7 @@ def test_a_result_is_a_loaned_view_of_the_reply_block_with_no_copy(pool: comfy_e
     assert float(out.sum()) == 2 * MiB * 7.0
 
 
+@pytest.mark.usefixtures("loans_for_all")
 def test_kept_results_never_share_a_block_and_return_when_they_die(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     kept = [w.call(remote_tasks.filled, float(i), MiB) for i in range(5)]
@@ -137,6 +154,7 @@ def test_kept_results_never_share_a_block_and_return_when_they_die(pool: comfy_e
     assert _worker_shm(w)["pinned"] == 0
 
 
+@pytest.mark.usefixtures("loans_for_all")
 def test_async_calls_give_loaned_blocks_back_too(pool: comfy_env.Pool) -> None:
     import asyncio
 
@@ -151,6 +169,7 @@ def test_async_calls_give_loaned_blocks_back_too(pool: comfy_env.Pool) -> None:
     assert asyncio.run(main()) == (1, 0)
 
 
+@pytest.mark.usefixtures("loans_for_all")
 def test_beyond_the_loan_bound_results_are_private_copies(pool: comfy_env.Pool) -> None:
     from comfy_env._process import MAX_LOANS
 

@@ -584,6 +584,7 @@ def unpack(
     mappings: Optional[PeerMappings],
     copy_out: bool,
     loaned: Optional[List[mmap.mmap]] = None,
+    loan_min: int = 0,
 ) -> Tuple[memoryview, List[Any], List[Optional[str]], List[str]]:
     """Split an out-of-band payload. Returns (body, buffers for ``pickle.loads``, the block
     name each buffer came from (None: inline), names of our blocks the peer retained).
@@ -591,7 +592,9 @@ def unpack(
     shared-memory buffers are views of fresh mappings of the peer's blocks, one per block,
     appended to ``loaned``: the caller lends them out and returns each block to the peer when
     the last view of its mapping is gone (the host's loaned reply blocks). Mappings of blocks
-    the peer dropped are closed. Raises ``ValueError`` on a malformed or forged table."""
+    the peer dropped are closed. A payload with fewer than ``loan_min`` shared-memory bytes is
+    copied out instead (a fresh mapping costs more than copying a small buffer). Raises
+    ``ValueError`` on a malformed or forged table."""
     view = memoryview(payload)
     if len(view) < 4:
         raise ValueError("out-of-band payload shorter than its header")
@@ -613,6 +616,10 @@ def unpack(
     buffers: List[Any] = []
     sources: List[Optional[str]] = []
     loaned_names: List[str] = []
+    if loaned is not None and loan_min > 0:
+        shared = sum(e[3] for e in table if e and e[0] == "shm" and len(e) == 4)
+        if not isinstance(shared, int) or shared < loan_min:
+            loaned, copy_out = None, True
     for entry in table:
         if entry[0] == "inline":
             _, offset, length = entry
