@@ -157,16 +157,19 @@ def test_kept_results_never_share_a_block_and_return_when_they_die(pool: comfy_e
 @pytest.mark.usefixtures("loans_for_all")
 def test_async_calls_give_loaned_blocks_back_too(pool: comfy_env.Pool) -> None:
     import asyncio
+    import gc
 
     w = pool.get_worker()
 
-    async def main() -> tuple[int, int]:
+    async def keep_then_count() -> int:
         out = await w.acall(remote_tasks.filled, 1.0, MiB)
-        held = (await w.acall("comfy_env_worker.tasks:shm_stats"))["pinned"]
-        del out
-        return held, (await w.acall("comfy_env_worker.tasks:shm_stats"))["pinned"]
+        assert out.nbytes == 4 * MiB
+        return (await w.acall("comfy_env_worker.tasks:shm_stats"))["pinned"]  # type: ignore[no-any-return]
 
-    assert asyncio.run(main()) == (1, 0)
+    assert asyncio.run(keep_then_count()) == 1
+    gc.collect()  # the finished loop's futures held the result until now
+    stats = asyncio.run(w.acall("comfy_env_worker.tasks:shm_stats"))  # carries the return
+    assert stats["pinned"] == 0
 
 
 @pytest.mark.usefixtures("loans_for_all")
