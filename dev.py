@@ -1,9 +1,27 @@
 #!/usr/bin/env python3
-"""Bootstrap and run: ``python3 dev.py demo`` or ``python3 dev.py test [pytest args]``.
+"""Bootstrap and run: ``python3 dev.py demo``, ``python3 dev.py test [pytest args]`` or
+``python3 dev.py test-comfyui [--comfyui TARBALL] [pytest args]`` or
+``python3 dev.py bench-comfyui [--comfyui TARBALL] [--no-write]``.
 
 Creates ``.venv`` next to this file with the project installed in editable mode plus its test
 extras (re-installed only when ``pyproject.toml`` changes), then runs the command inside it.
 Needs nothing but Python 3.10+ and access to the package index.
+
+``test-comfyui`` runs the integration suite in ``tests_comfyui/`` against a real ComfyUI server.
+It prepares, once, outside the repository (``~/.cache/comfy-env-dev/``, or
+``$COMFY_ENV_DEV_CACHE``):
+
+- ``comfyui-<hash>/``: the unpacked ComfyUI source and a venv with its requirements, ``requests``
+  and the pinned torch/torchvision (about 6 GB, a few minutes). The hash covers the tarball's
+  bytes, the pins and this recipe's version; an unchanged input reuses it. comfy-env itself is
+  installed editable into that venv from the checkout running the command (re-done, in seconds,
+  when another checkout used the cache last).
+- ``pack-numpy-<hash>/`` and ``pack-torch-<hash>/``: the example packs' envs (a venv with numpy,
+  a venv with a CPU torch). They never get ComfyUI or comfy-env.
+
+The tarball comes from ``--comfyui``, else ``$COMFY_ENV_COMFYUI_SRC``, else
+``<repo>/../shared/comfyui/ComfyUI-0.3.64-src.tar.gz``. Without one the command says so and exits
+0 (skipped); the tests skip the same way when run directly without the harness's variables.
 """
 
 from __future__ import annotations
@@ -42,12 +60,161 @@ def ensure_venv() -> None:
         fh.write(digest)
 
 
+# Bump when the recipe below changes in a way the hashed inputs do not show.
+COMFYUI_RECIPE = "1"
+COMFYUI_PINS = ("requests", "torch==2.14.1", "torchvision==0.29.1")
+PACK_ENVS = {"numpy": ("numpy",), "torch": ("torch==2.13.0", "numpy")}
+
+
+def _cache_root() -> str:
+    root = os.environ.get("COMFY_ENV_DEV_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "comfy-env-dev"
+    )
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _digest(*parts: bytes | str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _venv_python(path: str) -> str:
+    return os.path.join(path, "bin", "python")
+
+
+def _build_once(final: str, build: object) -> None:
+    """Run ``build(tmpdir)`` unless ``final`` exists; publish by rename so a killed build never
+    looks finished (the next run starts over)."""
+    if os.path.exists(os.path.join(final, ".complete")):
+        return
+    import shutil
+
+    tmp = final + ".building"
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp)  # type: ignore[operator]
+    with open(os.path.join(tmp, ".complete"), "w") as fh:
+        fh.write("ok\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+
+
+def _pip(python: str, *args: str) -> None:
+    subprocess.check_call(
+        [python, "-m", "pip", "install", "--disable-pip-version-check", "--quiet", *args]
+    )
+
+
+def prepare_comfyui(tarball: str) -> tuple[str, str]:
+    """Return (ComfyUI source dir, venv python), building them once per input hash."""
+    with open(tarball, "rb") as fh:
+        tar_hash = hashlib.sha256(fh.read()).hexdigest()
+    key = _digest(COMFYUI_RECIPE, tar_hash, *COMFYUI_PINS, sys.version.split()[0])
+    final = os.path.join(_cache_root(), f"comfyui-{key}")
+
+    def build(tmp: str) -> None:
+        import tarfile
+
+        print(f"dev.py: preparing ComfyUI in {final} (a few minutes, once)", flush=True)
+        os.makedirs(tmp)
+        with tarfile.open(tarball) as tf:
+            tf.extractall(tmp, filter="data")
+        src = os.path.join(tmp, "ComfyUI")
+        venv.EnvBuilder(with_pip=True).create(os.path.join(tmp, "venv"))
+        # The venv is created at its temporary path; scripts with shebangs are not used (we
+        # always run ``venv/bin/python -m ...``) and pyvenv.cfg holds no path, so the rename
+        # keeps it valid.
+        py = _venv_python(os.path.join(tmp, "venv"))
+        _pip(py, "-r", os.path.join(src, "requirements.txt"), *COMFYUI_PINS)
+
+    _build_once(final, build)
+    py = _venv_python(os.path.join(final, "venv"))
+    stamp = os.path.join(final, "venv", ".comfy-env-editable")
+    current = ""
+    if os.path.exists(stamp):
+        with open(stamp) as fh:
+            current = fh.read().strip()
+    if current != ROOT:
+        print(f"dev.py: installing comfy-env (editable, from {ROOT}) into the ComfyUI venv")
+        _pip(py, "-e", ROOT)
+        with open(stamp, "w") as fh:
+            fh.write(ROOT)
+    return os.path.join(final, "ComfyUI"), py
+
+
+def prepare_pack_env(name: str) -> str:
+    """Return the path of the example packs' env ``name`` (a venv), building it once."""
+    pins = PACK_ENVS[name]
+    key = _digest(COMFYUI_RECIPE, *pins, sys.version.split()[0])
+    final = os.path.join(_cache_root(), f"pack-{name}-{key}")
+
+    def build(tmp: str) -> None:
+        print(f"dev.py: preparing the example env {name!r} in {final}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(tmp)
+        _pip(_venv_python(tmp), *pins)
+
+    _build_once(final, build)
+    return final
+
+
+def comfyui_tarball(argv: list[str]) -> tuple[str | None, list[str]]:
+    rest = list(argv)
+    chosen: str | None = None
+    if "--comfyui" in rest:
+        i = rest.index("--comfyui")
+        chosen = rest[i + 1]
+        del rest[i : i + 2]
+    chosen = chosen or os.environ.get("COMFY_ENV_COMFYUI_SRC") or os.path.join(
+        ROOT, "..", "shared", "comfyui", "ComfyUI-0.3.64-src.tar.gz"
+    )
+    return (os.path.abspath(chosen) if os.path.isfile(chosen) else None), rest
+
+
+def test_comfyui(argv: list[str]) -> int:
+    tarball, rest = comfyui_tarball(argv)
+    if tarball is None:
+        print("dev.py: test-comfyui skipped: no ComfyUI source tarball (pass --comfyui PATH or "
+              "set COMFY_ENV_COMFYUI_SRC)")
+        return 0
+    src, py = prepare_comfyui(tarball)
+    env = dict(os.environ)
+    env["COMFY_ENV_TEST_COMFYUI_DIR"] = src
+    env["COMFY_ENV_TEST_COMFYUI_PYTHON"] = py
+    for name in PACK_ENVS:
+        env[f"COMFY_ENV_TEST_PACK_ENV_{name.upper()}"] = prepare_pack_env(name)
+    if "--prepare-only" in rest:
+        return 0
+    rc = subprocess.call([PY, "-m", "pytest", "tests_comfyui", *rest], cwd=ROOT, env=env)
+    if rc == 5:
+        print("dev.py: pytest collected no tests; treating that as a failure", file=sys.stderr)
+        return 1
+    return rc
+
+
+def bench_comfyui(argv: list[str]) -> int:
+    tarball, rest = comfyui_tarball(argv)
+    if tarball is None:
+        print("dev.py: bench-comfyui needs the ComfyUI source tarball (--comfyui PATH)")
+        return 1
+    _, py = prepare_comfyui(tarball)
+    script = os.path.join(ROOT, "benchmarks", "bench_comfyui.py")
+    envs = ["--numpy-env", prepare_pack_env("numpy"), "--torch-env", prepare_pack_env("torch")]
+    return subprocess.call([py, script, *envs, *rest], cwd=ROOT)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test"):
+    if not argv or argv[0] not in ("demo", "test", "test-comfyui", "bench-comfyui"):
         print(__doc__)
         return 2
     ensure_venv()
     command, rest = argv[0], argv[1:]
+    if command == "test-comfyui":
+        return test_comfyui(rest)
+    if command == "bench-comfyui":
+        return bench_comfyui(rest)
     if command == "demo":
         return subprocess.call([os.path.join(BIN, "comfy-env"), "demo", *rest], cwd=ROOT)
     rc = subprocess.call([PY, "-m", "pytest", *rest], cwd=ROOT)

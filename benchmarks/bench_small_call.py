@@ -13,6 +13,9 @@ process and back, after every worker is started and warmed up:
 ``comfy_env``
     ``pool.get_worker(None).call("comfy_env_worker.tasks:echo", x)``: the real protocol, target
     lookup and the pool's bookkeeping.
+``comfy_env acall``
+    ``await worker.acall(...)`` of the same worker, awaited one after another in a coroutine on
+    an asyncio loop this process keeps (the loop's turns are inside the timed region).
 peers
     ``ProcessPoolExecutor(max_workers=1)``, ``multiprocessing.Pool(1).apply``, loky's reusable
     executor, ``pebble.ProcessPool``, ``anyio.to_process.run_sync`` (awaited in anyio's own
@@ -73,6 +76,7 @@ from benchlib import (
 RAW_PIPE = "raw pipe"
 RAW_SOCKETPAIR = "raw socketpair"
 COMFY_ENV = "comfy_env"
+COMFY_ENV_ACALL = "comfy_env acall"
 REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR)
 PEERS = (
     "ProcessPoolExecutor",
@@ -86,6 +90,7 @@ ECHO_TARGET = "comfy_env_worker.tasks:echo"
 
 TARGET_SAME_CPU = 1.5  # comfy_env <= 1.5x raw pipe, caller and worker on one CPU
 TARGET_CROSS_CPU = 1.2  # comfy_env <= 1.2x raw pipe, caller and worker on different CPUs
+TARGET_ACALL = 1.5  # comfy_env acall <= 1.5x comfy_env call (issue 12)
 
 
 @dataclass
@@ -176,6 +181,23 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
         return worker.call(ECHO_TARGET, x)
 
     methods.append(_local(COMFY_ENV, ce_call, [worker.pid]))
+
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    stack.callback(loop.close)
+
+    def acall_batch(n: int) -> float:
+        async def batch() -> float:
+            t0 = time.perf_counter_ns()
+            for i in range(n):
+                await worker.acall(ECHO_TARGET, i)
+            return (time.perf_counter_ns() - t0) / n / 1000.0
+
+        return loop.run_until_complete(batch())
+
+    acall = _local(COMFY_ENV_ACALL, ce_call, [worker.pid])
+    methods.append(Method(COMFY_ENV_ACALL, acall_batch, acall.pin))
     for name in PEERS:
         method = _remote(ctx, name)
         if method is not None:
@@ -250,7 +272,7 @@ def table(results: dict[str, Series], unavailable: dict[str, str]) -> list[str]:
         "| caller on-CPU us/call (min-max) | worker on-CPU us/call (min-max) | on-CPU sum |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in (*REFERENCES, COMFY_ENV, *PEERS):
+    for name in (*REFERENCES, COMFY_ENV, COMFY_ENV_ACALL, *PEERS):
         if name in results:
             s = results[name]
             host = results.get(f"{name} {CPU_HOST}")
@@ -349,6 +371,15 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
                 limits[label],
             )
         )
+        if COMFY_ENV_ACALL in results:
+            section.targets.append(
+                target_at_most(
+                    "12",
+                    f"comfy_env acall <= {TARGET_ACALL}x comfy_env call ({label})",
+                    ratio(results[COMFY_ENV_ACALL].median, ce),
+                    TARGET_ACALL,
+                )
+            )
         section.targets.append(
             target_faster_than(
                 "1",

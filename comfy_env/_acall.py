@@ -189,14 +189,10 @@ def _warm_process(
 class _ReplyReader:
     """Parses the frames of one call as they arrive on the loop (non-blocking reads)."""
 
-    __slots__ = ("buf", "call_id", "done", "limit", "process", "reader", "sink")
+    __slots__ = ("buf", "call_id", "done", "limit", "outcome", "process", "reader", "sink")
 
     def __init__(
-        self,
-        process: WorkerProcess,
-        call_id: int,
-        sink: Callable[[int, Any], None] | None,
-        done: asyncio.Future[tuple[str, Any]],
+        self, process: WorkerProcess, call_id: int, sink: Callable[[int, Any], None] | None
     ) -> None:
         assert process.reader is not None
         self.process = process
@@ -204,14 +200,20 @@ class _ReplyReader:
         self.limit = process.reader.limit
         self.call_id = call_id
         self.sink = sink
-        self.done = done  # replaced by the coroutine if a cancellation cancelled it
+        self.outcome: tuple[str, Any] | None = None  # (kind, value) once the call ended
+        # What the coroutine awaits when it has to wait through the loop (created only then;
+        # replaced if a cancellation of the task cancelled it).
+        self.done: asyncio.Future[None] | None = None
         self.buf = b""
 
     def finish(self, kind: str, value: Any = None) -> None:
-        _resolve(self.done, (kind, value))
+        if self.outcome is None:
+            self.outcome = (kind, value)
+            if self.done is not None:
+                _resolve(self.done)
 
     def on_readable(self) -> None:
-        if self.done.done():
+        if self.outcome is not None:
             return
         try:
             data = self.reader.recv_nowait()
@@ -294,9 +296,8 @@ async def _warm_call(
     outcome = "failed"
     replied: lc.Replied | None = None
     cancels = 0
-    done: asyncio.Future[tuple[str, Any]] = loop.create_future()
     sink = None if ticket.on_event is None else event_handler(ticket.on_event, call_id, generation)
-    reader = _ReplyReader(process, call_id, sink, done)
+    reader = _ReplyReader(process, call_id, sink)
     fd = sock.fileno()
     timer = None
     registered = False
@@ -306,32 +307,31 @@ async def _warm_call(
         # turns of the loop. A longer call is then read through the loop.
         if fd < 1024:  # select()'s FD_SETSIZE
             spin_end = time.monotonic() + _REPLY_SPIN
-            while not done.done():
+            while reader.outcome is None:
                 left = spin_end - time.monotonic()
                 if left <= 0 or not select.select((fd,), (), (), left)[0]:
                     break
                 reader.on_readable()
-        if not done.done():
+        if reader.outcome is None:
+            reader.done = loop.create_future()
             loop.add_reader(fd, reader.on_readable)
             registered = True
-        if deadline is not None and not done.done():
-            delay = max(0.0, deadline - time.monotonic())
-            timer = loop.call_later(delay, reader.finish, "deadline")
-        while True:
+            if deadline is not None:
+                delay = max(0.0, deadline - time.monotonic())
+                timer = loop.call_later(delay, reader.finish, "deadline")
+        while reader.outcome is None:
+            assert reader.done is not None
             try:
-                kind, value = await reader.done
-                break
+                await reader.done
             except asyncio.CancelledError:
                 # Ask the worker first; keep waiting for the call's end (the grace timer
                 # kills a worker that does not stop). A second cancellation kills at once.
-                finished = reader.done
-                if finished.done() and not finished.cancelled():
-                    kind, value = finished.result()  # it ended as the cancel came
-                    cancels += 1
-                    break
                 cancels += 1
+                if reader.outcome is not None:
+                    break  # it ended as the cancel came: the reply is dropped below
                 reader.done = loop.create_future()
                 pool._cancel(entry, ticket, force=cancels > 1)
+        kind, value = reader.outcome
         if registered:
             registered = False
             loop.remove_reader(fd)

@@ -53,6 +53,7 @@ from . import __version__
 from ._errors import (
     CallTimeout,
     ComfyEnvError,
+    ConfigError,
     EnvError,
     RemoteError,
     RemoteTraceback,
@@ -187,6 +188,13 @@ def _error_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _error_message(exc: BaseException) -> str:
+    """The error's text without its type name (``RemoteError``'s own text starts with it)."""
+    if isinstance(exc, RemoteError):
+        return exc.message
+    return str(exc)
+
+
 def _remote_traceback(exc: BaseException) -> str | None:
     if isinstance(exc, RemoteError):
         return exc.traceback_text or None
@@ -198,7 +206,7 @@ def _remote_traceback(exc: BaseException) -> str | None:
 
 def _error_record(exc: BaseException) -> dict[str, Any]:
     """The JSON form of an error: its type name, message and the facts it carries."""
-    record: dict[str, Any] = {"type": _error_name(exc), "message": str(exc)}
+    record: dict[str, Any] = {"type": _error_name(exc), "message": _error_message(exc)}
     for attr in ("env", "pid", "generation", "exitcode", "signal", "call_id", "target"):
         value = getattr(exc, attr, None)
         if value is not None:
@@ -316,17 +324,15 @@ class _Doctor:
             step.ms = (time.perf_counter() - started) * 1000
 
     def _config(self) -> PoolConfig | None:
-        from pydantic import ValidationError
-
         from ._config import PoolConfig
 
         step = Step("config")
         try:
             config: PoolConfig = self._timed(step, PoolConfig)
-        except ValidationError as exc:
+        except ConfigError as exc:
             step.status = "FAIL"
             step.detail = f"invalid COMFY_ENV_* setting:\n{exc}"
-            step.error = {"type": "ValidationError", "message": str(exc)}
+            step.error = _error_record(exc)
             return None
         overrides = sorted(k for k in os.environ if k.startswith("COMFY_ENV_"))
         step.detail = (
@@ -589,8 +595,6 @@ def call(
     as_json: bool = False,
 ) -> int:
     """Run one call and print its result; returns the exit code."""
-    from pydantic import ValidationError
-
     from ._config import PoolConfig
     from ._pool import Pool
 
@@ -598,7 +602,7 @@ def call(
     check_target(target)
     try:
         config = PoolConfig()
-    except ValidationError as exc:
+    except ConfigError as exc:
         raise UsageError(f"invalid COMFY_ENV_* setting:\n{exc}") from None
     with _worker_output(_StderrLines()), Pool(config) as pool:
         started = time.perf_counter()
@@ -610,7 +614,7 @@ def call(
             if remote and not as_json:
                 print(remote.rstrip(), file=sys.stderr)
             # The worker's output was forwarded as it came; the message need not repeat it.
-            message = str(exc).split("\n--- worker output", 1)[0]
+            message = _error_message(exc).split("\n--- worker output", 1)[0]
             print(f"comfy-env: {_error_name(exc)}: {message}", file=sys.stderr)
             if as_json:
                 _print_json({"ok": False, "target": target, "error": _error_record(exc)})
@@ -638,11 +642,12 @@ def call(
 # ---- sweep -----------------------------------------------------------------------------------
 
 
-def sweep_command(*, as_json: bool = False) -> int:
-    """Remove dead hosts' leftovers and say what went; returns the exit code."""
+def sweep_command(*, as_json: bool = False, dry_run: bool = False) -> int:
+    """Remove dead hosts' leftovers and say what went (``dry_run``: what would go, and
+    nothing is changed); returns the exit code."""
     from ._sweep import sweep
 
-    report = sweep()
+    report = sweep(dry_run=dry_run)
     removed: dict[str, list[Any]] = {
         "blocks": list(report.blocks),
         "runtime_dirs": list(report.runtime_dirs),
@@ -650,19 +655,20 @@ def sweep_command(*, as_json: bool = False) -> int:
         "status_files": list(report.status_files),
     }
     if as_json:
-        _print_json(removed)
+        _print_json({**removed, "dry_run": True} if dry_run else removed)
         return EXIT_OK
     labels = {
         "blocks": "shared-memory blocks",
         "runtime_dirs": "runtime directories",
-        "processes": "worker processes (killed)",
+        "processes": "worker processes (to kill)" if dry_run else "worker processes (killed)",
         "status_files": "status files",
     }
     if not any(removed.values()):
         print("nothing to remove: no leftovers of dead hosts")
         return EXIT_OK
+    verb = "would remove" if dry_run else "removed"
     for key, items in removed.items():
-        print(f"removed {len(items)} {labels[key]}")
+        print(f"{verb} {len(items)} {labels[key]}")
         for item in items:
             print(f"  {item}")
     return EXIT_OK
@@ -816,6 +822,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(p_call)
 
     p_sweep = add("sweep", "remove leftovers of dead hosts (shm blocks, dirs, workers, status)")
+    p_sweep.add_argument(
+        "--dry-run", action="store_true", help="report what would be removed, change nothing"
+    )
     add_json(p_sweep)
 
     p_status = add("status", "list live comfy-env hosts of this user and their workers")
@@ -839,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.env, args.target, args.json_args, timeout=args.timeout, as_json=args.json
             )
         if args.command == "sweep":
-            return sweep_command(as_json=args.json)
+            return sweep_command(as_json=args.json, dry_run=args.dry_run)
         if args.command == "status":
             return status_command(as_json=args.json)
     except UsageError as exc:

@@ -32,7 +32,31 @@ from comfy_env_worker import shm
 from comfy_env_worker.protocol import FrameType
 from comfy_env_worker.shm import MIN_BLOCK
 
-from ._errors import CallCancelled, RemoteError, RemoteTraceback, SerializationError
+from ._errors import (
+    CallCancelled,
+    RefReleasedError,
+    RemoteError,
+    RemoteTraceback,
+    SerializationError,
+)
+
+# Buffers at least this large leave the pickle (out of band); whether they then go through
+# shared memory is decided per call by their total (``oob_threshold``, ``use_shm``).
+OOB_MIN_BYTES = 64 * 1024
+
+
+def oob_threshold(shm_threshold: int) -> int:
+    """The per-buffer size from which a buffer travels out of band (never above the total
+    that sends buffers through shared memory)."""
+    return min(OOB_MIN_BYTES, shm_threshold)
+
+
+def use_shm(buffers: list[memoryview], shm_threshold: int) -> bool:
+    """Whether a message's out-of-band buffers go through shared memory: all of them when
+    their total reaches the threshold, else none (measured: a split between in-band pickling
+    and shared memory was slower than either path alone)."""
+    return sum(b.nbytes for b in buffers) >= shm_threshold
+
 
 # Function -> "module:qualname" for functions found importable by name (weakly keyed would be
 # nicer, but functions are rarely collected; bounded instead).
@@ -195,6 +219,8 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
             "the call was cancelled; it stopped in its worker, which lives on with its caches "
             f"({message})"
         ) from cause
+    if (module, qualname) == ("comfy_env_worker.refs", "StaleRefError"):
+        raise RefReleasedError(message) from cause
     if pickled is not None:
         try:
             exc = pickle.loads(pickled)

@@ -3,15 +3,16 @@
 Precedence: a value passed to ``PoolConfig(...)`` wins over ``COMFY_ENV_<FIELD>`` in the
 environment, which wins over the default. Environment values are strings: numbers parse as
 numbers, ``none`` (or an empty string) means None for optional fields, ``sys_path`` is an
-``os.pathsep``-separated list and ``env_vars`` a JSON object. A bad value raises pydantic's
-``ValidationError`` naming the field and, for environment values, the variable.
+``os.pathsep``-separated list and ``env_vars`` a JSON object. A bad value raises
+``ConfigError`` (a ``ComfyEnvError`` and a ``ValueError``) naming the field, the variable (for
+environment values) and the bad value as given.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import (
     BaseModel,
@@ -22,6 +23,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from ._errors import ConfigError
 
 ENV_PREFIX = "COMFY_ENV_"
 
@@ -128,9 +131,12 @@ class PoolConfig(BaseModel):
         description="Send large buffers through shared memory (else inline in the frame).",
     )
     shm_threshold_bytes: int = Field(
-        1024 * 1024,
+        64 * 1024,  # measured: shared memory beats inline from 64 KiB up (benchmarks/)
         ge=4096,
-        description="Buffers of at least this size travel out of band (shared memory).",
+        description="Decided per call: when the buffers of at least 64 KiB (numpy arrays, "
+        "bytes, tensors) of a request or reply add up to this size, they all travel through "
+        "shared memory; below it they are sent inline in the frame, still without a pickle "
+        "copy. A mix of sizes is never split between the two paths.",
     )
     shm_pool_bytes: int = Field(
         1024**3,
@@ -145,6 +151,14 @@ class PoolConfig(BaseModel):
         "ack before it gives them up (the host died or hung).",
     )
 
+    if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
+
+        def __init__(self, **data: Any) -> None:
+            try:
+                super().__init__(**data)
+            except ValidationError as exc:
+                raise _config_error(exc, data) from None
+
     @model_validator(mode="before")
     @classmethod
     def _read_environment(cls, data: Any) -> Any:
@@ -158,14 +172,15 @@ class PoolConfig(BaseModel):
             raw = os.environ.get(var)
             if raw is None:
                 continue
-            merged[name] = _parse_env_value(var, raw, field.annotation)
+            merged[name] = _parse_env_value(var, raw, field.annotation, name)
         return merged
 
-    @model_validator(mode="after")
-    def _check_log_level(self) -> PoolConfig:
-        if self.log_level.upper() not in _LOG_LEVELS:
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        if value.upper() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
-        return self
+        return value
 
     @field_validator("env_vars")
     @classmethod
@@ -215,13 +230,53 @@ def check_timeout(value: object, what: str = "timeout") -> float | None:
     return seconds
 
 
-def _parse_env_value(var: str, raw: str, annotation: Any) -> Any:
+class _EnvValueError(ValueError):
+    """A ``COMFY_ENV_*`` value that does not parse; pydantic wraps it, ``_config_error``
+    unwraps it."""
+
+    def __init__(self, field: str, var: str, raw: str, detail: str) -> None:
+        super().__init__(f"{var}={raw!r}: {detail}")
+        self.field, self.var, self.raw, self.detail = field, var, raw, detail
+
+
+def _config_error(exc: ValidationError, data: dict[str, Any]) -> ConfigError:
+    """One clear error for what pydantic found: field, variable and value as given."""
+    lines = []
+    facts: list[tuple[str | None, str | None, Any]] = []
+    for error in exc.errors():
+        cause = (error.get("ctx") or {}).get("error")
+        loc = error.get("loc") or ()
+        field: str | None = str(loc[0]) if loc else None
+        var: str | None = None
+        value: Any = None
+        if isinstance(cause, _EnvValueError):
+            field, var, value, detail = cause.field, cause.var, cause.raw, cause.detail
+        else:
+            detail = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+            if field is not None:
+                candidate = ENV_PREFIX + field.upper()
+                if field not in data and candidate in os.environ:
+                    var, value = candidate, os.environ[candidate]
+                else:
+                    value = data.get(field)
+        if field is None:
+            lines.append(f"invalid PoolConfig: {detail}")
+        elif var is not None:
+            lines.append(f"{var}={value!r} is not a valid PoolConfig.{field}: {detail}")
+        else:
+            lines.append(f"PoolConfig({field}={value!r}) is invalid: {detail}")
+        facts.append((field, var, value))
+    field, var, value = facts[0] if facts else (None, None, None)
+    return ConfigError("; ".join(lines), field=field, variable=var, value=value)
+
+
+def _parse_env_value(var: str, raw: str, annotation: Any, field: str) -> Any:
     text = raw.strip()
     if annotation == dict[str, str]:
         try:
             value = json.loads(text) if text else {}
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{var}={raw!r} is not a JSON object: {exc}") from None
+            raise _EnvValueError(field, var, raw, f"not a JSON object: {exc}") from None
         return value
     if annotation == tuple[str, ...]:
         return tuple(p for p in text.split(os.pathsep) if p)
@@ -232,4 +287,4 @@ def _parse_env_value(var: str, raw: str, annotation: Any) -> Any:
         return TypeAdapter(annotation).validate_python(text)
     except ValidationError as exc:
         detail = exc.errors()[0].get("msg", str(exc))
-        raise ValueError(f"{var}={raw!r}: {detail}") from None
+        raise _EnvValueError(field, var, raw, detail) from None

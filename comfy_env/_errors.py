@@ -2,11 +2,13 @@
 
 ``ComfyEnvError``
   ``PoolClosedError``    you closed the pool
+  ``ConfigError``        a ``PoolConfig`` value (or ``COMFY_ENV_*`` variable) is invalid
   ``ArgumentError``      an argument (a timeout, ...) cannot be used (also a ``ValueError``)
   ``HostResourceError``  the host ran out of descriptors or memory handling a reply
   ``RuntimeRootError``   the runtime root is not ours and no private one could be made
   ``EnvError``           no such env, or no interpreter in it
   ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
+  ``RefReleasedError``   a ``RemoteRef`` was used after ``release()``
   ``WorkerError``        the worker broke (something outside the call's own code)
       ``WorkerStartError``, ``WorkerCrashed``, ``CallTimeout``, ``CallCancelled``,
       ``ProtocolError``, ``StaleGenerationError``, ``EnvAbandonedError``
@@ -57,6 +59,25 @@ class PoolClosedError(ComfyEnvError):
     """The pool was closed; it accepts no more calls."""
 
 
+class ConfigError(ComfyEnvError, ValueError):
+    """A ``PoolConfig`` value is invalid. ``field`` is the field, ``variable`` the
+    ``COMFY_ENV_*`` variable it came from (None for a value passed in code) and ``value`` the
+    bad value as given."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        variable: str | None = None,
+        value: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.variable = variable
+        self.value = value
+
+
 class EnvError(ComfyEnvError):
     """The env does not exist or holds no usable interpreter.
 
@@ -100,12 +121,17 @@ class WorkerError(ComfyEnvError):
 class WorkerStartError(WorkerError):
     """The worker could not be started or failed its handshake or canary; it was refused.
 
-    ``stderr_tail`` holds the worker's last output lines, if any.
+    ``stderr_tail`` holds the worker's last output lines, if any. ``unsupported`` is True when
+    the env's interpreter can never run a worker (Python older than 3.8): the pool then fails
+    later calls to that env at once, without starting it again.
     """
 
-    def __init__(self, message: str, *, stderr_tail: str = "", **kw: Any) -> None:
+    def __init__(
+        self, message: str, *, stderr_tail: str = "", unsupported: bool = False, **kw: Any
+    ) -> None:
         super().__init__(message, **kw)
         self.stderr_tail = stderr_tail
+        self.unsupported = unsupported
 
 
 class WorkerCrashed(WorkerError):
@@ -172,6 +198,12 @@ class StaleGenerationError(WorkerError):
 
 class EnvAbandonedError(WorkerError):
     """The env crashed too often and was cut off until it is reset."""
+
+
+class RefReleasedError(ComfyEnvError, LookupError):
+    """A ``RemoteRef`` was used after ``ref.release()`` freed its object: you released it.
+    Raised in the host before anything is sent (for a ref nested deeper than one container
+    level, when the worker reports it)."""
 
 
 class RemoteError(ComfyEnvError):

@@ -16,6 +16,13 @@ configuration controls it::
 
     logging.getLogger("comfy_env.worker").setLevel(logging.WARNING)
 
+**Unconfigured hosts.** When no handler is configured for a worker's logger (a plain script
+that never set up logging, where Python's last-resort handler would show warnings only and
+without env or pid), lines at INFO and above are printed on the host's stderr as
+``(<env name> pid=<pid>) <line>``. Once any handler is configured (``logging.basicConfig``,
+or a ``NullHandler`` on ``comfy_env.worker`` to silence them), records go only through
+logging.
+
 **Long lines.** Native output without newlines (a progress bar, a binary dump) is cut into
 pieces of ``LINE_CAP`` bytes as it arrives, in linear time; each piece is a line.
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import pickle
+import sys
 import threading
 import time
 
@@ -43,6 +51,7 @@ LINE_BURST = 20000.0
 BYTES_PER_SECOND = 4.0 * 1024 * 1024
 BYTE_BURST = 16.0 * 1024 * 1024
 _MAX_PIPE_FRAME = 16 * 1024 * 1024
+_print_lock = threading.Lock()  # lines of different workers never interleave mid-line
 LINE_CAP = 64 * 1024  # native output lines are cut into pieces of this many bytes
 
 
@@ -51,6 +60,7 @@ class WorkerLog:
 
     def __init__(self, env_key: str, env_name: str, generation: int, tail_lines: int) -> None:
         self.logger = logging.getLogger(f"comfy_env.worker.{env_name}")
+        self.name = env_name
         self.env = env_key
         self.generation = generation
         self.pid: int | None = None
@@ -102,6 +112,12 @@ class WorkerLog:
     ) -> None:
         with self._lock:
             self._tail.append(message if not exc_text else f"{message}\n{exc_text}")
+        if not self.logger.hasHandlers():
+            # The host never configured logging: Python would show warnings only, without
+            # env or pid. Print the line ourselves, prefixed (INFO and up).
+            if level >= logging.INFO and self._admit(len(message)):
+                self._print(message, exc_text)
+            return
         if not self.logger.isEnabledFor(level):
             return
         if not self._admit(len(message) + (len(exc_text) if exc_text else 0)):
@@ -128,6 +144,20 @@ class WorkerLog:
             record.created = created
             record.msecs = (created - int(created)) * 1000
         self.logger.handle(record)
+
+    def _print(self, message: str, exc_text: str | None) -> None:
+        stream = sys.stderr
+        if stream is None:
+            return
+        prefix = f"({self.name} pid={self.pid}) "
+        text = message if not exc_text else f"{message}\n{exc_text}"
+        lines = "".join(prefix + line + "\n" for line in text.split("\n"))
+        with _print_lock:
+            try:
+                stream.write(lines)
+                stream.flush()
+            except (OSError, ValueError):  # a closed stderr: nothing to do
+                pass
 
     def emit_frame(self, payload: bytes | bytearray | memoryview) -> None:
         """A LOG frame's payload: (level, logger, message, exc text, created, stream)."""

@@ -31,8 +31,16 @@ generation g+1: ``step`` drops them and the gate counts them (``stale_events_dro
   replayed. Whoever retires first (reader's ``ChannelClosed`` or reactor's ``Exited``) wins; the
   other is dropped as terminal.
 - a complete reply followed by death: the reply is in the socket buffer and is read and returned.
-- deadline, cancellation, Ctrl-C: the caller applies ``DeadlineHit``/``CallCancelled`` for its own
-  (generation, call id); the kill effect shuts the channel down and signals the process group.
+- deadline: the caller applies ``DeadlineHit`` for its own (generation, call id); the kill
+  effect shuts the channel down and signals the process group.
+- cancellation (``Call.cancel``, a cancelled ``arun`` task, Ctrl-C): any thread applies
+  ``CancelRequested`` for the call's (generation, call id); its ``SendCancel`` effect writes a
+  CANCEL frame on the cancel pipe (never the channel, which only the lease holder touches) and
+  arms a grace timer on the reactor. The lease holder keeps reading: a reply within the grace
+  (``CallCancelled`` raised in the worker, or a result that crossed the cancel) moves the slot
+  back to ``Idle`` in the same generation; otherwise ``CancelGraceExpired`` kills the worker
+  and the reader sees EOF. Both events name the call id, so a late cancel or a late timer of
+  call N is dropped when call N+1 runs; the call is settled (and counted) once, by its caller.
 - close during a spawn: the reactor refuses to fork once the pool is closing, and ``close`` first
   runs a barrier on the reactor, so every process that was forked is known and gets killed.
 
@@ -64,7 +72,7 @@ from comfy_env_worker.shm import Block
 
 from . import _lifecycle as lc
 from ._call import EventCallback, event_handler
-from ._codec import decode_reply, encode_call, target_label
+from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
 from ._config import PoolConfig, check_timeout
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
@@ -93,7 +101,7 @@ from ._events import (
 )
 from ._process import WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
-from ._refs import RemoteRef
+from ._refs import RemoteRef, released_error
 from ._stats import EnvStats, WorkerStats
 from ._status import host_publisher
 
@@ -196,6 +204,7 @@ class _EnvEntry:
         self.ping_failures = 0
         self.env_state: lc.EnvState = lc.EnvActive()  # the crash-loop breaker
         self.log_lines_dropped = 0  # of processes no longer in a slot
+        self.unsupported: WorkerStartError | None = None  # its Python can never run a worker
         # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
         # without the lock (from __del__), drained under it.
         self.dropped_refs: deque[tuple[_Slot, int, int]] = deque()
@@ -378,9 +387,7 @@ class Pool:
         inject a fake one. Call deadlines always use real time."""
         # Validated again: ``model_copy(update=...)`` skips pydantic's checks, and a value the
         # OS or the clock cannot take must fail here, not inside a worker or a timer.
-        self.config = (
-            PoolConfig.model_validate(config.model_dump()) if config is not None else PoolConfig()
-        )
+        self.config = PoolConfig(**config.model_dump()) if config is not None else PoolConfig()
         self._clock = clock
         self._events = Dispatcher()
         self._reaper: TimerHandle | None = None
@@ -396,6 +403,7 @@ class Pool:
         self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
         self._sweep_queued = False
         self._status_pending = False
+        self._status_dirty = False  # changed while a write was pending: write again after it
         _live_pools.add(self)
         _install_process_hooks()
 
@@ -414,11 +422,13 @@ class Pool:
         return self._events.subscribe(callback)
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
-        """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise)."""
+        """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise);
+        also forget that its Python was found too old (it may have been replaced)."""
         entry = self._entry(resolve_env(env))
         with entry.lock:
             was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
             entry.env_state = lc.EnvActive()
+            entry.unsupported = None
         if was_abandoned:
             self._events.emit(EnvReset(entry.spec.key))
 
@@ -714,10 +724,10 @@ class Pool:
         plain = _all_scalars(args, kwargs)
         if bound is None and not plain:
             bound = _bound_by_refs(entry, args, kwargs)
-        body, buffers, by_value = encode_call(
-            target, args, kwargs, config.shm_threshold_bytes, plain
-        )
-        inline = len(body) + (0 if config.shared_memory else sum(b.nbytes for b in buffers))
+        threshold = config.shm_threshold_bytes
+        body, buffers, by_value = encode_call(target, args, kwargs, oob_threshold(threshold), plain)
+        shm_used = config.shared_memory and use_shm(buffers, threshold)
+        inline = len(body) + (0 if shm_used else sum(b.nbytes for b in buffers))
         if inline + HEADER_SIZE > config.max_frame_bytes:
             raise SerializationError(
                 f"the call to {target_label(target)} pickles to {inline} bytes, over "
@@ -939,8 +949,10 @@ class Pool:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        ticket: _Ticket | None = None,
+        on_event: EventCallback | None = None,
     ) -> RemoteRef:
-        ticket = _Ticket()
+        ticket = ticket or _Ticket()
         ref_id = self.call(
             entry,
             "comfy_env_worker.refs:call_and_keep",
@@ -948,6 +960,7 @@ class Pool:
             {},
             timeout,
             ticket,
+            on_event=on_event,
         )
         slot = ticket.ran_on
         assert slot is not None
@@ -993,6 +1006,8 @@ class Pool:
         with entry.lock:
             if isinstance(entry.env_state, lc.EnvAbandoned):
                 raise _abandoned_error(entry.spec.key, entry.env_state)
+            if entry.unsupported is not None:  # said once; never started again
+                raise WorkerStartError(str(entry.unsupported), env=entry.spec.key, unsupported=True)
             generation = entry.generation + 1
             effects = entry.apply_locked(slot, lc.SpawnBegan(generation))
             if effects is None:  # pragma: no cover - the lease makes this impossible
@@ -1032,6 +1047,9 @@ class Pool:
             process.handshake(started + self.config.start_timeout)
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
+            if isinstance(exc, WorkerStartError) and exc.unsupported:
+                with entry.lock:
+                    entry.unsupported = exc
             if self._closed and isinstance(exc, WorkerStartError):
                 raise PoolClosedError("the pool was closed while the worker started") from exc
             raise
@@ -1164,15 +1182,26 @@ class Pool:
 
     def _status_changed(self) -> None:
         """Keep this host's status file (``comfy-env status``) current, throttled, written on
-        the reactor thread. On every call's path: one flag test while a write is pending."""
-        if self._status_pending or self._reactor is None or self._closed:
+        the reactor thread. On every call's path: one flag test (and one store) while a write
+        is pending; a change inside the throttle window is written when the window ends, so
+        the file is never more than about a second behind the last change."""
+        if self._status_pending:
+            self._status_dirty = True
+            if self._status_pending:
+                return  # the end of the window sees the flag
+            # The window ended between the two tests and may have missed the flag: go on.
+        if self._reactor is None or self._closed:
             return
         self._status_pending = True
         host_publisher().publish_soon(self._reactor.call_later)
         self._reactor.call_later(0.5, self._status_written)
 
     def _status_written(self) -> None:
+        """Reactor thread: the throttle window ended; publish what changed inside it."""
         self._status_pending = False
+        if self._status_dirty:
+            self._status_dirty = False
+            self._status_changed()
 
     def _on_finished(self, entry: _EnvEntry, process: WorkerProcess) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
@@ -1599,6 +1628,8 @@ def _bound_by_refs(
         for item in candidates:
             if not isinstance(item, RemoteRef):
                 continue
+            if item._released:
+                raise released_error(item)
             if item._entry is not entry:
                 raise StaleGenerationError(
                     f"a RemoteRef of env {item.env} cannot be used in a call to env "

@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -60,7 +61,7 @@ from comfy_env_worker.protocol import (
     send_parts,
 )
 
-from ._codec import decode_reply, encode_call
+from ._codec import decode_reply, encode_call, oob_threshold, use_shm
 from ._config import PoolConfig
 from ._descendants import kill_marked
 from ._envs import EnvSpec
@@ -73,8 +74,14 @@ from ._rundir import copy_tree, make_private_dir, runtime_root
 
 _log = logging.getLogger("comfy_env")
 
+# The first line parses under any Python (2.7 included) and refuses one older than 3.8 with a
+# recognisable exit code, before the runtime (which needs 3.8) is imported.
+TOO_OLD_EXIT = 87
 BOOT = (
-    "import sys;sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
+    "import sys\n"
+    "if sys.version_info[:2]<(3,8):"
+    "sys.stderr.write('comfy-env: unsupported Python %d.%d\\n'%sys.version_info[:2]);sys.exit(87)\n"
+    "sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
 )
 
 # Variables that would make the env's interpreter import the host's packages or run host code.
@@ -100,12 +107,12 @@ LOAN_MIN = 8 << 20
 
 
 def canary_value(oob_bytes: int) -> Any:
-    """Exercises the codec: nested containers, int keys, bytes, floats, a 128 KiB in-band
+    """Exercises the codec: nested containers, int keys, bytes, floats, a 48 KiB in-band
     buffer, and one buffer of ``oob_bytes`` that travels out of band (shared memory)."""
     return (
         {1: (b"\x00bytes\xff", [1.5, -0.0, None, True]), 2: {"nested": (1, 2, {3: "x"})}},
         [(), [], {}, "\u00e9\u4e2d", 2**70],
-        bytes(range(256)) * 512,  # 128 KiB in band: crosses several socket reads
+        bytes(range(256)) * 192,  # 48 KiB: under the out-of-band size, pickled in band
         bytearray(os.urandom(64)) * (oob_bytes // 64 + 1),
     )
 
@@ -365,6 +372,7 @@ class WorkerProcess:
                 "log_level": self.config.log_level.upper(),
                 "max_frame_bytes": self.config.max_frame_bytes,
                 "shm_threshold_bytes": self.config.shm_threshold_bytes,
+                "oob_min_bytes": oob_threshold(self.config.shm_threshold_bytes),
                 "shm_host_id": host_id() if use_shm else None,
                 "shm_pool_bytes": self.config.shm_pool_bytes,
                 "shm_pinned_ttl": self.config.shm_pinned_ttl,
@@ -393,6 +401,8 @@ class WorkerProcess:
             ) from None
         except (ChannelClosed, OSError) as exc:  # EOF, reset, broken pipe, partial send
             rc = self.wait_exit(1.0)
+            if rc == TOO_OLD_EXIT:
+                raise self._too_old_error() from None
             raise self._start_error(f"{describe_exit(rc)} during start-up") from exc
         except (FrameError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as exc:
             raise self._start_error(f"failed its handshake: {exc}") from exc
@@ -439,7 +449,9 @@ class WorkerProcess:
         if self.blocks is None:
             oob = min(oob, self.config.max_frame_bytes // 4)
         value = canary_value(oob)
-        body, buffers, _ = encode_call(CANARY_TARGET, (value,), {}, self.config.shm_threshold_bytes)
+        body, buffers, _ = encode_call(
+            CANARY_TARGET, (value,), {}, oob_threshold(self.config.shm_threshold_bytes)
+        )
         block = self.send_request(1, body, buffers, deadline)
         ftype, flags, call_id, reply = self.read_frame(deadline)
         if call_id != 1 or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
@@ -477,7 +489,7 @@ class WorkerProcess:
             self._send_large(parts, deadline)
             return None
         block = None
-        if self.blocks is not None:
+        if self.blocks is not None and use_shm(buffers, self.config.shm_threshold_bytes):
             try:
                 parts, block, length = shm.pack(body, buffers, self.blocks)
                 self.shm_state = "on"
@@ -621,6 +633,20 @@ class WorkerProcess:
             self.blocks.give_up(block)
         else:
             self.blocks.release(block)
+
+    def _too_old_error(self) -> WorkerStartError:
+        self.wait_output(1.0)
+        tail = self.log.tail()
+        match = re.search(r"unsupported Python (\d+\.\d+)", tail)
+        version = match.group(1) if match else "older than 3.8"
+        return WorkerStartError(
+            f"env {self.spec.key} runs Python {version} ({self.spec.interpreter}); comfy-env "
+            "workers need Python 3.8 or newer",
+            env=self.spec.key,
+            generation=self.generation,
+            stderr_tail=tail,
+            unsupported=True,
+        )
 
     def _start_error(self, what: str) -> WorkerStartError:
         self.kill(Stop.KILL)

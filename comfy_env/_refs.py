@@ -21,8 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker import refs as worker_refs
 
+from ._errors import RefReleasedError
+
 if TYPE_CHECKING:
     from ._pool import Pool, _EnvEntry, _Slot
+
+
+def released_error(ref: RemoteRef) -> RefReleasedError:
+    return RefReleasedError(
+        f"RemoteRef {ref.id} of env {ref.env} (generation {ref.generation}) was released; "
+        "its object is gone"
+    )
 
 
 class RemoteRef:
@@ -43,8 +52,17 @@ class RemoteRef:
     def env(self) -> str:
         return self._entry.spec.key
 
+    @property
+    def alive(self) -> bool:
+        """Whether the object can still be used: not released, and its worker generation is
+        still the live one. (A True answer can turn False at any moment if the worker dies;
+        using the ref then raises ``StaleGenerationError``.)"""
+        return not self._released and self._pool._ref_is_live(self)
+
     def call_method(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
         """Call ``obj.name(*args, **kwargs)`` on the live object in its worker."""
+        if self._released:
+            raise released_error(self)
         return self._pool.call(
             self._entry, "comfy_env_worker.refs:call_method", (self, name, args, kwargs), {}, None
         )

@@ -425,15 +425,17 @@ def read_status(
     return hosts
 
 
-def remove_stale_status() -> list[str]:
-    """Delete status files (and temporary files) of dead hosts; returns their names."""
+def remove_stale_status(*, dry_run: bool = False) -> list[str]:
+    """Delete status files (and temporary files) of dead hosts; returns their names
+    (``dry_run``: deletes nothing)."""
     directory = status_dir()
     removed = []
     for name in sorted(os.listdir(directory)):
         match = _FILE.match(name)
         if match is not None and not _owner_alive(match):
             try:
-                os.unlink(os.path.join(directory, name))
+                if not dry_run:
+                    os.unlink(os.path.join(directory, name))
                 removed.append(name)
             except OSError:
                 pass

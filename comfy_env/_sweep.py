@@ -61,16 +61,18 @@ def _dead_owner(name: str) -> bool:
     return name_of_dead_owner(name)
 
 
-def sweep() -> SweepReport:
+def sweep(*, dry_run: bool = False) -> SweepReport:
     """Remove shared-memory blocks, runtime directories and worker processes of dead hosts.
 
-    Safe to call at any time from any process of the same user; returns what was removed."""
-    processes = _kill_stray_workers()
+    Safe to call at any time from any process of the same user; returns what was removed
+    (``dry_run``: what would be removed, and nothing is changed)."""
+    processes = _kill_stray_workers(dry_run)
     blocks = []
     for name in shm.owned_blocks(shm.NAME_PREFIX):
         if _dead_owner(name):
             try:
-                os.unlink(os.path.join(shm.SHM_DIR, name))
+                if not dry_run:
+                    os.unlink(os.path.join(shm.SHM_DIR, name))
                 blocks.append(name)
             except OSError:
                 pass
@@ -78,18 +80,19 @@ def sweep() -> SweepReport:
     root = runtime_root()
     for name in os.listdir(root):
         if name.startswith("host-") and _dead_owner(name):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            if not dry_run:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             dirs.append(name)
     from ._status import remove_stale_status  # (it imports this module)
 
-    status_files = remove_stale_status()
+    status_files = remove_stale_status(dry_run=dry_run)
     report = SweepReport(
         tuple(sorted(blocks)),
         tuple(sorted(dirs)),
         tuple(sorted(processes)),
         tuple(status_files),
     )
-    if report:
+    if report and not dry_run:
         _log.info(
             "comfy-env: swept leftovers of dead hosts: %d shared-memory blocks, %d runtime "
             "dirs, %d worker processes, %d status files",
@@ -101,9 +104,10 @@ def sweep() -> SweepReport:
     return report
 
 
-def _kill_stray_workers() -> list[int]:
+def _kill_stray_workers(dry_run: bool = False) -> list[int]:
     """Processes of this user whose environment names a host proven dead: its workers, and
-    their descendants, including those that left the worker's process group (setsid)."""
+    their descendants, including those that left the worker's process group (setsid).
+    ``dry_run``: only list them."""
     pidfd_open = getattr(os, "pidfd_open", None)
     send = getattr(signal, "pidfd_send_signal", None)
     if pidfd_open is None or send is None:  # pragma: no cover - kernels without pidfd
@@ -116,6 +120,9 @@ def _kill_stray_workers() -> list[int]:
             continue
         try:
             if _orphan_of_dead_host(pid):
+                if dry_run:
+                    killed.append(pid)
+                    continue
                 if os.getpgid(pid) == pid:
                     os.killpg(pid, signal.SIGKILL)  # a worker's group: a wrapper's children
                 send(pidfd, signal.SIGKILL)

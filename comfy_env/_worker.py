@@ -7,9 +7,12 @@ fresh generation. ``generation`` and ``pid`` report the env's first slot as of n
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import _acall
 from . import _lifecycle as lc
 
 if TYPE_CHECKING:
@@ -117,9 +120,73 @@ class Worker:
         worker's generation is gone, using the ref raises ``StaleGenerationError``."""
         return self._pool.call_ref(self._entry, target, args, kwargs, None)
 
+    async def arun_ref(
+        self,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        on_event: Callable[[CallEvent], object] | None = None,
+    ) -> RemoteRef:
+        """``call_ref`` for asyncio, with ``arun``'s deadline, events and cancellation. The call
+        runs on a thread of its own (never the loop's default executor); ``on_event`` runs on
+        that thread. Cancelling the task removes a queued call or asks the worker to stop a
+        running one (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at
+        once), waits for the call's end, and raises ``CancelledError``; nothing is kept (a
+        result that crossed the cancel is released)."""
+        from ._pool import _Ticket
+
+        pool, entry = self._pool, self._entry
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[RemoteRef] = loop.create_future()
+        ticket = _Ticket()
+
+        def settle(outcome: Any, failed: bool) -> None:
+            if done.done():
+                return
+            if failed:
+                done.set_exception(outcome)
+            else:
+                done.set_result(outcome)
+
+        def body() -> None:
+            ref: RemoteRef | None = None
+            outcome: Any
+            try:
+                ref = pool.call_ref(
+                    entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, on_event
+                )
+                outcome, failed = ref, False
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                outcome, failed = exc, True
+            try:
+                loop.call_soon_threadsafe(settle, outcome, failed)
+            except RuntimeError:  # the loop is closed: nobody awaits the ref any more
+                if ref is not None:
+                    ref.release()
+
+        threading.Thread(target=body, name="comfy-env-call-ref", daemon=True).start()
+        cancels = 0
+        while True:
+            try:
+                ref = await asyncio.shield(done)
+            except asyncio.CancelledError:
+                cancels += 1
+                pool._cancel(entry, ticket, force=cancels > 1)
+                continue
+            except BaseException:
+                if cancels:
+                    raise asyncio.CancelledError() from None
+                raise
+            if cancels:
+                await loop.run_in_executor(None, ref.release)
+                raise asyncio.CancelledError()
+            return ref
+
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``call`` for asyncio; see ``arun``."""
-        return await self.arun(target, args, kwargs)
+        return await _acall.arun(self._pool, self._entry, target, args, kwargs, None, None)
 
     async def arun(
         self,
@@ -136,9 +203,7 @@ class Worker:
         Cancelling the task removes a queued call, or asks the worker to stop a running one
         (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at once) and
         raises ``CancelledError`` once the call has ended."""
-        from ._acall import arun
-
-        return await arun(
+        return await _acall.arun(
             self._pool, self._entry, target, tuple(args), dict(kwargs or {}), timeout, on_event
         )
 

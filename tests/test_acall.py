@@ -260,3 +260,26 @@ def test_acall_errors_and_crashes(apool: comfy_env.Pool) -> None:
 
     run_small(main)
     assert w.generation == 2
+
+
+def test_cancelling_a_task_while_its_worker_starts_never_sends_the_call(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    _script(tmp_path / "env" / "bin" / "python", f'sleep 1\nexec "{sys.executable}" "$@"\n')
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker(tmp_path / "env")
+
+        async def main() -> None:
+            task = asyncio.ensure_future(w.acall("comfy_env_worker.tasks:echo", 1))
+            await asyncio.sleep(0.2)
+            assert w.stats().workers[0].state == "starting"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        run_small(main)
+        stats = w.stats()
+        assert (stats.cancelled, stats.ok, stats.in_flight) == (1, 0, 0)
+        # The start finished and was not wasted: the next call uses that worker.
+        assert w.call("comfy_env_worker.tasks:echo", 2) == 2
+        assert w.generation == 1

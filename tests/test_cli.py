@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -373,3 +374,95 @@ def test_status_sees_a_second_host_process(capsys: pytest.CaptureFixture[str]) -
         comfy_env.sweep()
         main(["sweep"])  # also removes the killed host's status file
         capsys.readouterr()
+
+
+def test_status_is_current_within_a_second_of_the_last_change(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A host that made a few quick calls and then idles must not show them in flight for
+    ever: changes inside the publish throttle window are written when it ends."""
+    code = (
+        "import time, comfy_env\n"
+        "w = comfy_env.get_worker()\n"
+        "for i in range(5):\n"
+        "    w.call('comfy_env_worker.tasks:echo', i)\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    host = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert host.stdout is not None
+        int(host.stdout.readline())  # the host made its calls and now idles
+        time.sleep(1.5)  # the throttle window (0.5 s) plus slack; no waiting loop on purpose
+        code_, out, _ = run_cli(capsys, "status", "--json")
+        assert code_ == 0
+        (h,) = [h for h in json.loads(out)["hosts"] if h["pid"] == host.pid]
+        (env,) = h["envs"]
+        assert (env["submitted"], env["ok"], env["in_flight"]) == (5, 5, 0)
+    finally:
+        host.kill()
+        host.communicate(timeout=30)
+        comfy_env.sweep()
+        main(["sweep"])
+        capsys.readouterr()
+
+
+def test_call_error_text_names_the_type_once(capsys: pytest.CaptureFixture[str]) -> None:
+    # SystemExit comes back as RemoteError, whose own text starts with the type name.
+    code, _, err = run_cli(capsys, "call", "-", "sys:exit", '["bad mesh"]')
+    assert code == 1
+    assert "comfy-env: SystemExit: bad mesh" in err
+    assert "SystemExit: SystemExit" not in err
+    code, out, _ = run_cli(capsys, "call", "-", "sys:exit", '["bad mesh"]', "--json")
+    error = json.loads(out)["error"]
+    assert (error["type"], error["message"]) == ("SystemExit", "bad mesh")
+
+
+def test_doctor_says_an_env_python_is_too_old(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    interp = tmp_path / "old" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.write_text(
+        "#!/bin/sh\nshift\n"
+        f'exec "{sys.executable}" -c '
+        '\'import sys;sys.version_info=(3,6,15,"final",0);exec(sys.argv.pop(1))\' "$@"\n'
+    )
+    interp.chmod(0o755)
+    code, out, err = run_cli(capsys, "doctor", str(tmp_path / "old"))
+    assert code == 1
+    assert "runs Python 3.6" in out + err and "need Python 3.8 or newer" in out + err
+
+
+def test_sweep_dry_run_reports_and_changes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from comfy_env._process import runtime_root
+
+    pid = _dead_pid()
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    ticks = int(host_id().split("-")[1][1:])
+    dead = f"{pid}-t{ticks}-n{ns}"  # a host id whose process is gone
+    leftover_dir = os.path.join(runtime_root(), f"host-{dead}-dryrun")
+    leftover_status = os.path.join(status_dir(), f"{dead}.json")
+    os.makedirs(leftover_dir)
+    with open(leftover_status, "w") as f:
+        json.dump({"host_id": dead, "pid": pid}, f)
+    try:
+        code, out, _ = run_cli(capsys, "sweep", "--dry-run", "--json")
+        assert code == 0
+        doc = json.loads(out)
+        assert doc["dry_run"] is True
+        assert os.path.basename(leftover_dir) in doc["runtime_dirs"]
+        assert os.path.basename(leftover_status) in doc["status_files"]
+        assert os.path.isdir(leftover_dir) and os.path.exists(leftover_status)  # untouched
+        code, out, _ = run_cli(capsys, "sweep", "--dry-run")
+        assert code == 0 and "would remove" in out and os.path.basename(leftover_dir) in out
+        assert os.path.isdir(leftover_dir)
+        code, out, _ = run_cli(capsys, "sweep", "--json")
+        assert os.path.basename(leftover_dir) in json.loads(out)["runtime_dirs"]
+        assert not os.path.exists(leftover_dir) and not os.path.exists(leftover_status)
+    finally:
+        shutil.rmtree(leftover_dir, ignore_errors=True)
+        if os.path.exists(leftover_status):
+            os.unlink(leftover_status)

@@ -246,15 +246,53 @@ def test_bad_environment_values_name_the_problem(
     monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str
 ) -> None:
     monkeypatch.setenv(var, value)
-    with pytest.raises(ValidationError, match=needle):
+    with pytest.raises(comfy_env.ConfigError, match=needle) as info:
         comfy_env.PoolConfig()
+    error = info.value
+    assert isinstance(error, comfy_env.ComfyEnvError) and isinstance(error, ValueError)
+    assert (error.variable, error.value) == (var, value)
+    assert error.field == var.removeprefix("COMFY_ENV_").lower()
+    message = str(error)
+    assert var in message and repr(value) in message and f"PoolConfig.{error.field}" in message
+    assert "input_value" not in message
+
+
+def test_a_bad_value_passed_in_code_names_the_field_and_value() -> None:
+    with pytest.raises(comfy_env.ConfigError, match=r"PoolConfig\(call_timeout=-1\)") as info:
+        comfy_env.PoolConfig(call_timeout=-1)
+    assert (info.value.field, info.value.variable, info.value.value) == ("call_timeout", None, -1)
 
 
 def test_unknown_config_field_is_refused() -> None:
-    with pytest.raises(ValidationError, match="no_such_field"):
+    with pytest.raises(comfy_env.ConfigError, match="no_such_field"):
         comfy_env.PoolConfig(no_such_field=1)  # type: ignore[call-arg]
 
 
 def test_config_is_immutable() -> None:
     with pytest.raises(ValidationError):
         comfy_env.PoolConfig().call_timeout = 3  # type: ignore[misc]
+
+
+def test_an_env_with_a_too_old_python_is_refused_at_once_and_not_retried(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    # The launcher runs the real interpreter posing as Python 3.6 (sys.version_info), so the
+    # boot line's own check refuses it, as a real 3.6 would be refused.
+    _script(
+        tmp_path / "env" / "bin" / "python",
+        f'shift\nexec "{sys.executable}" -c '
+        '\'import sys;sys.version_info=(3,6,15,"final",0);exec(sys.argv.pop(1))\' "$@"\n',
+    )
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker(tmp_path / "env")
+        with pytest.raises(WorkerStartError) as info:
+            w.call("comfy_env_worker.tasks:echo", 1)
+        message = str(info.value)
+        assert "runs Python 3.6" in message and "need Python 3.8 or newer" in message
+        assert "Traceback" not in message and info.value.unsupported
+        spawns = w.stats().spawns
+        for _ in range(3):  # said again at once, without starting the interpreter again
+            with pytest.raises(WorkerStartError, match=r"runs Python 3\.6"):
+                w.call("comfy_env_worker.tasks:echo", 1)
+        assert w.stats().spawns == spawns == 1
+        assert not w.stats().abandoned

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import remote_tasks
+from conftest import TESTS_DIR, run_host
 
 import comfy_env
 
@@ -111,3 +113,46 @@ def test_a_flood_is_bounded_counted_and_never_blocks_the_reply(
     grown = psutil.Process().memory_info().rss - rss_before
     assert grown < 200 * 1024 * 1024  # the host did not buffer the flood
     assert w.call("remote_tasks:add", 1) == 1
+
+
+def test_an_unconfigured_host_prints_worker_lines_with_env_and_pid() -> None:
+    code = """
+        import comfy_env
+        pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(%r,)))
+        w = pool.get_worker()
+        w.call("remote_tasks:log_things", 2)
+        w.call("remote_tasks:print_to_file", %r)
+        print("PID", w.pid, flush=True)
+        pool.close()
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        host = run_host(code % (str(TESTS_DIR), os.path.join(tmp, "f")))
+        out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    pid = int(out.split("PID", 1)[1])
+    prefix = f"(current pid={pid}) "
+    assert f"{prefix}info 0" in err and f"{prefix}info 1" in err
+    assert f"{prefix}careful: warning" in err
+    assert f"{prefix}to stdout" in err
+    assert f"{prefix}Traceback" in err  # the exception text, every line prefixed
+    assert "hidden at the default INFO level" not in err
+
+
+def test_a_configured_host_gets_worker_lines_only_through_logging() -> None:
+    code = """
+        import logging, comfy_env
+        logging.basicConfig(level=logging.INFO, format="LOGGED %%(name)s %%(message)s")
+        pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(%r,)))
+        w = pool.get_worker()
+        w.call("remote_tasks:log_things", 1)
+        print("PID", w.pid, flush=True)
+        pool.close()
+    """
+    host = run_host(code % (str(TESTS_DIR),))
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    pid = int(out.split("PID", 1)[1])
+    assert "LOGGED comfy_env.worker.current info 0" in err
+    assert f"pid={pid})" not in err

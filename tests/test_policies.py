@@ -295,3 +295,21 @@ def test_a_ref_of_another_env_is_refused(pool: comfy_env.Pool, foreign_venv: Pat
     with pytest.raises(StaleGenerationError, match="cannot be used"):
         pool.get_worker(foreign_venv).call(remote_tasks.counter_value, ref)
     ref.release()
+
+
+def test_a_released_ref_raises_a_comfy_env_error_in_the_host_at_once(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    ref = w.call_ref(remote_tasks.make_counter, 1)
+    ref.release()
+    submitted = w.stats().submitted
+    with pytest.raises(comfy_env.RefReleasedError, match="was released") as info:
+        w.call(remote_tasks.counter_value, ref)
+    assert isinstance(info.value, comfy_env.ComfyEnvError)
+    with pytest.raises(comfy_env.RefReleasedError):
+        ref.call_method("add", 1)
+    assert w.stats().submitted == submitted  # refused before anything was sent
+    # Nested deeper than the host looks, the worker's report maps to the same error.
+    with pytest.raises(comfy_env.RefReleasedError):
+        w.call("comfy_env_worker.tasks:echo", [[{"r": ref}]])

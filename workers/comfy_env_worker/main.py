@@ -179,6 +179,7 @@ class Worker:
         self.reader = FrameReader(sock, DEFAULT_MAX_FRAME_BYTES)
         self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
         self.threshold = shm.MIN_BLOCK
+        self.oob_min = shm.MIN_BLOCK
         # Shared memory (set up by CONFIG when the host enables it): blocks we send replies
         # in, mappings of the host's argument blocks, and reply blocks pinned until CONSUMED.
         self.pool: Optional[shm.BlockPool] = None
@@ -244,6 +245,9 @@ class Worker:
         self.reader.limit = limit
         self.outbox.max_payload = min(logs.RECORD_CAP, limit - 4096)
         self.threshold = int(config.get("shm_threshold_bytes") or shm.MIN_BLOCK)
+        # Buffers this large leave the pickle; all of a reply's go through shared memory when
+        # they add up to ``threshold``, else inline (never a mix of the two paths).
+        self.oob_min = int(config.get("oob_min_bytes") or self.threshold)
         refs.GENERATION = int(config.get("generation") or 0)
         self.control.interrupt_after = float(config.get("cancel_interrupt_after") or 0.0)
         host_id = config.get("shm_host_id")
@@ -312,7 +316,7 @@ class Worker:
                 calls.end()
             del args, kwargs
             try:
-                data, buffers = shm.encode(result, self.threshold, _dumps, (result,))
+                data, buffers = shm.encode(result, self.oob_min, _dumps, (result,))
             except Exception:  # noqa: BLE001 - cloudpickle fallback, or a clear TypeError
                 data, buffers = _dumps_result(result), []
             del result
@@ -334,8 +338,11 @@ class Worker:
             # Copy the result's buffers into our reply block *before* letting go of the
             # arguments: a result that is (a view of) an argument still points into the
             # host's block, and must not make that block look retained.
+            pool = self.pool
+            if pool is not None and sum(b.nbytes for b in buffers) < self.threshold:
+                pool = None  # small in total: inline (still no pickle copy)
             try:
-                table, block, inline = shm.place(buffers, self.pool)
+                table, block, inline = shm.place(buffers, pool)
             except OSError:  # shared memory full or gone: stream the buffers inline instead
                 table, block, inline = shm.place(buffers, None)
             if block is not None:

@@ -1,0 +1,149 @@
+"""ComfyUI node packs in their own envs: ``isolate()`` and the node proxies.
+
+A pack's ``__init__.py`` (imported by ComfyUI) holds one line::
+
+    from comfy_env.comfyui import isolate
+    NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(__file__, env=".venv",
+                                                              module="nodes_impl")
+
+``isolate`` resolves the env (relative to the pack directory), then gets the pack's node
+description: from the on-disk cache when the pack, the env's interpreter and the library are
+unchanged (no worker is spawned: a warm server start stays cheap), else by scanning in the env
+(``_scan``). It builds one proxy class per node (``_proxy``) and returns ComfyUI's two mappings.
+V1 packs (``NODE_CLASS_MAPPINGS``) and V3 packs (``comfy_entrypoint()``) give the same result.
+Any failure raises ``NodePackError``: ComfyUI then lists the pack as IMPORT FAILED with the
+message. The pack is never imported into the server process.
+
+Importing ``comfy_env`` does not import this subpackage; importing this subpackage does not
+import ComfyUI or torch (the proxies import them lazily, when ComfyUI calls them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from .._envs import resolve_env
+from .._errors import EnvError
+from .._pool import Pool
+from .._worker import Worker
+from ._proxy import CROSSING_TYPES, KeptOutput, make_v1_proxy, make_v3_proxy
+from ._scan import (
+    NodePackError,
+    PackSpec,
+    cache_key,
+    default_cache_dir,
+    read_cached,
+    run_scan,
+    write_cached,
+)
+
+__all__ = ["CROSSING_TYPES", "KeptOutput", "NodePackError", "isolate"]
+
+
+class _Pack:
+    """One isolated pack: its spec, options, scan result and the worker handle."""
+
+    def __init__(
+        self,
+        spec: PackSpec,
+        pool: Pool | None,
+        timeout: float | None,
+        interrupt_grace: float | None,
+        crossing_types: frozenset[str],
+        scan: dict[str, Any],
+    ) -> None:
+        self.spec = spec
+        self._pool = pool
+        self.timeout = timeout
+        self.interrupt_grace = interrupt_grace
+        self.crossing_types = crossing_types
+        self.scan = scan
+        self.has_torch = bool(scan.get("has_torch"))
+
+    @property
+    def worker(self) -> Worker:
+        # Resolved per call: the default pool may have been closed and recreated meanwhile.
+        if self._pool is not None:
+            return self._pool.get_worker(self.spec.env.key)
+        import comfy_env
+
+        return comfy_env.get_worker(self.spec.env.key)
+
+
+def isolate(
+    pack_file: str,
+    env: str | os.PathLike[str] | None,
+    module: str,
+    *,
+    timeout: float | None = None,
+    interrupt_grace: float | None = None,
+    scan_timeout: float = 300.0,
+    crossing_types: Iterable[str] | None = None,
+    extra_crossing_types: Iterable[str] = (),
+    pool: Pool | None = None,
+    cache_dir: str | None = None,
+) -> tuple[dict[str, type], dict[str, str]]:
+    """Register a node pack whose nodes run in ``env``; returns
+    ``(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)``.
+
+    ``pack_file``: the pack's ``__file__`` (or its directory). ``env``: an env directory or
+    interpreter path (relative paths resolve against the pack directory; None: ComfyUI's own
+    interpreter, still in a separate process). ``module``: the node module, relative to the pack
+    directory (``"nodes_impl"`` or ``"impl.nodes"``), imported only in the env. ``timeout``: total
+    deadline of each node call in seconds (None: none). ``interrupt_grace``: seconds an
+    interrupted node gets to stop cooperatively before its worker is killed (None: the pool's
+    ``cancel_grace``; 0: kill at once). ``scan_timeout``: deadline of the scan.
+    ``crossing_types`` replaces (``extra_crossing_types`` extends) the socket types whose values
+    cross to the server; outputs of any other type stay in the worker as ``KeptOutput``.
+    ``pool``: a ``comfy_env.Pool`` (default: the process-wide one). ``cache_dir``: where scans
+    are cached (default ``$COMFY_ENV_COMFYUI_CACHE`` or ``~/.cache/comfy-env/comfyui-scan``).
+
+    Raises ``NodePackError`` when the env is missing or the scan fails.
+    """
+    pack_dir = os.path.abspath(
+        pack_file if os.path.isdir(pack_file) else os.path.dirname(pack_file)
+    )
+    env_path: str | None = None
+    if env is not None:
+        raw = os.fspath(env)
+        env_path = raw if os.path.isabs(raw) else os.path.join(pack_dir, raw)
+    try:
+        env_spec = resolve_env(env_path)
+    except EnvError as exc:
+        raise NodePackError(
+            f"comfy-env: the env of node pack {pack_dir} is unusable: {exc}\n"
+            "(create it, e.g. `python -m venv` and install the pack's requirements; the pack is "
+            "not imported into the server instead)",
+            pack_dir=pack_dir,
+            env=str(env_path),
+        ) from exc
+    spec = PackSpec(pack_dir, module, env_spec, cache_dir or default_cache_dir())
+    key = cache_key(spec)
+    scan = read_cached(spec, key)
+    types = frozenset(crossing_types) if crossing_types is not None else CROSSING_TYPES
+    pack = _Pack(
+        spec, pool, timeout, interrupt_grace, types | frozenset(extra_crossing_types), scan or {}
+    )
+    if scan is None:
+        scan = run_scan(spec, pack.worker, scan_timeout)
+        write_cached(spec, key, scan)
+        pack.scan = scan
+        pack.has_torch = bool(scan.get("has_torch"))
+    mappings: dict[str, type] = {}
+    display: dict[str, str] = {}
+    for node in scan["nodes"]:
+        try:
+            proxy = make_v3_proxy(pack, node) if scan["kind"] == "v3" else make_v1_proxy(pack, node)
+        except Exception as exc:
+            raise NodePackError(
+                f"comfy-env: cannot build the proxy of node {node.get('name')!r} of pack "
+                f"{pack_dir}: {type(exc).__name__}: {exc}",
+                pack_dir=pack_dir,
+                env=env_spec.key,
+            ) from exc
+        mappings[node["name"]] = proxy
+        if node.get("display_name"):
+            display[node["name"]] = node["display_name"]
+    return mappings, display

@@ -1,0 +1,185 @@
+"""The scan of a node pack, run in the pack's env and cached on disk.
+
+``scan_pack(pack)`` returns the plain-data description of a pack's nodes
+(``comfy_env_worker.comfyui.scan``). Data flow::
+
+    isolate() -> cache key (pack code, env interpreter, library version)
+              -> hit: read <cache>/<key>.json       (no worker is spawned)
+              -> miss: worker.run("...scan:scan")   (the pack imported in its env, never here)
+                       -> write <key>.json atomically -> return
+
+The key hashes every ``.py`` file of the pack (paths and bytes; the env directory, VCS and cache
+directories skipped), the env's interpreter (path, size, mtime, and ``pyvenv.cfg``), the
+modification time of the env's ``site-packages`` (a package installed or removed), the
+comfy-env version and the bytes of the worker-side ComfyUI helpers. Any change invalidates it;
+an unchanged pack starts warm without a worker. A failed scan is never cached: it raises
+``NodePackError`` carrying the worker's traceback and output, and the next server start tries
+again.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from .._envs import EnvSpec
+from .._errors import ComfyEnvError
+
+SCAN_TARGET = "comfy_env_worker.comfyui.scan:scan"
+_SKIP_DIRS = frozenset((".git", ".hg", "__pycache__", "node_modules", ".venv", ".pixi", "venv"))
+
+
+class NodePackError(ComfyEnvError):
+    """A node pack could not be isolated: its env is missing or its scan failed. Raised from
+    ``isolate()``, so ComfyUI lists the pack as IMPORT FAILED with this message; the pack is
+    never imported into the server instead.
+
+    ``pack_dir`` and ``env`` name the pack and its env; ``worker_output`` holds what the worker
+    printed or logged during the scan."""
+
+    def __init__(self, message: str, *, pack_dir: str, env: str, worker_output: str = "") -> None:
+        super().__init__(message)
+        self.pack_dir = pack_dir
+        self.env = env
+        self.worker_output = worker_output
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """What ``isolate`` was told: the pack directory, the node module, the resolved env."""
+
+    pack_dir: str
+    module: str
+    env: EnvSpec
+    cache_dir: str
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("COMFY_ENV_COMFYUI_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "comfy-env",
+        "comfyui-scan",
+    )
+    return base
+
+
+def _library_digest() -> str:
+    import comfy_env
+    import comfy_env_worker.comfyui as helpers
+
+    h = hashlib.sha256(comfy_env.__version__.encode())
+    folder = os.path.dirname(helpers.__file__ or "")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as fh:
+                h.update(name.encode() + b"\0" + fh.read())
+    return h.hexdigest()
+
+
+def cache_key(pack: PackSpec) -> str:
+    """Changes whenever the pack's code, the env's interpreter or the library changes."""
+    h = hashlib.sha256()
+    h.update(f"module={pack.module}\0lib={_library_digest()}\0".encode())
+    env_dir = os.path.realpath(pack.env.key)
+    for root, dirs, files in os.walk(pack.pack_dir):
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if d not in _SKIP_DIRS and os.path.realpath(os.path.join(root, d)) != env_dir
+        )
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, "rb") as fh:
+                    h.update(os.path.relpath(path, pack.pack_dir).encode() + b"\0" + fh.read())
+    interpreter = pack.env.interpreter
+    st = os.stat(interpreter)
+    h.update(f"{interpreter}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    cfg = os.path.join(pack.env.key, "pyvenv.cfg")
+    if os.path.isfile(cfg):
+        with open(cfg, "rb") as fh:
+            h.update(fh.read())
+    # Installing or removing a package touches its site-packages directory: a cheap signal
+    # that what the pack imports may have changed (its INPUT_TYPES may list new choices).
+    for site in sorted(
+        glob.glob(os.path.join(glob.escape(pack.env.key), "lib", "python*", "site-packages"))
+        + glob.glob(os.path.join(glob.escape(pack.env.key), "Lib", "site-packages"))
+    ):
+        h.update(f"{site}\0{os.stat(site).st_mtime_ns}\0".encode())
+    return h.hexdigest()[:32]
+
+
+def read_cached(pack: PackSpec, key: str) -> dict[str, Any] | None:
+    path = os.path.join(pack.cache_dir, f"{key}.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
+
+
+def write_cached(pack: PackSpec, key: str, result: dict[str, Any]) -> None:
+    os.makedirs(pack.cache_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=pack.cache_dir, prefix=".scan-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({**result, "key": key}, fh)
+        os.replace(tmp, os.path.join(pack.cache_dir, f"{key}.json"))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
+    """Scan in the env (a worker call); failures become ``NodePackError``."""
+    collect = _Collect()
+    # Worker output arrives on this logger, gated by its level; open it to INFO for the scan so
+    # a failure can quote what the worker printed (restored afterwards).
+    logger = logging.getLogger(f"comfy_env.worker.{pack.env.name}")
+    old_level = logger.level
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)
+    logger.addHandler(collect)
+    try:
+        args = (pack.pack_dir, pack.module)
+        result: dict[str, Any] = worker.run(SCAN_TARGET, args, timeout=timeout)
+        return result
+    except Exception as exc:
+        remote = exc.__cause__
+        detail = getattr(remote, "traceback_text", None) or getattr(exc, "traceback_text", "")
+        tail = getattr(exc, "stderr_tail", "")
+        output = "\n".join(collect.lines) or tail
+        message = (
+            f"comfy-env could not scan node pack {pack.pack_dir} (module {pack.module!r}) in env "
+            f"{pack.env.key}: {type(exc).__name__}: {exc}"
+        )
+        if detail:
+            message += f"\nworker traceback:\n{detail.rstrip()}"
+        if output:
+            message += f"\nworker output:\n{output.rstrip()}"
+        message += "\n(the pack is not imported into the server instead)"
+        raise NodePackError(
+            message, pack_dir=pack.pack_dir, env=pack.env.key, worker_output=output
+        ) from exc
+    finally:
+        logger.removeHandler(collect)
+        logger.setLevel(old_level)

@@ -1,0 +1,1 @@
+raise RuntimeError("this module must never be imported: its env is missing")

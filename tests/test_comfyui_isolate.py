@@ -1,0 +1,398 @@
+"""``comfy_env.comfyui`` without ComfyUI: the scan in a real worker, its cache, the loud
+failures, the proxies' attributes and hooks, tensors as numpy, and objects kept in the worker.
+
+The env is the test interpreter itself (``env=None``), which has numpy and no ComfyUI, so the
+pack's imports of ``folder_paths`` and ``comfy.*`` are served by the worker's stand-ins. The
+end-to-end behaviour inside a real ComfyUI server is in ``tests_comfyui/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import comfy_env
+from comfy_env.comfyui import KeptOutput, NodePackError, isolate
+from comfy_env_worker.comfyui import values
+
+NODES = '''
+import os
+import ctypes
+import folder_paths
+import comfy.model_management
+from comfy.utils import ProgressBar
+from server import PromptServer
+from .helpers import double
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+        self.pid = os.getpid()
+
+
+class Scale:
+    CATEGORY = "t"
+    DESCRIPTION = "doubles"
+    RETURN_TYPES = ("IMAGE", "STRING")
+    RETURN_NAMES = ("image", "where")
+    OUTPUT_TOOLTIPS = ("doubled", "module")
+    FUNCTION = "go"
+    NOT_IDEMPOTENT = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"image": ("IMAGE",), "n": ("INT", {"default": 1, "min": 0})}}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, n):
+        return True if n < 10 else "n too big"
+
+    def go(self, image, n):
+        ProgressBar(2).update(1)
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        return (double(image) * n, type(image).__module__)
+
+
+class MakeBox:
+    RETURN_TYPES = ("BOX", "INT")
+    FUNCTION = "make"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"v": ("INT", {})}}
+
+    def make(self, v):
+        return (Box(v), os.getpid())
+
+
+class OpenBox:
+    RETURN_TYPES = ("INT", "INT")
+    FUNCTION = "open"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"box": ("BOX",)}}
+
+    def open(self, box):
+        return (box.v, box.pid)
+
+
+class Crash:
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "crash"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def crash(self):
+        ctypes.string_at(0)
+
+
+class Counter:
+    """One node object per proxy object (ComfyUI keeps one per node id)."""
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "count"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def __init__(self):
+        self.n = 0
+
+    def count(self):
+        self.n += 1
+        return (self.n,)
+
+
+class Sleep:
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "sleep"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seconds": ("FLOAT", {})}}
+
+    def sleep(self, seconds):
+        import time
+        time.sleep(seconds)
+        return (os.getpid(),)
+
+
+class MakeBoxes:
+    RETURN_TYPES = ("BOX",)
+    OUTPUT_IS_LIST = (True,)
+    FUNCTION = "make"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"n": ("INT", {})}}
+
+    def make(self, n):
+        return ([Box(v) for v in range(n)],)
+
+
+NODE_CLASS_MAPPINGS = {"Scale": Scale, "MakeBox": MakeBox, "OpenBox": OpenBox,
+                       "Crash": Crash, "Counter": Counter, "Sleep": Sleep,
+                       "MakeBoxes": MakeBoxes}
+NODE_DISPLAY_NAME_MAPPINGS = {"Scale": "Scale it"}
+'''
+
+
+@pytest.fixture
+def pack(tmp_path: Path) -> Path:
+    root = tmp_path / "pack"
+    root.mkdir()
+    (root / "__init__.py").write_text("raise RuntimeError('the pack init must not run')\n")
+    (root / "nodes.py").write_text(NODES)
+    (root / "helpers.py").write_text("def double(x):\n    return x * 2\n")
+    return root
+
+
+def _isolate(pack: Path, pool: comfy_env.Pool, cache: Path, **kw: object):  # type: ignore[no-untyped-def]
+    return isolate(str(pack / "__init__.py"), None, "nodes", pool=pool, cache_dir=str(cache), **kw)  # type: ignore[arg-type]
+
+
+def test_the_scan_runs_in_the_env_and_carries_every_attribute(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, display = _isolate(pack, pool, tmp_path / "cache")
+    assert pool.stats()[sys.prefix].spawns == 1  # scanned in a worker, not here
+    assert "folder_paths" not in sys.modules and "comfy" not in sys.modules
+    assert display == {"Scale": "Scale it"}
+    scale = mappings["Scale"]
+    assert scale.INPUT_TYPES() == {
+        "required": {"image": ("IMAGE",), "n": ("INT", {"default": 1, "min": 0})}
+    }
+    assert scale.RETURN_TYPES == ("IMAGE", "STRING")
+    assert scale.RETURN_NAMES == ("image", "where")
+    assert scale.OUTPUT_TOOLTIPS == ("doubled", "module")
+    assert (scale.CATEGORY, scale.DESCRIPTION, scale.NOT_IDEMPOTENT) == ("t", "doubles", True)
+    assert scale.FUNCTION == "go" and inspect.iscoroutinefunction(scale.go)
+    # ComfyUI reads VALIDATE_INPUTS' argument names: the proxy keeps the author's
+    assert inspect.getfullargspec(scale.VALIDATE_INPUTS).args == ["cls", "n"]
+    assert asyncio.run(scale.VALIDATE_INPUTS(n=20)) == "n too big"
+    assert not hasattr(scale, "IS_CHANGED")
+
+
+def test_a_warm_start_spawns_no_worker_and_a_code_change_rescans(
+    pack: Path, tmp_path: Path, config: comfy_env.PoolConfig
+) -> None:
+    cache = tmp_path / "cache"
+    with comfy_env.Pool(config) as first:
+        _isolate(pack, first, cache)
+    with comfy_env.Pool(config) as warm:
+        mappings, _ = _isolate(pack, warm, cache)
+        assert "Scale" in mappings
+        assert warm.stats() == {}  # nothing spawned, not even an entry
+    (pack / "helpers.py").write_text("def double(x):\n    return x * 3\n")
+    with comfy_env.Pool(config) as changed:
+        _isolate(pack, changed, cache)
+        assert changed.stats()[sys.prefix].spawns == 1
+
+
+def test_a_pack_that_fails_to_import_raises_with_the_worker_traceback_and_output(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    (pack / "nodes.py").write_text("print('loading the mesh library')\nimport no_such_mesh_lib\n")
+    with pytest.raises(NodePackError) as info:
+        _isolate(pack, pool, tmp_path / "cache")
+    message = str(info.value)
+    assert "ModuleNotFoundError" in message and "no_such_mesh_lib" in message
+    assert "worker traceback" in message and "nodes.py" in message
+    assert "loading the mesh library" in message  # what the worker printed
+    assert "not imported into the server" in message
+    assert not list((tmp_path / "cache").glob("*.json"))  # failures are never cached
+
+
+def test_a_missing_env_raises_naming_the_paths_tried(pack: Path, tmp_path: Path) -> None:
+    with pytest.raises(NodePackError) as info:
+        isolate(str(pack / "__init__.py"), ".venv", "nodes", cache_dir=str(tmp_path))
+    assert str(pack / ".venv") in str(info.value)
+
+
+def test_images_cross_as_numpy_with_exact_values_and_node_objects_persist(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+    image = np.random.default_rng(1).random((2, 512, 512, 3), dtype=np.float32)  # out of band
+    out, where = asyncio.run(mappings["Scale"]().go(image=image, n=3))
+    assert where == "numpy" and out.dtype == np.float32
+    assert np.array_equal(out, image * 2 * 3)
+    a, b = mappings["Counter"](), mappings["Counter"]()
+    assert [asyncio.run(a.count())[0] for _ in range(3)] == [1, 2, 3]
+    assert asyncio.run(b.count()) == (1,)  # another node id, another node object
+
+
+def test_a_kept_object_is_reused_and_after_a_crash_its_producer_is_marked_changed(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+    make, open_ = mappings["MakeBox"], mappings["OpenBox"]
+    assert "comfy_env_unique_id" in make.INPUT_TYPES()["hidden"]
+    token = asyncio.run(make.IS_CHANGED(v=5, comfy_env_unique_id="7"))
+    box, pid = asyncio.run(make().make(v=5, comfy_env_unique_id="7"))
+    assert isinstance(box, KeptOutput) and box.alive and box.type_name == "BOX"
+    assert asyncio.run(open_().open(box=box)) == (5, pid)  # the live object, same worker
+    assert asyncio.run(make.IS_CHANGED(v=5, comfy_env_unique_id="7")) == token
+    with pytest.raises(comfy_env.WorkerCrashed):
+        asyncio.run(mappings["Crash"]().crash())
+    assert not box.alive
+    assert asyncio.run(make.IS_CHANGED(v=5, comfy_env_unique_id="7")) != token
+    with pytest.raises(comfy_env.StaleGenerationError):
+        asyncio.run(open_().open(box=box))
+
+
+def test_the_pack_timeout_bounds_each_node_call(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache", timeout=0.5)
+    with pytest.raises(comfy_env.CallTimeout):
+        asyncio.run(mappings["Sleep"]().sleep(seconds=30.0))
+    assert asyncio.run(mappings["Sleep"]().sleep(seconds=0.0))[0] > 0  # a fresh worker
+
+
+def test_a_crash_loop_says_how_to_reset(
+    pack: Path, tmp_path: Path, config: comfy_env.PoolConfig
+) -> None:
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+        mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+        crash = mappings["Crash"]()
+        for _ in range(2):
+            with pytest.raises(comfy_env.WorkerCrashed):
+                asyncio.run(crash.crash())
+        with pytest.raises(comfy_env.EnvAbandonedError) as info:
+            asyncio.run(crash.crash())
+        assert "To reset" in str(info.value) and "restart ComfyUI" in str(info.value)
+        pool.reset(None)
+        assert asyncio.run(mappings["Counter"]().count()) == (1,)
+
+
+def test_importing_comfy_env_does_not_import_the_comfyui_layer_nor_comfyui_or_torch() -> None:
+    import subprocess
+
+    code = (
+        "import sys, comfy_env\n"
+        "assert 'comfy_env.comfyui' not in sys.modules\n"
+        "import comfy_env.comfyui\n"
+        "bad = [m for m in ('torch', 'folder_paths', 'comfy', 'comfy_api', 'server')"
+        " if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_progress_bars_in_node_code_become_call_events(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+    node = mappings["Scale"]._comfy_env_node
+    events: list[comfy_env.CallEvent] = []
+    image = np.zeros((1, 2, 2, 3), np.float32)
+    skeleton, tensors = values.split({"image": image, "n": 1}, values.to_wire)
+    pool.get_worker(None).run(
+        "comfy_env_worker.comfyui.runner:run_node",
+        (node.spec, 1, "go", skeleton, tensors, [], {}),
+        on_event=events.append,
+    )
+    assert [(e.kind, e.data["done"], e.data["total"]) for e in events] == [("progress", 1, 2)]
+
+
+def test_interrupt_checks_in_node_code_follow_the_call_s_cancellation(
+    pack: Path, config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    (pack / "nodes.py").write_text(
+        NODES
+        + """
+
+class Loop:
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "loop"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def loop(self):
+        import time
+        while True:
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            time.sleep(0.01)
+
+
+NODE_CLASS_MAPPINGS["Loop"] = Loop
+"""
+    )
+    with comfy_env.Pool(config.model_copy(update={"cancel_grace": 30.0})) as pool:
+        mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+        w = pool.get_worker(None)
+        generation = w.generation
+
+        async def main() -> None:
+            task = asyncio.ensure_future(mappings["Loop"]().loop())
+            while w.stats().in_flight == 0:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(main())
+        # the node stopped itself at its check (long before the 30 s grace): same worker
+        assert w.generation == generation and w.stats().cancelled == 1
+
+
+def test_a_package_installed_into_the_env_invalidates_the_scan(
+    pack: Path, tmp_path: Path, config: comfy_env.PoolConfig, foreign_venv: Path
+) -> None:
+    """A bare venv without comfy-env, numpy or ComfyUI scans the pack; changing its
+    site-packages (what ``pip install`` does) makes the next start scan again."""
+    cache = tmp_path / "cache"
+
+    def spawns() -> int:
+        with comfy_env.Pool(config) as pool:
+            isolate(str(pack), str(foreign_venv), "nodes", pool=pool, cache_dir=str(cache))
+            return sum(s.spawns for s in pool.stats().values())
+
+    assert spawns() == 1
+    assert spawns() == 0
+    (site,) = foreign_venv.glob("lib/python*/site-packages")
+    (site / "newly_installed.py").write_text("")
+    assert spawns() == 1
+
+
+def test_a_pack_runs_in_a_python_3_8_env(pack: Path, pool: comfy_env.Pool, tmp_path: Path) -> None:
+    from conftest import other_python
+
+    py38 = other_python(8)
+    if py38 is None:
+        pytest.skip("no Python 3.8 on this machine")
+    mappings, _ = isolate(str(pack), py38, "nodes", pool=pool, cache_dir=str(tmp_path))
+    counter = mappings["Counter"]()
+    assert [asyncio.run(counter.count())[0] for _ in range(2)] == [1, 2]
+    box, _ = asyncio.run(mappings["MakeBox"]().make(v=3, comfy_env_unique_id="1"))
+    assert asyncio.run(mappings["OpenBox"]().open(box=box))[0] == 3
+
+
+def test_a_list_output_that_stays_in_the_worker_is_kept_item_by_item(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache")
+    (boxes,) = asyncio.run(mappings["MakeBoxes"]().make(n=3, comfy_env_unique_id="2"))
+    assert [type(b) for b in boxes] == [KeptOutput] * 3  # ComfyUI iterates over the list
+    opened = [asyncio.run(mappings["OpenBox"]().open(box=b))[0] for b in boxes]
+    assert opened == [0, 1, 2]
