@@ -34,13 +34,18 @@ Fairness
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import tempfile
+import time
 
 from benchlib import (
     Context,
     RemoteError,
     Section,
     Series,
+    clean_env,
     fmt,
     fmt_x,
     ratio,
@@ -67,6 +72,21 @@ METHODS: dict[str, tuple[str, str]] = {
 PEERS = tuple(m for m in METHODS if m not in (BARE, MINIMAL, COMFY_ENV))
 
 TARGET_VS_MINIMAL = 1.2
+TARGET_IMPORT_MS = 50.0  # import comfy_env in a fresh interpreter
+TARGET_WITH_IMPORT = 3.0  # fresh host, import included, vs the minimal host and worker
+TARGET_STATUS_MS = 120.0  # comfy-env status with nothing running
+STATUS = "comfy-env status"
+BARE_EXIT = "python -c pass"
+
+
+def _wall(argv: list[str], env: dict[str, str]) -> float:
+    """Seconds from spawning ``argv`` to its exit (it must succeed)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, timeout=60)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RemoteError(f"{argv[1:]} failed: {proc.stderr.decode(errors='replace')[-300:]}")
+    return elapsed
 
 
 def run(ctx: Context) -> Section:
@@ -82,30 +102,53 @@ def run(ctx: Context) -> Section:
         else:
             pythons[method] = python
 
-    def sample(method: str) -> tuple[float, float] | None:
+    def sample(method: str) -> tuple[float, float, float] | None:
         try:
             out = run_driver_once(pythons[method], ["first-call", method], ctx.workdir)
         except (RemoteError, OSError, ValueError) as exc:
             unavailable[method] = str(exc)
             del pythons[method]
             return None
-        return float(out["s"]), float(out["import_s"])
+        return float(out["s"]), float(out["import_s"]), float(out.get("load_s", 0.0))
 
     if not ctx.quick:
         for method in list(pythons):
             sample(method)  # warm-up host
     times = {m: Series() for m in METHODS}
     imports = {m: Series() for m in METHODS}
+    loads = {m: Series() for m in METHODS}  # comfy_env: Pool and PoolConfig loaded lazily
+    totals = {m: Series() for m in METHODS}  # import + load + first call, per fresh host
+    # ``comfy-env status`` with nothing running (an empty private runtime root), beside a bare
+    # interpreter that exits at once; both are whole processes timed from spawn to exit.
+    cli = {STATUS: Series(), BARE_EXIT: Series()}
+    python = pythons.get(COMFY_ENV)
+    status_root = tempfile.mkdtemp(prefix="comfy-env-bench-status-")
+    os.chmod(status_root, 0o700)
+    status_env = {**clean_env(), "XDG_RUNTIME_DIR": status_root}
+    script = os.path.join(os.path.dirname(python), "comfy-env") if python else ""
+    via_module = [python or "", "-m", "comfy_env", "status"]
+    cli_argv = {
+        STATUS: [script, "status"] if os.path.exists(script) else via_module,
+        BARE_EXIT: [python or "", "-c", "pass"],
+    }
     for _ in range(rounds):
-        order = list(pythons)
+        order = [*pythons, *(cli if python else ())]
         rng.shuffle(order)
         for method in order:
+            if method in cli:
+                cli[method].add(_wall(cli_argv[method], status_env))
+                continue
             if method not in pythons:
                 continue
             got = sample(method)
             if got is not None:
                 times[method].add(got[0])
                 imports[method].add(got[1])
+                loads[method].add(got[2])
+                totals[method].add(got[0] + got[1] + got[2])
+    import shutil
+
+    shutil.rmtree(status_root, ignore_errors=True)
 
     minimal = times[MINIMAL].median
     ce = times[COMFY_ENV].median
@@ -128,7 +171,48 @@ def run(ctx: Context) -> Section:
             )
         else:
             section.lines.append(unavailable_row(method, unavailable.get(method, "no sample"), 8))
+    total_ce = totals[COMFY_ENV].median
+    total_min = totals[MINIMAL].median
+    section.lines += [
+        "",
+        "Fresh host, import included (import + loading `Pool` and `PoolConfig` + pool creation "
+        "+ first call, summed per host):",
+        "",
+        "| method | median ms | min | max | x minimal host and worker |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for method in (MINIMAL, COMFY_ENV):
+        t = totals[method]
+        if t.values:
+            section.lines.append(
+                f"| {method} | {fmt(t.median * 1e3, 1)} | {fmt(t.min * 1e3, 1)} "
+                f"| {fmt(t.max * 1e3, 1)} | {fmt_x(ratio(t.median, total_min))} |"
+            )
+    imp = imports[COMFY_ENV]
+    if imp.values:
+        section.lines += [
+            "",
+            f"`import comfy_env` in a fresh interpreter (timed inside the host): median "
+            f"{fmt(imp.median * 1e3, 1)} ms (min {fmt(imp.min * 1e3, 1)}, max "
+            f"{fmt(imp.max * 1e3, 1)}). The public names load on first use: touching "
+            f"`comfy_env.Pool` and `comfy_env.PoolConfig` (the pool's machinery and pydantic) "
+            f"took a median {fmt(loads[COMFY_ENV].median * 1e3, 1)} ms more, timed apart "
+            "from the first call above and included in the import-included figure.",
+        ]
+    if cli[STATUS].values:
+        st, bare = cli[STATUS], cli[BARE_EXIT]
+        section.lines += [
+            "",
+            "| command (spawn to exit, nothing running) | median ms | min | max |",
+            "|---|---:|---:|---:|",
+            f"| `{' '.join(os.path.basename(a) for a in cli_argv[STATUS])}` "
+            f"| {fmt(st.median * 1e3, 1)} | {fmt(st.min * 1e3, 1)} | {fmt(st.max * 1e3, 1)} |",
+            f"| `python -c pass` (reference) | {fmt(bare.median * 1e3, 1)} "
+            f"| {fmt(bare.min * 1e3, 1)} | {fmt(bare.max * 1e3, 1)} |",
+        ]
     section.data = {
+        "with_import_seconds": {m: s.summary() for m, s in totals.items() if s.values},
+        "cli_seconds": {m: s.summary() for m, s in cli.items() if s.values},
         "rounds": rounds,
         "seconds": {m: s.summary() for m, s in times.items() if s.values},
         "import_seconds": {m: s.summary() for m, s in imports.items() if s.values},
@@ -142,6 +226,35 @@ def run(ctx: Context) -> Section:
             f"comfy_env <= {TARGET_VS_MINIMAL}x the minimal worker",
             ratio(ce, minimal),
             TARGET_VS_MINIMAL,
+        )
+    )
+    section.targets.append(
+        target_at_most(
+            "3",
+            f"import comfy_env in a fresh interpreter <= {TARGET_IMPORT_MS:g} ms",
+            imp.median * 1e3 if imp.values else math.nan,
+            TARGET_IMPORT_MS,
+            " ms",
+            1,
+        )
+    )
+    section.targets.append(
+        target_at_most(
+            "3",
+            f"comfy_env first call from a fresh host, import included <= {TARGET_WITH_IMPORT:g}x "
+            "the minimal host and worker",
+            ratio(total_ce, total_min),
+            TARGET_WITH_IMPORT,
+        )
+    )
+    section.targets.append(
+        target_at_most(
+            "3",
+            f"comfy-env status with nothing running <= {TARGET_STATUS_MS:g} ms",
+            cli[STATUS].median * 1e3 if cli[STATUS].values else math.nan,
+            TARGET_STATUS_MS,
+            " ms",
+            1,
         )
     )
     peer_ms = {p: times[p].median * 1e3 for p in PEERS if times[p].values}

@@ -99,21 +99,47 @@ class Method:
     batch: Callable[[int], float]  # n calls -> mean microseconds per call
     pin: Callable[[set[int], set[int]], None]  # (caller CPUs, worker CPUs)
     n: int = 0  # calls per batch, from the warm-up
+    # On-CPU us/call of the caller process and of the worker in the last batch (local
+    # methods only: from the kernel's schedstat, see ``cpu_ns``).
+    cpu: tuple[float, float] | None = None
+
+
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds ``pid`` (all its threads) has spent on a CPU: the first field of
+    ``/proc/<pid>/task/*/schedstat``. Steadier than wall time on a busy machine: on one CPU
+    the caller's and the worker's sums are what an idle machine would show."""
+    total = 0
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that just ended
+    return total
 
 
 def _local(name: str, call: Callable[[int], Any], worker_pids: list[int]) -> Method:
+    me = os.getpid()
+
     def batch(n: int) -> float:
+        h0 = cpu_ns(me)
+        w0 = sum(cpu_ns(pid) for pid in worker_pids)
         t0 = time.perf_counter_ns()
         for i in range(n):
             call(i)
-        return (time.perf_counter_ns() - t0) / n / 1000.0
+        t1 = time.perf_counter_ns()
+        host = (cpu_ns(me) - h0) / n / 1000.0
+        method.cpu = (host, (sum(cpu_ns(pid) for pid in worker_pids) - w0) / n / 1000.0)
+        return (t1 - t0) / n / 1000.0
 
     def pin(caller: set[int], workers: set[int]) -> None:
         pin_self(caller)
         for pid in worker_pids:
             pin_process(pid, workers)
 
-    return Method(name, batch, pin)
+    method = Method(name, batch, pin)
+    return method
 
 
 def _remote(ctx: Context, name: str) -> Method | None:
@@ -204,6 +230,8 @@ def run_placement(
     for m in methods:
         m.pin(caller, workers)
     results = {m.name: Series() for m in methods}
+    host_cpu = {m.name: Series() for m in methods}
+    worker_cpu = {m.name: Series() for m in methods}
     live = list(methods)
     for m in list(live):
         try:
@@ -218,29 +246,51 @@ def run_placement(
         for m in order:
             try:
                 results[m.name].add(m.batch(m.n))
+                if m.cpu is not None:
+                    host_cpu[m.name].add(m.cpu[0])
+                    worker_cpu[m.name].add(m.cpu[1])
             except RemoteError as exc:
                 failed[m.name] = str(exc)
                 ctx.drop_remote(m.name, str(exc))
                 live.remove(m)
+    for name, series in host_cpu.items():
+        if series.values:
+            results[f"{name} {CPU_HOST}"] = series
+            results[f"{name} {CPU_WORKER}"] = worker_cpu[name]
     return {name: s for name, s in results.items() if s.values}
+
+
+CPU_HOST = "host cpu"
+CPU_WORKER = "worker cpu"
 
 
 def table(results: dict[str, Series], unavailable: dict[str, str]) -> list[str]:
     raw = results[RAW_PIPE].median if RAW_PIPE in results else math.nan
     ce = results[COMFY_ENV].median if COMFY_ENV in results else math.nan
     lines = [
-        "| method | median us/call | min | max | x raw pipe | x comfy_env |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | median us/call | min | max | x raw pipe | x comfy_env "
+        "| caller on-CPU us/call (min-max) | worker on-CPU us/call (min-max) | on-CPU sum |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in (*REFERENCES, COMFY_ENV, COMFY_ENV_ACALL, *PEERS):
         if name in results:
             s = results[name]
+            host = results.get(f"{name} {CPU_HOST}")
+            worker = results.get(f"{name} {CPU_WORKER}")
+            if host is not None and worker is not None:
+                cpu = (
+                    f"| {fmt(host.median, 1)} ({fmt(host.min, 1)}-{fmt(host.max, 1)}) "
+                    f"| {fmt(worker.median, 1)} ({fmt(worker.min, 1)}-{fmt(worker.max, 1)}) "
+                    f"| {fmt(host.median + worker.median, 1)} |"
+                )
+            else:
+                cpu = "| - | - | - |"
             lines.append(
                 f"| {name} | {fmt(s.median, 1)} | {fmt(s.min, 1)} | {fmt(s.max, 1)} "
-                f"| {fmt_x(ratio(s.median, raw))} | {fmt_x(ratio(s.median, ce))} |"
+                f"| {fmt_x(ratio(s.median, raw))} | {fmt_x(ratio(s.median, ce))} {cpu}"
             )
         elif name in unavailable:
-            lines.append(unavailable_row(name, unavailable[name], 6))
+            lines.append(unavailable_row(name, unavailable[name], 9))
     return lines
 
 
@@ -294,6 +344,19 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
         section.lines += ["", *table(results, unavailable)]
         section.data[label] = {name: s.summary() for name, s in results.items()}
         ce = results[COMFY_ENV].median
+        cpu_sums = {
+            name: results[f"{name} {CPU_HOST}"].median + results[f"{name} {CPU_WORKER}"].median
+            for name in (*REFERENCES, COMFY_ENV)
+            if f"{name} {CPU_HOST}" in results
+        }
+        if COMFY_ENV in cpu_sums and RAW_PIPE in cpu_sums:
+            section.lines += [
+                "",
+                f"On-CPU time (caller + worker, medians): comfy_env {fmt(cpu_sums[COMFY_ENV], 1)} "
+                f"us/call = {fmt_x(ratio(cpu_sums[COMFY_ENV], cpu_sums[RAW_PIPE]))} the raw "
+                f"pipe's {fmt(cpu_sums[RAW_PIPE], 1)} us/call (the caller column counts every "
+                "thread of the calling process).",
+            ]
         section.lines += [
             "",
             f"comfy_env vs its own transport (raw socketpair): "

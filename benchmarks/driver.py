@@ -495,13 +495,23 @@ def fc_minimal() -> tuple[float, float]:
     return 0.0, elapsed
 
 
+_LOAD_S: float | None = None  # comfy_env: loading Pool and PoolConfig after the import
+
+
 def fc_comfy_env() -> tuple[float, float]:
+    global _LOAD_S
     t = time.perf_counter()
     import comfy_env
 
     imported = time.perf_counter() - t
+    # The package loads its public names on first use (pydantic for PoolConfig, the pool's
+    # machinery): timed apart, so that the first call's figure stays pool creation -> result
+    # and the import figures add up to everything a fresh host pays.
+    t = time.perf_counter()
+    pool_cls, config_cls = comfy_env.Pool, comfy_env.PoolConfig
+    _LOAD_S = time.perf_counter() - t
     t0 = time.perf_counter()
-    pool = comfy_env.Pool(comfy_env.PoolConfig())
+    pool = pool_cls(config_cls())
     try:
         if pool.get_worker(None).call(ECHO_TARGET, 1) != 1:
             raise RuntimeError("comfy_env answered wrongly")
@@ -596,7 +606,10 @@ def first_call(method: str) -> int:
     os.dup2(2, 1)
     try:
         imported, elapsed = FIRST_CALL[method]()
-        proto.write(json.dumps({"import_s": imported, "s": elapsed}) + "\n")
+        answer = {"import_s": imported, "s": elapsed}
+        if _LOAD_S is not None:
+            answer["load_s"] = _LOAD_S
+        proto.write(json.dumps(answer) + "\n")
     except Exception as exc:  # noqa: BLE001 - reported to the suite, which goes on
         traceback.print_exc()
         proto.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:500]}) + "\n")

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import TYPE_CHECKING, Any
 
-from ._call import Call, CallEvent
-from ._config import PoolConfig
-from ._envs import EnvSpec, resolve_env
 from ._errors import (
     ArgumentError,
     CallCancelled,
@@ -40,19 +38,73 @@ from ._errors import (
     WorkerError,
     WorkerStartError,
 )
-from ._events import (
-    EnvAbandoned,
-    EnvReset,
-    ShmSwept,
-    WorkerReady,
-    WorkerRetired,
-    WorkerSpawned,
-)
-from ._pool import Pool
-from ._refs import RemoteRef
-from ._stats import EnvStats, WorkerStats
-from ._sweep import SweepReport, sweep
-from ._worker import Worker
+
+if TYPE_CHECKING:
+    from ._call import Call, CallEvent
+    from ._config import PoolConfig
+    from ._envs import EnvSpec, resolve_env
+    from ._events import (
+        EnvAbandoned,
+        EnvReset,
+        ShmSwept,
+        WorkerReady,
+        WorkerRetired,
+        WorkerSpawned,
+    )
+    from ._pool import Pool
+    from ._refs import RemoteRef
+    from ._stats import EnvStats, WorkerStats
+    from ._sweep import SweepReport, sweep
+    from ._worker import Worker
+
+# Public names whose modules are imported on first access (module ``__getattr__``): importing
+# the package costs only the error classes; pydantic, psutil and the pool's machinery load
+# when a program first uses them (a ComfyUI server imports this once per isolated pack, and
+# the CLI on every command).
+_LAZY = {
+    "Call": "._call",
+    "CallEvent": "._call",
+    "PoolConfig": "._config",
+    "EnvSpec": "._envs",
+    "resolve_env": "._envs",
+    "EnvAbandoned": "._events",
+    "EnvReset": "._events",
+    "ShmSwept": "._events",
+    "WorkerReady": "._events",
+    "WorkerRetired": "._events",
+    "WorkerSpawned": "._events",
+    "Pool": "._pool",
+    "RemoteRef": "._refs",
+    "EnvStats": "._stats",
+    "WorkerStats": "._stats",
+    "SweepReport": "._sweep",
+    "sweep": "._sweep",
+    "Worker": "._worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    module = _LAZY.get(name)
+    if module is None:
+        if name.startswith("_") and not name.startswith("__"):
+            # A private submodule not imported yet (``comfy_env._pool``, as tests and tools
+            # spell it): import it, as eager imports used to.
+            try:
+                return importlib.import_module(f".{name}", __name__)
+            except ModuleNotFoundError:
+                pass
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __version__ = "0.1.0"
 
@@ -121,6 +173,9 @@ def default_pool() -> Pool:
             if not _fork_hook_installed and hasattr(os, "register_at_fork"):
                 os.register_at_fork(after_in_child=_reset_default_after_fork)
                 _fork_hook_installed = True
+            from ._config import PoolConfig
+            from ._pool import Pool
+
             _default_pool = Pool(PoolConfig())
         return _default_pool
 

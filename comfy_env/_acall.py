@@ -286,7 +286,8 @@ async def _warm_call(
     sock = process.sock
     assert sock is not None
     try:
-        sock.sendall(encode_header(FrameType.CALL, call_id, len(body)) + body)
+        returns = process.take_returns() if process.returned else b""  # loans given back
+        sock.sendall(returns + encode_header(FrameType.CALL, call_id, len(body)) + body)
     except (BrokenPipeError, ConnectionResetError):
         entry.apply(slot, lc.ChannelClosed(generation))
         return False, None  # not one byte went out: the call never ran

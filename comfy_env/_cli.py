@@ -42,18 +42,14 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from ._config import PoolConfig
-from ._envs import resolve_env
 from ._errors import (
     CallTimeout,
     ComfyEnvError,
@@ -64,9 +60,14 @@ from ._errors import (
     WorkerCrashed,
     WorkerStartError,
 )
-from ._pool import Pool
 from ._stats import CALL_COUNTERS
-from ._worker import Worker
+
+if TYPE_CHECKING:
+    from ._config import PoolConfig
+    from ._worker import Worker
+
+# pydantic, the pool and the process machinery are imported by the commands that run workers
+# (demo, doctor, call), not at start-up: ``comfy-env status`` and ``sweep`` stay fast.
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -104,6 +105,9 @@ def _timed(label: str, fn: Callable[[], Any]) -> Any:
 def demo(env: str | None) -> int:
     """Run the lifecycle walk-through; returns the exit code."""
     print(f"comfy-env {__version__} demo on env: {env or 'the current interpreter'}\n")
+    from ._config import PoolConfig
+    from ._pool import Pool
+
     ok = True
     with Pool(PoolConfig()) as pool:
         worker = pool.get_worker(env)
@@ -287,6 +291,8 @@ class _Doctor:
         config = self._config()
         if config is None or not self._resolve():
             return False
+        from ._pool import Pool
+
         capture = _Capture()
         with _worker_output(capture), Pool(config) as pool:
             worker = pool.get_worker(self.env)
@@ -318,6 +324,8 @@ class _Doctor:
             step.ms = (time.perf_counter() - started) * 1000
 
     def _config(self) -> PoolConfig | None:
+        from ._config import PoolConfig
+
         step = Step("config")
         try:
             config: PoolConfig = self._timed(step, PoolConfig)
@@ -335,6 +343,8 @@ class _Doctor:
         return config
 
     def _resolve(self) -> bool:
+        from ._envs import resolve_env
+
         step = Step("resolve env")
         try:
             spec = self._timed(step, lambda: resolve_env(self.env))
@@ -368,6 +378,8 @@ class _Doctor:
         }
         versions = Step("versions")
         self.steps.append(versions)
+        import platform
+
         host_python = platform.python_version()
         worker_python = str(info.get("python", "?"))
         versions.detail = (
@@ -407,6 +419,8 @@ class _Doctor:
         except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
             self._fail(step, exc)
             return False
+        import statistics
+
         median = statistics.median(times)
         step.ms = median * 1000
         step.detail = (
@@ -581,6 +595,9 @@ def call(
     as_json: bool = False,
 ) -> int:
     """Run one call and print its result; returns the exit code."""
+    from ._config import PoolConfig
+    from ._pool import Pool
+
     args, kwargs = parse_call_args(json_args)
     check_target(target)
     try:

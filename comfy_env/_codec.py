@@ -65,6 +65,9 @@ _REFERENCE_CACHE_MAX = 4096
 
 _TARGET_EXAMPLE = "'package.module:function'"
 
+# "module:qualname" strings already found well-formed (bounded like the cache above).
+_VALID_TARGETS: set[str] = set()
+
 
 def target_label(target: str | Callable[..., Any]) -> str:
     """How a target is named in errors and stats."""
@@ -118,18 +121,29 @@ def encode_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     threshold: int = MIN_BLOCK,
+    plain: bool = False,
 ) -> tuple[bytes, list[memoryview], bool]:
     """Pickle a call. Returns ``(body, out-of-band buffers, by_value)``.
+
+    ``plain``: the caller already checked that every argument is a scalar (nothing can go out
+    of band), so the arguments are not scanned again. A string target is validated once and
+    remembered.
 
     Buffers of at least ``threshold`` bytes are left out of the pickle as raw views of the
     caller's memory (nothing is copied yet; the pool places them in shared memory or inline at
     send time). ``by_value`` means the body holds cloudpickled code and needs a worker on the
     host's Python major.minor."""
-    if isinstance(target, str):
+    if type(target) is str and target in _VALID_TARGETS:
+        wire_target: str | Callable[..., Any] = target
+    elif isinstance(target, str):
         module, sep, qualname = target.partition(":")
         if not sep or not module or not qualname:
             raise ValueError(f"call target {target!r} is not of the form {_TARGET_EXAMPLE}")
-        wire_target: str | Callable[..., Any] = target
+        if len(_VALID_TARGETS) >= _REFERENCE_CACHE_MAX:
+            _VALID_TARGETS.clear()
+        if type(target) is str:  # not a str subclass, whose equality could lie
+            _VALID_TARGETS.add(target)
+        wire_target = target
     elif callable(target):
         ref = reference_name(target)
         if ref is None:
@@ -145,6 +159,11 @@ def encode_call(
             f"not {type(target).__name__}"
         )
     message = (wire_target, args, kwargs)
+    if plain:
+        try:
+            return pickle.dumps(message, protocol=5), [], False
+        except Exception:  # noqa: BLE001 - a scalar subclass with a broken reduce: general path
+            pass
     scan = (*args, *kwargs.values()) if kwargs else args
     try:
         body, buffers = shm.encode(message, threshold, pickle.dumps, scan)

@@ -101,3 +101,16 @@ def owner_of(name: str) -> tuple[int, int, int] | None:
 def name_of_dead_owner(name: str) -> bool:
     owner = owner_of(name)
     return owner is not None and owner_dead(*owner)
+
+
+_HOST_TOKEN: tuple[int, str] | None = None
+
+
+def host_id() -> str:
+    """This process's ``host_token()`` (``<pid>-t<start ticks>-n<pid namespace>``), cached per
+    pid (a forked child computes its own)."""
+    global _HOST_TOKEN
+    pid = os.getpid()
+    if _HOST_TOKEN is None or _HOST_TOKEN[0] != pid:
+        _HOST_TOKEN = (pid, host_token())
+    return _HOST_TOKEN[1]

@@ -35,13 +35,41 @@ pool's gate) counts it. Observations carry what they observed: ``IdleExpired`` n
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import NoReturn
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, NoReturn, TypeVar
+
+_T = TypeVar("_T")
 
 
 def assert_never(value: NoReturn) -> NoReturn:
     """Exhaustiveness check: mypy proves this line unreachable."""
     raise AssertionError(f"unhandled state {value!r}")
+
+
+def _lean(cls: type[_T]) -> type[_T]:
+    """Give a frozen, slotted dataclass of the per-call pairs a cheaper ``__init__``.
+
+    The generated one stores each field through ``object.__setattr__`` (about 0.1 us a field);
+    this one calls the slots' own descriptors, bound once, and keeps the signature (names,
+    order, defaults). The class stays a frozen dataclass: ``fields()``, equality, ``repr`` and
+    ``FrozenInstanceError`` on assignment are unchanged. Every call builds six such values, so
+    this is on the hot path."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    params = []
+    namespace: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        namespace[f"_set_{f.name}"] = getattr(cls, f.name).__set__
+        if f.default is not MISSING:
+            namespace[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+        else:
+            params.append(f.name)
+    body = "".join(f"    _set_{n}(self, {n})\n" for n in names)
+    exec(f"def __init__(self, {', '.join(params)}):\n{body}", namespace)
+    init = namespace["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = init  # type: ignore[method-assign]
+    return cls
 
 
 class RetireReason(str, enum.Enum):
@@ -87,6 +115,7 @@ class Starting:
     generation: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Idle:
     """Verified and waiting for a call since ``idle_since`` (a monotonic time)."""
@@ -96,6 +125,7 @@ class Idle:
     idle_since: float
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class InCall:
     """Running call ``call_id`` since ``started_at``. ``cancel_requested_at`` is set once the
@@ -146,6 +176,7 @@ class StartFailed:
     generation: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class CallStarted:
     generation: int
@@ -153,6 +184,7 @@ class CallStarted:
     at: float
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Replied:
     """A complete reply frame for ``call_id`` arrived."""
@@ -282,6 +314,7 @@ class SendCancel:
 Effect = KillWorker | SendCancel
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Transition:
     state: State
@@ -330,8 +363,20 @@ _NO_WORKER = Dropped(NO_WORKER)
 def step(state: State | None, event: Event) -> Transition | Dropped:
     """The next state of a slot (``None``: never used) after ``event``, or why it was dropped.
 
-    On the hot path of every call (twice): the common pairs are tested first, and drops return
-    preallocated ``Dropped`` values."""
+    On the hot path of every call (twice): the two per-call pairs, (Idle, CallStarted) and
+    (InCall, Replied) of the current generation and call, are answered first by exact type
+    (they return exactly what the general rules below would); drops return preallocated
+    ``Dropped`` values."""
+    if type(state) is Idle:
+        if type(event) is CallStarted and event.generation == state.generation:
+            return Transition(InCall(state.generation, state.pid, event.call_id, event.at))
+    elif type(state) is InCall:
+        if (
+            type(event) is Replied
+            and event.generation == state.generation
+            and event.call_id == state.call_id
+        ):
+            return Transition(Idle(state.generation, state.pid, event.at))
     if isinstance(event, SpawnBegan):
         if state is None or (isinstance(state, Retired) and event.generation > state.generation):
             return Transition(Starting(event.generation))

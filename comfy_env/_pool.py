@@ -105,9 +105,12 @@ from ._refs import RemoteRef, released_error
 from ._stats import EnvStats, WorkerStats
 from ._status import host_publisher
 
+# Imported with the pool, not on first use: a first call made when the host is out of
+# descriptors must fail as WorkerStartError, not as an import's EMFILE.
+from ._worker import Worker
+
 if TYPE_CHECKING:
     from ._sweep import SweepReport
-    from ._worker import Worker
 
 _log = logging.getLogger("comfy_env")
 
@@ -138,42 +141,31 @@ class _Slot:
 
 
 class _Ticket:
-    """One call's place in the pool: queued, then holding a slot; cancellable from any thread."""
+    """One call's place in the pool: queued, then holding a slot; cancellable from any thread.
 
-    __slots__ = (
-        "bound_generation",
-        "call_id",
-        "cancelled",
-        "closed",
-        "event",
-        "generation",
-        "interrupted",
-        "on_event",
-        "ran_on",
-        "sink",
-        "slot",
-        "stage",
-        "waker",
-        "wanted",
-        "woken",
-    )
+    The fields are class-level defaults (all immutable), so a ticket costs one allocation and
+    only the fields a call actually sets: the common call sets about five."""
+
+    event: threading.Event | None = None
+    waker: Callable[[], None] | None = None  # wakes a waiter that is not a thread
+    woken: Any = None  # the asyncio future an async waiter awaits (see _acall)
+    on_event: EventCallback | None = None  # the caller's callback
+    sink: Callable[[int, Any], None] | None = None  # EVENT frames of the current call
+    interrupted = False  # Ctrl-C during the call; the worker stopped it in time
+    slot: _Slot | None = None
+    wanted: _Slot | None = None  # the one slot this call must run on (it uses a RemoteRef)
+    bound_generation = 0  # ... and the generation that must still occupy it
+    ran_on: _Slot | None = None  # the slot the call was sent to
+    started: WorkerProcess | None = None  # started in _acquire, not sent yet
+    stage = "new"  # "queued" -> "in_flight" -> "done"
+    generation = 0
+    call_id = 0
+    cancelled = False
+    closed = False
 
     def __init__(self, wanted: _Slot | None = None) -> None:
-        self.event: threading.Event | None = None
-        self.waker: Callable[[], None] | None = None  # wakes a waiter that is not a thread
-        self.woken: Any = None  # the asyncio future an async waiter awaits (see _acall)
-        self.on_event: EventCallback | None = None  # the caller's callback
-        self.sink: Callable[[int, Any], None] | None = None  # EVENT frames of the current call
-        self.interrupted = False  # Ctrl-C during the call; the worker stopped it in time
-        self.slot: _Slot | None = None
-        self.wanted = wanted  # the one slot this call must run on (it uses a RemoteRef)
-        self.bound_generation = 0  # ... and the generation that must still occupy it
-        self.ran_on: _Slot | None = None  # the slot the call was sent to
-        self.stage = "new"  # "queued" -> "in_flight" -> "done"
-        self.generation = 0
-        self.call_id = 0
-        self.cancelled = False
-        self.closed = False
+        if wanted is not None:
+            self.wanted = wanted
 
     def wake(self) -> None:
         """The waiter's slot was handed over, or it must give up (closed, cancelled)."""
@@ -442,8 +434,6 @@ class Pool:
 
     def get_worker(self, env: str | os.PathLike[str] | None = None) -> Worker:
         """A handle on ``env``'s workers (None: the current interpreter). Spawns nothing."""
-        from ._worker import Worker
-
         return Worker(self, self._entry(resolve_env(env)))
 
     def subscribe(self, callback: Callable[[Event], object]) -> Callable[[], None]:
@@ -566,7 +556,17 @@ class Pool:
         if reactor is not None and reactor.running:
             reactor.call_later(delay, fn)
 
-    def _acquire(self, entry: _EnvEntry, ticket: _Ticket, deadline: float | None) -> _Slot:
+    def _acquire(
+        self, entry: _EnvEntry, ticket: _Ticket, deadline: float | None, eager: bool = False
+    ) -> _Slot:
+        """Lease a slot for the call (FIFO; waits while all are leased).
+
+        ``eager``: if the slot leased at once holds a verified idle worker that needs nothing
+        before the call (no ping, no refs to release, a quiet channel, deadline not passed),
+        the call is also started here, in the same lock section (``CallStarted`` through the
+        gate; ``ticket.started`` names the process), which saves the common call a second
+        lock round and the checks ``_exchange`` would repeat. Anything unusual leaves the
+        start to ``_exchange``, which runs the general checks; nothing is counted twice."""
         with entry.lock:
             if self._closed:
                 raise self._closed_error()
@@ -588,6 +588,8 @@ class Pool:
                     ticket.slot = slot
                     ticket.stage = "in_flight"
                     entry.in_flight += 1
+                    if eager and ticket.wanted is None and not entry.dropped_refs:
+                        self._start_locked(entry, slot, ticket, deadline)
                     return slot
             ticket.event = threading.Event()
             ticket.stage = "queued"
@@ -613,6 +615,33 @@ class Pool:
             f"the call's deadline passed while it was queued for env {entry.spec.key}",
             env=entry.spec.key,
         )
+
+    def _start_locked(
+        self, entry: _EnvEntry, slot: _Slot, ticket: _Ticket, deadline: float | None
+    ) -> None:
+        """The eager start of ``_acquire`` (lock held): apply ``CallStarted`` if the slot's
+        idle worker can take the call as it is; else leave everything to ``_exchange``."""
+        state = slot.state
+        process = slot.process
+        if type(state) is not lc.Idle or process is None or process.generation != state.generation:
+            return
+        ping_after = self.config.ping_after_idle
+        if ping_after is not None and lc.needs_ping(state, self._clock(), ping_after):
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        # One poll(2) under the lock: the idle channel must be quiet (``_exchange`` retires a
+        # worker that hung up or wrote unasked, and explains it).
+        if process.idle_channel_state() != "quiet":
+            return
+        call_id = next(self._call_ids)
+        event = lc.CallStarted(state.generation, call_id, self._clock())
+        if entry.apply_locked(slot, event) is None:
+            return  # cannot happen (Idle of this generation); the general path decides
+        ticket.generation = state.generation
+        ticket.call_id = call_id
+        ticket.ran_on = slot
+        ticket.started = process
 
     def _leave_queue(self, entry: _EnvEntry, ticket: _Ticket) -> None:
         """Called by a waiter that gives up; if a slot was handed over meanwhile, pass it on."""
@@ -722,7 +751,7 @@ class Pool:
         deadline: float | None,
     ) -> Any:
         try:
-            slot = self._acquire(entry, ticket, deadline)
+            slot = self._acquire(entry, ticket, deadline, not by_value)
         except BaseException as exc:
             self._settle(entry, ticket, _outcome(exc), None)
             raise
@@ -742,20 +771,25 @@ class Pool:
         its size, its deadline (which starts now), the RemoteRefs that bind it to a slot."""
         if self._closed:
             raise self._closed_error()
-        if bound is None and (args or kwargs):
+        config = self.config
+        # One scan of the arguments: a call whose arguments are all scalars (the common small
+        # call) can hold no RemoteRef and no out-of-band buffer, so both checks are skipped.
+        plain = _all_scalars(args, kwargs)
+        if bound is None and not plain:
             bound = _bound_by_refs(entry, args, kwargs)
-        threshold = self.config.shm_threshold_bytes
-        body, buffers, by_value = encode_call(target, args, kwargs, oob_threshold(threshold))
-        shm_used = self.config.shared_memory and use_shm(buffers, threshold)
+        threshold = config.shm_threshold_bytes
+        body, buffers, by_value = encode_call(target, args, kwargs, oob_threshold(threshold), plain)
+        shm_used = config.shared_memory and use_shm(buffers, threshold)
         inline = len(body) + (0 if shm_used else sum(b.nbytes for b in buffers))
-        if inline + HEADER_SIZE > self.config.max_frame_bytes:
+        if inline + HEADER_SIZE > config.max_frame_bytes:
             raise SerializationError(
                 f"the call to {target_label(target)} pickles to {inline} bytes, over "
-                f"PoolConfig.max_frame_bytes={self.config.max_frame_bytes}"
+                f"PoolConfig.max_frame_bytes={config.max_frame_bytes}"
             )
-        timeout = check_timeout(timeout)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         if timeout is None:
-            timeout = self.config.call_timeout
+            timeout = config.call_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         if bound is not None:
             ticket.wanted, ticket.bound_generation = bound
@@ -832,48 +866,19 @@ class Pool:
         Returns the reply's type, body and out-of-band buffers (private copies; the worker has
         been told it may reuse its blocks) and the ``Replied`` event, which ``_settle``
         applies."""
+        started = ticket.started
+        ticket.started = None
         while True:
-            if ticket.wanted is not None:
-                _check_bound(entry, slot, ticket.bound_generation)
-            process = self._live_process(entry, slot)
-            channel = process.idle_channel_state()
-            if channel != "quiet":
-                # Died idle (EOF) or wrote bytes nobody asked for: retire it before it gets
-                # the call, which then runs on a fresh worker.
-                stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
-                entry.apply(slot, stray(process.generation))
-                continue
-            ping_after = self.config.ping_after_idle
-            if ping_after is not None and lc.needs_ping(slot.state, self._clock(), ping_after):
-                if not self._ping(entry, slot, process):
-                    continue  # replaced through the gate; the call runs on a fresh worker
-            if entry.dropped_refs:
-                self._release_dropped_refs(entry, slot, process)
-            if by_value:
-                why = python_mismatch(process)
-                if why is not None:
-                    raise SerializationError(why)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CallTimeout(
-                    f"the call's deadline passed before it reached a worker of env "
-                    f"{entry.spec.key} (start-up took {process.startup_seconds:.2f}s)",
-                    env=entry.spec.key,
-                    pid=process.pid,
-                    generation=process.generation,
-                )
-            call_id = next(self._call_ids)
-            generation = process.generation
-            with entry.lock:
-                if ticket.cancelled:
-                    raise CallCancelled("the call was cancelled", env=entry.spec.key)
-                effects = entry.apply_locked(
-                    slot, lc.CallStarted(generation, call_id, self._clock())
-                )
-                ticket.generation = generation
-                ticket.call_id = call_id
-                ticket.ran_on = slot
-            if effects is None:
-                continue  # died idle after we looked: a fresh worker takes the call
+            if started is not None:
+                # Started in ``_acquire``'s lock section (the common call): checked there.
+                process, started = started, None
+                call_id = ticket.call_id
+                generation = process.generation
+            else:
+                process, call_id = self._start(entry, slot, ticket, by_value, deadline)
+                if call_id == 0:
+                    continue
+                generation = process.generation
             if ticket.on_event is not None:
                 ticket.sink = event_handler(ticket.on_event, call_id, generation)
             sent, block = self._send(entry, slot, process, call_id, target, body, buffers, deadline)
@@ -897,6 +902,59 @@ class Pool:
                 raise _HostFault(replied, exc) from None
             process.finish_request(block, retained)
             return ftype, reply_body, reply_buffers, replied
+
+    def _start(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        ticket: _Ticket,
+        by_value: bool,
+        deadline: float | None,
+    ) -> tuple[WorkerProcess, int]:
+        """The general start of a call on the leased slot: a live worker (spawned if needed),
+        checked (binding, idle channel, ping, refs, Python version, deadline), then
+        ``CallStarted``. Returns the process and the call id, or call id 0 if the worker was
+        replaced meanwhile (the caller loops and the call goes to a fresh worker)."""
+        if ticket.wanted is not None:
+            _check_bound(entry, slot, ticket.bound_generation)
+        process = self._live_process(entry, slot)
+        channel = process.idle_channel_state()
+        if channel != "quiet":
+            # Died idle (EOF) or wrote bytes nobody asked for: retire it before it gets
+            # the call, which then runs on a fresh worker.
+            stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
+            entry.apply(slot, stray(process.generation))
+            return process, 0
+        ping_after = self.config.ping_after_idle
+        if ping_after is not None and lc.needs_ping(slot.state, self._clock(), ping_after):
+            if not self._ping(entry, slot, process):
+                return process, 0  # replaced through the gate; a fresh worker runs it
+        if entry.dropped_refs:
+            self._release_dropped_refs(entry, slot, process)
+        if by_value:
+            why = python_mismatch(process)
+            if why is not None:
+                raise SerializationError(why)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise CallTimeout(
+                f"the call's deadline passed before it reached a worker of env "
+                f"{entry.spec.key} (start-up took {process.startup_seconds:.2f}s)",
+                env=entry.spec.key,
+                pid=process.pid,
+                generation=process.generation,
+            )
+        call_id = next(self._call_ids)
+        generation = process.generation
+        with entry.lock:
+            if ticket.cancelled:
+                raise CallCancelled("the call was cancelled", env=entry.spec.key)
+            effects = entry.apply_locked(slot, lc.CallStarted(generation, call_id, self._clock()))
+            ticket.generation = generation
+            ticket.call_id = call_id
+            ticket.ran_on = slot
+        if effects is None:
+            return process, 0  # died idle after we looked: a fresh worker takes it
+        return process, call_id
 
     def _ping(self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess) -> bool:
         """Health-check a worker that sat idle a long time, before trusting it with a call."""
@@ -1601,6 +1659,19 @@ def _retire_text(state: lc.State | None) -> str:
     return state.reason.value if isinstance(state, lc.Retired) else "gone"
 
 
+def _all_scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether every argument is of an exact scalar type (int, str, None, ...): such a call
+    holds no RemoteRef and nothing that could go out of band (bytes could)."""
+    for value in args:
+        if type(value) not in _PLAIN:
+            return False
+    if kwargs:
+        for value in kwargs.values():
+            if type(value) not in _PLAIN:
+                return False
+    return True
+
+
 def _bound_by_refs(
     entry: _EnvEntry, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[_Slot, int] | None:
@@ -1643,3 +1714,4 @@ def _bound_by_refs(
 
 
 _SCALARS = frozenset((int, float, bool, type(None), str, bytes))
+_PLAIN = frozenset((int, float, bool, type(None), str, complex))

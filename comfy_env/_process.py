@@ -40,6 +40,8 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +66,7 @@ from ._config import PoolConfig
 from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
-from ._identity import host_token
+from ._identity import host_id, host_token
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
@@ -97,6 +99,11 @@ CANARY_TARGET = "comfy_env_worker.tasks:echo"
 HOST_ID_VAR = "COMFY_ENV_HOST_ID"
 WORKER_ID_VAR = "COMFY_ENV_WORKER_ID"
 _HANDSHAKE_FRAME_BYTES = 1 << 20
+# Reply mappings one worker process may have lent out at a time (see ``open_reply``).
+MAX_LOANS = 64
+# Replies with less shared memory than this are copied out: mapping a block afresh (and
+# unmapping it later) costs more than copying a few MiB.
+LOAN_MIN = 8 << 20
 
 
 def canary_value(oob_bytes: int) -> Any:
@@ -122,18 +129,7 @@ def _warn_once(message: str, key: str | None = None) -> None:
         _log.warning("comfy-env: %s", message)
 
 
-_HOST_TOKEN: tuple[int, str] | None = None
 _serials = itertools.count(1)
-
-
-def host_id() -> str:
-    """This process's ``host_token()`` (``<pid>-t<start ticks>-n<pid namespace>``), cached per
-    pid (a forked child computes its own)."""
-    global _HOST_TOKEN
-    pid = os.getpid()
-    if _HOST_TOKEN is None or _HOST_TOKEN[0] != pid:
-        _HOST_TOKEN = (pid, host_token())
-    return _HOST_TOKEN[1]
 
 
 def make_runtime_dir() -> str:
@@ -237,6 +233,13 @@ class WorkerProcess:
         if config.shared_memory and not self.shm_wanted:
             self.shm_state = "unavailable"
         self.ack_consumed = True  # tests turn this off to exercise the worker's TTL
+        # Loaned reply blocks whose last view died (call ids), appended by finalizers on any
+        # thread; the lease holder sends their CONSUMED frames ahead of its next request.
+        self.returned: deque[int] = deque()
+        # Reply mappings lent out and still alive (each may hold a descriptor), in a list so
+        # that the finalizers need no reference to this object.
+        self._loans = [0]
+        self._loans_lock = threading.Lock()
         self._orphan_lock = threading.Lock()
         self._exit_seen = False
         self._dispose_seen = False
@@ -476,11 +479,13 @@ class WorkerProcess:
         one does, and ``TimeoutError`` when a large write passes ``deadline``."""
         sock = self.sock
         assert sock is not None
+        # Loans returned since the last request ride in front of it, in the same write.
+        returns = self.take_returns() if self.returned else b""
         if not buffers:
             if len(body) <= 65536:
-                sock.sendall(encode_header(FrameType.CALL, call_id, len(body)) + body)
+                sock.sendall(returns + encode_header(FrameType.CALL, call_id, len(body)) + body)
                 return None
-            parts: list[Any] = [encode_header(FrameType.CALL, call_id, len(body)), body]
+            parts: list[Any] = [returns + encode_header(FrameType.CALL, call_id, len(body)), body]
             self._send_large(parts, deadline)
             return None
         block = None
@@ -499,7 +504,7 @@ class WorkerProcess:
                 f"the call's payload is {length} bytes, over PoolConfig.max_frame_bytes="
                 f"{self.config.max_frame_bytes} (shared memory is off or full)"
             )
-        parts.insert(0, encode_header(FrameType.CALL, call_id, length, FLAG_OOB))
+        parts.insert(0, returns + encode_header(FrameType.CALL, call_id, length, FLAG_OOB))
         try:
             self._send_large(parts, deadline)
         except BaseException:
@@ -527,13 +532,23 @@ class WorkerProcess:
     ) -> tuple[Payload | memoryview, list[Any] | None, list[str]]:
         """Split a reply into (body, out-of-band buffers, our blocks the worker retained).
 
-        Shared-memory buffers are copied into private memory and ``CONSUMED`` is sent at once,
-        before anything is unpickled, so the worker gets its block back on every path.
-        A forged or malformed table raises ``FrameError``."""
+        Shared-memory buffers are *loaned*: they are views of a fresh mapping of the worker's
+        reply block, so the result is built on them without a copy. The worker keeps that
+        block pinned (out of its pool) until ``CONSUMED`` for the call arrives, which is sent
+        only once the last view of the mapping is gone (a finalizer queues the call id in
+        ``returned``; the next request carries it). A result therefore never aliases memory
+        the worker will reuse: a block the worker gives up after its TTL is unlinked, never
+        reused, and this mapping keeps its memory. A forged or malformed table raises
+        ``FrameError``."""
         if not flags & FLAG_OOB:
             return payload, None, []
+        # Beyond MAX_LOANS live loans (a caller collecting many results) replies are copied
+        # out and returned at once: before Python 3.13 every mapping keeps a descriptor.
+        loaned: list[Any] | None = [] if self._loans[0] < MAX_LOANS else None
         try:
-            body, buffers, sources, retained = shm.unpack(payload, self.mappings, copy_out=True)
+            body, buffers, sources, retained = shm.unpack(
+                payload, self.mappings, copy_out=loaned is None, loaned=loaned, loan_min=LOAN_MIN
+            )
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
         except FileNotFoundError as exc:  # a block the worker never made: a forged table
@@ -554,9 +569,41 @@ class WorkerProcess:
                 self.shm_state = "on"
             else:  # the worker could not create a reply block: it streamed them inline
                 self._shm_unavailable("the worker cannot create a block")
-        if any(source is not None for source in sources):
-            self._send_consumed(call_id)
+        if loaned:
+            self._lend(call_id, loaned)
+        elif any(source is not None for source in sources):
+            self._send_consumed(call_id)  # copied out (few bytes, or too many loans)
         return body, buffers, retained
+
+    def _lend(self, call_id: int, mappings: list[Any]) -> None:
+        """Queue ``CONSUMED(call_id)`` for when every mapping of the reply has died."""
+        left = [len(mappings)]
+        lock, loans, returned = self._loans_lock, self._loans, self.returned
+        with lock:
+            loans[0] += len(mappings)
+
+        def gone() -> None:  # any thread, at any time (garbage collection)
+            with lock:
+                left[0] -= 1
+                loans[0] -= 1
+                last = left[0] == 0
+            if last:
+                returned.append(call_id)
+
+        for mm in mappings:
+            weakref.finalize(mm, gone)
+
+    def take_returns(self) -> bytes:
+        """CONSUMED frames of the loans returned so far (lease holder only)."""
+        frames = []
+        while True:
+            try:
+                call_id = self.returned.popleft()
+            except IndexError:
+                break
+            frames.append(encode_header(FrameType.CONSUMED, call_id, 0))
+        # Tests turn acks off to exercise the worker's TTL: the returns are then dropped.
+        return b"".join(frames) if self.ack_consumed else b""
 
     def _send_consumed(self, call_id: int) -> None:
         if not self.ack_consumed:

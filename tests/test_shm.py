@@ -101,12 +101,90 @@ def test_a_block_the_worker_keeps_is_never_reused_by_the_host(pool: comfy_env.Po
 
 def test_the_consumed_ack_frees_pinned_reply_blocks_at_once(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
-    out = w.call(remote_tasks.filled, 1.0, MiB)
+    out = w.call(remote_tasks.filled, 1.0, MiB)  # 4 MiB: below LOAN_MIN, copied out
     assert out.nbytes == 4 * MiB
     assert _worker_shm(w)["pinned"] == 0
     _host_process(w).ack_consumed = False
     w.call(remote_tasks.filled, 1.0, MiB)
     assert _worker_shm(w)["pinned"] == 1  # no ack: the reply block stays pinned
+
+
+@pytest.fixture
+def loans_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lend every shared-memory reply, however small (the tests' buffers are a few MiB)."""
+    import comfy_env._process
+
+    monkeypatch.setattr(comfy_env._process, "LOAN_MIN", 0)
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_the_consumed_ack_frees_a_loaned_block_once_its_result_is_gone(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    out = w.call(remote_tasks.filled, 1.0, MiB)
+    assert _worker_shm(w)["pinned"] == 1  # the result is a view of the loaned reply block
+    del out  # its last view: the next request carries the block back
+    assert _worker_shm(w)["pinned"] == 0
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_a_result_is_a_loaned_view_of_the_reply_block_with_no_copy(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    out = w.call(remote_tasks.filled, 2.0, 2 * MiB)
+    base = out
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    assert isinstance(base, memoryview) and type(base.obj).__name__ == "mmap"
+    assert out.flags.writeable
+    out[:] = 7.0  # the block is the caller's until the result dies
+    assert float(w.call(remote_tasks.filled, 3.0, 2 * MiB).sum()) == 2 * MiB * 3.0
+    assert float(out.sum()) == 2 * MiB * 7.0
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_kept_results_never_share_a_block_and_return_when_they_die(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    kept = [w.call(remote_tasks.filled, float(i), MiB) for i in range(5)]
+    assert [float(k[0]) for k in kept] == [0.0, 1.0, 2.0, 3.0, 4.0]  # none was overwritten
+    assert _worker_shm(w)["pinned"] == 5
+    del kept[1:3]
+    assert _worker_shm(w)["pinned"] == 3
+    kept.clear()
+    assert _worker_shm(w)["pinned"] == 0
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_async_calls_give_loaned_blocks_back_too(pool: comfy_env.Pool) -> None:
+    import asyncio
+    import gc
+
+    w = pool.get_worker()
+
+    async def keep_then_count() -> int:
+        out = await w.acall(remote_tasks.filled, 1.0, MiB)
+        assert out.nbytes == 4 * MiB
+        return (await w.acall("comfy_env_worker.tasks:shm_stats"))["pinned"]  # type: ignore[no-any-return]
+
+    assert asyncio.run(keep_then_count()) == 1
+    gc.collect()  # the finished loop's futures held the result until now
+    stats = asyncio.run(w.acall("comfy_env_worker.tasks:shm_stats"))  # carries the return
+    assert stats["pinned"] == 0
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_beyond_the_loan_bound_results_are_private_copies(pool: comfy_env.Pool) -> None:
+    from comfy_env._process import MAX_LOANS
+
+    w = pool.get_worker()
+    kept = [w.call(remote_tasks.filled, 1.0, MiB // 4) for _ in range(MAX_LOANS + 3)]
+    assert _worker_shm(w)["pinned"] == MAX_LOANS  # the copies' blocks went back at once
+    copy = kept[-1]
+    while getattr(copy, "base", None) is not None:
+        copy = copy.base
+    assert not (isinstance(copy, memoryview) and type(copy.obj).__name__ == "mmap")
+    kept.clear()
+    assert _worker_shm(w)["pinned"] == 0
 
 
 def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) -> None:

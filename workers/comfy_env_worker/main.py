@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import control, logs, refs, shm
 from .protocol import (
@@ -187,6 +187,7 @@ class Worker:
         self.pinned: Dict[int, Tuple[shm.Block, float]] = {}
         self.pinned_ttl = 60.0
         self.pin_lock = threading.Lock()
+        self.spares_pending: Set[int] = set()  # size classes a helper thread is faulting in
         self.control = control.CallControl(self.send_event, 0.5)
 
     def send_event(self, call_id: int, payload: bytes) -> bool:
@@ -382,6 +383,35 @@ class Worker:
         with self.outbox.lock:
             send_parts(self.sock, [header, *parts])
             self.outbox.in_call = False
+        if (
+            block is not None
+            and pool is not None
+            and block.size >= shm.SPARE_MIN_BYTES
+            and not pool.has_idle(block.size)
+        ):
+            self.spare_soon(block.size)
+
+    def spare_soon(self, size: int) -> None:
+        """The reply took the last idle block of its size (the host keeps the result, which is
+        a loan of that block): fault in a spare on a helper thread, after the reply went out,
+        so the next call of that size finds one ready."""
+        with self.pin_lock:
+            if size in self.spares_pending:
+                return
+            self.spares_pending.add(size)
+        pool = self.pool
+
+        def make() -> None:
+            try:
+                if pool is not None and not pool.has_idle(size):
+                    pool.add_spare(size)
+            except Exception:  # noqa: BLE001 - /dev/shm full: the next call makes its own
+                pass
+            finally:
+                with self.pin_lock:
+                    self.spares_pending.discard(size)
+
+        threading.Thread(target=make, name="comfy-env-spare", daemon=True).start()
 
     def reply_too_big(self, call_id: int, length: int) -> None:
         too_big = OverflowError(
@@ -493,6 +523,11 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
     calls = worker.control
 
     def watch() -> None:
+        # The parent-death signal is armed here, off the start-up path (ctypes costs a few ms
+        # to import and load): until now, a host that dies is seen as EOF on the channel.
+        _set_parent_death_signal()
+        if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
+            _exit_orphaned(worker)  # the host died before the signal was armed
         poller = select.poll()
         poller.register(fd, poll_hup)
         if cancel_fd is not None:
@@ -535,9 +570,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     cancel_fd = int(args[3]) if len(args) > 3 else None
     _launched_via_wrapper = bool(host_pid) and os.getppid() != host_pid
     faulthandler.enable(all_threads=False)
-    _set_parent_death_signal()
     if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
-        os._exit(0)  # the host died before we could arm the death signal
+        os._exit(0)  # the host died before we started
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)  # our own children must not hold the channel open
     CHANNEL = sock
