@@ -78,3 +78,25 @@ def kill_marked(
         finally:
             os.close(pidfd)
     return killed
+
+
+def watch_host(name: str, value: str) -> None:
+    """The body of a host watcher process (see ``_watcher``): block on stdin, the read end of
+    a pipe whose only writer is the host. ``q`` means the pool closed cleanly (it stopped its
+    own workers): exit. End of file without it means the host died: SIGKILL every process
+    marked ``name=value`` (the dead host's workers and their descendants, ``setsid`` ones
+    included), scanning again while a scan still finds some (a descendant may fork while it
+    is being killed)."""
+    while True:
+        try:
+            said = os.read(0, 1)
+        except InterruptedError:
+            continue
+        except OSError:
+            said = b""
+        break
+    if said == b"q":
+        return
+    for _ in range(5):
+        if not kill_marked(name, value):
+            return

@@ -99,11 +99,13 @@ from ._events import (
     WorkerRetired,
     WorkerSpawned,
 )
-from ._process import WorkerProcess, make_runtime_dir, python_mismatch
+from ._identity import host_id
+from ._process import HOST_ID_VAR, WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import RemoteRef, released_error
 from ._stats import EnvStats, WorkerStats
 from ._status import host_publisher
+from ._watcher import HostWatcher
 
 # Imported with the pool, not on first use: a first call made when the host is out of
 # descriptors must fail as WorkerStartError, not as an import's EMFILE.
@@ -420,6 +422,7 @@ class Pool:
         self._close_done = threading.Event()
         self._reactor: Reactor | None = None
         self._runtime_dir: str | None = None
+        self._watcher: HostWatcher | None = None  # stops setsid descendants if we die
         self._processes: set[WorkerProcess] = set()  # forked and not yet reaped
         self._call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
@@ -1051,6 +1054,8 @@ class Pool:
                     self._schedule_reaper()
                 if self._runtime_dir is None:
                     self._runtime_dir = make_runtime_dir()
+                if self._watcher is None:
+                    self._watcher = HostWatcher.start(HOST_ID_VAR, host_id())
             except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
                 raise WorkerStartError(
                     f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
@@ -1495,6 +1500,8 @@ class Pool:
             process.abandon_in_forked_child()
         if self._reactor is not None:
             self._reactor.abandon_in_forked_child()
+        if self._watcher is not None:
+            self._watcher.forget_in_forked_child()
 
     def _shutdown(self, entries: list[_EnvEntry], reactor: Reactor | None) -> None:
         for entry in entries:
@@ -1554,6 +1561,8 @@ class Pool:
                 leased = any(s.leased and s.process is process for e in entries for s in e.slots)
             if not leased:
                 process.dispose()
+        if self._watcher is not None:  # every worker is stopped: the watcher has nothing to do
+            self._watcher.close(2.0)
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
         host_publisher().publish()  # without this pool (the file goes with the last pool)

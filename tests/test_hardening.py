@@ -905,23 +905,47 @@ def test_a_setsid_descendant_is_stopped_at_close(config: comfy_env.PoolConfig) -
         _kill_quietly(descendant)
 
 
-def test_a_setsid_descendant_of_a_dead_host_is_swept() -> None:
-    host = run_host(
-        """
-        import sys, time, comfy_env
-        pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
-        w = pool.get_worker()
-        print(w.call("hardening_tasks:spawn_setsid_sleeper", False), w.pid, flush=True)
-        time.sleep(60)
-        """,
-        str(TESTS_DIR),
-    )
-    descendant = 0
+_DEAD_HOST_SCRIPT = """
+import sys, time, comfy_env
+pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+w = pool.get_worker()
+print(w.call("hardening_tasks:spawn_setsid_sleeper", False), w.pid, pool._watcher.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _host_with_a_setsid_descendant() -> tuple[subprocess.Popen[str], int, int, int]:
+    host = run_host(_DEAD_HOST_SCRIPT, str(TESTS_DIR))
+    assert host.stdout is not None
+    line = host.stdout.readline()
+    assert line, host.communicate(timeout=30)
+    descendant, worker_pid, watcher_pid = (int(x) for x in line.split())
+    return host, descendant, worker_pid, watcher_pid
+
+
+def test_a_setsid_descendant_is_stopped_the_moment_its_host_dies() -> None:
+    host, descendant, worker_pid, watcher_pid = _host_with_a_setsid_descendant()
     try:
-        assert host.stdout is not None
-        line = host.stdout.readline()
-        assert line, host.communicate(timeout=30)
-        descendant, worker_pid = (int(x) for x in line.split())
+        assert alive(descendant) and alive(watcher_pid)
+        host.kill()  # SIGKILL: the host runs no code at all
+        host.communicate(timeout=30)
+        assert wait_until(lambda: _gone(worker_pid), 10)
+        # No sweep runs: the host's watcher saw its pipe close and stopped the descendant.
+        assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived its host"
+        assert wait_until(lambda: _gone(watcher_pid), 10), "the watcher outlived its job"
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.communicate(timeout=30)
+        _kill_quietly(descendant)
+        _kill_quietly(watcher_pid)
+
+
+def test_a_setsid_descendant_of_a_host_killed_with_its_watcher_is_swept() -> None:
+    host, descendant, worker_pid, watcher_pid = _host_with_a_setsid_descendant()
+    try:
+        os.kill(watcher_pid, 9)  # the backstop case: the watcher dies first, then the host
+        assert wait_until(lambda: _gone(watcher_pid), 10)
         host.kill()
         host.communicate(timeout=30)
         assert wait_until(lambda: _gone(worker_pid), 10)
@@ -933,8 +957,16 @@ def test_a_setsid_descendant_of_a_dead_host_is_swept() -> None:
         if host.poll() is None:
             host.kill()
             host.communicate(timeout=30)
-        if descendant:
-            _kill_quietly(descendant)
+        _kill_quietly(descendant)
+
+
+def test_a_closed_pool_leaves_no_watcher(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config) as pool:
+        pool.get_worker().call("comfy_env_worker.tasks:echo", 1)
+        watcher = pool._watcher
+        assert watcher is not None and alive(watcher.pid)
+    assert watcher.popen.returncode == 0  # told to quit, not killed
+    assert _gone(watcher.pid)
 
 
 def _links(fds: list[int]) -> set[str]:

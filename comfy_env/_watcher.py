@@ -1,0 +1,92 @@
+"""A host watcher: the dead host's ``setsid`` descendants are stopped the moment it dies.
+
+Workers die with their host through ``PR_SET_PDEATHSIG``, and their process groups with them.
+A descendant that called ``setsid`` left the group and is re-parented to init: nothing the
+host set up reaches it, and a host killed with SIGKILL runs no code. So each pool, at its
+first spawn, starts one small watcher process that outlives the host::
+
+    host (pool)  --pipe, write end (close-on-exec)-->  watcher: python -I -S, blocked in read(0)
+    pool.close(): writes "q", closes      ->  watcher exits (close stopped the workers itself)
+    host dies: the kernel closes the pipe ->  watcher reads EOF -> SIGKILLs every process marked
+                                              COMFY_ENV_HOST_ID=<host> (``_descendants``), exits
+
+The watcher runs in its own session (Ctrl-C to the host's group does not stop it before it
+has done its job) with stdout and stderr on ``/dev/null``; it inherits no descriptor but the
+pipe. It carries no host mark itself, so neither it nor a sweep mistakes it for a worker. If
+the watcher itself is killed with the host, the sweep of the next pool start (or ``comfy-env
+sweep``) still finds the marked processes: the watcher makes the common case immediate, the
+sweep stays the backstop.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+_BODY = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from comfy_env._descendants import watch_host; watch_host(sys.argv[2], sys.argv[3])"
+)
+
+
+class HostWatcher:
+    """One watcher process and the write end of its pipe; ``close`` ends it cleanly."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], write_fd: int) -> None:
+        self.popen = popen
+        self._write_fd: int | None = write_fd
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @classmethod
+    def start(cls, name: str, value: str) -> HostWatcher:
+        """Launch the watcher for the processes marked ``name=value``. ``OSError`` if it cannot
+        be launched (the caller decides what that means)."""
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        read_fd, write_fd = os.pipe()  # both close-on-exec: no worker inherits them
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _BODY, package_parent, name, value],
+                stdin=read_fd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        return cls(popen, write_fd)
+
+    def close(self, timeout: float) -> None:
+        """The pool closed cleanly: tell the watcher to exit, and reap it (bounded)."""
+        fd, self._write_fd = self._write_fd, None
+        if fd is not None:
+            try:
+                os.write(fd, b"q")
+            except OSError:
+                pass  # it is gone already; reaped below
+            os.close(fd)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+    def forget_in_forked_child(self) -> None:
+        """In a forked child: drop the inherited write end (only the host may hold it, or the
+        watcher would not see the host's death until this child exits too)."""
+        fd, self._write_fd = self._write_fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        # The watcher is the parent's child, never ours to wait for: mark the handle settled so
+        # that dropping it here neither waits nor warns.
+        self.popen.returncode = 0
