@@ -1054,8 +1054,6 @@ class Pool:
                     self._schedule_reaper()
                 if self._runtime_dir is None:
                     self._runtime_dir = make_runtime_dir()
-                if self._watcher is None:
-                    self._watcher = HostWatcher.start(HOST_ID_VAR, host_id())
             except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
                 raise WorkerStartError(
                     f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
@@ -1137,7 +1135,26 @@ class Pool:
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
         )
         self._status_changed()
+        if self._watcher is None and self._reactor is not None:
+            # Started after the first worker is ready, on the reactor: off the first call's path
+            # (an interpreter start competing with the worker's costs that call ~10 ms).
+            self._reactor.call_soon(self._start_watcher)
         return process
+
+    def _start_watcher(self) -> None:
+        """Reactor thread: launch the host watcher once (see ``_watcher``). ``close`` reads
+        ``_watcher`` after the reactor stopped, so no start races a close."""
+        with self._lock:
+            if self._watcher is not None or self._closed:
+                return
+            try:
+                self._watcher = HostWatcher.start(HOST_ID_VAR, host_id())
+            except OSError as exc:  # the sweep remains the backstop
+                _log.warning(
+                    "comfy-env: cannot start the host watcher (%s); setsid descendants of "
+                    "workers outlive a killed host until the next sweep",
+                    exc,
+                )
 
     def _sweep(self) -> None:
         from ._sweep import sweep

@@ -909,7 +909,10 @@ _DEAD_HOST_SCRIPT = """
 import sys, time, comfy_env
 pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
 w = pool.get_worker()
-print(w.call("hardening_tasks:spawn_setsid_sleeper", False), w.pid, pool._watcher.pid, flush=True)
+descendant = w.call("hardening_tasks:spawn_setsid_sleeper", False)
+while pool._watcher is None:  # started on the reactor once the first worker is ready
+    time.sleep(0.01)
+print(descendant, w.pid, pool._watcher.pid, flush=True)
 time.sleep(60)
 """
 
@@ -963,6 +966,7 @@ def test_a_setsid_descendant_of_a_host_killed_with_its_watcher_is_swept() -> Non
 def test_a_closed_pool_leaves_no_watcher(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config) as pool:
         pool.get_worker().call("comfy_env_worker.tasks:echo", 1)
+        assert wait_until(lambda: pool._watcher is not None)
         watcher = pool._watcher
         assert watcher is not None and alive(watcher.pid)
     assert watcher.popen.returncode == 0  # told to quit, not killed
