@@ -101,9 +101,12 @@ WORKER_ID_VAR = "COMFY_ENV_WORKER_ID"
 _HANDSHAKE_FRAME_BYTES = 1 << 20
 # Reply mappings one worker process may have lent out at a time (see ``open_reply``).
 MAX_LOANS = 64
-# Replies with less shared memory than this are copied out: mapping a block afresh (and
-# unmapping it later) costs more than copying a few MiB.
-LOAN_MIN = 8 << 20
+# Replies with less shared memory than this are copied out. Lending wins from here up, results
+# dropped or kept: a copy faults in fresh private pages, while mapping a block of tmpfs pages
+# that exist already faults them in 16 at a time. Measured (echo round trip, interleaved):
+# 3 MiB 1.04 ms lent vs 2.27 ms copied (2.56 vs 1.13 with 16 results kept), 1 MiB 0.71 vs
+# 0.79, 256 KiB 0.31 vs 0.34. (A ComfyUI 512x512 IMAGE is 3 MiB.)
+LOAN_MIN = 256 << 10
 
 
 def canary_value(oob_bytes: int) -> Any:
