@@ -35,7 +35,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import control, logs, refs, shm
 from .protocol import (
@@ -52,6 +51,10 @@ from .protocol import (
     send_frame,
     send_parts,
 )
+
+TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 _PICKLE_PROTOCOL = 5
 _loads = pickle.loads
