@@ -394,3 +394,18 @@ def log_after_first_import() -> bool:
     log.debug("hidden at the default INFO level")
     log.info("routed after a late import")
     return loaded_before
+
+
+def write_garbage_later(delay: float) -> None:
+    """Returns at once; ``delay`` seconds later a thread writes bytes nobody asked for onto the
+    channel, while the worker is idle."""
+    from comfy_env_worker import main
+
+    channel = main.CHANNEL
+    assert channel is not None
+
+    def later() -> None:
+        time.sleep(delay)
+        channel.sendall(b"unasked bytes on an idle channel")
+
+    threading.Thread(target=later, daemon=True).start()
