@@ -157,12 +157,46 @@ def make_runtime_dir() -> str:
 def _precompile(source: str) -> None:
     """Byte-compile a package in place for this Python, once (best effort: it may be
     read-only); up-to-date files are only stat-ed."""
+    if _byte_code_current(source):
+        return  # the usual case (pip compiles on install): no need to import compileall
     import compileall
 
     try:
         compileall.compile_dir(source, quiet=2, workers=1)
     except OSError:
         pass
+
+
+def _byte_code_current(source: str) -> bool:
+    """Whether every ``.py`` under ``source`` has byte code for this Python that matches it
+    (the header's source mtime and size, as the import system checks them): one ``stat`` and
+    one 16-byte read a file."""
+    from importlib.util import MAGIC_NUMBER
+
+    tag = sys.implementation.cache_tag
+    if tag is None:
+        return False
+    try:
+        for directory, subdirs, files in os.walk(source):
+            subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+            cache = os.path.join(directory, "__pycache__")
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                st = os.stat(os.path.join(directory, name))
+                with open(os.path.join(cache, f"{name[:-3]}.{tag}.pyc"), "rb") as fh:
+                    header = fh.read(16)
+                expected = (
+                    MAGIC_NUMBER
+                    + b"\0\0\0\0"  # flags: checked by timestamp
+                    + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                    + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+                )
+                if header != expected:
+                    return False
+    except OSError:
+        return False
+    return True
 
 
 def worker_environment(config: PoolConfig, worker_id: str = "") -> dict[str, str]:
