@@ -70,17 +70,26 @@ async def arun(
         entry, target, args, kwargs, timeout, ticket, None
     )
     ticket.on_event = on_event
+    # A small in-band call by reference may start in the lease's own lock section, as the
+    # sync call does (``Pool._start_locked``): one lock round instead of two.
+    eager = not by_value and not buffers and len(body) <= _SMALL
     try:
-        slot = _lease_now(pool, entry, ticket)
+        slot = _lease_now(pool, entry, ticket, deadline if eager else _NOT_EAGER)
         if slot is None:
             slot = await _queued(pool, entry, ticket, deadline)
     except BaseException as exc:
         cancelled = isinstance(exc, asyncio.CancelledError)
         pool._settle(entry, ticket, "cancelled" if cancelled else _pool._outcome(exc), None)
         raise
-    process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
+    process = started = ticket.started
+    if started is not None:
+        ticket.started = None  # checked and started (CallStarted) in _lease_now
+    else:
+        process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
     if process is not None:
-        sent, value = await _warm_call(pool, entry, slot, ticket, process, target, body, deadline)
+        sent, value = await _warm_call(
+            pool, entry, slot, ticket, process, target, body, deadline, started is not None
+        )
         if sent:
             return value
     return await _on_thread(pool, entry, slot, ticket, target, body, buffers, by_value, deadline)
@@ -94,9 +103,19 @@ def _resolve(future: asyncio.Future[Any], value: Any = None) -> None:
         future.set_result(value)
 
 
-def _lease_now(pool: Pool, entry: _EnvEntry, ticket: _Ticket) -> _Slot | None:
+_NOT_EAGER = -1.0  # ``_lease_now``'s deadline when the call may not start in its lock section
+
+
+def _lease_now(
+    pool: Pool, entry: _EnvEntry, ticket: _Ticket, eager_deadline: float | None = _NOT_EAGER
+) -> _Slot | None:
     """Lease a free slot at once (no coroutine on the common path), or queue the ticket with
-    an asyncio future as its waker and return None."""
+    an asyncio future as its waker and return None.
+
+    Unless ``eager_deadline`` is ``_NOT_EAGER``, a slot leased at once whose verified idle
+    worker needs nothing first is also started in the same lock section (``CallStarted``
+    through the gate; ``ticket.started`` names the process), exactly as the sync call's
+    ``Pool._acquire`` does; anything unusual leaves the start to the general path."""
     with entry.lock:
         if pool._closed:
             raise pool._closed_error()
@@ -112,6 +131,13 @@ def _lease_now(pool: Pool, entry: _EnvEntry, ticket: _Ticket) -> _Slot | None:
                 ticket.slot = slot
                 ticket.stage = "in_flight"
                 entry.in_flight += 1
+                if (
+                    eager_deadline != _NOT_EAGER
+                    and ticket.wanted is None
+                    and not entry.dropped_refs
+                    and not ticket.cancelled
+                ):
+                    pool._start_locked(entry, slot, ticket, eager_deadline)
                 return slot
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
@@ -264,25 +290,32 @@ async def _warm_call(
     target: str | Callable[..., Any],
     body: bytes,
     deadline: float | None,
+    started: bool = False,
 ) -> tuple[bool, Any]:
     """Run the call on the loop. (False, None) if nothing was sent (the worker died idle under
-    our feet): the caller moves the call to the thread path, which starts a fresh worker."""
+    our feet): the caller moves the call to the thread path, which starts a fresh worker.
+    ``started``: ``CallStarted`` was applied already (``ticket.call_id``), in the lease."""
     loop = asyncio.get_running_loop()
-    call_id = next(pool._call_ids)
     generation = process.generation
-    with entry.lock:
-        cancelled = ticket.cancelled
-        effects = None
-        if not cancelled:
-            effects = entry.apply_locked(slot, lc.CallStarted(generation, call_id, pool._clock()))
-            ticket.generation = generation
-            ticket.call_id = call_id
-            ticket.ran_on = slot
-    if cancelled:
-        pool._settle(entry, ticket, "cancelled", None)
-        raise CallCancelled("the call was cancelled", env=entry.spec.key)
-    if effects is None:
-        return False, None
+    if started:
+        call_id = ticket.call_id
+    else:
+        call_id = next(pool._call_ids)
+        with entry.lock:
+            cancelled = ticket.cancelled
+            effects = None
+            if not cancelled:
+                effects = entry.apply_locked(
+                    slot, lc.CallStarted(generation, call_id, pool._clock())
+                )
+                ticket.generation = generation
+                ticket.call_id = call_id
+                ticket.ran_on = slot
+        if cancelled:
+            pool._settle(entry, ticket, "cancelled", None)
+            raise CallCancelled("the call was cancelled", env=entry.spec.key)
+        if effects is None:
+            return False, None
     sock = process.sock
     assert sock is not None
     try:

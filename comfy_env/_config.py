@@ -40,7 +40,10 @@ class PoolConfig(BaseModel):
 
     # inf and nan are refused for every float (they overflowed deadlines, killed workers and
     # made close() leak); "no deadline" is spelled None where a field allows it.
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    # defer_build: the validator is built on the first validation, not when the class is
+    # created, so the default config (below) never builds it (about 50-100 ms with pydantic's
+    # plugin discovery, on a fresh host's first call).
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, defer_build=True)
 
     call_timeout: float | None = Field(
         None,
@@ -154,6 +157,12 @@ class PoolConfig(BaseModel):
     if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
 
         def __init__(self, **data: Any) -> None:
+            if not data and not _environment_overrides():
+                # Nothing given, nothing in the environment: every field takes its default,
+                # and the defaults are valid (tested: they pass the full validation unchanged).
+                # pydantic would not validate them either (``validate_default`` is off).
+                self.__setstate__(_default_state())
+                return
             try:
                 super().__init__(**data)
             except ValidationError as exc:
@@ -210,6 +219,50 @@ class PoolConfig(BaseModel):
         if value is not None and ("\0" in value or not value):
             raise ValueError(f"cwd {value!r} must be a non-empty path without NUL characters")
         return value
+
+
+def holds_defaults(config: PoolConfig) -> bool:
+    """True if every field of ``config`` holds its default value: such a config is valid as it
+    is (``Pool`` takes it without building pydantic's validator)."""
+    if type(config) is not PoolConfig:
+        return False
+    values = config.__dict__
+    # Types too: ``model_copy(update=...)`` may hold True where the default is 1.
+    return all(
+        type(values.get(name)) is type(default) and values.get(name) == default
+        for name, default in _default_state()["__dict__"].items()
+    )
+
+
+def _environment_overrides() -> bool:
+    """Whether any ``COMFY_ENV_<FIELD>`` variable is set."""
+    environ = os.environ
+    return any(var in environ for var in _field_variables())
+
+
+_VARIABLES: tuple[str, ...] = ()
+
+
+def _field_variables() -> tuple[str, ...]:
+    global _VARIABLES
+    if not _VARIABLES:
+        _VARIABLES = tuple(ENV_PREFIX + name.upper() for name in PoolConfig.model_fields)
+    return _VARIABLES
+
+
+def _default_state() -> dict[str, Any]:
+    """What ``PoolConfig.model_construct()`` holds: every default, freshly made (no field is
+    shared between two configs), with nothing counted as set; no validator is built."""
+    values = {
+        name: field.get_default(call_default_factory=True)
+        for name, field in PoolConfig.model_fields.items()
+    }
+    return {
+        "__dict__": values,
+        "__pydantic_fields_set__": set(),
+        "__pydantic_extra__": None,
+        "__pydantic_private__": None,
+    }
 
 
 def check_timeout(value: object, what: str = "timeout") -> float | None:

@@ -73,7 +73,7 @@ from comfy_env_worker.shm import Block
 from . import _lifecycle as lc
 from ._call import EventCallback, event_handler
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
-from ._config import PoolConfig, check_timeout
+from ._config import PoolConfig, check_timeout, holds_defaults
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
     CallCancelled,
@@ -409,7 +409,12 @@ class Pool:
         inject a fake one. Call deadlines always use real time."""
         # Validated again: ``model_copy(update=...)`` skips pydantic's checks, and a value the
         # OS or the clock cannot take must fail here, not inside a worker or a timer.
-        self.config = PoolConfig(**config.model_dump()) if config is not None else PoolConfig()
+        # A config of defaults only is valid as it is (and needs no validator: see _config).
+        if config is None:
+            config = PoolConfig()
+        elif not holds_defaults(config):
+            config = PoolConfig(**dict(config))
+        self.config = config
         self._clock = clock
         self._events = Dispatcher()
         # Host-side owners of RemoteRefs asked before the reaper retires a worker holding refs

@@ -7,12 +7,11 @@ fresh generation. ``generation`` and ``pid`` report the env's first slot as of n
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import _acall
 from . import _lifecycle as lc
 
 if TYPE_CHECKING:
@@ -20,6 +19,19 @@ if TYPE_CHECKING:
     from ._pool import Pool, _EnvEntry
     from ._refs import RemoteRef
     from ._stats import EnvStats
+
+
+# The asyncio side (``_acall``, and asyncio itself: about 30 ms to import) loads with the first
+# async call, not with the pool: a program that never awaits a call never pays for it.
+_acall: ModuleType | None = None
+
+
+def _load_acall() -> ModuleType:
+    global _acall
+    from . import _acall as module
+
+    _acall = module
+    return module
 
 
 class Worker:
@@ -135,6 +147,8 @@ class Worker:
         running one (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at
         once), waits for the call's end, and raises ``CancelledError``; nothing is kept (a
         result that crossed the cancel is released)."""
+        import asyncio
+
         from ._pool import _Ticket
 
         pool, entry = self._pool, self._entry
@@ -186,7 +200,8 @@ class Worker:
 
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``call`` for asyncio; see ``arun``."""
-        return await _acall.arun(self._pool, self._entry, target, args, kwargs, None, None)
+        acall = _acall or _load_acall()
+        return await acall.arun(self._pool, self._entry, target, args, kwargs, None, None)
 
     async def arun(
         self,
@@ -203,7 +218,8 @@ class Worker:
         Cancelling the task removes a queued call, or asks the worker to stop a running one
         (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at once) and
         raises ``CancelledError`` once the call has ended."""
-        return await _acall.arun(
+        acall = _acall or _load_acall()
+        return await acall.arun(
             self._pool, self._entry, target, tuple(args), dict(kwargs or {}), timeout, on_event
         )
 

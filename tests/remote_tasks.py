@@ -379,3 +379,33 @@ def count_calls() -> int:
     global CALLS_SEEN
     CALLS_SEEN += 1
     return CALLS_SEEN
+
+
+def log_after_first_import() -> bool:
+    """Import ``logging`` for the first time in this worker (after asking for its spec without
+    loading it, as availability checks do), log, and say whether it had been loaded before."""
+    import importlib.util
+
+    loaded_before = "logging" in sys.modules
+    importlib.util.find_spec("logging")
+    import logging
+
+    log = logging.getLogger("late.import")
+    log.debug("hidden at the default INFO level")
+    log.info("routed after a late import")
+    return loaded_before
+
+
+def write_garbage_later(delay: float) -> None:
+    """Returns at once; ``delay`` seconds later a thread writes bytes nobody asked for onto the
+    channel, while the worker is idle."""
+    from comfy_env_worker import main
+
+    channel = main.CHANNEL
+    assert channel is not None
+
+    def later() -> None:
+        time.sleep(delay)
+        channel.sendall(b"unasked bytes on an idle channel")
+
+    threading.Thread(target=later, daemon=True).start()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from conftest import TESTS_DIR, wait_until
+from conftest import TESTS_DIR, alive, wait_until
 
 import comfy_env
 from comfy_env import CallEvent, CallTimeout, RemoteError, WorkerCrashed
@@ -283,3 +285,60 @@ def test_cancelling_a_task_while_its_worker_starts_never_sends_the_call(
         # The start finished and was not wasted: the next call uses that worker.
         assert w.call("comfy_env_worker.tasks:echo", 2) == 2
         assert w.generation == 1
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        return 0
+
+
+def test_an_acall_after_an_idle_death_runs_on_a_fresh_worker_and_counts_once(
+    apool: comfy_env.Pool,
+) -> None:
+    # The warm acall starts in the lease's lock section only when the idle channel is quiet;
+    # a worker that died while idle (maybe not reaped yet: its channel shows EOF) is left to the
+    # general path, which replaces it. The call runs once, nothing counts as crashed.
+    w = apool.get_worker()
+
+    async def main() -> tuple[int, int]:
+        first = await w.acall("remote_tasks:add", 1, 1)
+        pid = w.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        # Dead while idle: every thread gone (a zombie leader's other threads still hold the
+        # channel for a moment), maybe not reaped yet.
+        assert wait_until(lambda: not alive(pid) and _threads(pid) <= 1, 5.0)
+        second = await w.acall("remote_tasks:add", 2, 2)
+        return first, second
+
+    assert run_small(main) == (2, 4)
+    assert w.generation == 2
+    stats = w.stats()
+    assert (stats.submitted, stats.ok, stats.crashed, stats.in_flight) == (2, 2, 0, 0)
+
+
+def test_an_acall_never_goes_to_a_worker_that_wrote_on_its_idle_channel(
+    apool: comfy_env.Pool,
+) -> None:
+    # The lease's one-lock start polls the idle channel: a worker that wrote bytes nobody
+    # asked for is retired before it gets the call (its bytes would be taken for the reply),
+    # and the call runs on a fresh worker.
+    import select
+
+    w = apool.get_worker()
+
+    async def main() -> int:
+        await w.acall("remote_tasks:write_garbage_later", 0.05)
+        process = w._entry.slots[0].process
+        assert process is not None and process.sock is not None
+        sock = process.sock
+        assert wait_until(lambda: bool(select.select([sock], [], [], 0)[0]), 5.0)
+        result: int = await w.acall("remote_tasks:add", 2, 3)
+        return result
+
+    assert run_small(main) == 5
+    assert w.generation == 2
+    stats = w.stats()
+    assert (stats.submitted, stats.ok, stats.crashed, stats.failed) == (2, 2, 0, 0)

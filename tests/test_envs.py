@@ -268,6 +268,54 @@ def test_unknown_config_field_is_refused() -> None:
         comfy_env.PoolConfig(no_such_field=1)  # type: ignore[call-arg]
 
 
+def _without_config_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in list(os.environ):
+        if var.startswith("COMFY_ENV_"):
+            monkeypatch.delenv(var)
+
+
+def test_the_default_config_equals_the_fully_validated_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # PoolConfig() with nothing given and nothing in the environment skips pydantic's
+    # validator (it is built lazily); the values must be exactly what validation gives.
+    _without_config_variables(monkeypatch)
+    fast = comfy_env.PoolConfig()
+    validated = comfy_env.PoolConfig.model_validate({})
+    assert fast == validated and fast.model_dump() == validated.model_dump()
+    assert comfy_env.PoolConfig(**dict(fast)) == fast  # the defaults pass validation unchanged
+    assert fast.model_fields_set == set()
+    assert fast.env_vars is not comfy_env.PoolConfig().env_vars  # no default is shared
+    with pytest.raises(ValidationError):
+        fast.call_timeout = 3  # type: ignore[misc]
+
+
+def test_the_default_config_still_reads_and_checks_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_config_variables(monkeypatch)
+    monkeypatch.setenv("COMFY_ENV_SHM_PINNED_TTL", "7")
+    assert comfy_env.PoolConfig().shm_pinned_ttl == 7.0
+    monkeypatch.setenv("COMFY_ENV_SHM_PINNED_TTL", "-1")
+    with pytest.raises(comfy_env.ConfigError, match="COMFY_ENV_SHM_PINNED_TTL"):
+        comfy_env.PoolConfig()
+
+
+def test_a_pool_takes_a_default_config_as_is_and_checks_any_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_config_variables(monkeypatch)
+    default = comfy_env.PoolConfig()
+    with comfy_env.Pool(default) as pool:
+        assert pool.config is default
+    # Equal to a default but of another type (model_copy skips validation): validated.
+    odd = default.model_copy(update={"max_workers_per_env": True})
+    with comfy_env.Pool(odd) as pool:
+        assert type(pool.config.max_workers_per_env) is int
+    with pytest.raises(comfy_env.ConfigError, match="max_workers_per_env"):
+        comfy_env.Pool(default.model_copy(update={"max_workers_per_env": 0}))
+
+
 def test_config_is_immutable() -> None:
     with pytest.raises(ValidationError):
         comfy_env.PoolConfig().call_timeout = 3  # type: ignore[misc]

@@ -37,6 +37,21 @@ def test_levels_logger_names_and_context_are_preserved(
     assert "hidden at the default INFO level" not in by_message  # the worker's level applies
 
 
+def test_logging_imported_late_by_the_call_is_routed_with_level_and_name(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The worker does not import logging at start-up (it costs milliseconds); the handler is
+    # installed when the env's code first imports it, even after a find_spec without loading.
+    caplog.set_level(logging.DEBUG, logger="comfy_env.worker")
+    loaded_before = pool.get_worker().call(remote_tasks.log_after_first_import)
+    assert loaded_before is False
+    by_message = {r.getMessage(): r for r in _records(caplog)}
+    routed = by_message["routed after a late import"]
+    assert routed.levelno == logging.INFO
+    assert routed.worker_logger == "late.import"  # type: ignore[attr-defined]
+    assert "hidden at the default INFO level" not in by_message  # the worker's level applies
+
+
 def test_everything_a_call_logs_is_emitted_before_it_returns_in_order(
     pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -316,3 +316,27 @@ def test_demo_command_runs(tmp_path: Path) -> None:
     assert "WorkerCrashed: signal=SIGSEGV" in result.stdout
     assert "generation 2" in result.stdout
     assert "CallTimeout" in result.stdout
+
+
+def test_the_runtime_package_is_byte_compiled_once_and_recompiled_when_stale(
+    tmp_path: Path,
+) -> None:
+    # The runtime directory is filled from packages whose byte code is current (pip compiles
+    # on install); a missing or older .pyc is compiled before the copy, so workers import
+    # byte code rather than compiling the runtime at every start.
+    from comfy_env._process import _byte_code_current, _precompile
+
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for path in (package / "__init__.py", package / "sub" / "mod.py"):
+        path.write_text("X = 1\n")
+    assert not _byte_code_current(str(package))
+    _precompile(str(package))
+    tag = sys.implementation.cache_tag
+    compiled = package / "sub" / "__pycache__" / f"mod.{tag}.pyc"
+    assert compiled.exists() and _byte_code_current(str(package))
+    later = compiled.stat().st_mtime_ns + 10**9
+    os.utime(package / "sub" / "mod.py", ns=(later, later))  # edited after it was compiled
+    assert not _byte_code_current(str(package))
+    _precompile(str(package))
+    assert _byte_code_current(str(package))

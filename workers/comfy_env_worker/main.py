@@ -35,7 +35,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import control, logs, refs, shm
 from .protocol import (
@@ -52,6 +51,10 @@ from .protocol import (
     send_frame,
     send_parts,
 )
+
+TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 _PICKLE_PROTOCOL = 5
 _loads = pickle.loads
@@ -523,11 +526,12 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
     calls = worker.control
 
     def watch() -> None:
-        # The parent-death signal is armed here, off the start-up path (ctypes costs a few ms
-        # to import and load): until now, a host that dies is seen as EOF on the channel.
-        _set_parent_death_signal()
-        if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
-            _exit_orphaned(worker)  # the host died before the signal was armed
+        # The parent-death signal is armed here, off the start-up path, and only
+        # _ARM_PDEATHSIG_AFTER seconds after the handshake: importing and loading ctypes costs
+        # a few ms of CPU (and the GIL) that would otherwise land on the canary and the first
+        # call. Until then a host that dies is seen as a hang-up of the channel (polled here,
+        # during calls too) or an EOF between calls, as afterwards.
+        arm_at: Optional[float] = time.monotonic() + _ARM_PDEATHSIG_AFTER
         poller = select.poll()
         poller.register(fd, poll_hup)
         if cancel_fd is not None:
@@ -535,6 +539,13 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
         pending = bytearray()
         wait = 1.0
         while True:
+            if arm_at is not None:
+                now = time.monotonic()
+                if now >= arm_at:
+                    arm_at = None
+                    _set_parent_death_signal()
+                else:
+                    wait = min(wait, arm_at - now)
             events = poller.poll(min(wait, 1.0) * 1000 + 1)
             for _fd, ev in events:
                 if _fd == cancel_fd:
@@ -553,6 +564,8 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
 
 
 _launched_via_wrapper = False
+# Seconds after the handshake at which the watchdog arms PR_SET_PDEATHSIG (see ``watch``).
+_ARM_PDEATHSIG_AFTER = 0.1
 
 # The worker's channel socket once ``main`` runs; tests and fault-injection tasks use it to
 # write raw bytes at the host. Nothing in the serve loop reads this global.

@@ -44,7 +44,10 @@ import os
 import pickle
 import struct
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ce-"
@@ -53,7 +56,10 @@ ALIGN = 64
 
 _U32 = struct.Struct("<I")
 
-Table = List[Tuple[Any, ...]]
+if TYPE_CHECKING:
+    Table = List[Tuple[Any, ...]]
+else:
+    Table = list  # for annotations only
 
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
