@@ -22,12 +22,9 @@ import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._errors import CallCancelled
-
-if TYPE_CHECKING:
-    from ._pool import Pool, _EnvEntry, _Ticket
 
 _log = logging.getLogger("comfy_env")
 
@@ -73,15 +70,25 @@ def deliver(callback: EventCallback, event: CallEvent) -> None:
         _log.exception("comfy-env: on_event callback failed for %s", event)
 
 
+class CallTicket(Protocol):
+    """What a ``Call`` reads of the pool's ticket for its call (narrow on purpose: this module
+    never needs the pool's names)."""
+
+    call_id: int  # 0 until sent
+    generation: int  # 0 until sent
+    stage: str  # "queued", then "in_flight"
+    cancelled: bool
+
+
 class Call:
     """A call started by ``Worker.submit``. Not constructible by users."""
 
-    __slots__ = ("_entry", "_future", "_pool", "_ticket")
+    __slots__ = ("_cancel", "_env", "_future", "_ticket")
 
-    def __init__(self, pool: Pool, entry: _EnvEntry, ticket: _Ticket) -> None:
-        self._pool = pool
-        self._entry = entry
+    def __init__(self, env: str, ticket: CallTicket, cancel: Callable[[bool], None]) -> None:
+        self._env = env
         self._ticket = ticket
+        self._cancel = cancel  # (force) -> unqueue, ask the worker, or (force) kill at once
         self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._future.set_running_or_notify_cancel()
 
@@ -98,7 +105,7 @@ class Call:
 
     @property
     def env(self) -> str:
-        return self._entry.spec.key
+        return self._env
 
     @property
     def call_id(self) -> int:
@@ -116,7 +123,7 @@ class Call:
         call is already done."""
         if self._future.done():
             return False
-        self._pool._cancel(self._entry, self._ticket, force=self._ticket.cancelled)
+        self._cancel(self._ticket.cancelled)
         return True
 
     def cancelled(self) -> bool:

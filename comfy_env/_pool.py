@@ -103,8 +103,8 @@ from ._identity import host_id
 from ._process import HOST_ID_VAR, WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import RemoteRef, released_error
-from ._stats import EnvStats, WorkerStats
-from ._status import host_publisher
+from ._stats import CALL_COUNTERS, EnvStats, WorkerStats
+from ._status import Snapshot, host_publisher
 from ._watcher import HostWatcher
 
 # Imported with the pool, not on first use: a first call made when the host is out of
@@ -1285,7 +1285,7 @@ class Pool:
         if self._reactor is None or self._closed:
             return
         self._status_pending = True
-        host_publisher().publish_soon(self._reactor.call_later)
+        host_publisher(live_pool_snapshots).publish_soon(self._reactor.call_later)
         self._reactor.call_later(0.5, self._status_written)
 
     def _status_written(self) -> None:
@@ -1587,7 +1587,9 @@ class Pool:
             self._watcher.close(2.0)
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
-        host_publisher().publish()  # without this pool (the file goes with the last pool)
+        host_publisher(
+            live_pool_snapshots
+        ).publish()  # without this pool (the file goes with the last pool)
         self._events.close()
 
 
@@ -1746,3 +1748,70 @@ def _bound_by_refs(
 
 _SCALARS = frozenset((int, float, bool, type(None), str, bytes))
 _PLAIN = frozenset((int, float, bool, type(None), str, complex))
+
+
+# ---- status snapshots (written by _status's publisher) -----------------------------------
+
+
+def snapshot_pool(pool: Pool) -> Snapshot:
+    """A JSON-able description of one pool: per env the interpreter, counters and per-slot
+    workers (pid, generation, state, idle or busy since when, start-up seconds).
+
+    Reads ``pool.stats()`` (which locks each entry briefly) and, read-only, each entry's spec,
+    slot states and the pool's clock (idle and busy times are kept on it; they are converted to
+    wall time here). Must not be called with one of the pool's locks held."""
+    # Lifecycle times come from the pool's clock (monotonic unless a test injected another).
+    clock: Callable[[], float] = getattr(pool, "_clock", time.monotonic)
+    now_wall = time.time()
+    now_mono = clock()
+
+    def wall(mono: Any) -> float | None:
+        if isinstance(mono, (int, float)) and not isinstance(mono, bool):
+            return round(now_wall - (now_mono - float(mono)), 3)
+        return None
+
+    stats = pool.stats()
+    entries = dict(pool._entries)  # a copy: the dict may grow while we read it
+    envs: list[Snapshot] = []
+    for key, env_stats in stats.items():
+        entry = entries.get(key)
+        interpreter = entry.spec.interpreter if entry is not None else None
+        workers: list[Snapshot] = []
+        for ws in env_stats.workers:
+            # The slot's lifecycle state as of now; its times count only if it is still the
+            # generation the stats describe.
+            state: Any = None
+            if entry is not None and ws.slot < len(entry.slots):
+                state = entry.slots[ws.slot].state
+            same = state is not None and getattr(state, "generation", None) == ws.generation
+            workers.append(
+                {
+                    "slot": ws.slot,
+                    "pid": ws.pid,
+                    "generation": ws.generation,
+                    "state": ws.state,
+                    "retire_reason": ws.retire_reason,
+                    "startup_seconds": ws.startup_seconds,
+                    "idle_since": wall(getattr(state, "idle_since", None)) if same else None,
+                    "busy_since": wall(getattr(state, "started_at", None)) if same else None,
+                }
+            )
+        env: Snapshot = {"env": key, "interpreter": interpreter, "generation": env_stats.generation}
+        for name in CALL_COUNTERS:
+            env[name] = getattr(env_stats, name)
+        env["workers"] = workers
+        envs.append(env)
+    return {"pool": f"{id(pool):x}", "envs": envs}
+
+
+def live_pool_snapshots() -> list[Snapshot]:
+    """Snapshots of every open pool of this process (the default pool included)."""
+    for _ in range(3):
+        try:
+            pools = list(_live_pools)
+            break
+        except RuntimeError:  # another thread created a pool while we listed them
+            continue
+    else:  # pragma: no cover
+        return []
+    return [snapshot_pool(p) for p in pools if not p.closed]

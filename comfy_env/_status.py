@@ -7,7 +7,7 @@ Data flow::
     Pool state changes -> publisher.publish_soon()        read_status():
       (throttled; the write runs on the pool's reactor)     list <status dir>/*.json
     publisher.publish():                                    host dead (pid gone, or reused by
-      snapshots() -> [snapshot_pool(pool), ...]               a process with another start
+      snapshots() -> [snapshot, ...] (_pool)                  a process with another start
       -> JSON document -> <status dir>/.<id>.json.tmp         time)? remove its file, skip it
       -> os.replace() onto <status dir>/<id>.json           parse -> HostStatus/EnvStatus/
       (no live pool left: the file is removed instead)        WorkerStatus (frozen)
@@ -27,8 +27,9 @@ written), and per worker ``idle_since`` (idle workers) or ``busy_since`` (a work
 converted from the pool's monotonic clock when the snapshot is taken. An idle worker's file is
 not rewritten while it idles; ``now - idle_since`` is its idle time as of any later read.
 
-One publisher serves a whole host process (``host_publisher()``): its snapshot callable lists
-every open pool of the process, so several pools share one file. A forked child gets its own
+One publisher serves a whole host process (``host_publisher(snapshots)``): its snapshot
+callable, passed in by the pool module (this module never imports it), lists every open pool
+of the process, so several pools share one file. A forked child gets its own
 publisher and file; it never writes or removes the parent's.
 """
 
@@ -45,14 +46,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._identity import host_id, pid_namespace
 from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
-
-if TYPE_CHECKING:
-    from ._pool import Pool
 
 SCHEMA = 1
 STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
@@ -68,85 +66,16 @@ def status_dir() -> str:
     return private_subdir(runtime_root(), STATUS_DIR_NAME)
 
 
-# ---- building a snapshot (host side) ------------------------------------------------------
-
-
-def snapshot_pool(pool: Pool) -> Snapshot:
-    """A JSON-able description of one pool: per env the interpreter, counters and per-slot
-    workers (pid, generation, state, idle or busy since when, start-up seconds).
-
-    Reads ``pool.stats()`` (which locks each entry briefly) and, read-only, each entry's spec,
-    slot states and the pool's clock (idle and busy times are kept on it; they are converted to
-    wall time here). Must not be called with one of the pool's locks held."""
-    # Lifecycle times come from the pool's clock (monotonic unless a test injected another).
-    clock: Callable[[], float] = getattr(pool, "_clock", time.monotonic)
-    now_wall = time.time()
-    now_mono = clock()
-
-    def wall(mono: Any) -> float | None:
-        if isinstance(mono, (int, float)) and not isinstance(mono, bool):
-            return round(now_wall - (now_mono - float(mono)), 3)
-        return None
-
-    stats = pool.stats()
-    entries = dict(pool._entries)  # a copy: the dict may grow while we read it
-    envs: list[Snapshot] = []
-    for key, env_stats in stats.items():
-        entry = entries.get(key)
-        interpreter = entry.spec.interpreter if entry is not None else None
-        workers: list[Snapshot] = []
-        for ws in env_stats.workers:
-            # The slot's lifecycle state as of now; its times count only if it is still the
-            # generation the stats describe.
-            state: Any = None
-            if entry is not None and ws.slot < len(entry.slots):
-                state = entry.slots[ws.slot].state
-            same = state is not None and getattr(state, "generation", None) == ws.generation
-            workers.append(
-                {
-                    "slot": ws.slot,
-                    "pid": ws.pid,
-                    "generation": ws.generation,
-                    "state": ws.state,
-                    "retire_reason": ws.retire_reason,
-                    "startup_seconds": ws.startup_seconds,
-                    "idle_since": wall(getattr(state, "idle_since", None)) if same else None,
-                    "busy_since": wall(getattr(state, "started_at", None)) if same else None,
-                }
-            )
-        env: Snapshot = {"env": key, "interpreter": interpreter, "generation": env_stats.generation}
-        for name in _COUNTERS:
-            env[name] = getattr(env_stats, name)
-        env["workers"] = workers
-        envs.append(env)
-    return {"pool": f"{id(pool):x}", "envs": envs}
-
-
-def live_pool_snapshots() -> list[Snapshot]:
-    """Snapshots of every open pool of this process (the default pool included)."""
-    from ._pool import _live_pools
-
-    for _ in range(3):
-        try:
-            pools = list(_live_pools)
-            break
-        except RuntimeError:  # another thread created a pool while we listed them
-            continue
-    else:  # pragma: no cover
-        return []
-    return [snapshot_pool(p) for p in pools if not p.closed]
-
-
 # ---- the publisher (host side) ------------------------------------------------------------
 
 
 class StatusPublisher:
     """Keeps this host's status file current.
 
-    ``snapshots`` returns the current pool snapshots (``snapshot_pool`` results). ``publish()``
-    writes the file now (or removes it when there is no pool to describe); ``publish_soon``
-    schedules a throttled ``publish()`` through a timer function such as a reactor's
-    ``call_later``; ``remove()`` deletes the file and stops all further writes.
+    ``snapshots`` returns the current pool snapshots (``_pool.snapshot_pool`` results).
+    ``publish()`` writes the file now (or removes it when there is no pool to describe);
+    ``publish_soon`` schedules a throttled ``publish()`` through a timer function such as a
+    reactor's ``call_later``; ``remove()`` deletes the file and stops all further writes.
 
     Only the process that created the publisher writes: in a forked child every method is a
     no-op, so the child can never overwrite or delete its parent's file."""
@@ -304,8 +233,10 @@ _host_publisher: StatusPublisher | None = None
 _host_publisher_lock = threading.Lock()
 
 
-def host_publisher() -> StatusPublisher:
-    """This process's publisher over all its open pools (a forked child gets a new one)."""
+def host_publisher(snapshots: Callable[[], Iterable[Snapshot]]) -> StatusPublisher:
+    """This process's publisher (a forked child gets a new one). ``snapshots`` lists every
+    open pool of the process (the pool module passes it in, so that this module never needs
+    the pool's names); the first call's ``snapshots`` is the one kept."""
     global _host_publisher, _host_publisher_lock
     publisher = _host_publisher
     if publisher is not None and publisher._owner_pid == os.getpid():
@@ -314,7 +245,7 @@ def host_publisher() -> StatusPublisher:
         _host_publisher_lock = threading.Lock()
     with _host_publisher_lock:
         if _host_publisher is None or _host_publisher._owner_pid != os.getpid():
-            _host_publisher = StatusPublisher(live_pool_snapshots)
+            _host_publisher = StatusPublisher(snapshots)
         return _host_publisher
 
 

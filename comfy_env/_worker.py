@@ -121,7 +121,7 @@ class Worker:
             entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, None
         )
         ticket.on_event = on_event
-        call = Call(pool, entry, ticket)
+        call = Call(entry.spec.key, ticket, lambda force: pool._cancel(entry, ticket, force=force))
         call._start(lambda: pool._call_prepared(entry, ticket, target, *prepared))
         return call
 

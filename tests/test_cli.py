@@ -23,8 +23,9 @@ import pytest
 
 import comfy_env
 from comfy_env._cli import main
+from comfy_env._pool import snapshot_pool
 from comfy_env._process import host_id
-from comfy_env._status import StatusPublisher, read_status, snapshot_pool, status_dir
+from comfy_env._status import StatusPublisher, read_status, status_dir
 from comfy_env_worker.shm import shm_available
 
 TESTS_DIR = Path(__file__).resolve().parent
