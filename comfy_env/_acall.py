@@ -64,7 +64,6 @@ from ._errors import (
     CallTimeout,
     HostResourceError,
     PoolClosedError,
-    SerializationError,
     WorkerCrashed,
 )
 from ._process import python_mismatch
@@ -370,12 +369,13 @@ async def _warm_call(
     except (BrokenPipeError, ConnectionResetError):
         entry.apply(slot, lc.ChannelClosed(generation))
         return False, None  # not one byte went out: the call never ran
-    except SerializationError:
-        # Nothing was sent (shared memory failed and the inline frame is over the limit).
-        pool._settle(entry, ticket, "failed", None)
-        raise
     except OSError:
         pass  # the read below reports the crash
+    except BaseException:
+        # Nothing was sent (``SerializationError``: shared memory failed and the inline frame
+        # is over the limit, or the copy itself failed): end the call as the sync path does.
+        pool._settle(entry, ticket, "failed", None)
+        raise
     outcome = "failed"
     replied: lc.Replied | None = None
     cancels = 0
