@@ -409,3 +409,15 @@ def write_garbage_later(delay: float) -> None:
         channel.sendall(b"unasked bytes on an idle channel")
 
     threading.Thread(target=later, daemon=True).start()
+
+
+def hold_array(arr: Any, seconds: float) -> float:
+    """Holds an out-of-band argument while it works in small steps, stopping when the host
+    cancels (tests/test_acall.py: cancellation and deadlines with buffers)."""
+    import comfy_env_worker
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        comfy_env_worker.raise_if_cancelled()
+        time.sleep(0.01)
+    return float(arr.sum())

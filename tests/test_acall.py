@@ -342,3 +342,133 @@ def test_an_acall_never_goes_to_a_worker_that_wrote_on_its_idle_channel(
     assert w.generation == 2
     stats = w.stats()
     assert (stats.submitted, stats.ok, stats.crashed, stats.failed) == (2, 2, 0, 0)
+
+
+# ---- out-of-band buffers on the loop ----------------------------------------------------------
+
+
+class _NoThreads:
+    """Makes any thread started while active fail the test (patches ``threading.Thread``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+
+    def __enter__(self) -> None:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("a thread was started for a warm acall")
+
+        self.monkeypatch.setattr(threading, "Thread", refuse)
+
+    def __exit__(self, *exc: object) -> None:
+        self.monkeypatch.undo()
+
+
+def _thread_path_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from comfy_env import _acall
+
+    used = [0]
+    real = _acall._on_thread
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        used[0] += 1
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(_acall, "_on_thread", counting)
+    return used
+
+
+def test_a_warm_acall_with_out_of_band_buffers_runs_on_the_loop_without_a_thread(
+    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    np = pytest.importorskip("numpy")
+    w = apool.get_worker()
+    w.call("remote_tasks:getpid")  # warm: the start runs on a thread of its own
+    arr = np.arange(512 * 512 * 3, dtype=np.float32).reshape(512, 512, 3)  # 3 MiB
+    used = _thread_path_counter(monkeypatch)
+
+    async def main() -> list[Any]:
+        results = []
+        with _NoThreads(monkeypatch):
+            for _ in range(3):  # later calls carry the loans of the earlier replies back
+                results.append(await w.acall("comfy_env_worker.tasks:echo", arr))
+        return results
+
+    results = run_small(main)
+    for echoed in results:
+        assert echoed.dtype == arr.dtype and echoed.shape == arr.shape
+        assert np.array_equal(echoed, arr)
+    assert used == [0]
+    stats = w.stats()
+    assert (stats.ok, stats.in_flight, w.generation) == (4, 0, 1)
+    del results, echoed
+    assert w.call("remote_tasks:add", 2, 3) == 5  # the loans went back; the channel is in sync
+
+
+def test_cancel_and_deadline_hold_for_a_warm_acall_with_buffers(
+    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    np = pytest.importorskip("numpy")
+    w = apool.get_worker()
+    pid = w.call("remote_tasks:getpid")
+    used = _thread_path_counter(monkeypatch)
+    arr = np.ones(1 << 20, dtype=np.float32)  # 4 MiB: shared memory, on the loop
+
+    async def main() -> None:
+        task = asyncio.ensure_future(w.acall("remote_tasks:hold_array", arr, 30))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The worker stopped cooperatively and lives on; the next buffer call is exact.
+        assert await w.acall("remote_tasks:hold_array", arr, 0) == float(1 << 20)
+        with pytest.raises(CallTimeout, match="missed its deadline"):
+            await w.arun("remote_tasks:hold_array", (arr, 30), timeout=0.3)
+
+    run_small(main)
+    stats = w.stats()
+    assert (stats.cancelled, stats.timed_out, stats.in_flight) == (1, 1, 0)
+    assert used == [0]  # all three ran on the loop
+    assert w.call("remote_tasks:hold_array", arr, 0) == float(1 << 20)
+    assert w.pid != pid and w.generation == 2  # the deadline stopped generation 1
+
+
+def test_an_acall_with_buffers_above_the_loop_bound_uses_the_thread_path(
+    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    np = pytest.importorskip("numpy")
+    from comfy_env import _acall
+
+    w = apool.get_worker()
+    w.call("remote_tasks:getpid")
+    used = _thread_path_counter(monkeypatch)
+    big = np.full(_acall._OOB_LOOP_MAX // 4 + 1024, 2.0, dtype=np.float32)  # just above
+    small = np.full(1 << 20, 3.0, dtype=np.float32)
+
+    async def main() -> tuple[Any, Any]:
+        return await w.acall("comfy_env_worker.tasks:echo", big), await w.acall(
+            "comfy_env_worker.tasks:echo", small
+        )
+
+    got_big, got_small = run_small(main)
+    assert np.array_equal(got_big, big) and np.array_equal(got_small, small)
+    assert used == [1]  # only the large one took a thread
+    del got_big, got_small
+
+
+def test_an_acall_with_buffers_streams_inline_on_a_thread_when_shared_memory_is_off() -> None:
+    np = pytest.importorskip("numpy")
+    cfg = comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), shared_memory=False)
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:getpid")
+        arr = np.arange(1 << 20, dtype=np.float32)
+
+        async def main() -> Any:
+            return await w.acall("comfy_env_worker.tasks:echo", arr)
+
+        with pytest.MonkeyPatch.context() as mp:
+            used = _thread_path_counter(mp)
+            got = run_small(main)
+            assert used == [1]
+        assert np.array_equal(got, arr)
+        assert w.stats().ok == 2
