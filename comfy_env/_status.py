@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ._identity import host_id, pid_namespace
+from ._identity import host_id, owner_dead, pid_namespace
 from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
 
@@ -374,9 +374,8 @@ def remove_stale_status(*, dry_run: bool = False) -> list[str]:
 
 
 def _owner_alive(match: re.Match[str]) -> bool:
-    from ._sweep import host_alive
-
-    return host_alive(int(match.group(1)), int(match.group(2)), int(match.group(3)))
+    """Alive unless proven dead (so "alive" includes "cannot tell"), as the sweep judges."""
+    return not owner_dead(int(match.group(1)), int(match.group(2)), int(match.group(3)))
 
 
 MAX_STATUS_BYTES = 4 * 1024 * 1024  # a real status file is a few KiB
