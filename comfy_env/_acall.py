@@ -425,19 +425,10 @@ async def _warm_call(
             ftype, flags, reply_id, payload, rest = value
             if rest:
                 process.reader.unread(rest)  # type: ignore[union-attr]
-            if ftype == FrameType.ERROR:
-                detail = payload.decode("utf-8", "replace")
-                raise pool._protocol_error(
-                    entry, slot, process, f"worker refused a frame: {detail}"
-                )
-            if reply_id != call_id or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
-                raise pool._protocol_error(
-                    entry,
-                    slot,
-                    process,
-                    f"expected the reply to call {call_id}, got frame type {ftype} for call "
-                    f"{reply_id}",
-                )
+            if (
+                ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR
+            ) or reply_id != call_id:
+                raise pool._not_the_reply(entry, slot, process, ftype, reply_id, call_id, payload)
             replied = lc.Replied(generation, call_id, pool._clock())
             reply_buffers = None
             retained: list[str] = []

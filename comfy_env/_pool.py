@@ -1382,17 +1382,31 @@ class Pool:
                 raise
             ticket.interrupted = True
             ftype, flags, reply_id, reply = frame
-        if ftype == FrameType.ERROR:
-            detail = bytes(reply).decode("utf-8", "replace")
-            raise self._protocol_error(entry, slot, process, f"worker refused a frame: {detail}")
-        if reply_id != call_id or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
-            raise self._protocol_error(
-                entry,
-                slot,
-                process,
-                f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}",
-            )
+        if (ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR) or reply_id != call_id:
+            raise self._not_the_reply(entry, slot, process, ftype, reply_id, call_id, reply)
         return ftype, flags, reply
+
+    def _not_the_reply(
+        self,
+        entry: _EnvEntry,
+        slot: _Slot,
+        process: WorkerProcess,
+        ftype: int,
+        reply_id: int,
+        call_id: int,
+        payload: Payload | memoryview,
+    ) -> ProtocolError:
+        """The error for a frame read where the reply to ``call_id`` belonged (both the sync
+        and the asyncio path): the worker refused our frame, or said something out of turn."""
+        if ftype == FrameType.ERROR:
+            detail = bytes(payload).decode("utf-8", "replace")
+            return self._protocol_error(entry, slot, process, f"worker refused a frame: {detail}")
+        return self._protocol_error(
+            entry,
+            slot,
+            process,
+            f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}",
+        )
 
     def _drain_cancelled(
         self,
