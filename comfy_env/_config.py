@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -152,6 +152,16 @@ class PoolConfig(BaseModel):
         gt=0,
         description="Seconds a worker keeps a reply's blocks pinned waiting for the host's "
         "ack before it gives them up (the host died or hung).",
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="Where workers run: 'local' (subprocesses of the env's interpreter) or "
+        "'ray' (one Ray actor per worker generation; pip install comfy-env[ray]).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="With backend='ray': the cluster to join (ray.init(address=...)); None "
+        "joins the cluster this process already initialised, else starts a local one.",
     )
 
     if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature

@@ -71,6 +71,7 @@ from comfy_env_worker.protocol import (
 from comfy_env_worker.shm import Block
 
 from . import _lifecycle as lc
+from ._backend import Backend, backend_for
 from ._call import EventCallback, event_handler
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
 from ._config import PoolConfig, check_timeout, holds_defaults
@@ -415,6 +416,7 @@ class Pool:
         elif not holds_defaults(config):
             config = PoolConfig(**dict(config))
         self.config = config
+        self._backend: Backend = backend_for(config)
         self._clock = clock
         self._events = Dispatcher()
         # Host-side owners of RemoteRefs asked before the reaper retires a worker holding refs
@@ -1080,14 +1082,14 @@ class Pool:
             old = slot.process
             if old is not None:
                 entry.log_lines_dropped += old.log.dropped
-            process = WorkerProcess(
+            process: WorkerProcess = self._backend.new_generation(
                 entry.spec,
                 generation,
                 self.config,
                 reactor,
                 runtime_dir,
-                on_exit=lambda p: self._on_exit(entry, slot, p),
-                on_finished=lambda p: self._on_finished(entry, p),
+                lambda p: self._on_exit(entry, slot, p),
+                lambda p: self._on_finished(entry, p),
             )
             slot.process = process
         if old is not None:
@@ -1557,6 +1559,7 @@ class Pool:
         if self._reaper is not None:
             self._reaper.cancel()
         if reactor is None:
+            self._backend.close()
             self._events.close()
             return
         # Barrier: after this, no fork can start (before_launch refuses), and every process
@@ -1599,6 +1602,7 @@ class Pool:
                 process.dispose()
         if self._watcher is not None:  # every worker is stopped: the watcher has nothing to do
             self._watcher.close(2.0)
+        self._backend.close()
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
         host_publisher(

@@ -1,0 +1,177 @@
+"""The backend seam: what starts, talks to and stops one worker generation.
+
+The pool's core (env entries, slots, FIFO leasing, the lifecycle gate, stats, events) and its
+policies (idle reaper, health ping, crash-loop breaker) know nothing about how a worker runs.
+They hold a ``WorkerGeneration`` per slot and reach it only through the members below. A
+``Backend`` makes one generation at a time::
+
+    pool._spawn --new_generation()--> WorkerGeneration (not started)
+                 launch(before, after)      start it (a process, an actor)
+                 handshake(deadline)        verified: hello + canary, or WorkerStartError
+                 send_request / reader.read / read_frame / open_reply / finish_request
+                                            one call at a time, by the lease holder
+                 send_cancel(call_id)       cooperative cancellation (any thread)
+                 kill(stop) / dispose()     the gate's effects
+    on_exit(gen)      -> the gate's Exited (it died or was stopped)
+    on_finished(gen)  -> exit code and last output are final (WorkerRetired, the breaker)
+
+Backends:
+
+- ``local`` (``LocalBackend``): a subprocess of the env's interpreter, a framed socketpair,
+  shared memory for large buffers (``_process.WorkerProcess``). The default.
+- ``ray`` (``comfy_env._ray``, ``pip install comfy-env[ray]``): one Ray actor per generation
+  under the env's interpreter. Imported only when a pool selects it.
+
+A backend declares ``capabilities`` (``"exit codes"``, ``"signal grace"``, ``"shared memory"``,
+``"fork"``, ``"fd channel"``): the contract suite skips by them, and the asyncio path runs a
+call on the event loop only over an ``"fd channel"``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from comfy_env_worker.protocol import Payload
+    from comfy_env_worker.shm import Block
+
+    from ._config import PoolConfig
+    from ._envs import EnvSpec
+    from ._lifecycle import RetireReason, Stop
+    from ._logs import WorkerLog
+    from ._reactor import Reactor
+
+LOCAL_CAPABILITIES = frozenset(
+    {"exit codes", "signal grace", "shared memory", "fork", "fd channel", "descendants"}
+)
+
+
+class FrameSource(Protocol):
+    """The reply side of a generation's channel, read by the lease holder only."""
+
+    def read(self, deadline: float | None) -> tuple[int, int, int, Payload]: ...
+
+    @property
+    def buffered(self) -> int: ...
+
+
+class WorkerGeneration(Protocol):
+    """One generation of one slot's worker, as the pool sees it (see the module docstring)."""
+
+    generation: int
+    pid: int | None
+    returncode: int | None
+    startup_seconds: float
+    retire_reason: RetireReason | None
+    shm_state: str
+    log: WorkerLog
+    exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
+    popen: Any  # the launched process, if the backend has one (None for an actor)
+
+    @property
+    def reader(self) -> FrameSource | None: ...
+
+    @property
+    def python_version(self) -> tuple[int, ...]: ...
+
+    def launch(
+        self,
+        before_launch: Callable[[], None] | None = None,
+        after_launch: Callable[[Any], None] | None = None,
+    ) -> None: ...
+
+    def handshake(self, deadline: float) -> None: ...
+
+    def send_request(
+        self, call_id: int, body: bytes, buffers: list[memoryview], deadline: float | None
+    ) -> Block | None: ...
+
+    def read_frame(
+        self,
+        deadline: float | None,
+        first: tuple[int, int, Payload] | None = None,
+        sink: Callable[[Any], None] | None = None,
+    ) -> tuple[int, int, int, Payload]: ...
+
+    def open_reply(
+        self, call_id: int, flags: int, payload: Payload
+    ) -> tuple[Payload, list[Any], list[str]]: ...
+
+    def finish_request(self, block: Block | None, retained: list[str]) -> None: ...
+
+    def idle_channel_state(self) -> str: ...
+
+    def ping(self, timeout: float) -> bool: ...
+
+    def send_cancel(self, call_id: int) -> bool: ...
+
+    def release_refs(self, ref_ids: list[int]) -> None: ...
+
+    def kill(self, stop: Stop) -> None: ...
+
+    def wait_exit(self, timeout: float) -> int | None: ...
+
+    def wait_output(self, timeout: float) -> None: ...
+
+    def dispose(self) -> None: ...
+
+    def abandon_in_forked_child(self) -> None: ...
+
+    def force_close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """Makes worker generations for a pool (one backend object per pool)."""
+
+    name: str
+    capabilities: frozenset[str]
+
+    def new_generation(
+        self,
+        spec: EnvSpec,
+        generation: int,
+        config: PoolConfig,
+        reactor: Reactor,
+        runtime_dir: str,
+        on_exit: Callable[[Any], None],
+        on_finished: Callable[[Any], None],
+    ) -> Any: ...
+
+    def close(self) -> None:
+        """The pool closed: release what the backend itself holds (not the generations)."""
+
+
+class LocalBackend:
+    """Workers as subprocesses of the env's interpreter (``_process.WorkerProcess``)."""
+
+    name = "local"
+    capabilities = LOCAL_CAPABILITIES
+
+    def new_generation(
+        self,
+        spec: EnvSpec,
+        generation: int,
+        config: PoolConfig,
+        reactor: Reactor,
+        runtime_dir: str,
+        on_exit: Callable[[Any], None],
+        on_finished: Callable[[Any], None],
+    ) -> Any:
+        from ._process import WorkerProcess
+
+        return WorkerProcess(spec, generation, config, reactor, runtime_dir, on_exit, on_finished)
+
+    def close(self) -> None:
+        pass
+
+
+def backend_for(config: PoolConfig) -> Backend:
+    """The backend ``config.backend`` names; Ray is imported only when selected."""
+    if config.backend == "ray":
+        from ._ray import RayBackend  # type: ignore[import-not-found,unused-ignore]
+
+        backend: Backend = RayBackend(config)
+        return backend
+    return LocalBackend()
