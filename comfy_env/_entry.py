@@ -9,12 +9,13 @@ Data flow (what each piece holds, and who writes it)::
       waiters: deque[Ticket]          FIFO of calls waiting for a slot
       counters                        submitted/ok/raised/..., read by ``snapshot()``
       env_state                       the crash-loop breaker (``_lifecycle.EnvActive``/
-                                      ``EnvAbandoned``), written by ``_policies``
+                                      ``EnvAbandoned``), written by
+                                      ``_policies.record_death`` and ``Pool.reset``
       dropped_refs                    RemoteRefs garbage collected, appended lock-free
 
     any thread --event--> EnvEntry.apply(slot, event)      the gate, the only writer of
-                          ├─ under lock: lc.step(state, event) -> new state, effects
-                          └─ outside the lock: run_effects(...) (kill, cancel, grace timer)
+                          |- under lock: lc.step(state, event) -> new state, effects
+                          `- outside the lock: run_effects(...) (kill, cancel, grace timer)
 
 **The gate** (``EnvEntry.apply``/``apply_locked``) applies an event to a slot under the entry's
 lock using the pure ``_lifecycle.step``, and returns the effects (kill) that the caller then
