@@ -56,9 +56,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType
 
 from . import _lifecycle as lc
-from . import _pool
 from ._call import EventCallback, deliver, event_handler
 from ._codec import decode_reply, target_label, use_shm
+from ._entry import Ticket, free_slot, outcome_of
 from ._errors import (
     CallCancelled,
     CallTimeout,
@@ -66,11 +66,12 @@ from ._errors import (
     PoolClosedError,
     WorkerCrashed,
 )
-from ._process import python_mismatch
+from ._failures import abandoned_error, not_the_reply, protocol_error
+from ._process import WorkerProcess, python_mismatch
 
 if TYPE_CHECKING:
-    from ._pool import Pool, _EnvEntry, _Slot, _Ticket
-    from ._process import WorkerProcess
+    from ._callsite import CallSite
+    from ._entry import EnvEntry, Slot
 
 T = TypeVar("T")
 
@@ -82,21 +83,21 @@ _REPLY_SPIN = 0.0002  # seconds a warm call waits for its reply before yielding 
 
 
 async def arun(
-    pool: Pool,
-    entry: _EnvEntry,
+    pool: CallSite,
+    entry: EnvEntry,
     target: str | Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     timeout: float | None,
     on_event: EventCallback | None,
 ) -> Any:
-    ticket = _pool._Ticket()
-    body, buffers, by_value, deadline = pool._prepare(
+    ticket = Ticket()
+    body, buffers, by_value, deadline = pool.prepare(
         entry, target, args, kwargs, timeout, ticket, None
     )
     ticket.on_event = on_event
     # A small in-band call by reference may start in the lease's own lock section, as the
-    # sync call does (``Pool._start_locked``): one lock round instead of two.
+    # sync call does (``Pool.start_locked``): one lock round instead of two.
     eager = not by_value and not buffers and len(body) <= _SMALL
     try:
         slot = _lease_now(pool, entry, ticket, deadline if eager else _NOT_EAGER)
@@ -104,7 +105,7 @@ async def arun(
             slot = await _queued(pool, entry, ticket, deadline)
     except BaseException as exc:
         cancelled = isinstance(exc, asyncio.CancelledError)
-        pool._settle(entry, ticket, "cancelled" if cancelled else _pool._outcome(exc), None)
+        pool.settle(entry, ticket, "cancelled" if cancelled else outcome_of(exc), None)
         raise
     process = started = ticket.started
     if started is not None:
@@ -112,6 +113,7 @@ async def arun(
     else:
         process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
     if process is not None:
+        assert isinstance(process, WorkerProcess)  # a call on the loop needs an fd channel
         sent, value = await _warm_call(
             pool, entry, slot, ticket, process, target, body, buffers, deadline, started is not None
         )
@@ -132,8 +134,8 @@ _NOT_EAGER = -1.0  # ``_lease_now``'s deadline when the call may not start in it
 
 
 def _lease_now(
-    pool: Pool, entry: _EnvEntry, ticket: _Ticket, eager_deadline: float | None = _NOT_EAGER
-) -> _Slot | None:
+    pool: CallSite, entry: EnvEntry, ticket: Ticket, eager_deadline: float | None = _NOT_EAGER
+) -> Slot | None:
     """Lease a free slot at once (no coroutine on the common path), or queue the ticket with
     an asyncio future as its waker and return None.
 
@@ -142,15 +144,15 @@ def _lease_now(
     through the gate; ``ticket.started`` names the process), exactly as the sync call's
     ``Pool._acquire`` does; anything unusual leaves the start to the general path."""
     with entry.lock:
-        if pool._closed:
-            raise pool._closed_error()
+        if pool.closed:
+            raise pool.closed_error()
         entry.submitted += 1
         if isinstance(entry.env_state, lc.EnvAbandoned):
             ticket.stage = "in_flight"
             entry.in_flight += 1
-            raise _pool._abandoned_error(entry.spec.key, entry.env_state)
+            raise abandoned_error(entry.spec.key, entry.env_state)
         if not entry.waiters:
-            slot = _pool._free_slot(entry, ticket.wanted)
+            slot = free_slot(entry, ticket.wanted)
             if slot is not None:
                 slot.leased = True
                 ticket.slot = slot
@@ -162,7 +164,7 @@ def _lease_now(
                     and not entry.dropped_refs
                     and not ticket.cancelled
                 ):
-                    pool._start_locked(entry, slot, ticket, eager_deadline)
+                    pool.start_locked(entry, slot, ticket, eager_deadline)
                 return slot
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
@@ -182,7 +184,7 @@ def _lease_now(
     return None
 
 
-async def _queued(pool: Pool, entry: _EnvEntry, ticket: _Ticket, deadline: float | None) -> _Slot:
+async def _queued(pool: CallSite, entry: EnvEntry, ticket: Ticket, deadline: float | None) -> Slot:
     """Wait, costing no thread, until a slot is handed over (or give up: deadline, cancel)."""
     woken = ticket.woken
     assert woken is not None
@@ -192,17 +194,17 @@ async def _queued(pool: Pool, entry: _EnvEntry, ticket: _Ticket, deadline: float
         else:
             await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
     except (asyncio.TimeoutError, TimeoutError):
-        pool._leave_queue(entry, ticket)
+        pool.leave_queue(entry, ticket)
         raise CallTimeout(
             f"the call's deadline passed while it was queued for env {entry.spec.key}",
             env=entry.spec.key,
         ) from None
     except BaseException:  # cancelled (or the coroutine closed): leave the queue
-        pool._leave_queue(entry, ticket)
+        pool.leave_queue(entry, ticket)
         raise
     if ticket.slot is not None:
         return ticket.slot
-    pool._leave_queue(entry, ticket)
+    pool.leave_queue(entry, ticket)
     if ticket.closed:
         raise PoolClosedError("the pool was closed while the call was queued")
     raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
@@ -212,10 +214,10 @@ async def _queued(pool: Pool, entry: _EnvEntry, ticket: _Ticket, deadline: float
 
 
 def _warm_process(
-    pool: Pool,
-    entry: _EnvEntry,
-    slot: _Slot,
-    ticket: _Ticket,
+    pool: CallSite,
+    entry: EnvEntry,
+    slot: Slot,
+    ticket: Ticket,
     body: bytes,
     buffers: list[memoryview],
     by_value: bool,
@@ -224,14 +226,16 @@ def _warm_process(
     ping, release or check first, a small request whose out-of-band buffers (if any) go to
     shared memory and total at most _OOB_LOOP_MAX bytes. Else None (the thread path)."""
     state, process = slot.state, slot.process
-    if not isinstance(state, lc.Idle) or process is None or process.sock is None:
+    if not isinstance(state, lc.Idle) or not isinstance(process, WorkerProcess):
+        return None  # no verified worker, or one of a backend without an fd channel
+    if process.sock is None:
         return None
     if len(body) > _SMALL or entry.dropped_refs or ticket.wanted is not None:
         return None
     if buffers and not _loop_sendable(process, body, buffers):
         return None
     ping_after = pool.config.ping_after_idle
-    if ping_after is not None and lc.needs_ping(state, pool._clock(), ping_after):
+    if ping_after is not None and lc.needs_ping(state, pool.clock(), ping_after):
         return None
     if by_value and python_mismatch(process) is not None:
         return None  # the thread path raises the clear error
@@ -325,10 +329,10 @@ class _ReplyReader:
 
 
 async def _warm_call(
-    pool: Pool,
-    entry: _EnvEntry,
-    slot: _Slot,
-    ticket: _Ticket,
+    pool: CallSite,
+    entry: EnvEntry,
+    slot: Slot,
+    ticket: Ticket,
     process: WorkerProcess,
     target: str | Callable[..., Any],
     body: bytes,
@@ -344,19 +348,19 @@ async def _warm_call(
     if started:
         call_id = ticket.call_id
     else:
-        call_id = next(pool._call_ids)
+        call_id = next(pool.call_ids)
         with entry.lock:
             cancelled = ticket.cancelled
             effects = None
             if not cancelled:
                 effects = entry.apply_locked(
-                    slot, lc.CallStarted(generation, call_id, pool._clock())
+                    slot, lc.CallStarted(generation, call_id, pool.clock())
                 )
                 ticket.generation = generation
                 ticket.call_id = call_id
                 ticket.ran_on = slot
         if cancelled:
-            pool._settle(entry, ticket, "cancelled", None)
+            pool.settle(entry, ticket, "cancelled", None)
             raise CallCancelled("the call was cancelled", env=entry.spec.key)
         if effects is None:
             return False, None
@@ -374,7 +378,7 @@ async def _warm_call(
     except BaseException:
         # Nothing was sent (``SerializationError``: shared memory failed and the inline frame
         # is over the limit, or the copy itself failed): end the call as the sync path does.
-        pool._settle(entry, ticket, "failed", None)
+        pool.settle(entry, ticket, "failed", None)
         raise
     outcome = "failed"
     replied: lc.Replied | None = None
@@ -413,7 +417,7 @@ async def _warm_call(
                 if reader.outcome is not None:
                     break  # it ended as the cancel came: the reply is dropped below
                 reader.done = loop.create_future()
-                pool._cancel(entry, ticket, force=cancels > 1)
+                pool.cancel(entry, ticket, force=cancels > 1)
         kind, value = reader.outcome
         if registered:
             registered = False
@@ -428,8 +432,8 @@ async def _warm_call(
             if (
                 ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR
             ) or reply_id != call_id:
-                raise pool._not_the_reply(entry, slot, process, ftype, reply_id, call_id, payload)
-            replied = lc.Replied(generation, call_id, pool._clock())
+                raise not_the_reply(entry, slot, process, ftype, reply_id, call_id, payload)
+            replied = lc.Replied(generation, call_id, pool.clock())
             reply_buffers = None
             retained: list[str] = []
             if flags:
@@ -438,7 +442,7 @@ async def _warm_call(
                 try:
                     payload, reply_buffers, retained = process.open_reply(call_id, flags, payload)
                 except FrameError as exc:
-                    raise pool._protocol_error(entry, slot, process, str(exc)) from None
+                    raise protocol_error(entry, slot, process, str(exc)) from None
                 except HostResourceError:
                     # The host's fault: the worker replied whole and stays, idle (replied).
                     process.finish_request(block, [block.name] if block is not None else [])
@@ -452,7 +456,7 @@ async def _warm_call(
             outcome = "ok"
             return True, result
         if kind == "bad":
-            raise pool._protocol_error(entry, slot, process, value)
+            raise protocol_error(entry, slot, process, value)
         if kind == "deadline" and entry.apply(slot, lc.DeadlineHit(generation, call_id)):
             raise CallTimeout(
                 f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
@@ -465,7 +469,7 @@ async def _warm_call(
             )
         # EOF, reset, or a deadline that lost to another retirement: compose the crash report
         # (it waits, bounded, for the exit status) off the loop.
-        raise await _blocking(lambda: pool._crash_error(entry, slot, process, call_id, label))
+        raise await _blocking(lambda: pool.crash_error(entry, slot, process, call_id, label))
     except CallCancelled as exc:
         outcome = "cancelled"
         if cancels:
@@ -487,7 +491,7 @@ async def _warm_call(
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
-        pool._settle(entry, ticket, outcome, replied)
+        pool.settle(entry, ticket, outcome, replied)
 
 
 # ---- everything else: a thread of its own -----------------------------------------------------
@@ -522,10 +526,10 @@ async def _blocking(fn: Callable[[], T]) -> T:
 
 
 async def _on_thread(
-    pool: Pool,
-    entry: _EnvEntry,
-    slot: _Slot,
-    ticket: _Ticket,
+    pool: CallSite,
+    entry: EnvEntry,
+    slot: Slot,
+    ticket: Ticket,
     target: str | Callable[..., Any],
     body: bytes,
     buffers: list[memoryview],
@@ -551,7 +555,7 @@ async def _on_thread(
         try:
             outcome: tuple[bool, Any] = (
                 True,
-                pool._run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline),
+                pool.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline),
             )
         except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
             outcome = (False, exc)
@@ -581,7 +585,7 @@ async def _on_thread(
             ) from None
         except asyncio.CancelledError:
             cancels += 1
-            pool._cancel(entry, ticket, force=cancels > 1)
+            pool.cancel(entry, ticket, force=cancels > 1)
     if cancels:
         raise asyncio.CancelledError
     if ok:

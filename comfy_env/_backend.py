@@ -91,13 +91,13 @@ class WorkerGeneration(Protocol):
     def read_frame(
         self,
         deadline: float | None,
-        first: tuple[int, int, Payload] | None = None,
-        sink: Callable[[Any], None] | None = None,
+        pending: tuple[int, int, Payload] | None = None,
+        on_event: Callable[[int, Payload], None] | None = None,
     ) -> tuple[int, int, int, Payload]: ...
 
     def open_reply(
         self, call_id: int, flags: int, payload: Payload
-    ) -> tuple[Payload, list[Any], list[str]]: ...
+    ) -> tuple[Payload | memoryview, list[Any] | None, list[str]]: ...
 
     def finish_request(self, block: Block | None, retained: list[str]) -> None: ...
 
@@ -137,7 +137,7 @@ class Backend(Protocol):
         runtime_dir: str,
         on_exit: Callable[[Any], None],
         on_finished: Callable[[Any], None],
-    ) -> Any: ...
+    ) -> WorkerGeneration: ...
 
     def close(self) -> None:
         """The pool closed: release what the backend itself holds (not the generations)."""
@@ -158,7 +158,7 @@ class LocalBackend:
         runtime_dir: str,
         on_exit: Callable[[Any], None],
         on_finished: Callable[[Any], None],
-    ) -> Any:
+    ) -> WorkerGeneration:
         from ._process import WorkerProcess
 
         return WorkerProcess(spec, generation, config, reactor, runtime_dir, on_exit, on_finished)

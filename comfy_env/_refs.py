@@ -13,18 +13,36 @@ worker, even if a replacement happens to reuse the id.
 Releasing: ``ref.release()`` frees the object now (a call to the worker); a ref that is garbage
 collected is queued lock-free (``__del__`` may run inside any code, even under a pool lock) and
 released before the next call on its worker.
+
+Data flow::
+
+    Worker.call_ref -> call_ref(site, entry, ...)   runs comfy_env_worker.refs:call_and_keep
+                       under entry lock: slot.live_refs.add(id) if the generation still holds
+                       -> RemoteRef(site, entry, slot, generation, id)
+    a later call's arguments -> bound_by_refs(entry, args, kwargs) -> (slot, generation)
+                       the call is leased to that slot only; check_bound before it is sent
+    ref.release()   -> site.call("comfy_env_worker.refs:release", bound=(slot, generation))
+    ref.discard() / __del__ -> entry.dropped_refs (lock-free), drained by
+                       ``_policies.release_dropped_refs`` before the worker's next call
+
+A ref depends on the pool only through ``CallSite`` and on the core's ``EnvEntry``/``Slot``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker import refs as worker_refs
 
-from ._errors import RefReleasedError
+from . import _lifecycle as lc
+from ._entry import Ticket, holds
+from ._errors import RefReleasedError, StaleGenerationError
 
 if TYPE_CHECKING:
-    from ._pool import Pool, _EnvEntry, _Slot
+    from ._call import EventCallback
+    from ._callsite import CallSite
+    from ._entry import EnvEntry, Slot
 
 
 def released_error(ref: RemoteRef) -> RefReleasedError:
@@ -40,7 +58,7 @@ class RemoteRef:
 
     __slots__ = ("__weakref__", "_entry", "_pool", "_released", "_slot", "generation", "id")
 
-    def __init__(self, pool: Pool, entry: _EnvEntry, slot: _Slot, generation: int, ref_id: int):
+    def __init__(self, pool: CallSite, entry: EnvEntry, slot: Slot, generation: int, ref_id: int):
         self._pool = pool
         self._entry = entry
         self._slot = slot
@@ -57,7 +75,7 @@ class RemoteRef:
         """Whether the object can still be used: not released, and its worker generation is
         still the live one. (A True answer can turn False at any moment if the worker dies;
         using the ref then raises ``StaleGenerationError``.)"""
-        return not self._released and self._pool._ref_is_live(self)
+        return not self._released and self._is_live()
 
     def call_method(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
         """Call ``obj.name(*args, **kwargs)`` on the live object in its worker."""
@@ -72,7 +90,7 @@ class RemoteRef:
         if self._released:
             return
         self._released = True
-        if self._pool._ref_is_live(self):
+        if self._is_live():
             self._pool.call(
                 self._entry,
                 "comfy_env_worker.refs:release",
@@ -81,7 +99,7 @@ class RemoteRef:
                 None,
                 bound=(self._slot, self.generation),
             )
-            self._pool._ref_released(self)
+            self._uncount()
 
     def discard(self) -> None:
         """Let go of the object without calling the worker: it is dropped there before the
@@ -90,9 +108,17 @@ class RemoteRef:
         if self._released:
             return
         self._released = True
-        if self._pool._ref_is_live(self):
+        if self._is_live():
             self._entry.dropped_refs.append((self._slot, self.generation, self.id))
-            self._pool._ref_released(self)
+            self._uncount()
+
+    def _is_live(self) -> bool:
+        with self._entry.lock:
+            return holds(self._slot, self.generation) and self.id in self._slot.live_refs
+
+    def _uncount(self) -> None:
+        with self._entry.lock:
+            self._slot.live_refs.discard(self.id)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # In the worker this unpickles to the live object (or raises if stale).
@@ -106,3 +132,103 @@ class RemoteRef:
 
     def __repr__(self) -> str:
         return f"<RemoteRef {self.id} env={self.env!r} generation={self.generation}>"
+
+
+def call_ref(
+    site: CallSite,
+    entry: EnvEntry,
+    target: str | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float | None,
+    ticket: Ticket | None = None,
+    on_event: EventCallback | None = None,
+) -> RemoteRef:
+    """Run ``target(*args, **kwargs)`` in a worker of ``entry``, keep the result there, and
+    return a ``RemoteRef`` bound to the generation that ran it (``Worker.call_ref``)."""
+    ticket = ticket or Ticket()
+    ref_id = site.call(
+        entry,
+        "comfy_env_worker.refs:call_and_keep",
+        (target, args, kwargs),
+        {},
+        timeout,
+        ticket,
+        on_event=on_event,
+    )
+    slot = ticket.ran_on
+    assert slot is not None
+    generation = ticket.generation
+    with entry.lock:
+        if holds(slot, generation):
+            slot.live_refs.add(ref_id)
+    return RemoteRef(site, entry, slot, generation, ref_id)
+
+
+def check_bound(entry: EnvEntry, slot: Slot, generation: int) -> None:
+    """A call that uses a RemoteRef may only run on the generation that holds the object."""
+    state = slot.state
+    if holds(slot, generation):
+        return
+    if state is None or state.generation == generation:
+        now = f"generation {generation} was retired ({_retire_text(state)})"
+    else:
+        now = f"the env's worker is now generation {state.generation}"
+    raise StaleGenerationError(
+        f"a RemoteRef of env {entry.spec.key} belongs to worker generation {generation}, "
+        f"which is gone: {now}; its object died with it",
+        env=entry.spec.key,
+        generation=generation,
+    )
+
+
+def _retire_text(state: lc.State | None) -> str:
+    return state.reason.value if isinstance(state, lc.Retired) else "gone"
+
+
+def bound_by_refs(
+    entry: EnvEntry, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Slot, int] | None:
+    """The (slot, generation) the call's RemoteRef arguments live in, if any. Looks at the
+    arguments and one container level into them; anything scalar is skipped at once (the
+    small-call hot path pays one type check per argument)."""
+    found: RemoteRef | None = None
+    values = (*args, *kwargs.values()) if kwargs else args
+    for value in values:
+        kind = type(value)
+        if kind in _SCALARS:
+            continue
+        if kind is list or kind is tuple:
+            candidates: Any = value
+        elif kind is dict:
+            candidates = value.values()
+        else:
+            candidates = (value,)
+        for item in candidates:
+            if not isinstance(item, RemoteRef):
+                continue
+            if item._released:
+                raise released_error(item)
+            if item._entry is not entry:
+                raise StaleGenerationError(
+                    f"a RemoteRef of env {item.env} cannot be used in a call to env "
+                    f"{entry.spec.key}",
+                    env=entry.spec.key,
+                    generation=item.generation,
+                )
+            if found is not None and (item._slot, item.generation) != (
+                found._slot,
+                found.generation,
+            ):
+                raise StaleGenerationError(
+                    "a call cannot use RemoteRefs of two different workers", env=entry.spec.key
+                )
+            found = item
+    return None if found is None else (found._slot, found.generation)
+
+
+_SCALARS = frozenset((int, float, bool, type(None), str, bytes))
+_PLAIN = frozenset((int, float, bool, type(None), str, complex))
+
+
+_SCALARS = frozenset((int, float, bool, type(None), str, bytes))

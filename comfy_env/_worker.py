@@ -3,6 +3,12 @@
 A handle names an env in a pool; it holds no process. Every call leases one of the env's slots,
 so a handle never points at a dead worker: after a crash the next call simply lands on the
 fresh generation. ``generation`` and ``pid`` report the env's first slot as of now.
+
+Data flow: ``Worker`` holds a ``CallSite`` (the pool, typed by ``_callsite``) and the env's
+``EnvEntry`` (``_entry``); every method is one call into the site (``call``/``run``: the sync
+path; ``submit``: ``prepare`` now, ``call_prepared`` on the ``Call``'s thread; ``call_ref``/
+``arun_ref``: ``_refs.call_ref``; ``acall``/``arun``: ``_acall.arun``). It never imports
+``_pool``.
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle as lc
+from ._entry import Ticket
+from ._refs import call_ref
 
 if TYPE_CHECKING:
     from ._call import Call, CallEvent
-    from ._pool import Pool, _EnvEntry
+    from ._callsite import CallSite
+    from ._entry import EnvEntry
     from ._refs import RemoteRef
     from ._stats import EnvStats
 
@@ -40,7 +49,7 @@ class Worker:
 
     __slots__ = ("_entry", "_pool")
 
-    def __init__(self, pool: Pool, entry: _EnvEntry) -> None:
+    def __init__(self, pool: CallSite, entry: EnvEntry) -> None:
         self._pool = pool
         self._entry = entry
 
@@ -113,16 +122,15 @@ class Worker:
         cancels it queued or running). Bad input raises here, before anything runs.
         ``on_event`` runs on the call's own thread."""
         from ._call import Call
-        from ._pool import _Ticket
 
         pool, entry = self._pool, self._entry
-        ticket = _Ticket()
-        prepared = pool._prepare(
+        ticket = Ticket()
+        prepared = pool.prepare(
             entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, None
         )
         ticket.on_event = on_event
-        call = Call(entry.spec.key, ticket, lambda force: pool._cancel(entry, ticket, force=force))
-        call._start(lambda: pool._call_prepared(entry, ticket, target, *prepared))
+        call = Call(entry.spec.key, ticket, lambda force: pool.cancel(entry, ticket, force=force))
+        call._start(lambda: pool.call_prepared(entry, ticket, target, *prepared))
         return call
 
     def call_ref(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> RemoteRef:
@@ -130,7 +138,7 @@ class Worker:
         a ``RemoteRef`` to it. Pass the ref as an argument to later calls (it resolves to the
         live object there) or use ``ref.call_method``; ``ref.release()`` frees it. Once the
         worker's generation is gone, using the ref raises ``StaleGenerationError``."""
-        return self._pool.call_ref(self._entry, target, args, kwargs, None)
+        return call_ref(self._pool, self._entry, target, args, kwargs, None)
 
     async def arun_ref(
         self,
@@ -149,12 +157,10 @@ class Worker:
         result that crossed the cancel is released)."""
         import asyncio
 
-        from ._pool import _Ticket
-
         pool, entry = self._pool, self._entry
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
-        ticket = _Ticket()
+        ticket = Ticket()
 
         def settle(outcome: Any, failed: bool) -> None:
             if done.done():
@@ -168,8 +174,8 @@ class Worker:
             ref: RemoteRef | None = None
             outcome: Any
             try:
-                ref = pool.call_ref(
-                    entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, on_event
+                ref = call_ref(
+                    pool, entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, on_event
                 )
                 outcome, failed = ref, False
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
@@ -187,7 +193,7 @@ class Worker:
                 ref = await asyncio.shield(done)
             except asyncio.CancelledError:
                 cancels += 1
-                pool._cancel(entry, ticket, force=cancels > 1)
+                pool.cancel(entry, ticket, force=cancels > 1)
                 continue
             except BaseException:
                 if cancels:

@@ -163,7 +163,7 @@ def test_a_cancel_that_arrives_before_its_call_is_read_still_applies(
     process = w._entry.slots[0].process
     assert process is not None
     # The CANCEL frame for the next call id reaches the worker before the CALL frame does.
-    next_id = int(repr(w._pool._call_ids)[len("count(") : -1])  # the next call id
+    next_id = int(repr(w._pool.call_ids)[len("count(") : -1])  # the next call id
     assert process.send_cancel(next_id)
     time.sleep(0.2)
     with pytest.raises(CallCancelled, match="before it started"):

@@ -14,7 +14,7 @@ What this file proves:
   stale generations change nothing, observations carry what they observed, start-up failures
   are reported as such, ``SpawnBegan`` needs a newer generation, ``step`` is pure).
 * The "one writer" rule: the only code in the package that assigns a slot's ``state`` is the
-  gate ``_EnvEntry.apply_locked`` in ``comfy_env/_pool.py`` (plus ``_Slot.__init__`` setting
+  gate ``EnvEntry.apply_locked`` in ``comfy_env/_entry.py`` (plus ``Slot.__init__`` setting
   the initial ``None``).
 """
 
@@ -599,17 +599,17 @@ def test_only_the_gate_assigns_a_slot_state_by_regex() -> None:
         if STATE_WRITE.search(line)
     ]
     assert sorted(hits) == [
-        ("_pool.py", "self.state: lc.State | None = None"),  # _Slot.__init__: the initial value
-        ("_pool.py", "slot.state = result.state"),  # _EnvEntry.apply_locked: the gate
+        ("_entry.py", "self.state: lc.State | None = None"),  # Slot.__init__: the initial value
+        ("_entry.py", "slot.state = result.state"),  # EnvEntry.apply_locked: the gate
     ]
 
 
 def test_only_the_gate_assigns_a_slot_state_by_ast() -> None:
     writes = _state_writes()
     where = sorted((file, scope) for file, scope, _ in writes)
-    assert where == [("_pool.py", "_EnvEntry.apply_locked"), ("_pool.py", "_Slot.__init__")]
+    assert where == [("_entry.py", "EnvEntry.apply_locked"), ("_entry.py", "Slot.__init__")]
     for _, scope, node in writes:
-        if scope == "_Slot.__init__":
+        if scope == "Slot.__init__":
             # The initial value only: a never-used slot.
             assert isinstance(node, ast.AnnAssign)
             assert isinstance(node.value, ast.Constant) and node.value.value is None

@@ -297,7 +297,7 @@ def test_importing_comfy_env_has_no_side_effects() -> None:
         import comfy_env
         assert threading.active_count() == 1, threading.enumerate()
         assert atexit._ncallbacks() == before, "atexit registered at import"
-        assert not comfy_env._pool._hooks_installed
+        assert not comfy_env._shutdown._hooks_installed
         print("ok")
     """
     host = _run_host(code)

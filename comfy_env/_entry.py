@@ -1,0 +1,315 @@
+"""The backend-agnostic core of the pool: env entries, slots, tickets, FIFO leasing, the gate.
+
+Data flow (what each piece holds, and who writes it)::
+
+    EnvEntry (one per env key; its ``lock`` guards everything below)
+      slots[i]: Slot                  state (a ``_lifecycle`` State), process (the
+                                      ``WorkerGeneration`` of state.generation), leased,
+                                      live_refs (RemoteRef ids of that generation)
+      waiters: deque[Ticket]          FIFO of calls waiting for a slot
+      counters                        submitted/ok/raised/..., read by ``snapshot()``
+      env_state                       the crash-loop breaker (``_lifecycle.EnvActive``/
+                                      ``EnvAbandoned``), written by
+                                      ``_policies.record_death`` and ``Pool.reset``
+      dropped_refs                    RemoteRefs garbage collected, appended lock-free
+
+    any thread --event--> EnvEntry.apply(slot, event)      the gate, the only writer of
+                          |- under lock: lc.step(state, event) -> new state, effects
+                          `- outside the lock: run_effects(...) (kill, cancel, grace timer)
+
+**The gate** (``EnvEntry.apply``/``apply_locked``) applies an event to a slot under the entry's
+lock using the pure ``_lifecycle.step``, and returns the effects (kill) that the caller then
+runs *outside* the lock. Nothing else assigns ``slot.state``. Events are tagged with the
+generation they are about, so a late exit notice of generation g, a late deadline decision or
+a late frame cannot touch generation g+1: ``step`` drops them and the gate counts them
+(``stale_events_dropped``).
+
+**Leasing**: a call holds a ``Ticket``; ``free_slot`` picks a slot nobody leases (a verified
+idle worker first), and ``release_locked`` hands a slot to the first waiter in FIFO order (a
+call bound to one slot by a RemoteRef lets others pass). A channel is disposed of only by the
+slot's lease holder, or by the gate when nobody holds the lease, so a descriptor is never
+closed under a thread that still reads it.
+
+Nothing here knows how a worker runs: a slot's process is a ``_backend.WorkerGeneration``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import _lifecycle as lc
+from ._errors import CallCancelled, CallTimeout, WorkerStartError
+from ._stats import EnvStats, WorkerStats
+
+if TYPE_CHECKING:
+    from ._backend import WorkerGeneration
+    from ._call import EventCallback
+    from ._envs import EnvSpec
+
+STATE_NAMES: dict[type, str] = {
+    lc.Starting: "starting",
+    lc.Idle: "idle",
+    lc.InCall: "in_call",
+    lc.Retired: "retired",
+}
+
+# ---- slots, tickets, entries ----------------------------------------------------------------
+
+
+class Slot:
+    """One worker place of an env: the lifecycle state of its current generation, that
+    generation's worker, whether a call leases it, and the RemoteRefs its worker keeps."""
+
+    __slots__ = ("index", "leased", "live_refs", "process", "state")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.state: lc.State | None = None
+        self.process: WorkerGeneration | None = None  # the process of state.generation
+        self.leased = False
+        self.live_refs: set[int] = set()  # RemoteRef ids kept by this generation's worker
+
+
+class Ticket:
+    """One call's place in the pool: queued, then holding a slot; cancellable from any thread.
+
+    The fields are class-level defaults (all immutable), so a ticket costs one allocation and
+    only the fields a call actually sets: the common call sets about five."""
+
+    event: threading.Event | None = None
+    waker: Callable[[], None] | None = None  # wakes a waiter that is not a thread
+    woken: Any = None  # the asyncio future an async waiter awaits (see _acall)
+    on_event: EventCallback | None = None  # the caller's callback
+    sink: Callable[[int, Any], None] | None = None  # EVENT frames of the current call
+    interrupted = False  # Ctrl-C during the call; the worker stopped it in time
+    slot: Slot | None = None
+    wanted: Slot | None = None  # the one slot this call must run on (it uses a RemoteRef)
+    bound_generation = 0  # ... and the generation that must still occupy it
+    ran_on: Slot | None = None  # the slot the call was sent to
+    started: WorkerGeneration | None = None  # started while leasing, not sent yet
+    stage = "new"  # "queued" -> "in_flight" -> "done"
+    generation = 0
+    call_id = 0
+    cancelled = False
+    closed = False
+
+    def __init__(self, wanted: Slot | None = None) -> None:
+        if wanted is not None:
+            self.wanted = wanted
+
+    def wake(self) -> None:
+        """The waiter's slot was handed over, or it must give up (closed, cancelled)."""
+        if self.waker is not None:
+            self.waker()
+        elif self.event is not None:
+            self.event.set()
+
+
+def _no_timer(delay: float, fn: Callable[[], None]) -> None:
+    raise AssertionError("a cancel's grace timer needs the pool's reactor")
+
+
+class EnvEntry:
+    """An env's slots, waiters and counters. Its lock guards all of them."""
+
+    def __init__(self, spec: EnvSpec, max_workers: int) -> None:
+        self.spec = spec
+        self.lock = threading.Lock()
+        self.slots = [Slot(i) for i in range(max_workers)]
+        self.waiters: deque[Ticket] = deque()
+        self.generation = 0  # last generation handed out in this env
+        self.submitted = 0
+        self.ok = 0
+        self.raised = 0
+        self.crashed = 0
+        self.timed_out = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.in_flight = 0
+        self.queued = 0
+        self.spawns = 0
+        self.stale_events_dropped = 0
+        self.reaped = 0
+        self.pings = 0
+        self.ping_failures = 0
+        self.env_state: lc.EnvState = lc.EnvActive()  # the crash-loop breaker
+        self.log_lines_dropped = 0  # of processes no longer in a slot
+        self.unsupported: WorkerStartError | None = None  # its Python can never run a worker
+        # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
+        # without the lock (from __del__), drained under it.
+        self.dropped_refs: deque[tuple[Slot, int, int]] = deque()
+        # Runs a function on the pool's reactor after a delay (the cancel grace timers).
+        self.call_later: Callable[[float, Callable[[], None]], object] = _no_timer
+
+    # ---- the gate ----
+
+    def apply_locked(self, slot: Slot, event: lc.Event) -> tuple[lc.Effect, ...] | None:
+        """Apply ``event`` to ``slot`` (lock held). Returns the effects to run after unlocking,
+        or None if the event was dropped."""
+        result = lc.step(slot.state, event)
+        if isinstance(result, lc.Dropped):
+            self.stale_events_dropped += 1
+            return None
+        slot.state = result.state
+        if isinstance(result.state, lc.Retired):
+            process = slot.process
+            if process is not None and process.generation == result.state.generation:
+                process.retire_reason = result.state.reason
+            slot.live_refs.clear()  # they died with this generation
+        return result.effects
+
+    def apply(self, slot: Slot, event: lc.Event) -> bool:
+        """Apply ``event`` and run its effects. True if it changed the slot's state."""
+        with self.lock:
+            effects = self.apply_locked(slot, event)
+            process = slot.process
+            leased = slot.leased
+            dispose = not leased and isinstance(slot.state, lc.Retired)
+        if effects is None:
+            return False
+        run_effects(effects, process, leased, self, slot)
+        if dispose and process is not None:
+            process.dispose()
+        return True
+
+    def arm_grace(self, slot: Slot, effect: lc.SendCancel) -> None:
+        """After the grace, the gate decides: the call still running is killed; a call that
+        ended (or any other call) is left alone, since the event names call id and request."""
+        expired = lc.CancelGraceExpired(effect.generation, effect.call_id, effect.requested_at)
+
+        def fire() -> None:
+            self.apply(slot, expired)
+
+        self.call_later(effect.grace, fire)
+
+    def snapshot(self) -> EnvStats:
+        with self.lock:
+            workers = tuple(worker_stats(s) for s in self.slots)
+            primary = workers[0]
+            return EnvStats(
+                env=self.spec.key,
+                generation=self.generation,
+                pid=primary.pid,
+                state=primary.state,
+                submitted=self.submitted,
+                ok=self.ok,
+                raised=self.raised,
+                crashed=self.crashed,
+                timed_out=self.timed_out,
+                cancelled=self.cancelled,
+                failed=self.failed,
+                in_flight=self.in_flight,
+                queued=self.queued,
+                spawns=self.spawns,
+                stale_events_dropped=self.stale_events_dropped,
+                workers=workers,
+                reaped=self.reaped,
+                pings=self.pings,
+                ping_failures=self.ping_failures,
+                restarts_in_window=len(self.env_state.deaths),
+                live_refs=sum(w.live_refs for w in workers),
+                abandoned=isinstance(self.env_state, lc.EnvAbandoned),
+                log_lines_dropped=self.log_lines_dropped
+                + sum(s.process.log.dropped for s in self.slots if s.process is not None),
+                shared_memory=primary.shared_memory,
+            )
+
+
+def worker_stats(slot: Slot) -> WorkerStats:
+    state = slot.state
+    if state is None:
+        return WorkerStats(slot.index, 0, None, "empty", None, None)
+    pid = None if isinstance(state, (lc.Starting, lc.Retired)) else state.pid
+    reason = state.reason.value if isinstance(state, lc.Retired) else None
+    startup = slot.process.startup_seconds if slot.process is not None else None
+    idle_since = state.idle_since if isinstance(state, lc.Idle) else None
+    return WorkerStats(
+        slot.index,
+        state.generation,
+        pid,
+        STATE_NAMES[type(state)],
+        reason,
+        startup,
+        idle_since,
+        len(slot.live_refs),
+        slot.process.shm_state if slot.process is not None else None,
+    )
+
+
+def run_effects(
+    effects: tuple[lc.Effect, ...],
+    process: WorkerGeneration | None,
+    leased: bool,
+    entry: EnvEntry | None = None,
+    slot: Slot | None = None,
+) -> None:
+    """Run the gate's effects (outside the lock). Asking a worker to leave means writing on
+    its channel, which only the lease holder may do: a leased slot's worker is terminated
+    instead. A cancel goes on the cancel pipe, which any thread may write."""
+    for effect in effects:
+        if isinstance(effect, lc.SendCancel):
+            if process is not None and process.generation == effect.generation:
+                process.send_cancel(effect.call_id)
+            if entry is not None and slot is not None:
+                entry.arm_grace(slot, effect)
+        elif isinstance(effect, lc.KillWorker):
+            if process is not None and process.generation == effect.generation:
+                stop = effect.stop
+                if stop is lc.Stop.ASK and leased:
+                    stop = lc.Stop.TERMINATE
+                process.kill(stop)
+
+
+def release_locked(entry: EnvEntry, slot: Slot) -> WorkerGeneration | None:
+    """Hand ``slot`` to the first waiter or mark it free (lock held). Returns its process if
+    that is retired, for the caller to dispose of after unlocking (nobody reads it any more)."""
+    # FIFO, except that a call bound to another slot (it uses a RemoteRef) lets others pass.
+    nxt = next((t for t in entry.waiters if t.wanted is None or t.wanted is slot), None)
+    if nxt is not None:
+        entry.waiters.remove(nxt)
+        nxt.slot = slot
+        nxt.stage = "in_flight"
+        entry.queued -= 1
+        entry.in_flight += 1
+        nxt.wake()
+    else:
+        slot.leased = False
+    if isinstance(slot.state, lc.Retired):
+        return slot.process
+    return None
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The counter a call that ended with ``exc`` before it ran increments."""
+    if isinstance(exc, CallTimeout):
+        return "timed_out"
+    if isinstance(exc, (CallCancelled, KeyboardInterrupt)):
+        return "cancelled"
+    return "failed"
+
+
+def free_slot(entry: EnvEntry, wanted: Slot | None = None) -> Slot | None:
+    """A slot no caller holds: a verified idle worker first, else an empty or retired slot.
+    A call bound to one slot (``wanted``) takes that one or none."""
+    if wanted is not None:
+        return None if wanted.leased else wanted
+    fallback = None
+    for slot in entry.slots:
+        if slot.leased:
+            continue
+        if isinstance(slot.state, lc.Idle):
+            return slot
+        if fallback is None and (slot.state is None or isinstance(slot.state, lc.Retired)):
+            fallback = slot
+    return fallback
+
+
+def holds(slot: Slot, generation: int) -> bool:
+    """Is ``generation`` still the live occupant of ``slot``?"""
+    state = slot.state
+    return (
+        state is not None and state.generation == generation and not isinstance(state, lc.Retired)
+    )

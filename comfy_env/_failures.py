@@ -1,0 +1,202 @@
+"""The errors a call ends with when its worker breaks: what happened, told once, in one place.
+
+Data flow (who calls what; every builder retires through the gate first, then tells)::
+
+    the call path (_pool, _acall)          on a read/send failure of generation g
+        crash_error(...)        gate(ChannelClosed g) -> why was it retired?
+                                  CLOSED / pool closed  -> PoolClosedError
+                                  CANCELLED             -> CallCancelled (grace ran out)
+                                  else: wait (bounded) for the exit status and the last
+                                  output, then WorkerCrashed naming signal and tail
+        timeout_error(...)      gate(DeadlineHit g, call id) -> CallTimeout; if something
+                                else retired it first, crash_error tells that instead
+        protocol_error(...)     gate(ProtocolViolated g) -> ProtocolError
+        not_the_reply(...)      a frame read where the reply belonged -> protocol_error
+    the breaker (_policies)     abandoned_error(env, EnvAbandoned) lists the recent deaths
+
+The race the bounded wait prevents: "socket closed but worker still running, exit code None"
+(the crash report raced the reaping of the process). The builders apply their event through
+the gate, so whichever of the reader and the reactor retires first wins and the other's event
+is dropped; the message then names the reason that actually won.
+
+``NotDelivered`` and ``HostFault`` are the call path's internal signals (never seen by users).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from comfy_env_worker.protocol import FrameType, Payload
+
+from . import _lifecycle as lc
+from ._errors import (
+    CallCancelled,
+    CallTimeout,
+    EnvAbandonedError,
+    HostResourceError,
+    PoolClosedError,
+    ProtocolError,
+    WorkerCrashed,
+    describe_exit,
+    signal_name,
+)
+
+if TYPE_CHECKING:
+    from ._backend import WorkerGeneration
+    from ._entry import EnvEntry, Slot
+
+
+class NotDelivered(Exception):
+    """The worker died without reading the request: the call may run on a fresh worker."""
+
+
+class HostFault(Exception):
+    """Carries a ``HostResourceError`` out of the exchange with the call's ``Replied``, so the
+    worker that replied whole is settled as idle (not retired) while the call fails."""
+
+    def __init__(self, replied: lc.Replied, error: HostResourceError) -> None:
+        super().__init__(str(error))
+        self.replied = replied
+        self.error = error
+
+
+def retire_reason(slot: Slot, generation: int) -> lc.RetireReason | None:
+    """Why ``generation`` of ``slot`` was retired, or None if it was not (or is gone)."""
+    state = slot.state
+    if isinstance(state, lc.Retired) and state.generation == generation:
+        return state.reason
+    return None
+
+
+def crash_error(
+    entry: EnvEntry,
+    slot: Slot,
+    process: WorkerGeneration,
+    call_id: int,
+    label: str,
+    closed: bool,
+    cancel_grace: float,
+) -> Exception:
+    """The error of a call whose worker's channel broke (``closed``: the pool is closing)."""
+    entry.apply(slot, lc.ChannelClosed(process.generation))
+    reason = retire_reason(slot, process.generation)
+    if reason is lc.RetireReason.CLOSED or closed:
+        return PoolClosedError(f"the pool was closed during the call to {label}")
+    if reason is lc.RetireReason.CANCELLED:
+        return CallCancelled(
+            f"the call to {label} was cancelled and did not stop within "
+            f"PoolConfig.cancel_grace={cancel_grace:g}s; its worker "
+            f"(generation {process.generation}) was killed",
+            env=entry.spec.key,
+            pid=process.pid,
+            generation=process.generation,
+        )
+    # Wait (bounded) for the exit status, so the message can name the signal.
+    rc = process.wait_exit(1.0)
+    still_running = rc is None
+    if still_running:
+        process.kill(lc.Stop.KILL)
+        rc = process.wait_exit(1.0)
+    process.wait_output(0.5)
+    tail = process.log.tail()
+    what = (
+        "closed its channel while still running (it was killed)"
+        if still_running
+        else describe_exit(rc)
+    )
+    message = (
+        f"worker for env {entry.spec.key} (pid {process.pid}, generation "
+        f"{process.generation}) {what} during call {call_id} to {label or '?'}; "
+        f"the call was not retried, the next call starts generation {process.generation + 1}"
+    )
+    if tail:
+        message += "\n--- worker output (last lines) ---\n" + tail
+    return WorkerCrashed(
+        message,
+        env=entry.spec.key,
+        pid=process.pid,
+        generation=process.generation,
+        exitcode=rc,
+        signal=signal_name(rc),
+        call_id=call_id,
+        target=label or None,
+        stderr_tail=tail,
+    )
+
+
+def timeout_error(
+    entry: EnvEntry,
+    slot: Slot,
+    process: WorkerGeneration,
+    call_id: int,
+    label: str,
+    closed: bool,
+    cancel_grace: float,
+) -> Exception:
+    """The error of a call that missed its deadline: ``DeadlineHit`` stops its worker."""
+    if not entry.apply(slot, lc.DeadlineHit(process.generation, call_id)):
+        # Something else retired the worker first (crash, close, cancel): report that.
+        return crash_error(entry, slot, process, call_id, label, closed, cancel_grace)
+    return CallTimeout(
+        f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
+        f"worker pid {process.pid} (generation {process.generation}) was stopped",
+        env=entry.spec.key,
+        pid=process.pid,
+        generation=process.generation,
+        call_id=call_id,
+        target=label or None,
+    )
+
+
+def protocol_error(
+    entry: EnvEntry, slot: Slot, process: WorkerGeneration, detail: str
+) -> ProtocolError:
+    """Retire a worker that broke the protocol (a stream is never resynchronised)."""
+    entry.apply(slot, lc.ProtocolViolated(process.generation))
+    return ProtocolError(
+        f"worker for env {entry.spec.key} (pid {process.pid}, generation "
+        f"{process.generation}) broke the protocol and was retired: {detail}",
+        env=entry.spec.key,
+        pid=process.pid,
+        generation=process.generation,
+    )
+
+
+def not_the_reply(
+    entry: EnvEntry,
+    slot: Slot,
+    process: WorkerGeneration,
+    ftype: int,
+    reply_id: int,
+    call_id: int,
+    payload: Payload | memoryview,
+) -> ProtocolError:
+    """The error for a frame read where the reply to ``call_id`` belonged (both the sync
+    and the asyncio path): the worker refused our frame, or said something out of turn."""
+    if ftype == FrameType.ERROR:
+        detail = bytes(payload).decode("utf-8", "replace")
+        return protocol_error(entry, slot, process, f"worker refused a frame: {detail}")
+    return protocol_error(
+        entry,
+        slot,
+        process,
+        f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}",
+    )
+
+
+def abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
+    """The error of every call to an env the crash-loop breaker cut off: the recent deaths."""
+    lines = []
+    for d in state.deaths:
+        how = f"signal {d.signal}" if d.signal else f"exit code {d.exitcode}"
+        when = time.strftime("%H:%M:%S", time.localtime(d.when))
+        tail = d.stderr_tail.strip().splitlines()[-3:] if d.stderr_tail else []
+        detail = ("; last output: " + " | ".join(tail)) if tail else ""
+        lines.append(f"  {when} generation {d.generation} {d.reason.value} ({how}){detail}")
+    return EnvAbandonedError(
+        f"env {env} was abandoned after {len(state.deaths)} worker deaths within the restart "
+        "window (PoolConfig.max_restarts/restart_window); calls fail until pool.reset(env). "
+        "Recent deaths:\n" + "\n".join(lines),
+        env=env,
+    )

@@ -1,0 +1,207 @@
+"""Policies: decisions about workers that read the core and act only through its gate.
+
+Data flow (each policy observes, decides with the pure ``_lifecycle`` helpers, and submits an
+event; none of them assigns a state)::
+
+    idle reaper   reactor timer -> reap_idle(entries, now)
+                    under entry lock: lc.idle_expired(state, now) -> IdleExpired(idle_since)
+                    refs held?  -> ReapHooks.run(env, generation) outside every lock
+                    under entry lock again: gate(IdleExpired) -> KillWorker(ASK) -> run_effects
+    health ping   call path, before an idle worker that idled ping_after_idle gets a call:
+                    ping(entry, slot, process) -> False: gate(PingFailed), a fresh worker runs it
+    breaker       reactor, once a death's exit code and output are final:
+                    record_death(...) -> lc.record_death -> EnvAbandoned (event + log) or not
+    dropped refs  call path, before a call on the worker holding them:
+                    release_dropped_refs(entry, slot, process) -> one release frame
+
+**Races these prevent**: the reaper's decision names the ``idle_since`` it saw, so a worker
+that ran a call in between (or is leased by a caller right now) is never reaped: the gate drops
+the stale ``IdleExpired``. Reap hooks run outside every pool lock (a hook may take its own
+locks, and ``RemoteRef.discard`` takes the entry lock), so the reaper re-checks under the lock
+afterwards. Garbage-collected refs are appended to ``dropped_refs`` lock-free (``__del__`` may
+run anywhere, even under a pool lock) and drained here under the lock; refs of a generation
+that is gone are dropped with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from . import _lifecycle as lc
+from ._entry import holds, run_effects
+from ._errors import signal_name
+from ._events import Dispatcher, EnvAbandoned
+from ._failures import abandoned_error
+
+if TYPE_CHECKING:
+    from ._backend import WorkerGeneration
+    from ._config import PoolConfig
+    from ._entry import EnvEntry, Slot
+
+_log = logging.getLogger("comfy_env")
+
+ReapHook = Callable[[str, int], object]
+
+
+class ReapHooks:
+    """Host-side owners of RemoteRefs, asked before the idle reaper retires a worker holding
+    refs (``Pool.add_reap_hook``). A tuple, replaced whole: the reaper reads it without a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hooks: tuple[ReapHook, ...] = ()
+
+    def add(self, hook: ReapHook) -> Callable[[], None]:
+        """Add ``hook``; returns a function that removes it."""
+        with self._lock:
+            self._hooks = (*self._hooks, hook)
+
+        def remove() -> None:
+            with self._lock:
+                self._hooks = tuple(h for h in self._hooks if h is not hook)
+
+        return remove
+
+    def run(self, env: str, generation: int) -> bool:
+        """Run the reap hooks; False if there are none (nothing can change)."""
+        hooks = self._hooks
+        for hook in hooks:  # every hook runs: each lets go of its own refs
+            try:
+                hook(env, generation)
+            except Exception:  # noqa: BLE001 - a hook's bug keeps the worker, never breaks the reaper
+                _log.exception(
+                    "comfy-env: reap hook %r failed for %s generation %d", hook, env, generation
+                )
+        return bool(hooks)
+
+
+def held_refs(entry: EnvEntry, slot: Slot) -> set[int]:
+    """The slot's refs that someone in the host still holds (entry lock held): live refs minus
+    those garbage collected and queued for release (``dropped_refs``, drained before the next
+    call), which must not keep an idle worker from being reaped."""
+    if not slot.live_refs or not entry.dropped_refs:
+        return slot.live_refs
+    for _ in range(8):
+        try:
+            queued = tuple(entry.dropped_refs)  # appended lock-free by RemoteRef.__del__
+            break
+        except RuntimeError:  # a __del__ appended during the copy: look again
+            continue
+    else:
+        return slot.live_refs
+    state = slot.state
+    generation = state.generation if state is not None else None
+    dropped = {rid for s, g, rid in queued if s is slot and g == generation}
+    return slot.live_refs - dropped
+
+
+def reap_idle(entries: Iterable[EnvEntry], now: float, config: PoolConfig, hooks: ReapHooks) -> int:
+    """Retire workers idle longer than ``config.idle_timeout`` as of ``now``; returns how many.
+
+    The decision and its application happen under the env's lock, and the decision names the
+    ``idle_since`` it observed, so a worker that ran a call in between (or is leased by a caller
+    right now) is never reaped."""
+    reaped = 0
+    keep_with_refs = not config.reap_with_refs
+    for entry in entries:
+        for slot in entry.slots:
+            with entry.lock:
+                if slot.leased:
+                    continue
+                decision = lc.idle_expired(slot.state, now, config.idle_timeout)
+                if decision is None:
+                    continue
+                held = bool(held_refs(entry, slot)) and keep_with_refs
+            if held:
+                # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex)
+                # and discards its refs (RemoteRef.discard takes the entry lock).
+                if not hooks.run(entry.spec.key, decision.generation):
+                    continue
+            with entry.lock:
+                if slot.leased or (held_refs(entry, slot) and keep_with_refs):
+                    continue
+                # A call in between moved idle_since: the gate drops this decision.
+                effects = entry.apply_locked(slot, decision)
+                if effects is None:
+                    continue
+                entry.reaped += 1
+                process = slot.process
+            run_effects(effects, process, leased=False)
+            reaped += 1
+    return reaped
+
+
+def ping(entry: EnvEntry, slot: Slot, process: WorkerGeneration, timeout: float) -> bool:
+    """Health-check a worker that sat idle a long time, before trusting it with a call; a
+    silent one is retired through the gate (``PingFailed``)."""
+    ok = process.ping(timeout)
+    with entry.lock:
+        entry.pings += 1
+        if not ok:
+            entry.ping_failures += 1
+    if not ok:
+        entry.apply(slot, lc.PingFailed(process.generation))
+        _log.warning(
+            "comfy-env: worker of env %s (pid %s, generation %d) did not answer a ping "
+            "after idling; replacing it",
+            entry.spec.key,
+            process.pid,
+            process.generation,
+        )
+    return ok
+
+
+def release_dropped_refs(entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
+    """Release garbage-collected refs of the worker the caller holds; requeue the others."""
+    mine, others = [], []
+    with entry.lock:
+        while entry.dropped_refs:
+            ref_slot, generation, ref_id = entry.dropped_refs.popleft()
+            if ref_slot is not slot:
+                others.append((ref_slot, generation, ref_id))
+            elif generation == process.generation:
+                # Garbage-collected refs are still counted live; discarded ones
+                # (RemoteRef.discard) were uncounted at once. Both are released here.
+                slot.live_refs.discard(ref_id)
+                mine.append(ref_id)
+            # else: its generation is gone, and the object with it
+        entry.dropped_refs.extend(o for o in others if holds(o[0], o[1]))
+    if mine:
+        try:
+            process.release_refs(mine)
+        except OSError:
+            pass  # the worker is gone, and its objects with it
+
+
+def record_death(
+    entry: EnvEntry,
+    generation: int,
+    reason: lc.RetireReason,
+    returncode: int | None,
+    stderr_tail: str,
+    at: float,
+    config: PoolConfig,
+    events: Dispatcher,
+) -> None:
+    """The crash-loop breaker's bookkeeping: count a death (``at`` on the pool's clock); too
+    many in the window abandon the env (logged, and ``EnvAbandoned`` emitted once)."""
+    death = lc.Death(
+        at=at,
+        when=time.time(),
+        generation=generation,
+        reason=reason,
+        exitcode=returncode,
+        signal=signal_name(returncode),
+        stderr_tail=stderr_tail,
+    )
+    with entry.lock:
+        before = entry.env_state
+        entry.env_state = lc.record_death(before, death, config.max_restarts, config.restart_window)
+        tripped = entry.env_state if before is not entry.env_state else None
+    if isinstance(tripped, lc.EnvAbandoned) and not isinstance(before, lc.EnvAbandoned):
+        _log.error("comfy-env: %s", abandoned_error(entry.spec.key, tripped))
+        events.emit(EnvAbandoned(entry.spec.key, tripped.deaths))

@@ -1,0 +1,168 @@
+"""Shutdown: one pool's stop of its workers, every pool at interpreter exit, and every pool
+made inert in a child created by ``fork``.
+
+Data flow of ``Pool.close`` (the caller's thread; the reactor keeps reaping meanwhile)::
+
+    close_entries      per env, under its lock: queued tickets closed and woken
+                       (PoolClosedError); gate(CloseRequested g) for each live slot
+                       -> KillWorker(ASK), or TERMINATE where a caller holds the lease
+    stop_workers       barrier on the reactor: no fork can start after it, and every
+                       process forked so far is tracked
+                       TERMINATE the ones still starting (the gate never asked them)
+                       one shared deadline (close_timeout) for all exits; KILL stragglers,
+                       one more shared 2 s; drain output 0.5 s
+                       reactor: force_close every channel; reactor stops
+                       dispose of every generation no caller still leases
+
+One shared deadline per phase, never one wait per worker: with many workers stuck (or never
+launched) ``close()`` takes ``close_timeout`` plus a bounded constant.
+
+The registry (``live_pools``) exists for the two process-wide hooks, installed when the first
+pool is created (never at import): ``atexit`` closes every live pool, and
+``os.register_at_fork(after_in_child=...)`` makes each inherited pool drop its descriptors
+and become closed in the child, which must never send on, read from, kill or clean up the
+parent's workers (a worker notices its host's death only when the last copy of the host's
+channel end is closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from . import _lifecycle as lc
+
+if TYPE_CHECKING:
+    from ._backend import WorkerGeneration
+    from ._entry import EnvEntry
+    from ._reactor import Reactor
+
+_log = logging.getLogger("comfy_env")
+
+
+class LivePool(Protocol):
+    """What the process-wide hooks need of a pool."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def abandon_in_forked_child(self) -> None: ...
+
+
+live_pools: weakref.WeakSet[LivePool] = weakref.WeakSet()
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def install_process_hooks() -> None:
+    """Once, when the first pool is created (never at import): close pools at interpreter
+    exit, and make every pool inert in a child created by ``fork``."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        import atexit
+
+        atexit.register(_close_all_pools)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+        _hooks_installed = True
+
+
+def _close_all_pools() -> None:
+    for pool in list(live_pools):
+        try:
+            pool.close()
+        except Exception:  # noqa: BLE001 - exit must go on
+            _log.exception("comfy-env: closing a pool at exit failed")
+
+
+def _after_fork_in_child() -> None:
+    """Runs in the child right after ``fork``, with only the forking thread alive.
+
+    Every inherited pool is the parent's: the child must never send on, read from, kill or
+    clean up the parent's workers, and must not keep the parent's channels open (a worker only
+    notices its host's death when the last copy of the host's channel end is closed). So each
+    pool drops its descriptors and becomes closed; locks other threads held at the fork are
+    replaced."""
+    global _hooks_lock
+    _hooks_lock = threading.Lock()
+    for pool in list(live_pools):
+        pool.abandon_in_forked_child()
+    live_pools.clear()
+
+
+def close_entries(entries: list[EnvEntry]) -> None:
+    """Fail every queued call (``ticket.closed``) and ask every live worker to leave, through
+    the gate (``CloseRequested`` of its generation)."""
+    for entry in entries:
+        with entry.lock:
+            waiters = list(entry.waiters)
+            entry.waiters.clear()
+            for ticket in waiters:
+                ticket.closed = True
+                ticket.wake()
+            live = [
+                (s, s.state.generation)
+                for s in entry.slots
+                if s.state is not None and not isinstance(s.state, lc.Retired)
+            ]
+        for slot, generation in live:
+            entry.apply(slot, lc.CloseRequested(generation))
+
+
+def stop_workers(
+    entries: list[EnvEntry],
+    reactor: Reactor,
+    tracked: Callable[[], list[WorkerGeneration]],
+    lock: threading.Lock,
+    close_timeout: float,
+) -> None:
+    """Stop every worker of a closing pool and release their channels (see the module
+    docstring). ``tracked`` lists the processes forked and not yet reaped; ``lock`` is the
+    pool's lock, which guards the slots' leases against a caller that still ends its call."""
+    # Barrier: after this, no fork can start (the pool refuses before launching), and every
+    # process forked so far is tracked.
+    reactor.run_sync(lambda: None)
+    with lock:
+        processes = tracked()
+    for process in processes:
+        if process.retire_reason is None:  # still starting: not asked by the gate
+            process.kill(lc.Stop.TERMINATE)
+    deadline = time.monotonic() + close_timeout
+    for process in processes:
+        process.wait_exit(max(0.0, deadline - time.monotonic()))
+    stragglers = [p for p in processes if not p.exited.is_set()]
+    for process in stragglers:
+        process.kill(lc.Stop.KILL)
+    # One shared deadline per phase, never one wait per worker: with many workers stuck
+    # (or never launched) close() still takes close_timeout plus a bounded constant.
+    killed_by = time.monotonic() + 2.0
+    for process in stragglers:
+        process.wait_exit(max(0.0, killed_by - time.monotonic()))
+    drained_by = time.monotonic() + 0.5
+    for entry in entries:
+        for slot in entry.slots:
+            if slot.process is not None and slot.process.popen is not None:
+                slot.process.wait_output(max(0.0, drained_by - time.monotonic()))
+    all_processes = {s.process for e in entries for s in e.slots if s.process is not None}
+    all_processes.update(processes)
+
+    def release_all() -> None:
+        for p in all_processes:
+            p.force_close()
+
+    reactor.run_sync(release_all)
+    reactor.stop()
+    for process in all_processes:
+        with lock:
+            leased = any(s.leased and s.process is process for e in entries for s in e.slots)
+        if not leased:
+            process.dispose()

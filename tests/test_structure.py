@@ -1,0 +1,156 @@
+"""The pool's shape, as promises about imports (issue 15, "The shape first").
+
+* No module of ``comfy_env`` imports another in a circle. Every import counts: module level,
+  under ``TYPE_CHECKING`` and inside functions (the project's before-stop hook computes the
+  graph the same way).
+* The public handles (``_worker``, ``_refs``, ``_acall``, ``_status``) never import ``_pool``:
+  they depend on ``_callsite.CallSite`` and the core types of ``_entry``.
+* The core and its policies are backend-agnostic: they import neither the pool nor the local
+  backend's process code.
+
+Pure AST reads of the source: no import runs, no process starts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import comfy_env
+
+PACKAGE = Path(comfy_env.__file__).resolve().parent
+NAME = "comfy_env"
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for every ``.py`` under the package (subpackages included)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = (NAME, *path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported(module: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``module`` imports anywhere in its file (any scope, any branch)."""
+    base = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                target = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{alias.name}" for alias in node.names]
+            candidates = subs if node.module is None else [target, *subs]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        out.update(c for c in candidates if c in known and c != module)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {m: _imported(m, p, known) for m, p in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every back edge of a depth-first walk, as the circle it closes."""
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        seen[v] = 1
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if seen.get(w) == 1:
+                out.append([*stack[stack.index(w) :], w])
+            elif w not in seen:
+                visit(w)
+        stack.pop()
+        seen[v] = 2
+
+    for v in sorted(graph):
+        if v not in seen:
+            visit(v)
+    return out
+
+
+def test_the_circle_finder_sees_a_circle() -> None:
+    # The finder itself can fail: a made-up graph with one circle (and a TYPE_CHECKING-only
+    # edge, which counts like any other) is reported.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c", "a"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_inside_functions_and_type_checking_count(tmp_path: Path) -> None:
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from ._pool import Pool\n"
+        "def f():\n"
+        "    from . import _refs\n"
+        "    import comfy_env._status\n",
+        encoding="utf-8",
+    )
+    known = {"comfy_env._pool", "comfy_env._refs", "comfy_env._status"}
+    assert _imported("comfy_env.mod", source, known) == known
+
+
+def test_comfy_env_has_no_import_circles() -> None:
+    circles = _circles(_graph())
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+@pytest.mark.parametrize("handle", ["_worker", "_refs", "_acall", "_status"])
+def test_public_handles_never_import_the_pool(handle: str) -> None:
+    graph = _graph()
+    assert f"{NAME}._pool" not in graph[f"{NAME}.{handle}"]
+
+
+@pytest.mark.parametrize("core", ["_entry", "_callsite", "_policies", "_failures", "_shutdown"])
+def test_the_core_and_its_policies_know_no_backend(core: str) -> None:
+    imports = _graph()[f"{NAME}.{core}"]
+    assert not imports & {f"{NAME}._pool", f"{NAME}._process", f"{NAME}._worker"}, imports
+
+
+def test_no_module_reaches_into_another_modules_private_names() -> None:
+    # ``from ._pool import _EnvEntry`` was the smell: a name with a leading underscore is
+    # private to its module. Modules themselves are private by their file name, so importing
+    # the module ``_lifecycle`` is fine; importing ``_lifecycle._x`` is not. (The host's
+    # modules: the ``comfyui`` subpackage shares its own ``_Pack`` between its files.)
+    modules = _modules()
+    offenders = []
+    for module, path in modules.items():
+        if path.parent != PACKAGE:
+            continue
+        base = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                parts = base.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                target = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target != NAME and not target.startswith(NAME + "."):
+                continue  # another package's names are its own business
+            for alias in node.names:
+                name = alias.name
+                private = name.startswith("_") and not name.startswith("__")
+                if private and f"{target}.{name}" not in modules:
+                    offenders.append(f"{module}: from {target} import {name}")
+    assert not offenders, offenders
