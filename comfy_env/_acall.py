@@ -47,9 +47,11 @@ shared memory unavailable, so the next such call takes the thread path.
 from __future__ import annotations
 
 import asyncio
+import os
 import select
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -294,6 +296,10 @@ class _ReplyReader:
         except OSError:
             self.finish("eof")
             return
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        """Parse what one ``recv`` returned (b"": EOF) after what was buffered."""
         if not data:
             self.finish("eof")
             return
@@ -339,7 +345,6 @@ async def _warm_call(
     """Run the call on the loop. (False, None) if nothing was sent (the worker died idle under
     our feet): the caller moves the call to the thread path, which starts a fresh worker.
     ``started``: ``CallStarted`` was applied already (``ticket.call_id``), in the lease."""
-    loop = asyncio.get_running_loop()
     generation = process.generation
     if started:
         call_id = ticket.call_id
@@ -379,52 +384,107 @@ async def _warm_call(
     outcome = "failed"
     replied: lc.Replied | None = None
     cancels = 0
-    sink = None if ticket.on_event is None else event_handler(ticket.on_event, call_id, generation)
-    reader = _ReplyReader(process, call_id, sink)
+    frames = process.reader
+    assert frames is not None
     fd = sock.fileno()
     timer = None
     registered = False
+    loop: asyncio.AbstractEventLoop | None = None
+    reader: _ReplyReader | None = None
+    ended: tuple[str, Any] | None = None  # (kind, value) once the call ended
     try:
         # A quick call replies within tens of microseconds: wait for that on the spot (at
         # most _REPLY_SPIN, GIL released) rather than pay for a reader registration and two
-        # turns of the loop. A longer call is then read through the loop.
-        if fd < 1024:  # select()'s FD_SETSIZE
-            spin_end = time.monotonic() + _REPLY_SPIN
-            while reader.outcome is None:
-                left = spin_end - time.monotonic()
-                if left <= 0 or not select.select((fd,), (), (), left)[0]:
-                    break
-                reader.on_readable()
-        if reader.outcome is None:
+        # turns of the loop. A longer call is then read through the loop. On one CPU the
+        # reply is usually there already (the request woke the worker, which ran at once):
+        # one non-blocking recv, no select.
+        data: bytes | None = None
+        spin_end = 0.0  # set once the spin started waiting
+        try:
+            try:
+                data = frames.recv_nowait()
+            except (BlockingIOError, InterruptedError):
+                now = time.monotonic()
+                spin_end = now + _REPLY_SPIN
+                if _shares_one_cpu(process, now):
+                    # The worker cannot reply before it runs, and it can only run here: give
+                    # it the CPU now (it replies and blocks in its next read, and we go on)
+                    # rather than sleep in select and be woken by the reply.
+                    os.sched_yield()
+                    try:
+                        data = frames.recv_nowait()
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                if data is None and fd < 1024:  # select()'s FD_SETSIZE
+                    left = spin_end - time.monotonic()
+                    if left > 0 and select.select((fd,), (), (), left)[0]:
+                        data = frames.recv_nowait()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except ConnectionResetError:
+            ended = ("reset", None)
+        except OSError:
+            ended = ("eof", None)
+        if data is not None and len(data) >= HEADER_SIZE:
+            magic, ftype, flags, length, reply_id = HEADER.unpack_from(data)
+            # The common case: exactly one whole frame, the reply itself (LOG and EVENT
+            # frames, partial or oversize frames and anything odd take the general parser).
+            if (
+                len(data) == HEADER_SIZE + length
+                and magic == MAGIC
+                and length <= frames.limit
+                and (ftype == FrameType.REPLY_OK or ftype == FrameType.REPLY_ERR)
+            ):
+                ended = ("frame", (ftype, flags, reply_id, data[HEADER_SIZE:], b""))
+        if ended is None:
+            sink = None
+            if ticket.on_event is not None:
+                sink = event_handler(ticket.on_event, call_id, generation)
+            reader = _ReplyReader(process, call_id, sink)
+            if data is not None:  # a partial frame, or frames before the reply
+                reader.feed(data)
+                if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
+                    spin_end = spin_end or time.monotonic() + _REPLY_SPIN
+                    while reader.outcome is None:
+                        left = spin_end - time.monotonic()
+                        if left <= 0 or not select.select((fd,), (), (), left)[0]:
+                            break
+                        reader.on_readable()
+            ended = reader.outcome
+        if ended is None:
+            assert reader is not None
+            loop = asyncio.get_running_loop()
             reader.done = loop.create_future()
             loop.add_reader(fd, reader.on_readable)
             registered = True
             if deadline is not None:
                 delay = max(0.0, deadline - time.monotonic())
                 timer = loop.call_later(delay, reader.finish, "deadline")
-        while reader.outcome is None:
-            assert reader.done is not None
-            try:
-                await reader.done
-            except asyncio.CancelledError:
-                # Ask the worker first; keep waiting for the call's end (the grace timer
-                # kills a worker that does not stop). A second cancellation kills at once.
-                cancels += 1
-                if reader.outcome is not None:
-                    break  # it ended as the cancel came: the reply is dropped below
-                reader.done = loop.create_future()
-                pool._cancel(entry, ticket, force=cancels > 1)
-        kind, value = reader.outcome
+            while reader.outcome is None:
+                assert reader.done is not None
+                try:
+                    await reader.done
+                except asyncio.CancelledError:
+                    # Ask the worker first; keep waiting for the call's end (the grace timer
+                    # kills a worker that does not stop). A second cancellation kills at once.
+                    cancels += 1
+                    if reader.outcome is not None:
+                        break  # it ended as the cancel came: the reply is dropped below
+                    reader.done = loop.create_future()
+                    pool._cancel(entry, ticket, force=cancels > 1)
+            ended = reader.outcome
+            assert ended is not None
+        kind, value = ended
         if registered:
+            assert loop is not None
             registered = False
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
-        label = target_label(target)
         if kind == "frame":
             ftype, flags, reply_id, payload, rest = value
             if rest:
-                process.reader.unread(rest)  # type: ignore[union-attr]
+                frames.unread(rest)
             if (
                 ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR
             ) or reply_id != call_id:
@@ -453,6 +513,7 @@ async def _warm_call(
             return True, result
         if kind == "bad":
             raise pool._protocol_error(entry, slot, process, value)
+        label = target_label(target)  # only on failure: the success path names nothing
         if kind == "deadline" and entry.apply(slot, lc.DeadlineHit(generation, call_id)):
             raise CallTimeout(
                 f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
@@ -484,10 +545,37 @@ async def _warm_call(
         raise
     finally:
         if registered:
+            assert loop is not None
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
         pool._settle(entry, ticket, outcome, replied)
+
+
+# Whether the calling thread and a worker may only run on one and the same CPU, per worker:
+# (checked at, answer). Checked again after _AFFINITY_TTL seconds (affinity rarely changes; a
+# stale answer costs a few microseconds: one yield that returns at once, or one select).
+_one_cpu: weakref.WeakKeyDictionary[WorkerProcess, tuple[float, bool]] = weakref.WeakKeyDictionary()
+_AFFINITY_TTL = 1.0
+
+
+def _shares_one_cpu(process: WorkerProcess, now: float) -> bool:
+    """True if this thread and the worker's main thread are both confined to the same single
+    CPU (``taskset``, a one-CPU cpuset or container): the reply to a request just sent cannot
+    come before the worker gets that CPU."""
+    cached = _one_cpu.get(process)
+    if cached is not None and now - cached[0] < _AFFINITY_TTL:
+        return cached[1]
+    shared = False
+    getaffinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    if getaffinity is not None and process.pid is not None:
+        try:
+            mine = getaffinity(0)
+            shared = len(mine) == 1 and getaffinity(process.pid) == mine
+        except OSError:  # the worker is gone (the read reports it), or not ours to inspect
+            shared = False
+    _one_cpu[process] = (now, shared)
+    return shared
 
 
 # ---- everything else: a thread of its own -----------------------------------------------------
