@@ -11,14 +11,28 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
         gate(CallStarted) -> send CALL     ``WorkerProcess.send_request``: one ``sendall`` of
                                            <= 64 KiB into an idle channel, plus (buffers) one
                                            memcpy into a pooled shared-memory block
-        loop.add_reader(channel)           frames parsed as they arrive: LOG -> logging,
-                                           EVENT -> on_event (on the loop), REPLY -> future
+        spin (at most _REPLY_SPIN)         one non-blocking recv; a whole REPLY frame in it
+                                           is the reply (the common small call: no select,
+                                           no parser object). Nothing yet: if this thread
+                                           and the worker share one single CPU, yield it to
+                                           the worker once (it cannot reply before it runs;
+                                           cheaper than sleeping in select and being woken),
+                                           then select for the rest of the spin
+        loop.add_reader(channel)           only if the spin did not end the call: frames
+                                           parsed as they arrive: LOG -> logging, EVENT ->
+                                           on_event (on the loop), REPLY -> future
         gate(Replied) via settle           the slot goes to the next waiter
     otherwise (a worker must start, a ping is due, a large in-band request, out-of-band
     buffers above _OOB_LOOP_MAX or that would stream inline (shared memory off or
     unavailable), RemoteRefs):
         the sync exchange runs on a thread of its own (never the loop's default executor),
         and the coroutine awaits its outcome; a worker start never blocks the loop.
+
+The spin blocks the loop for at most _REPLY_SPIN (select's timeout counts from the first
+read). The one-CPU yield is no wait on I/O: it hands the CPU to a worker that could only run
+there anyway, and the loop's thread is runnable again within one scheduler slice; it is taken
+only when ``sched_getaffinity`` of both threads is the same single CPU (``_shares_one_cpu``,
+cached per worker for _AFFINITY_TTL): a caller free to run on more CPUs never yields.
 
 Deadline: one timer per call, from the moment ``arun`` is called. Queued: the ticket leaves
 the queue and the call raises ``CallTimeout``. Warm: the gate applies ``DeadlineHit`` and the
