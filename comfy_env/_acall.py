@@ -570,7 +570,7 @@ async def _warm_call(
 # (checked at, answer). Checked again after _AFFINITY_TTL seconds (affinity rarely changes; a
 # stale answer costs a few microseconds: one yield that returns at once, or one select).
 _one_cpu: weakref.WeakKeyDictionary[WorkerProcess, tuple[float, bool]] = weakref.WeakKeyDictionary()
-_AFFINITY_TTL = 1.0
+_AFFINITY_TTL = 0.1
 
 
 def _shares_one_cpu(process: WorkerProcess, now: float) -> bool:
