@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -533,12 +534,13 @@ def test_warm_acalls_confined_to_one_cpu_with_their_worker_keep_order_and_events
         got = run_small(main)
         process = w._entry.slots[0].process
         assert process is not None
-        assert _acall._shares_one_cpu(process, 1e6) is True
+        later = time.monotonic() + 1000.0  # past any cached check
+        assert _acall._shares_one_cpu(process, later) is True
         if len(original) > 1:
             # The worker moved to another CPU: seen at the next check after the TTL.
             _pin(pid, {max(original)})
-            assert _acall._shares_one_cpu(process, 1e6) is True  # cached
-            assert _acall._shares_one_cpu(process, 1e6 + 2 * _acall._AFFINITY_TTL) is False
+            assert _acall._shares_one_cpu(process, later) is True  # cached
+            assert _acall._shares_one_cpu(process, later + 2 * _acall._AFFINITY_TTL) is False
     finally:
         os.sched_setaffinity(me, original)
         _pin(pid, original)
