@@ -11,13 +11,13 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
         gate(CallStarted) -> send CALL     ``WorkerProcess.send_request``: one ``sendall`` of
                                            <= 64 KiB into an idle channel, plus (buffers) one
                                            memcpy into a pooled shared-memory block
-        spin (at most _REPLY_SPIN)         one non-blocking recv; a whole REPLY frame in it
-                                           is the reply (the common small call: no select,
-                                           no parser object). Nothing yet: if this thread
-                                           and the worker share one single CPU, yield it to
-                                           the worker once (it cannot reply before it runs;
-                                           cheaper than sleeping in select and being woken),
-                                           then select for the rest of the spin
+        spin (at most _REPLY_SPIN)         one read; a whole REPLY frame in it is the reply
+                                           (the common small call: no parser object). If
+                                           this thread and the worker share one single CPU:
+                                           a non-blocking recv first (the worker often ran
+                                           already), nothing yet -> yield the CPU to it once
+                                           (cheaper than sleeping in select and being woken);
+                                           else, or still nothing, select for the rest
         loop.add_reader(channel)           only if the spin did not end the call: frames
                                            parsed as they arrive: LOG -> logging, EVENT ->
                                            on_event (on the loop), REPLY -> future
@@ -409,30 +409,29 @@ async def _warm_call(
     try:
         # A quick call replies within tens of microseconds: wait for that on the spot (at
         # most _REPLY_SPIN, GIL released) rather than pay for a reader registration and two
-        # turns of the loop. A longer call is then read through the loop. On one CPU the
-        # reply is usually there already (the request woke the worker, which ran at once):
-        # one non-blocking recv, no select.
+        # turns of the loop. A longer call is then read through the loop. When this thread
+        # and the worker share one single CPU, the reply is often there already (the request
+        # woke the worker, which ran at once): one non-blocking recv first; if nothing yet,
+        # the worker cannot reply before it runs, so give it the CPU (sched_yield) rather
+        # than sleep in select and be woken by the reply. Otherwise (the worker runs
+        # elsewhere, its reply takes at least a cross-CPU wake-up) wait in select at once.
         data: bytes | None = None
-        spin_end = 0.0  # set once the spin started waiting
+        now = time.monotonic()
+        spin_end = now + _REPLY_SPIN
         try:
-            try:
-                data = frames.recv_nowait()
-            except (BlockingIOError, InterruptedError):
-                now = time.monotonic()
-                spin_end = now + _REPLY_SPIN
-                if _shares_one_cpu(process, now):
-                    # The worker cannot reply before it runs, and it can only run here: give
-                    # it the CPU now (it replies and blocks in its next read, and we go on)
-                    # rather than sleep in select and be woken by the reply.
+            if _shares_one_cpu(process, now):
+                try:
+                    data = frames.recv_nowait()
+                except (BlockingIOError, InterruptedError):
                     os.sched_yield()
                     try:
                         data = frames.recv_nowait()
                     except (BlockingIOError, InterruptedError):
                         pass
-                if data is None and fd < 1024:  # select()'s FD_SETSIZE
-                    left = spin_end - time.monotonic()
-                    if left > 0 and select.select((fd,), (), (), left)[0]:
-                        data = frames.recv_nowait()
+            if data is None and fd < 1024:  # select()'s FD_SETSIZE
+                left = spin_end - time.monotonic()
+                if left > 0 and select.select((fd,), (), (), left)[0]:
+                    data = frames.recv_nowait()
         except (BlockingIOError, InterruptedError):
             pass
         except ConnectionResetError:
@@ -458,7 +457,6 @@ async def _warm_call(
             if data is not None:  # a partial frame, or frames before the reply
                 reader.feed(data)
                 if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
-                    spin_end = spin_end or time.monotonic() + _REPLY_SPIN
                     while reader.outcome is None:
                         left = spin_end - time.monotonic()
                         if left <= 0 or not select.select((fd,), (), (), left)[0]:
