@@ -187,6 +187,8 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
 
+    me, worker_pid = os.getpid(), worker.pid
+
     def acall_batch(n: int) -> float:
         async def batch() -> float:
             t0 = time.perf_counter_ns()
@@ -194,10 +196,13 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
                 await worker.acall(ECHO_TARGET, i)
             return (time.perf_counter_ns() - t0) / n / 1000.0
 
-        return loop.run_until_complete(batch())
+        h0, w0 = cpu_ns(me), cpu_ns(worker_pid)
+        us = loop.run_until_complete(batch())
+        acall.cpu = ((cpu_ns(me) - h0) / n / 1000.0, (cpu_ns(worker_pid) - w0) / n / 1000.0)
+        return us
 
-    acall = _local(COMFY_ENV_ACALL, ce_call, [worker.pid])
-    methods.append(Method(COMFY_ENV_ACALL, acall_batch, acall.pin))
+    acall = Method(COMFY_ENV_ACALL, acall_batch, _local(COMFY_ENV_ACALL, ce_call, [worker_pid]).pin)
+    methods.append(acall)
     for name in PEERS:
         method = _remote(ctx, name)
         if method is not None:
@@ -346,7 +351,7 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
         ce = results[COMFY_ENV].median
         cpu_sums = {
             name: results[f"{name} {CPU_HOST}"].median + results[f"{name} {CPU_WORKER}"].median
-            for name in (*REFERENCES, COMFY_ENV)
+            for name in (*REFERENCES, COMFY_ENV, COMFY_ENV_ACALL)
             if f"{name} {CPU_HOST}" in results
         }
         if COMFY_ENV in cpu_sums and RAW_PIPE in cpu_sums:
@@ -356,6 +361,13 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
                 f"us/call = {fmt_x(ratio(cpu_sums[COMFY_ENV], cpu_sums[RAW_PIPE]))} the raw "
                 f"pipe's {fmt(cpu_sums[RAW_PIPE], 1)} us/call (the caller column counts every "
                 "thread of the calling process).",
+            ]
+        if COMFY_ENV in cpu_sums and COMFY_ENV_ACALL in cpu_sums:
+            section.lines += [
+                "",
+                f"On-CPU time of comfy_env acall: {fmt(cpu_sums[COMFY_ENV_ACALL], 1)} us/call = "
+                f"{fmt_x(ratio(cpu_sums[COMFY_ENV_ACALL], cpu_sums[COMFY_ENV]))} the sync "
+                "call's (caller + worker, medians).",
             ]
         section.lines += [
             "",

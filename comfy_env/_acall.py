@@ -11,14 +11,28 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
         gate(CallStarted) -> send CALL     ``WorkerProcess.send_request``: one ``sendall`` of
                                            <= 64 KiB into an idle channel, plus (buffers) one
                                            memcpy into a pooled shared-memory block
-        loop.add_reader(channel)           frames parsed as they arrive: LOG -> logging,
-                                           EVENT -> on_event (on the loop), REPLY -> future
+        spin (at most _REPLY_SPIN)         one read; a whole REPLY frame in it is the reply
+                                           (the common small call: no parser object). If
+                                           this thread and the worker share one single CPU:
+                                           a non-blocking recv first (the worker often ran
+                                           already), nothing yet -> yield the CPU to it once
+                                           (cheaper than sleeping in select and being woken);
+                                           else, or still nothing, select for the rest
+        loop.add_reader(channel)           only if the spin did not end the call: frames
+                                           parsed as they arrive: LOG -> logging, EVENT ->
+                                           on_event (on the loop), REPLY -> future
         gate(Replied) via settle           the slot goes to the next waiter
     otherwise (a worker must start, a ping is due, a large in-band request, out-of-band
     buffers above _OOB_LOOP_MAX or that would stream inline (shared memory off or
     unavailable), RemoteRefs):
         the sync exchange runs on a thread of its own (never the loop's default executor),
         and the coroutine awaits its outcome; a worker start never blocks the loop.
+
+The spin blocks the loop for at most _REPLY_SPIN (select's timeout counts from the first
+read). The one-CPU yield is no wait on I/O: it hands the CPU to a worker that could only run
+there anyway, and the loop's thread is runnable again within one scheduler slice; it is taken
+only when ``sched_getaffinity`` of both threads is the same single CPU (``_shares_one_cpu``,
+cached per worker for _AFFINITY_TTL): a caller free to run on more CPUs never yields.
 
 Deadline: one timer per call, from the moment ``arun`` is called. Queued: the ticket leaves
 the queue and the call raises ``CallTimeout``. Warm: the gate applies ``DeadlineHit`` and the
@@ -47,9 +61,11 @@ shared memory unavailable, so the next such call takes the thread path.
 from __future__ import annotations
 
 import asyncio
+import os
 import select
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -298,6 +314,10 @@ class _ReplyReader:
         except OSError:
             self.finish("eof")
             return
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        """Parse what one ``recv`` returned (b"": EOF) after what was buffered."""
         if not data:
             self.finish("eof")
             return
@@ -343,7 +363,6 @@ async def _warm_call(
     """Run the call on the loop. (False, None) if nothing was sent (the worker died idle under
     our feet): the caller moves the call to the thread path, which starts a fresh worker.
     ``started``: ``CallStarted`` was applied already (``ticket.call_id``), in the lease."""
-    loop = asyncio.get_running_loop()
     generation = process.generation
     if started:
         call_id = ticket.call_id
@@ -383,52 +402,105 @@ async def _warm_call(
     outcome = "failed"
     replied: lc.Replied | None = None
     cancels = 0
-    sink = None if ticket.on_event is None else event_handler(ticket.on_event, call_id, generation)
-    reader = _ReplyReader(process, call_id, sink)
+    frames = process.reader
+    assert frames is not None
     fd = sock.fileno()
     timer = None
     registered = False
+    loop: asyncio.AbstractEventLoop | None = None
+    reader: _ReplyReader | None = None
+    ended: tuple[str, Any] | None = None  # (kind, value) once the call ended
     try:
         # A quick call replies within tens of microseconds: wait for that on the spot (at
         # most _REPLY_SPIN, GIL released) rather than pay for a reader registration and two
-        # turns of the loop. A longer call is then read through the loop.
-        if fd < 1024:  # select()'s FD_SETSIZE
-            spin_end = time.monotonic() + _REPLY_SPIN
-            while reader.outcome is None:
+        # turns of the loop. A longer call is then read through the loop. When this thread
+        # and the worker share one single CPU, the reply is often there already (the request
+        # woke the worker, which ran at once): one non-blocking recv first; if nothing yet,
+        # the worker cannot reply before it runs, so give it the CPU (sched_yield) rather
+        # than sleep in select and be woken by the reply. Otherwise (the worker runs
+        # elsewhere, its reply takes at least a cross-CPU wake-up) wait in select at once.
+        data: bytes | None = None
+        now = time.monotonic()
+        spin_end = now + _REPLY_SPIN
+        try:
+            if _shares_one_cpu(process, now):
+                try:
+                    data = frames.recv_nowait()
+                except (BlockingIOError, InterruptedError):
+                    os.sched_yield()
+                    try:
+                        data = frames.recv_nowait()
+                    except (BlockingIOError, InterruptedError):
+                        pass
+            if data is None and fd < 1024:  # select()'s FD_SETSIZE
                 left = spin_end - time.monotonic()
-                if left <= 0 or not select.select((fd,), (), (), left)[0]:
-                    break
-                reader.on_readable()
-        if reader.outcome is None:
+                if left > 0 and select.select((fd,), (), (), left)[0]:
+                    data = frames.recv_nowait()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except ConnectionResetError:
+            ended = ("reset", None)
+        except OSError:
+            ended = ("eof", None)
+        if data is not None and len(data) >= HEADER_SIZE:
+            magic, ftype, flags, length, reply_id = HEADER.unpack_from(data)
+            # The common case: exactly one whole frame, the reply itself (LOG and EVENT
+            # frames, partial or oversize frames and anything odd take the general parser).
+            if (
+                len(data) == HEADER_SIZE + length
+                and magic == MAGIC
+                and length <= frames.limit
+                and (ftype == FrameType.REPLY_OK or ftype == FrameType.REPLY_ERR)
+            ):
+                ended = ("frame", (ftype, flags, reply_id, data[HEADER_SIZE:], b""))
+        if ended is None:
+            sink = None
+            if ticket.on_event is not None:
+                sink = event_handler(ticket.on_event, call_id, generation)
+            reader = _ReplyReader(process, call_id, sink)
+            if data is not None:  # a partial frame, or frames before the reply
+                reader.feed(data)
+                if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
+                    while reader.outcome is None:
+                        left = spin_end - time.monotonic()
+                        if left <= 0 or not select.select((fd,), (), (), left)[0]:
+                            break
+                        reader.on_readable()
+            ended = reader.outcome
+        if ended is None:
+            assert reader is not None
+            loop = asyncio.get_running_loop()
             reader.done = loop.create_future()
             loop.add_reader(fd, reader.on_readable)
             registered = True
             if deadline is not None:
                 delay = max(0.0, deadline - time.monotonic())
                 timer = loop.call_later(delay, reader.finish, "deadline")
-        while reader.outcome is None:
-            assert reader.done is not None
-            try:
-                await reader.done
-            except asyncio.CancelledError:
-                # Ask the worker first; keep waiting for the call's end (the grace timer
-                # kills a worker that does not stop). A second cancellation kills at once.
-                cancels += 1
-                if reader.outcome is not None:
-                    break  # it ended as the cancel came: the reply is dropped below
-                reader.done = loop.create_future()
-                pool.cancel(entry, ticket, force=cancels > 1)
-        kind, value = reader.outcome
+            while reader.outcome is None:
+                assert reader.done is not None
+                try:
+                    await reader.done
+                except asyncio.CancelledError:
+                    # Ask the worker first; keep waiting for the call's end (the grace timer
+                    # kills a worker that does not stop). A second cancellation kills at once.
+                    cancels += 1
+                    if reader.outcome is not None:
+                        break  # it ended as the cancel came: the reply is dropped below
+                    reader.done = loop.create_future()
+                    pool.cancel(entry, ticket, force=cancels > 1)
+            ended = reader.outcome
+            assert ended is not None
+        kind, value = ended
         if registered:
+            assert loop is not None
             registered = False
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
-        label = target_label(target)
         if kind == "frame":
             ftype, flags, reply_id, payload, rest = value
             if rest:
-                process.reader.unread(rest)  # type: ignore[union-attr]
+                frames.unread(rest)
             if (
                 ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR
             ) or reply_id != call_id:
@@ -457,6 +529,7 @@ async def _warm_call(
             return True, result
         if kind == "bad":
             raise protocol_error(entry, slot, process, value)
+        label = target_label(target)  # only on failure: the success path names nothing
         if kind == "deadline" and entry.apply(slot, lc.DeadlineHit(generation, call_id)):
             raise CallTimeout(
                 f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
@@ -488,10 +561,37 @@ async def _warm_call(
         raise
     finally:
         if registered:
+            assert loop is not None
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
         pool.settle(entry, ticket, outcome, replied)
+
+
+# Whether the calling thread and a worker may only run on one and the same CPU, per worker:
+# (checked at, answer). Checked again after _AFFINITY_TTL seconds (affinity rarely changes; a
+# stale answer costs a few microseconds: one yield that returns at once, or one select).
+_one_cpu: weakref.WeakKeyDictionary[WorkerProcess, tuple[float, bool]] = weakref.WeakKeyDictionary()
+_AFFINITY_TTL = 0.1
+
+
+def _shares_one_cpu(process: WorkerProcess, now: float) -> bool:
+    """True if this thread and the worker's main thread are both confined to the same single
+    CPU (``taskset``, a one-CPU cpuset or container): the reply to a request just sent cannot
+    come before the worker gets that CPU."""
+    cached = _one_cpu.get(process)
+    if cached is not None and now - cached[0] < _AFFINITY_TTL:
+        return cached[1]
+    shared = False
+    getaffinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    if getaffinity is not None and process.pid is not None:
+        try:
+            mine = getaffinity(0)
+            shared = len(mine) == 1 and getaffinity(process.pid) == mine
+        except OSError:  # the worker is gone (the read reports it), or not ours to inspect
+            shared = False
+    _one_cpu[process] = (now, shared)
+    return shared
 
 
 # ---- everything else: a thread of its own -----------------------------------------------------

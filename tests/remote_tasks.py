@@ -421,3 +421,9 @@ def hold_array(arr: Any, seconds: float) -> float:
         comfy_env_worker.raise_if_cancelled()
         time.sleep(0.01)
     return float(arr.sum())
+
+
+def blob(n: int) -> bytes:
+    """``n`` bytes, pickled inline (plain bytes never go out of band): a reply frame larger
+    than one read of the channel."""
+    return bytes(range(256)) * (n // 256) + b"x" * (n % 256)

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -472,3 +473,78 @@ def test_an_acall_with_buffers_streams_inline_on_a_thread_when_shared_memory_is_
             assert used == [1]
         assert np.array_equal(got, arr)
         assert w.stats().ok == 2
+
+
+def test_a_warm_acall_reads_a_reply_that_spans_many_reads_on_the_loop(
+    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The spin's first read holds only the start of the frame: the general parser takes
+    # over from there (on the spot, then through the loop), never a thread.
+    w = apool.get_worker()
+    w.call("remote_tasks:getpid")
+    used = _thread_path_counter(monkeypatch)
+    size = 700_000
+
+    async def main() -> list[Any]:
+        return [await w.acall("remote_tasks:blob", size + i) for i in range(3)]
+
+    got = run_small(main)
+    assert used == [0]
+    assert [len(b) for b in got] == [size, size + 1, size + 2]
+    assert got[2][:256] == bytes(range(256)) and got[2].endswith(b"xx")
+    assert w.stats().ok == 4 and w.generation == 1
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_warm_acalls_confined_to_one_cpu_with_their_worker_keep_order_and_events(
+    apool: comfy_env.Pool,
+) -> None:
+    # One CPU for the caller and the worker: a reply not there yet is waited for by yielding
+    # the CPU to the worker (``_shares_one_cpu``); events, logs and results are unchanged.
+    from comfy_env import _acall
+
+    w = apool.get_worker()
+    pid = w.call("remote_tasks:getpid")
+    original = os.sched_getaffinity(0)
+    cpu = min(original)
+    me = threading.get_native_id()
+    try:
+        os.sched_setaffinity(me, {cpu})
+        _pin(pid, {cpu})
+
+        async def main() -> list[Any]:
+            seen: list[tuple[str, Any]] = []
+            out: list[Any] = [await w.acall("remote_tasks:add", i, 1) for i in range(200)]
+            out.append(
+                await w.arun(
+                    "remote_tasks:events_in_order",
+                    (4,),
+                    on_event=lambda e: seen.append((e.kind, e.data)),
+                )
+            )
+            out.append(await w.acall("remote_tasks:log_things", 2))
+            out.append([k for k, _ in seen])
+            return out
+
+        got = run_small(main)
+        process = w._entry.slots[0].process
+        assert process is not None
+        later = time.monotonic() + 1000.0  # past any cached check
+        assert _acall._shares_one_cpu(process, later) is True
+        if len(original) > 1:
+            # The worker moved to another CPU: seen at the next check after the TTL.
+            _pin(pid, {max(original)})
+            assert _acall._shares_one_cpu(process, later) is True  # cached
+            assert _acall._shares_one_cpu(process, later + 2 * _acall._AFFINITY_TTL) is False
+    finally:
+        os.sched_setaffinity(me, original)
+        _pin(pid, original)
+    assert got[:200] == [i + 1 for i in range(200)]
+    assert got[200] == 4 and got[201] == 2
+    assert got[202] == ["step", "progress"] * 4
+    assert w.stats().ok == 203 and w.generation == 1
