@@ -1458,7 +1458,9 @@ class Pool:
             )
         # Wait (bounded) for the exit status, so the message can name the signal.
         rc = process.wait_exit(1.0)
-        still_running = rc is None
+        # A backend without exit codes (Ray) reports a death with rc None and its own words.
+        detail = getattr(process, "death_detail", None)
+        still_running = rc is None and not process.exited.is_set()
         if still_running:
             process.kill(lc.Stop.KILL)
             rc = process.wait_exit(1.0)
@@ -1467,6 +1469,8 @@ class Pool:
         what = (
             "closed its channel while still running (it was killed)"
             if still_running
+            else detail
+            if rc is None and detail
             else describe_exit(rc)
         )
         message = (
