@@ -188,6 +188,11 @@ def _runtime_files(runtime_dir: str) -> tuple[dict[str, bytes], str]:
     return files, digest.hexdigest()[:32]
 
 
+# Interpreters proven fit (path, inode, mtime: a replaced interpreter is checked again). A
+# failure is not kept: the env may be fixed meanwhile, and it is said at every start.
+_fit_lock = threading.Lock()
+_fit_interpreters: set[tuple[Any, ...]] = set()
+
 _PREFLIGHT = (
     "import json, sys\n"
     "out = {'python': list(sys.version_info[:3]), 'executable': sys.executable}\n"
@@ -212,7 +217,6 @@ class RayBackend:
         self._lock = threading.Lock()
         self._joined = False
         self._closed = False
-        self._preflights: dict[str, str | None] = {}  # interpreter -> mismatch or None
         self._shipped: tuple[str, Any, str] | None = None  # runtime dir, files ref, digest
         self._actor_class: Any = None
 
@@ -242,12 +246,17 @@ class RayBackend:
 
     def preflight(self, spec: EnvSpec, timeout: float) -> None:
         """Prove the env can host an actor (ray importable at the cluster's version, same
-        Python minor) or raise ``WorkerStartError`` naming the mismatch. Cached per
-        interpreter: a failure is said at every start (the env may be fixed meanwhile)."""
-        with self._lock:
-            if self._preflights.get(spec.interpreter, "unknown") is None:
-                return
+        Python minor) or raise ``WorkerStartError`` naming the mismatch. A success is kept
+        per interpreter file for the process (see ``_fit_interpreters``)."""
         ray = ray_module()
+        try:
+            st = os.stat(spec.interpreter)
+            key: tuple[Any, ...] | None = (spec.interpreter, st.st_ino, st.st_mtime_ns)
+        except OSError:
+            key = None
+        with _fit_lock:
+            if key is not None and key in _fit_interpreters:
+                return
         try:
             out = subprocess.run(
                 [spec.interpreter, "-c", _PREFLIGHT],
@@ -285,8 +294,9 @@ class RayBackend:
             )
         if why is not None:
             raise self._unfit(spec, why)
-        with self._lock:
-            self._preflights[spec.interpreter] = None
+        if key is not None:
+            with _fit_lock:
+                _fit_interpreters.add(key)
 
     @staticmethod
     def _unfit(spec: EnvSpec, why: str) -> WorkerStartError:
