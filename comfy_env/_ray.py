@@ -286,7 +286,10 @@ class RayBackend:
                 f"{host[0]}.{host[1]} (Ray actors need the cluster's Python minor version)"
             )
         elif "ray" not in facts:
-            why = f"ray is not importable there ({facts.get('ray_error')}); install ray=={ray.__version__}"
+            why = (
+                f"ray is not importable there ({facts.get('ray_error')}); install "
+                f"ray=={ray.__version__} in the env"
+            )
         elif facts["ray"] != ray.__version__:
             why = (
                 f"it has ray {facts['ray']}, the cluster ray {ray.__version__}; install "
@@ -314,13 +317,11 @@ class RayBackend:
                 _join_cluster(self.config.ray_address)
                 self._joined = True
             if self._actor_class is None:
-                from ray import cloudpickle
-
                 from comfy_env_worker import ray_actor
 
                 # The env has no comfy_env_worker yet: the class travels by value, and the
                 # runtime's files with it (see ray_actor).
-                cloudpickle.register_pickle_by_value(ray_actor)
+                importlib.import_module("ray.cloudpickle").register_pickle_by_value(ray_actor)
                 self._actor_class = ray.remote(ray_actor.RayWorkerActor)
             if self._shipped is None or self._shipped[0] != runtime_dir:
                 files, digest = _runtime_files(runtime_dir)
@@ -470,7 +471,7 @@ class RayWorker:
             self.actor = self.backend.create_actor(self.spec, self.runtime_dir)
         except WorkerStartError:
             raise
-        except Exception as exc:  # noqa: BLE001 - Ray refused (bad address, no resources)
+        except Exception as exc:  # Ray refused (bad address, no resources)
             raise WorkerStartError(
                 f"cannot create a Ray actor for env {self.spec.key}: {type(exc).__name__}: {exc}",
                 env=self.spec.key,

@@ -60,10 +60,8 @@ def test_an_env_without_ray_fails_fast_naming_it(foreign_venv: Path) -> None:
 
 def test_an_env_of_another_python_minor_fails_naming_both_versions(tmp_path: Path) -> None:
     here = sys.version_info[1]
-    found = next(
-        (p for minor in (8, 9, 10, 11, 12, 13, 14) if minor != here for p in [other_python(minor)] if p),
-        None,
-    )
+    others = (other_python(minor) for minor in range(8, 15) if minor != here)
+    found = next((p for p in others if p), None)
     if found is None:
         pytest.skip("no interpreter of another Python minor version on this machine")
     env = tmp_path / "other"
@@ -89,7 +87,6 @@ def test_arguments_arrive_writable_and_results_are_private(rpool: comfy_env.Pool
     out = w.call("remote_tasks:add_in_place", arr, 2.0)
     assert float(out.sum()) == 2.0 * arr.size
     assert float(arr.sum()) == 0.0  # the host's array is not the worker's
-    assert out.flags.writeable and out.flags.owndata or out.base is not None
     out += 1  # writable: not a view of Ray's read-only object store
     small = w.call("comfy_env_worker.tasks:echo", np.arange(10))
     assert small.flags.writeable
@@ -151,4 +148,4 @@ def test_a_crash_is_published_as_events(rpool: comfy_env.Pool, tmp_path: Path) -
     names = [type(e).__name__ for e in events]
     assert names.count("WorkerReady") == 2
     retired = next(e for e in events if type(e).__name__ == "WorkerRetired")
-    assert getattr(retired, "generation") == 1 and getattr(retired, "reason") == "crashed"
+    assert retired.generation == 1 and retired.reason == "crashed"  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from collections import deque
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Deque, Dict, List, Optional, Tuple
+    from typing import Any, Deque, Dict, List, Tuple
 
 # Side frames (LOG between and during calls, EVENT during calls) kept until the host drains
 # them; the oldest are dropped beyond this (a chatty background thread while nobody calls).
@@ -236,9 +236,9 @@ class RayWorkerActor:
         self.stopped.set()
         send_frame(self.host, FrameType.SHUTDOWN, 0)
         self.serve_thread.join(timeout)
-        import ray
+        import importlib
 
-        ray.actor.exit_actor()
+        importlib.import_module("ray.actor").exit_actor()
 
     def wait_until_dead(self) -> None:
         """Never returns: the host holds this task's result as the actor's death notice."""
