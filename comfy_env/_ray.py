@@ -781,7 +781,8 @@ class RayWorker:
                 data = fh.read()
         except (OSError, AttributeError):
             return b""
-        lines = [ln for ln in data.splitlines() if ln.strip()][-40:]
+        # Ray's own markers (":job_id:...", ":actor_name:...") say nothing about the death.
+        lines = [ln for ln in data.splitlines() if ln.strip() and not ln.startswith(b":")][-40:]
         return b"\n".join(lines) + b"\n" if lines else b""
 
     def dispose(self) -> None:
