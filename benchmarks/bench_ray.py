@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from benchlib import MiB, Context, Section, Series, fmt, ratio
+from benchlib import Context, MiB, Section, Series, fmt, ratio
 
 ECHO = "comfy_env_worker.tasks:echo"
 SLEEP = "comfy_env_worker.tasks:sleep"
@@ -140,7 +140,9 @@ def run(ctx: Context) -> Section:
         if started_ray:
             ray.shutdown()
 
-    def row(name: str, series: dict[str, Series], scale: float, unit: str, p99: bool = False) -> str:
+    def row(
+        name: str, series: dict[str, Series], scale: float, unit: str, p99: bool = False
+    ) -> str:
         def cell(s: Series) -> str:
             text = f"{fmt(s.median * scale)} ({fmt(s.min * scale)}-{fmt(s.max * scale)})"
             if p99:

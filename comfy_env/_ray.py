@@ -384,8 +384,9 @@ class _Reader:
                 return self.frames.popleft()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError("deadline passed")
+            drain_for = 10.0 if deadline is None else deadline - time.monotonic()
             try:
-                side = ray.get(worker.actor.drain.remote(), timeout=10.0)
+                side = ray.get(worker.actor.drain.remote(), timeout=max(0.01, drain_for))
             except Exception:  # noqa: BLE001 - dead or slow: the call's own result says which
                 side = []
             if side:
