@@ -233,3 +233,54 @@ def test_the_stats_add_up(cpool: comfy_env.Pool, tmp_path: Path) -> None:
     assert (s.ok, s.raised, s.crashed) == (2, 1, 1)
     assert s.spawns == s.generation == 2
     assert s.state == "idle" and s.pid is not None
+
+
+def _policy_pool(backend: str, **overrides: object) -> comfy_env.Pool:
+    settings: dict[str, object] = {
+        "backend": backend,
+        "sys_path": (str(TESTS_DIR),),
+        "kill_grace": 2.0,
+        "close_timeout": 5.0,
+        "start_timeout": 90.0,
+    }
+    settings.update(overrides)
+    return comfy_env.Pool(comfy_env.PoolConfig(**settings))
+
+
+def test_a_call_that_ignores_its_cancel_is_killed_after_the_grace(backend: str) -> None:
+    with _policy_pool(backend, cancel_grace=1.0) as pool:
+        w = pool.get_worker()
+        pid = w.call("remote_tasks:getpid")
+        call = w.submit("remote_tasks:ignore_cancel", (60,))
+        assert wait_until(lambda: call.running() and w.stats().in_flight == 1, timeout=30)
+        time.sleep(0.3)
+        call.cancel()
+        with pytest.raises(CallCancelled) as info:
+            call.result(timeout=30)
+        assert "was killed" in str(info.value)
+        assert wait_until(lambda: not alive(pid), timeout=30)
+        assert w.call("remote_tasks:add", 1) == 1 and w.generation == 2
+
+
+def test_an_idle_worker_is_reaped_politely_and_respawned(backend: str, tmp_path: Path) -> None:
+    marker = tmp_path / "released"
+    with _policy_pool(backend, idle_timeout=1.0) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:register_release_hook", str(marker))
+        pid = w.pid
+        assert pid is not None
+        assert wait_until(lambda: w.stats().reaped == 1, timeout=30)
+        assert wait_until(lambda: not alive(pid), timeout=30)
+        assert marker.read_text() == "released\n"  # asked to leave: its release hooks ran
+        assert w.call("remote_tasks:add", 1) == 1
+        assert w.generation == 2 and w.stats().crashed == 0
+
+
+def test_a_long_idle_worker_is_pinged_before_a_call(backend: str) -> None:
+    with _policy_pool(backend, ping_after_idle=0.2) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:add", 1)
+        time.sleep(0.5)
+        assert w.call("remote_tasks:add", 2) == 2
+        stats = w.stats()
+        assert (stats.pings, stats.ping_failures, w.generation) == (1, 0, 1)
