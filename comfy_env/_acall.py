@@ -107,7 +107,9 @@ async def arun(
         pool._settle(entry, ticket, "cancelled" if cancelled else _pool._outcome(exc), None)
         raise
     process = started = ticket.started
-    if started is not None:
+    if started is not None and started.sock is None:
+        process = None  # no descriptor for the loop (a Ray actor): the thread runs the started call
+    elif started is not None:
         ticket.started = None  # checked and started (CallStarted) in _lease_now
     else:
         process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)

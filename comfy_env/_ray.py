@@ -436,6 +436,7 @@ class RayWorker:
         self.actor: Any = None
         self.actor_id = ""
         self.pending: Any = None  # the ObjectRef of the call in flight
+        self._sentinel: Any = None  # the ObjectRef of wait_until_dead (the death notice)
         self._reader = _Reader(self)
         self._death_lock = threading.Lock()
         self._dead = False
@@ -481,8 +482,10 @@ class RayWorker:
         self.actor_id = self.actor._actor_id.hex()
         with _actors_lock:
             _live_actors[self.actor_id] = None
-        sentinel = self.actor.wait_until_dead.remote()
-        sentinel.future().add_done_callback(lambda future: self._death_notice(future))
+        # Held for the generation's life: the death notice must not depend on Ray keeping a
+        # reference nobody holds.
+        self._sentinel = self.actor.wait_until_dead.remote()
+        self._sentinel.future().add_done_callback(lambda future: self._death_notice(future))
         if after_launch is not None:
             after_launch(self)
         if self._kill_requested:

@@ -284,3 +284,18 @@ def test_a_long_idle_worker_is_pinged_before_a_call(backend: str) -> None:
         assert w.call("remote_tasks:add", 2) == 2
         stats = w.stats()
         assert (stats.pings, stats.ping_failures, w.generation) == (1, 0, 1)
+
+
+def test_asyncio_calls_work_and_events_arrive(cpool: comfy_env.Pool) -> None:
+    import asyncio
+
+    w = cpool.get_worker()
+    seen: list[CallEvent] = []
+
+    async def main() -> tuple[int, int]:
+        first = await w.acall("remote_tasks:add", 2, b=3)
+        second = await w.arun("remote_tasks:events_in_order", (3,), on_event=seen.append)
+        return first, second
+
+    assert asyncio.run(main()) == (5, 3)
+    assert [e.kind for e in seen] == ["step", "progress"] * 3
