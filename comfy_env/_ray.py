@@ -333,7 +333,9 @@ class RayBackend:
             "max_task_retries": 0,
             "max_concurrency": 8,
         }
-        same_python = os.path.realpath(spec.interpreter) == os.path.realpath(sys.executable)
+        # Unresolved paths: every venv's python links to the same base interpreter, and a
+        # venv is its own env only when launched by its own path.
+        same_python = os.path.abspath(spec.interpreter) == os.path.abspath(sys.executable)
         if not (same_python and _local_head() is not None):
             # The actor runs under the env's own interpreter (experimental in Ray). A local
             # cluster of this very interpreter needs none: its pooled workers start faster.

@@ -149,3 +149,19 @@ def test_a_crash_is_published_as_events(rpool: comfy_env.Pool, tmp_path: Path) -
     assert names.count("WorkerReady") == 2
     retired = next(e for e in events if type(e).__name__ == "WorkerRetired")
     assert retired.generation == 1 and retired.reason == "crashed"  # type: ignore[attr-defined]
+
+
+def test_an_actor_runs_under_the_envs_own_interpreter(tmp_path: Path) -> None:
+    """Another venv (its own interpreter path, this Python, and ray through a .pth file onto
+    the host's site-packages): its actor is started with Ray's py_executable."""
+    import site
+
+    env = tmp_path / "rayenv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    minor = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (env / "lib" / minor / "site-packages" / "host.pth").write_text(site.getsitepackages()[0])
+    with comfy_env.Pool(_config()) as pool:
+        w = pool.get_worker(str(env))
+        assert w.call("remote_tasks:executable") == str(env / "bin" / "python")
+        assert w.call("remote_tasks:prefix") == str(env)
+        assert w.call("remote_tasks:add", 2, b=3) == 5
