@@ -381,6 +381,12 @@ class _Reader:
                 except ray.exceptions.RayTaskError as exc:
                     # The actor method itself failed (its socketpair broke): a protocol fault.
                     raise FrameError(f"the actor failed to relay the call: {exc}") from None
+                except ray.exceptions.RayError as exc:
+                    # Ray failed under the call (an object lost, the cluster going away): the
+                    # actor cannot be trusted with the next one; reported as its death.
+                    worker.fault = RayWorker._said(exc)
+                    worker.kill(Stop.KILL)
+                    raise ChannelClosed() from None
                 self._side(side)
                 self.frames.append(reply)
                 return self.frames.popleft()
@@ -430,6 +436,7 @@ class RayWorker:
         self.hello: dict[str, Any] = {}
         self.returncode: int | None = None  # Ray reports none; a signal when the log says it
         self.death_detail: str | None = None  # what Ray said about the death
+        self.fault: str | None = None  # a Ray error that made the host stop the actor
         self.exited = threading.Event()
         self.output_done = threading.Event()
         self.startup_seconds = 0.0
@@ -532,7 +539,7 @@ class RayWorker:
         except (ray.exceptions.RayActorError, ChannelClosed) as exc:
             self.died(exc if isinstance(exc, ray.exceptions.RayActorError) else None)
             raise self._start_error(f"died during start-up ({self._said(exc)})") from None
-        except (ray.exceptions.RayTaskError, FrameError, KeyError, ValueError) as exc:
+        except (ray.exceptions.RayError, FrameError, KeyError, ValueError) as exc:
             raise self._start_error(f"failed its handshake: {self._said(exc)}") from None
         self.startup_seconds = time.monotonic() - started
 
@@ -757,7 +764,9 @@ class RayWorker:
                 self.returncode = -signum
                 break
         detail = re.search(r"Worker exit detail: ([^.]*\.)", text)
-        if self._kill_requested:
+        if self.fault is not None:
+            self.death_detail = f"was stopped after a Ray error ({self.fault})"
+        elif self._kill_requested:
             self.death_detail = "was stopped (ray.kill)"
         else:
             self.death_detail = "died (Ray reports no exit code" + (
