@@ -78,7 +78,7 @@ from comfy_env_worker.protocol import (
 from ._codec import decode_reply, encode_call, oob_threshold
 from ._config import PoolConfig
 from ._envs import EnvSpec
-from ._errors import SerializationError, WorkerStartError
+from ._errors import ConfigError, SerializationError, WorkerStartError
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
@@ -212,7 +212,15 @@ class RayBackend:
     capabilities = RAY_CAPABILITIES
 
     def __init__(self, config: PoolConfig) -> None:
-        ray_module()  # ImportError at pool creation, not at the first call
+        try:
+            ray_module()  # at pool creation, not at the first call
+        except ImportError as exc:
+            raise ConfigError(
+                f"PoolConfig.backend='ray' needs ray in the host: pip install 'comfy-env[ray]' "
+                f"({exc})",
+                field="backend",
+                value="ray",
+            ) from None
         self.config = config
         self._lock = threading.Lock()
         self._joined = False

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -299,3 +300,11 @@ def test_asyncio_calls_work_and_events_arrive(cpool: comfy_env.Pool) -> None:
 
     assert asyncio.run(main()) == (5, 3)
     assert [e.kind for e in seen] == ["step", "progress"] * 3
+
+
+def test_the_ray_backend_without_ray_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pure logic, no cluster: ray missing in the host is said at pool creation, typed."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(comfy_env.ConfigError) as info:
+        comfy_env.Pool(comfy_env.PoolConfig(backend="ray"))
+    assert "pip install 'comfy-env[ray]'" in str(info.value) and info.value.field == "backend"
