@@ -6,11 +6,12 @@
     python benchmarks/run_all.py --quick    # smoke test with tiny sizes (< ~30 s)
 
 Steps: install (or reuse) the peer venvs under ``benchmarks/.peers`` (``peers.py``), then run
-the six measurements in order, each on its own references measured in the same run:
+the seven measurements in order, each on its own references measured in the same run:
 
 1. warm small call (``bench_small_call``)     4. crash recovery (``bench_crash``)
 2. payload round trip (``bench_payload``)     5. idle memory, host overhead (``bench_memory``)
 3. first call (``bench_first_call``)          6. scale to 64 envs (``bench_scale``)
+7. the Ray backend beside the local one (``bench_ray``; skipped, and said so, without ray)
 
 A measurement that fails is reported with its error and the suite goes on; a peer that cannot
 be installed or does not work is reported as "unavailable: reason". Targets are printed as
@@ -39,6 +40,7 @@ import bench_crash
 import bench_first_call
 import bench_memory
 import bench_payload
+import bench_ray
 import bench_scale
 import bench_small_call
 import peers
@@ -65,6 +67,7 @@ SECTIONS: dict[str, Callable[[Context], Section]] = {
     "crash": bench_crash.run,
     "memory": bench_memory.run,
     "scale": bench_scale.run,
+    "ray": bench_ray.run,
 }
 TITLES = {
     "small_call": "1. Warm small call, f(x) = x",
@@ -73,6 +76,7 @@ TITLES = {
     "crash": "4. Crash recovery",
     "memory": "5. Idle worker memory and host overhead",
     "scale": "6. Scale",
+    "ray": "7. Ray backend beside the local backend",
 }
 
 

@@ -124,7 +124,9 @@ async def arun(
         pool.settle(entry, ticket, "cancelled" if cancelled else outcome_of(exc), None)
         raise
     process = started = ticket.started
-    if started is not None:
+    if started is not None and not isinstance(started, WorkerProcess):
+        process = None  # no descriptor for the loop (a Ray actor): the thread runs the started call
+    elif started is not None:
         ticket.started = None  # checked and started (CallStarted) in _lease_now
     else:
         process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)

@@ -69,6 +69,7 @@ class WorkerGeneration(Protocol):
     log: WorkerLog
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
     popen: Any  # the launched process, if the backend has one (None for an actor)
+    death_detail: str | None  # how it died, where no exit code says it (Ray)
 
     @property
     def reader(self) -> FrameSource | None: ...

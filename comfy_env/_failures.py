@@ -94,17 +94,19 @@ def crash_error(
         )
     # Wait (bounded) for the exit status, so the message can name the signal.
     rc = process.wait_exit(1.0)
-    still_running = rc is None
+    # A backend without exit codes (Ray) reports a death with rc None and its own words.
+    still_running = rc is None and not process.exited.is_set()
     if still_running:
         process.kill(lc.Stop.KILL)
         rc = process.wait_exit(1.0)
     process.wait_output(0.5)
     tail = process.log.tail()
-    what = (
-        "closed its channel while still running (it was killed)"
-        if still_running
-        else describe_exit(rc)
-    )
+    if still_running:
+        what = "closed its channel while still running (it was killed)"
+    elif rc is None and process.death_detail:
+        what = process.death_detail
+    else:
+        what = describe_exit(rc)
     message = (
         f"worker for env {entry.spec.key} (pid {process.pid}, generation "
         f"{process.generation}) {what} during call {call_id} to {label or '?'}; "

@@ -244,6 +244,7 @@ class WorkerProcess:
         self.pid: int | None = None  # the interpreter's own pid, from its hello
         self.hello: dict[str, Any] = {}
         self.returncode: int | None = None
+        self.death_detail: str | None = None  # exit codes say it all here
         self.exited = threading.Event()
         self.startup_seconds = 0.0
         self.log = WorkerLog(spec.key, spec.name, generation, config.stderr_tail_lines)

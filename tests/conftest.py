@@ -4,6 +4,13 @@ The leak guard snapshots this process's children, open descriptors, threads, com
 directories and ``/dev/shm`` entries before a test, and after it waits (bounded) for them to
 return to that snapshot. Anything that survives fails the test by name: a worker process, a
 zombie, a socket, a pipe, a reactor thread, a runtime dir or a shared-memory block.
+
+Ray (tests marked ``ray``): one local cluster serves the whole session (``ray_cluster``, started
+by the leak guard of the first Ray test, before its snapshot, and shut down at the end of the
+session; the Ray tests run last, so the rest of the suite runs without it). The cluster's own
+processes come and go as Ray likes (it prestarts and retires pooled workers), so the process
+probe leaves the cluster's process tree out, and a probe of its own checks what is ours in it:
+no actor that comfy-env created during the test is alive afterwards.
 """
 
 from __future__ import annotations
@@ -35,14 +42,42 @@ def _fds() -> set[str]:
     return out
 
 
+# The direct children that make up the session's Ray cluster (gcs, raylet, agents), once it runs.
+_RAY_ROOTS: set[int] = set()
+
+
+def _ray_tree() -> set[int]:
+    """The pids of the Ray cluster's processes: its roots and all their descendants."""
+    tree = set()
+    for pid in _RAY_ROOTS:
+        try:
+            root = psutil.Process(pid)
+            tree.add(pid)
+            tree.update(p.pid for p in root.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return tree
+
+
 def _children() -> set[tuple[int, float]]:
     out = set()
+    ray_tree = _ray_tree() if _RAY_ROOTS else set()
     for child in psutil.Process().children(recursive=True):
+        if child.pid in ray_tree:
+            continue  # Ray's business; our actors in it are checked by _ray_actors
         try:
             out.add((child.pid, child.create_time()))
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _ray_actors() -> set[str]:
+    """Actors comfy-env created that Ray has not reported dead (with their pids)."""
+    ray_backend = sys.modules.get("comfy_env._ray")
+    if ray_backend is None:
+        return set()
+    return {f"actor {a} pid {p}" for a, p in ray_backend.live_actors().items()}
 
 
 def _zombies() -> list[int]:
@@ -75,14 +110,49 @@ def _shm() -> set[str]:
         return set()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "ray: runs on the session's local Ray cluster")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Ray tests last (stable order otherwise): the cluster starts once, late."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the session (skips when ray is not installed)."""
+    ray = pytest.importorskip("ray")
+    before = {p.pid for p in psutil.Process().children()}
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=256 << 20,
+            log_to_driver=False,
+        )
+    _RAY_ROOTS.update(p.pid for p in psutil.Process().children() if p.pid not in before)
+    # Warm up: the driver opens its connections (raylet, object store, pub-sub) on first use
+    # and keeps them for the session; they belong to the cluster, not to the first Ray test.
+    with comfy_env.Pool(comfy_env.PoolConfig(backend="ray", start_timeout=120.0)) as pool:
+        pool.get_worker().call("comfy_env_worker.tasks:echo", 1)
+    yield
+    ray.shutdown()
+    _RAY_ROOTS.clear()
+
+
 @pytest.fixture(autouse=True)
 def leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("ray") is not None:
+        # Before the snapshot: the cluster's processes and threads are not the test's.
+        request.getfixturevalue("ray_cluster")
     before = {
         "child processes": _children(),
         "descriptors": _fds(),
         "threads": _threads(),
         "runtime dirs": _runtime_dirs(),
         "/dev/shm blocks": _shm(),
+        "Ray actors": _ray_actors(),
     }
     yield
     probes = {
@@ -91,6 +161,7 @@ def leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         "threads": _threads,
         "runtime dirs": _runtime_dirs,
         "/dev/shm blocks": _shm,
+        "Ray actors": _ray_actors,
     }
     deadline = time.monotonic() + 5.0
     while True:

@@ -427,3 +427,24 @@ def blob(n: int) -> bytes:
     """``n`` bytes, pickled inline (plain bytes never go out of band): a reply frame larger
     than one read of the channel."""
     return bytes(range(256)) * (n // 256) + b"x" * (n % 256)
+
+# ---- backends (tests/test_contract.py, tests/test_ray.py) ----
+
+
+def report_then_wait(n: int, seconds: float) -> str:
+    """``n`` events, then a cooperative wait: the events must reach the host while it runs."""
+    import comfy_env_worker
+
+    for i in range(n):
+        comfy_env_worker.emit("step", i)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        comfy_env_worker.raise_if_cancelled()
+        time.sleep(0.01)
+    return "finished"
+
+
+def add_in_place(arr: Any, n: float) -> Any:
+    """Changes its argument in place: arguments must arrive writable."""
+    arr += n
+    return arr
