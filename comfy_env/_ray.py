@@ -41,7 +41,7 @@ on a private socketpair; see that module.
 
 **The cluster** (``_join_cluster``): ``ray.init(address=config.ray_address)`` when an address is
 given and Ray is not initialised in this process; else an initialised Ray is joined as it is;
-else a local cluster is started (``num_cpus=2``, no dashboard, a 256 MiB object store,
+else a local cluster is started (Ray's defaults for this machine, no dashboard,
 ``log_to_driver=False``). Whoever initialised Ray shuts it down: comfy-env calls
 ``ray.shutdown()`` when the last pool that made it initialise Ray closes, and never touches a
 Ray the application initialised itself.
@@ -91,7 +91,6 @@ CANARY_TARGET = "comfy_env_worker.tasks:echo"
 # While a call runs, side frames (logs, progress) are fetched this often; the wait grows from
 # the first to the last value, so a short call pays no drain at all.
 POLL_INTERVALS = (0.02, 0.05, 0.1, 0.2)
-LOCAL_OBJECT_STORE_BYTES = 256 << 20
 _LOG_TAIL_BYTES = 16384
 _FATAL_SIGNALS = (
     (b"Fatal Python error: Segmentation fault", 11),
@@ -122,12 +121,9 @@ def _join_cluster(address: str | None) -> None:
             if address:
                 ray.init(address=address, log_to_driver=False)
             else:
-                ray.init(
-                    num_cpus=2,
-                    include_dashboard=False,
-                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                    log_to_driver=False,
-                )
+                # Ray sizes a local cluster to the machine (CPUs, object store); actors need
+                # no CPU of their own to run, so any number of workers fit.
+                ray.init(include_dashboard=False, log_to_driver=False)
             _cluster_owned = True
         _cluster_users += 1
 
