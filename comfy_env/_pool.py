@@ -74,7 +74,6 @@ from . import _lifecycle as lc
 from ._backend import Backend, backend_for
 from ._call import EventCallback, event_handler
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
-from ._config import PoolConfig, check_timeout, holds_defaults
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
     CallCancelled,
@@ -104,6 +103,7 @@ from ._identity import host_id
 from ._process import HOST_ID_VAR, WorkerProcess, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import RemoteRef, released_error
+from ._settings import Settings, check_timeout, settings_for
 from ._stats import CALL_COUNTERS, EnvStats, WorkerStats
 from ._status import Snapshot, host_publisher
 from ._watcher import HostWatcher
@@ -113,6 +113,7 @@ from ._watcher import HostWatcher
 from ._worker import Worker
 
 if TYPE_CHECKING:
+    from ._config import PoolConfig
     from ._sweep import SweepReport
 
 _log = logging.getLogger("comfy_env")
@@ -408,15 +409,12 @@ class Pool:
     ) -> None:
         """``clock`` (monotonic seconds) times idleness, the reaper and the breaker; tests
         inject a fake one. Call deadlines always use real time."""
-        # Validated again: ``model_copy(update=...)`` skips pydantic's checks, and a value the
-        # OS or the clock cannot take must fail here, not inside a worker or a timer.
-        # A config of defaults only is valid as it is (and needs no validator: see _config).
-        if config is None:
-            config = PoolConfig()
-        elif not holds_defaults(config):
-            config = PoolConfig(**dict(config))
-        self.config = config
-        self._backend: Backend = backend_for(config)
+        # Validated again (``model_copy`` skips pydantic's checks); the defaults need neither
+        # pydantic nor a model: the pool runs on plain Settings (see _settings).
+        self._settings: Settings
+        self._config: PoolConfig | None
+        self._settings, self._config = settings_for(config)
+        self._backend: Backend = backend_for(self._settings)
         self._clock = clock
         self._events = Dispatcher()
         # Host-side owners of RemoteRefs asked before the reaper retires a worker holding refs
@@ -502,6 +500,18 @@ class Pool:
         return {e.spec.key: e.snapshot() for e in entries}
 
     @property
+    def config(self) -> PoolConfig:
+        """The pool's ``PoolConfig``: the one given (checked), or, for a pool that took the
+        defaults, one holding them, built on first read (pydantic loads then)."""
+        config = self._config
+        if config is None:
+            from ._config import config_of_defaults
+
+            # Two threads reading at once may both build one: equal values, one is kept.
+            config = self._config = config_of_defaults()
+        return config
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -528,7 +538,7 @@ class Pool:
             entries = list(self._entries.values())
             reactor = self._reactor
         if not first:
-            self._close_done.wait(self.config.close_timeout + 10.0)
+            self._close_done.wait(self._settings.close_timeout + 10.0)
             return
         try:
             self._shutdown(entries, reactor)
@@ -554,7 +564,7 @@ class Pool:
                 raise self._closed_error()
             entry = self._entries.get(spec.key)
             if entry is None:
-                entry = _EnvEntry(spec, self.config.max_workers_per_env)
+                entry = _EnvEntry(spec, self._settings.max_workers_per_env)
                 entry.call_later = self._call_later
                 self._entries[spec.key] = entry
             return entry
@@ -635,7 +645,7 @@ class Pool:
         process = slot.process
         if type(state) is not lc.Idle or process is None or process.generation != state.generation:
             return
-        ping_after = self.config.ping_after_idle
+        ping_after = self._settings.ping_after_idle
         if ping_after is not None and lc.needs_ping(state, self._clock(), ping_after):
             return
         if deadline is not None and time.monotonic() >= deadline:
@@ -725,7 +735,7 @@ class Pool:
             if force:
                 event = lc.CallCancelled(ticket.generation, ticket.call_id)
             else:
-                grace = self.config.cancel_grace
+                grace = self._settings.cancel_grace
                 event = lc.CancelRequested(ticket.generation, ticket.call_id, self._clock(), grace)
         entry.apply(slot, event)
 
@@ -781,7 +791,7 @@ class Pool:
         its size, its deadline (which starts now), the RemoteRefs that bind it to a slot."""
         if self._closed:
             raise self._closed_error()
-        config = self.config
+        config = self._settings
         # One scan of the arguments: a call whose arguments are all scalars (the common small
         # call) can hold no RemoteRef and no out-of-band buffer, so both checks are skipped.
         plain = _all_scalars(args, kwargs)
@@ -935,7 +945,7 @@ class Pool:
             stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
             entry.apply(slot, stray(process.generation))
             return process, 0
-        ping_after = self.config.ping_after_idle
+        ping_after = self._settings.ping_after_idle
         if ping_after is not None and lc.needs_ping(slot.state, self._clock(), ping_after):
             if not self._ping(entry, slot, process):
                 return process, 0  # replaced through the gate; a fresh worker runs it
@@ -968,7 +978,7 @@ class Pool:
 
     def _ping(self, entry: _EnvEntry, slot: _Slot, process: WorkerProcess) -> bool:
         """Health-check a worker that sat idle a long time, before trusting it with a call."""
-        ok = process.ping(self.config.ping_timeout)
+        ok = process.ping(self._settings.ping_timeout)
         with entry.lock:
             entry.pings += 1
             if not ok:
@@ -1085,7 +1095,7 @@ class Pool:
             process: WorkerProcess = self._backend.new_generation(
                 entry.spec,
                 generation,
-                self.config,
+                self._settings,
                 reactor,
                 runtime_dir,
                 lambda p: self._on_exit(entry, slot, p),
@@ -1109,7 +1119,7 @@ class Pool:
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
         try:
-            process.handshake(started + self.config.start_timeout)
+            process.handshake(started + self._settings.start_timeout)
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if isinstance(exc, WorkerStartError) and exc.unsupported:
@@ -1174,7 +1184,7 @@ class Pool:
 
     def _schedule_reaper(self) -> None:
         """One periodic timer on the reactor serves every env (no thread per worker)."""
-        timeout = self.config.idle_timeout
+        timeout = self._settings.idle_timeout
         if timeout is None or self._reactor is None:
             return
         interval = min(max(timeout / 4, 0.02), 5.0)
@@ -1203,17 +1213,19 @@ class Pool:
                 with entry.lock:
                     if slot.leased:
                         continue
-                    decision = lc.idle_expired(slot.state, now, self.config.idle_timeout)
+                    decision = lc.idle_expired(slot.state, now, self._settings.idle_timeout)
                     if decision is None:
                         continue
-                    held = bool(_held_refs(entry, slot)) and not self.config.reap_with_refs
+                    held = bool(_held_refs(entry, slot)) and not self._settings.reap_with_refs
                 if held:
                     # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex)
                     # and discards its refs (RemoteRef.discard takes the entry lock).
                     if not self._run_reap_hooks(entry.spec.key, decision.generation):
                         continue
                 with entry.lock:
-                    if slot.leased or (_held_refs(entry, slot) and not self.config.reap_with_refs):
+                    if slot.leased or (
+                        _held_refs(entry, slot) and not self._settings.reap_with_refs
+                    ):
                         continue
                     # A call in between moved idle_since: the gate drops this decision.
                     effects = entry.apply_locked(slot, decision)
@@ -1245,7 +1257,7 @@ class Pool:
         with entry.lock:
             before = entry.env_state
             entry.env_state = lc.record_death(
-                before, death, self.config.max_restarts, self.config.restart_window
+                before, death, self._settings.max_restarts, self._settings.restart_window
             )
             tripped = entry.env_state if before is not entry.env_state else None
         if isinstance(tripped, lc.EnvAbandoned) and not isinstance(before, lc.EnvAbandoned):
@@ -1376,7 +1388,7 @@ class Pool:
             # KeyboardInterrupt (or another async exception) while waiting: the call's result
             # can no longer be delivered. Ctrl-C asks the worker first (it may keep its
             # caches); anything else, or a second Ctrl-C, stops the worker at once.
-            if not isinstance(exc, KeyboardInterrupt) or self.config.cancel_grace <= 0:
+            if not isinstance(exc, KeyboardInterrupt) or self._settings.cancel_grace <= 0:
                 entry.apply(slot, lc.CallCancelled(process.generation, call_id))
                 raise
             frame = self._drain_cancelled(entry, slot, process, ticket, call_id)
@@ -1450,7 +1462,7 @@ class Pool:
         if reason is lc.RetireReason.CANCELLED:
             return CallCancelled(
                 f"the call to {label} was cancelled and did not stop within "
-                f"PoolConfig.cancel_grace={self.config.cancel_grace:g}s; its worker "
+                f"PoolConfig.cancel_grace={self._settings.cancel_grace:g}s; its worker "
                 f"(generation {process.generation}) was killed",
                 env=entry.spec.key,
                 pid=process.pid,
@@ -1570,7 +1582,7 @@ class Pool:
         for process in processes:
             if process.retire_reason is None:  # still starting: not asked by the gate above
                 process.kill(lc.Stop.TERMINATE)
-        deadline = time.monotonic() + self.config.close_timeout
+        deadline = time.monotonic() + self._settings.close_timeout
         for process in processes:
             process.wait_exit(max(0.0, deadline - time.monotonic()))
         stragglers = [p for p in processes if not p.exited.is_set()]

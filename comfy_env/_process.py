@@ -62,7 +62,6 @@ from comfy_env_worker.protocol import (
 )
 
 from ._codec import decode_reply, encode_call, oob_threshold, use_shm
-from ._config import PoolConfig
 from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
@@ -71,6 +70,7 @@ from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
 from ._rundir import copy_tree, make_private_dir, runtime_root
+from ._settings import Settings
 
 _log = logging.getLogger("comfy_env")
 
@@ -202,7 +202,7 @@ def _byte_code_current(source: str) -> bool:
     return True
 
 
-def worker_environment(config: PoolConfig, worker_id: str = "") -> dict[str, str]:
+def worker_environment(config: Settings, worker_id: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
     env["PYTHONNOUSERSITE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -222,7 +222,7 @@ class WorkerProcess:
         self,
         spec: EnvSpec,
         generation: int,
-        config: PoolConfig,
+        config: Settings,
         reactor: Reactor,
         runtime_dir: str,
         on_exit: Callable[[WorkerProcess], None],
