@@ -107,6 +107,8 @@ MAX_LOANS = 64
 # 3 MiB 1.04 ms lent vs 2.27 ms copied (2.56 vs 1.13 with 16 results kept), 1 MiB 0.71 vs
 # 0.79, 256 KiB 0.31 vs 0.34. (A ComfyUI 512x512 IMAGE is 3 MiB.)
 LOAN_MIN = 256 << 10
+# Seconds from a worker's exit to the scan for its marked descendants (see _reaped).
+_MARKED_SCAN_DELAY = 0.005
 
 
 def canary_value(oob_bytes: int) -> Any:
@@ -254,6 +256,9 @@ class WorkerProcess:
         self._cancel_lock = threading.Lock()  # a descriptor is never closed under a writer
         self._pidfd: int | None = None
         self._escalation: Any = None
+        # The scan for the generation's marked descendants, due shortly after the exit (see
+        # _reaped); None once it ran or when none is due.
+        self._marked_scan: Any = None
         self._disposed = False
         self._kill_requested = False
         self._owner_pid = os.getpid()  # a forked copy of this object must never signal
@@ -790,9 +795,22 @@ class WorkerProcess:
             self.reactor.call_later(0.5, self._finish_now)
         self.exited.set()
         # Descendants that left the group (setsid) carry the generation's mark. Found by a
-        # scan of /proc (about 10 us a process), so after the exit is reported, not before.
+        # scan of /proc (about 10 us a process, over a millisecond on a busy machine) that
+        # holds the GIL between its reads: run at once, it kept the caller whose call the crash
+        # failed from waking (measured: the crash reached the caller after the scan, about
+        # 1.2 ms late). A short timer lets the reactor block in select first, so the caller
+        # raises before the scan starts; pool close runs a scan still due (force_close).
         if os.getpid() == self._owner_pid:
-            kill_marked(WORKER_ID_VAR, self.worker_id)
+            if self.reactor.running and self.reactor.in_reactor_thread():
+                self._marked_scan = self.reactor.call_later(
+                    _MARKED_SCAN_DELAY, self._kill_marked_descendants
+                )
+            else:
+                self._kill_marked_descendants()
+
+    def _kill_marked_descendants(self) -> None:
+        self._marked_scan = None
+        kill_marked(WORKER_ID_VAR, self.worker_id)
 
     def _maybe_finished(self) -> None:
         """Reactor thread: once the process is reaped *and* its output drained, report it
@@ -991,6 +1009,10 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 return
             self._reaped(rc)
+        scan = self._marked_scan
+        if scan is not None:  # the reactor stops next: its timers never fire
+            scan.cancel()
+            self._kill_marked_descendants()
 
 
 def python_mismatch(process: WorkerProcess) -> str | None:
