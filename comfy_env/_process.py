@@ -484,6 +484,15 @@ class WorkerProcess:
         # HELLO and READY are a few hundred bytes: until the worker is known to speak our
         # protocol, a frame announcing more is refused before anything is allocated for it.
         self.reader.limit = min(self.config.max_frame_bytes, _HANDSHAKE_FRAME_BYTES)
+        # The canary is encoded, and its block made and filled, while the worker's interpreter
+        # starts (this thread would only wait for HELLO): off the first call's path when the
+        # host has a CPU of its own. A worker that turns out unable to use shared memory gets
+        # it inline instead (the block goes back with the pool, below).
+        if self.shm_wanted:
+            self.blocks = shm.BlockPool(
+                f"{shm.NAME_PREFIX}{host_id()}-h{next(_serials)}-", self.config.shm_pool_bytes
+            )
+        canary = self._canary_prepare()
         try:
             ftype, _, _, payload = self.reader.read(deadline)
             if ftype != FrameType.HELLO:
@@ -513,23 +522,29 @@ class WorkerProcess:
                 "cancel_interrupt_after": self.config.cancel_grace / 2,
             }
             if use_shm:
-                prefix = f"{shm.NAME_PREFIX}{host_id()}"
-                self.blocks = shm.BlockPool(
-                    f"{prefix}-h{next(_serials)}-", self.config.shm_pool_bytes
-                )
-                self.mappings = shm.PeerMappings(f"{prefix}-w{self.pid}-")
-            elif self.config.shared_memory:
-                self.shm_state = "unavailable"
+                self.mappings = shm.PeerMappings(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
+            else:
+                if self.blocks is not None:  # prepared for a worker without shared memory
+                    self.blocks.destroy_all()
+                    self.blocks = None
+                    canary = self._canary_prepare()
+                if self.config.shared_memory:
+                    self.shm_state = "unavailable"
             send_frame(self.sock, FrameType.CONFIG, 0, pickle.dumps(config, protocol=5))
             # The canary goes out right behind CONFIG, without waiting for READY: the worker
             # reads it once configured (one round trip less at every start). A worker that
             # fails its configuration never reads it; its exit is reported as before.
-            canary = self._canary_send(deadline)
+            value, parts, block = canary
+            try:
+                self._send_large(parts, deadline)
+            except BaseException:
+                self.finish_request(block, [])
+                raise
             ftype, _, _, _ = self.reader.read(deadline)
             if ftype != FrameType.READY:
                 raise FrameError(f"expected READY, got frame type {ftype}")
             self.reader.limit = self.config.max_frame_bytes
-            self._canary_check(deadline, *canary)
+            self._canary_check(deadline, value, block)
         except TimeoutError:
             raise self._start_error(
                 f"did not finish its start-up within {self.config.start_timeout:g}s "
@@ -577,9 +592,10 @@ class WorkerProcess:
         elif on_event is not None:
             on_event(call_id, payload)
 
-    def _canary_send(self, deadline: float) -> tuple[Any, shm.Block | None]:
-        """Send the canary: one real call through the codec, with a buffer out of band (through
-        shared memory when it is on). Returns the value sent and the request's block."""
+    def _canary_prepare(self) -> tuple[Any, list[Any], shm.Block | None]:
+        """Encode the canary: one real call through the codec, with a buffer out of band
+        (through shared memory when ``blocks`` is set). Returns the value, the frame's parts
+        (header first) and the request's block."""
         oob = self.config.shm_threshold_bytes
         if self.blocks is None:
             oob = min(oob, self.config.max_frame_bytes // 4)
@@ -587,7 +603,13 @@ class WorkerProcess:
         body, buffers, _ = encode_call(
             CANARY_TARGET, (value,), {}, oob_threshold(self.config.shm_threshold_bytes)
         )
-        return value, self.send_request(1, body, buffers, deadline)
+        try:
+            parts, block, length = shm.pack(body, buffers, self.blocks)
+        except OSError as exc:  # /dev/shm full: inline, as send_request does
+            self._shm_unavailable(f"cannot create a block ({exc})")
+            parts, block, length = shm.pack(body, buffers, None)
+        parts.insert(0, encode_header(FrameType.CALL, 1, length, FLAG_OOB))
+        return value, parts, block
 
     def _canary_check(self, deadline: float, value: Any, block: shm.Block | None) -> None:
         """Read the canary's reply: anything but an equal echo refuses the worker."""

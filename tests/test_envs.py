@@ -185,6 +185,35 @@ def test_unlaunchable_interpreter_is_a_start_error(
             pool.get_worker(tmp_path / "env").call("comfy_env_worker.tasks:echo", 1)
 
 
+def test_a_worker_without_shared_memory_gets_the_canary_inline(
+    config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host encodes the canary into a shared-memory block before the worker's HELLO
+    # arrives; a worker that says it cannot use shared memory gets it inline instead, and the
+    # block made in advance is unlinked (the leak guard checks /dev/shm).
+    import pickle
+
+    from comfy_env import _process
+    from comfy_env_worker.protocol import FrameReader, FrameType
+
+    class NoShmHello(FrameReader):
+        def read(self, deadline: float | None = None) -> tuple[int, int, int, bytes]:
+            ftype, flags, call_id, payload = super().read(deadline)
+            if ftype == FrameType.HELLO:
+                hello = pickle.loads(payload)
+                payload = pickle.dumps({**hello, "shm": False}, protocol=5)
+            return ftype, flags, call_id, payload
+
+    monkeypatch.setattr(_process, "FrameReader", NoShmHello)
+    with comfy_env.Pool(config) as pool:
+        worker = pool.get_worker()
+        payload = bytes(range(256)) * 4096  # 1 MiB: over the shared-memory threshold
+        assert worker.call("comfy_env_worker.tasks:echo", payload) == payload
+        stats = worker.stats()
+        assert stats.shared_memory == "unavailable"
+        assert stats.spawns == 1 and stats.crashed == 0
+
+
 def test_worker_failing_its_canary_is_refused(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
     # A launcher wrapper that runs the real worker with a tampered echo.
     boot = (
