@@ -28,7 +28,6 @@ descriptor number is never closed under a thread that still reads it.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import itertools
 import logging
@@ -190,9 +189,7 @@ def _content_key(sources: list[tuple[str, str]]) -> str:
     """A hash of every file's path, size and modification time under ``sources`` (byte code
     included): equal keys, equal files (a file rewritten in the same nanosecond with the same
     size is not told apart; pip and editors give new times)."""
-    digest = hashlib.sha256(
-        sys.implementation.cache_tag.encode() if sys.implementation.cache_tag else b""
-    )
+    digest = _sha256(sys.implementation.cache_tag.encode() if sys.implementation.cache_tag else b"")
     for name, source in sources:
         for directory, subdirs, files in os.walk(source):
             subdirs.sort()
@@ -200,7 +197,21 @@ def _content_key(sources: list[tuple[str, str]]) -> str:
                 st = os.lstat(os.path.join(directory, file))
                 rel = os.path.relpath(os.path.join(directory, file), source)
                 digest.update(f"{name}/{rel}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    return digest.hexdigest()[:32]
+    key: str = digest.hexdigest()[:32]
+    return key
+
+
+def _sha256(data: bytes) -> Any:
+    """A SHA-256 object from the interpreter's built-in module (as the stdlib's ``random``
+    does): ``hashlib`` loads OpenSSL first, about 4 ms of a fresh host's first call."""
+    for name in ("_sha2", "_sha256"):  # Python 3.12+, 3.8-3.11
+        try:
+            return importlib.import_module(name).sha256(data)
+        except (ImportError, AttributeError):
+            continue
+    import hashlib
+
+    return hashlib.sha256(data)
 
 
 def _runtime_store(root: str, sources: list[tuple[str, str]]) -> str | None:
