@@ -108,8 +108,11 @@ MAX_LOANS = 64
 # 3 MiB 1.04 ms lent vs 2.27 ms copied (2.56 vs 1.13 with 16 results kept), 1 MiB 0.71 vs
 # 0.79, 256 KiB 0.31 vs 0.34. (A ComfyUI 512x512 IMAGE is 3 MiB.)
 LOAN_MIN = 256 << 10
-# Seconds from a worker's exit to the scan for its marked descendants (see _reaped).
+# Seconds from a worker's exit to the scan for its marked descendants (see _reaped), and the
+# processes whose scan is still due (any pool's; run at the latest by force_close at close).
 _MARKED_SCAN_DELAY = 0.005
+_due_scans: set[WorkerProcess] = set()
+_due_scans_lock = threading.Lock()
 
 
 def canary_value(oob_bytes: int) -> Any:
@@ -935,6 +938,8 @@ class WorkerProcess:
         # raises before the scan starts; pool close runs a scan still due (force_close).
         if os.getpid() == self._owner_pid:
             if self.reactor.running and self.reactor.in_reactor_thread():
+                with _due_scans_lock:
+                    _due_scans.add(self)
                 self._marked_scan = self.reactor.call_later(
                     _MARKED_SCAN_DELAY, self._kill_marked_descendants
                 )
@@ -942,6 +947,8 @@ class WorkerProcess:
                 self._kill_marked_descendants()
 
     def _kill_marked_descendants(self) -> None:
+        with _due_scans_lock:
+            _due_scans.discard(self)
         self._marked_scan = None
         kill_marked(WORKER_ID_VAR, self.worker_id)
 
@@ -1142,10 +1149,15 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 return
             self._reaped(rc)
-        scan = self._marked_scan
-        if scan is not None:  # the reactor stops next: its timers never fire
-            scan.cancel()
-            self._kill_marked_descendants()
+        # The reactor stops next and its timers never fire: run every scan still due on it,
+        # this generation's and those of earlier generations the pool no longer lists.
+        with _due_scans_lock:
+            due = [p for p in _due_scans if p.reactor is self.reactor]
+        for process in due:
+            scan = process._marked_scan
+            if scan is not None:
+                scan.cancel()
+            process._kill_marked_descendants()
 
 
 def python_mismatch(process: WorkerProcess) -> str | None:
