@@ -5,8 +5,9 @@ dispose) and reports what it sees (exit, EOF, bad frames) back as facts.
 
 Launch (``launch``)::
 
-    runtime dir (per pool)          a copy of comfy_env_worker + cloudpickle; the ONLY path the
-                                    host adds to the child's sys.path
+    runtime dir (per pool)          comfy_env_worker + cloudpickle, hard links into a runtime
+                                    store shared by this user's hosts (``make_runtime_dir``); the
+                                    ONLY path the host adds to the child's sys.path
     socketpair                      host end stays here; child end inherited as fd N
     Popen(interpreter -c BOOT ...)  own session (own process group, no terminal Ctrl-C),
                                     stdin=/dev/null, stdout/stderr pipes, cleaned environment
@@ -18,6 +19,12 @@ worker that exits during start-up is reported at once rather than after a timeou
 
 Watching: the reactor watches a pidfd (exit, reaped at once so no zombie lingers) and the two
 output pipes (kept as a tail of recent lines for crash reports and forwarded to ``logging``).
+A caller whose call the exit failed waits for the reaping and the drained output (exit code
+and last words); the slower scan for the generation's setsid descendants runs on a timer
+just after, so it never holds the GIL while that caller wakes.
+
+Handshake: the canary is encoded (and its shared-memory block filled) before the worker's
+HELLO arrives, while its interpreter starts; then CONFIG and the canary go out together.
 
 Stopping: ``kill`` signals the whole process group (a launcher wrapper such as ``pixi run`` and
 its interpreter alike), SIGTERM then SIGKILL after the grace period, or SIGKILL at once; it also
