@@ -435,9 +435,15 @@ def test_a_store_that_cannot_be_linked_from_is_copied_instead(
         shutil.rmtree(path)
 
 
+def _edit(path: Path, text: str) -> None:
+    later = path.stat().st_mtime_ns + 10**9
+    path.write_text(text)
+    os.utime(path, ns=(later, later))
+
+
 def test_a_store_of_other_package_files_is_replaced(tmp_path: Path) -> None:
-    # The key covers every file's path, size and time: edited packages get a new store and
-    # the old one is pruned.
+    # The key covers every file's path, size and time: edited packages get a new store; the
+    # old one is pruned once unused for an hour (two versions in use side by side keep both).
     from comfy_env import _process
     from comfy_env._rundir import runtime_root
 
@@ -449,11 +455,17 @@ def test_a_store_of_other_package_files_is_replaced(tmp_path: Path) -> None:
     old = _process._runtime_store(root, sources)
     assert old is not None and os.path.isdir(old)
     assert _process._runtime_store(root, sources) == old  # same files: the same store
-    later = (package / "__init__.py").stat().st_mtime_ns + 10**9
-    (package / "__init__.py").write_text("X = 2\n")
-    os.utime(package / "__init__.py", ns=(later, later))
+    _edit(package / "__init__.py", "X = 2\n")
     new = _process._runtime_store(root, sources)
     assert new is not None and new != old
-    assert not os.path.exists(old)
+    assert os.path.isdir(old)  # used a moment ago: kept
     assert Path(new, "comfy_env_worker", "__init__.py").read_text() == "X = 2\n"
+    hour_ago = time.time() - _process._STORE_IDLE_S - 60
+    os.utime(old, (hour_ago, hour_ago))
+    _edit(package / "__init__.py", "X = 3\n")
+    newest = _process._runtime_store(root, sources)
+    assert newest is not None and newest not in (old, new)
+    assert not os.path.exists(old)  # unused for an hour: pruned
+    assert os.path.isdir(new)
     shutil.rmtree(new)
+    shutil.rmtree(newest)
