@@ -13,8 +13,9 @@ times from creating the pool/executor to holding the first result of ``echo(1)``
     Reference: a hand-written worker: socketpair + ``python -c`` that reads one length-prefixed
     pickled request and replies with a pickle; the host sends ``("echo", (1,))``.
 ``comfy_env``
-    ``Pool(PoolConfig())`` -> ``get_worker(None).call("comfy_env_worker.tasks:echo", 1)``
-    (spawn, handshake, the start-up canary and the call).
+    ``Pool()`` -> ``get_worker(None).call("comfy_env_worker.tasks:echo", 1)`` (spawn,
+    handshake, the start-up canary and the call). ``Pool()`` takes the defaults without
+    pydantic; a program that builds a ``PoolConfig`` pays pydantic's import on top.
 peers
     ``ProcessPoolExecutor`` with the ``fork`` and the ``spawn`` start method, loky's reusable
     executor, ``pebble.ProcessPool`` (default context: ``fork``) and comfy-env 0.4.46
@@ -116,7 +117,7 @@ def run(ctx: Context) -> Section:
             sample(method)  # warm-up host
     times = {m: Series() for m in METHODS}
     imports = {m: Series() for m in METHODS}
-    loads = {m: Series() for m in METHODS}  # comfy_env: Pool and PoolConfig loaded lazily
+    loads = {m: Series() for m in METHODS}  # comfy_env: Pool loaded lazily
     totals = {m: Series() for m in METHODS}  # import + load + first call, per fresh host
     # ``comfy-env status`` with nothing running (an empty private runtime root), beside a bare
     # interpreter that exits at once; both are whole processes timed from spawn to exit.
@@ -175,7 +176,7 @@ def run(ctx: Context) -> Section:
     total_min = totals[MINIMAL].median
     section.lines += [
         "",
-        "Fresh host, import included (import + loading `Pool` and `PoolConfig` + pool creation "
+        "Fresh host, import included (import + loading `Pool` + `Pool()` "
         "+ first call, summed per host):",
         "",
         "| method | median ms | min | max | x minimal host and worker |",
@@ -195,7 +196,7 @@ def run(ctx: Context) -> Section:
             f"`import comfy_env` in a fresh interpreter (timed inside the host): median "
             f"{fmt(imp.median * 1e3, 1)} ms (min {fmt(imp.min * 1e3, 1)}, max "
             f"{fmt(imp.max * 1e3, 1)}). The public names load on first use: touching "
-            f"`comfy_env.Pool` and `comfy_env.PoolConfig` (the pool's machinery and pydantic) "
+            f"`comfy_env.Pool` (the pool's machinery; `Pool()` needs no pydantic) "
             f"took a median {fmt(loads[COMFY_ENV].median * 1e3, 1)} ms more, timed apart "
             "from the first call above and included in the import-included figure.",
         ]

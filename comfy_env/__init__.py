@@ -173,10 +173,11 @@ def default_pool() -> Pool:
             if not _fork_hook_installed and hasattr(os, "register_at_fork"):
                 os.register_at_fork(after_in_child=_reset_default_after_fork)
                 _fork_hook_installed = True
-            from ._config import PoolConfig
             from ._pool import Pool
 
-            _default_pool = Pool(PoolConfig())
+            # No PoolConfig here: a pool of defaults does not load pydantic (see _settings);
+            # COMFY_ENV_* settings are still read and checked when one is set.
+            _default_pool = Pool()
         return _default_pool
 
 

@@ -252,7 +252,7 @@ def _warm_process(
         return None
     if buffers and not _loop_sendable(process, body, buffers):
         return None
-    ping_after = pool.config.ping_after_idle
+    ping_after = pool.settings.ping_after_idle
     if ping_after is not None and lc.needs_ping(state, pool.clock(), ping_after):
         return None
     if by_value and python_mismatch(process) is not None:

@@ -37,11 +37,11 @@ if TYPE_CHECKING:
     from comfy_env_worker.protocol import Payload
     from comfy_env_worker.shm import Block
 
-    from ._config import PoolConfig
     from ._envs import EnvSpec
     from ._lifecycle import RetireReason, Stop
     from ._logs import WorkerLog
     from ._reactor import Reactor
+    from ._settings import Settings
 
 LOCAL_CAPABILITIES = frozenset(
     {"exit codes", "signal grace", "shared memory", "fork", "fd channel", "descendants"}
@@ -133,7 +133,7 @@ class Backend(Protocol):
         self,
         spec: EnvSpec,
         generation: int,
-        config: PoolConfig,
+        config: Settings,
         reactor: Reactor,
         runtime_dir: str,
         on_exit: Callable[[Any], None],
@@ -154,7 +154,7 @@ class LocalBackend:
         self,
         spec: EnvSpec,
         generation: int,
-        config: PoolConfig,
+        config: Settings,
         reactor: Reactor,
         runtime_dir: str,
         on_exit: Callable[[Any], None],
@@ -168,7 +168,7 @@ class LocalBackend:
         pass
 
 
-def backend_for(config: PoolConfig) -> Backend:
+def backend_for(config: Settings) -> Backend:
     """The backend ``config.backend`` names; Ray is imported only when selected."""
     if config.backend == "ray":
         from ._ray import RayBackend  # type: ignore[import-not-found,unused-ignore]

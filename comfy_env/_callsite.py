@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._call import EventCallback
-    from ._config import PoolConfig
     from ._entry import EnvEntry, Slot, Ticket
     from ._errors import PoolClosedError
     from ._lifecycle import Replied
+    from ._settings import Settings
 
 # What ``prepare`` returns and ``call_prepared`` takes: the pickled body, its out-of-band
 # buffers, whether the callable travels by value, and the deadline (monotonic) or None.
@@ -43,7 +43,7 @@ Prepared = tuple[bytes, list[memoryview], bool, float | None]
 class CallSite(Protocol):
     """What a handle may ask of its pool (see the module docstring); not for users."""
 
-    config: PoolConfig
+    settings: Settings  # the values the pool runs on (PoolConfig's fields, already valid)
     clock: Callable[[], float]  # monotonic seconds: idleness, the reaper, the breaker
 
     @property

@@ -17,14 +17,15 @@ Commands:
 ENV is an env directory or an interpreter path; ``-`` (or, for doctor, nothing) is the current
 interpreter. Every command but demo takes ``--json`` for machine-readable output on stdout.
 
-Data flow: ``doctor`` and ``call`` build a private ``Pool`` (``PoolConfig()``, so the
-``COMFY_ENV_*`` variables apply), use only the public API plus two read-only looks at the first
-slot's process (start-up time, hello), and close the pool before returning, so nothing outlives
-the command. Worker output is held back during ``doctor`` (a failed start shows it in the
-error) and forwarded to stderr during ``call``. ``sweep`` is ``comfy_env.sweep()`` plus the
-removal of dead hosts' status files. ``status`` reads the files hosts publish under
-``<runtime root>/status`` (see ``comfy_env._status``) and measures RSS live; it needs no
-cooperation from the hosts beyond those files.
+Data flow: ``doctor`` and ``call`` build a private ``Pool`` (``PoolConfig()`` and ``Pool()``,
+so the ``COMFY_ENV_*`` variables apply; ``Pool()`` loads no pydantic when none is set), use
+only the public API plus two read-only looks at the first slot's process (start-up time,
+hello), and close the pool before returning, so nothing outlives the command. Worker output
+is held back during ``doctor`` (a failed start shows it in the error) and forwarded to stderr
+during ``call``. ``sweep`` is ``comfy_env.sweep()`` plus the removal of dead hosts' status
+files. ``status`` reads the files hosts publish under ``<runtime root>/status`` (see
+``comfy_env._status``) and measures RSS live; it needs no cooperation from the hosts beyond
+those files.
 
 Exit codes:
   0    success (doctor: every step passed; warnings do not fail it)
@@ -595,16 +596,17 @@ def call(
     as_json: bool = False,
 ) -> int:
     """Run one call and print its result; returns the exit code."""
-    from ._config import PoolConfig
     from ._pool import Pool
 
     args, kwargs = parse_call_args(json_args)
     check_target(target)
     try:
-        config = PoolConfig()
+        # Pool(), not Pool(PoolConfig()): with no COMFY_ENV_* set it loads no pydantic (about
+        # 100 ms of every `comfy-env call`); a variable set is still checked here.
+        pool = Pool()
     except ConfigError as exc:
         raise UsageError(f"invalid COMFY_ENV_* setting:\n{exc}") from None
-    with _worker_output(_StderrLines()), Pool(config) as pool:
+    with _worker_output(_StderrLines()), pool:
         started = time.perf_counter()
         try:
             worker = pool.get_worker(_env_arg(env))

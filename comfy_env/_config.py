@@ -6,6 +6,10 @@ numbers, ``none`` (or an empty string) means None for optional fields, ``sys_pat
 ``os.pathsep``-separated list and ``env_vars`` a JSON object. A bad value raises
 ``ConfigError`` (a ``ComfyEnvError`` and a ``ValueError``) naming the field, the variable (for
 environment values) and the bad value as given.
+
+A pool does not need this module (nor pydantic) when it takes the defaults: it runs on a
+``_settings.Settings`` and builds a ``PoolConfig`` only when one is given, a ``COMFY_ENV_*``
+variable is set, or ``pool.config`` is read (see ``_settings``).
 """
 
 from __future__ import annotations
@@ -25,14 +29,25 @@ from pydantic import (
 )
 
 from ._errors import ConfigError
+from ._settings import (  # re-exported: their home was this module
+    ENV_PREFIX,
+    MAX_SECONDS,
+    Settings,
+    check_timeout,
+    default_values,
+    environment_overrides,
+)
 
-ENV_PREFIX = "COMFY_ENV_"
+__all__ = [
+    "ENV_PREFIX",
+    "MAX_SECONDS",
+    "PoolConfig",
+    "check_timeout",
+    "config_of_defaults",
+    "holds_defaults",
+]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-# The longest timeout (seconds, about 11.6 days) any field or call accepts: deadlines go into
-# poll(2) in milliseconds and timer heaps; longer waits are spelled None (no deadline).
-MAX_SECONDS = 1_000_000.0
 
 
 class PoolConfig(BaseModel):
@@ -167,7 +182,7 @@ class PoolConfig(BaseModel):
     if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
 
         def __init__(self, **data: Any) -> None:
-            if not data and not _environment_overrides():
+            if not data and not environment_overrides():
                 # Nothing given, nothing in the environment: every field takes its default,
                 # and the defaults are valid (tested: they pass the full validation unchanged).
                 # pydantic would not validate them either (``validate_default`` is off).
@@ -232,65 +247,52 @@ class PoolConfig(BaseModel):
 
 
 def holds_defaults(config: PoolConfig) -> bool:
-    """True if every field of ``config`` holds its default value: such a config is valid as it
-    is (``Pool`` takes it without building pydantic's validator)."""
+    """True if ``config`` is a ``PoolConfig`` whose every field holds its default value: such a
+    config is valid as it is (``Pool`` takes it without building pydantic's validator)."""
     if type(config) is not PoolConfig:
         return False
     values = config.__dict__
     # Types too: ``model_copy(update=...)`` may hold True where the default is 1.
     return all(
         type(values.get(name)) is type(default) and values.get(name) == default
-        for name, default in _default_state()["__dict__"].items()
+        for name, default in default_values().items()
     )
 
 
-def _environment_overrides() -> bool:
-    """Whether any ``COMFY_ENV_<FIELD>`` variable is set."""
-    environ = os.environ
-    return any(var in environ for var in _field_variables())
+def settings_for(config: PoolConfig | None) -> tuple[Settings, PoolConfig | None]:
+    """What a pool runs on, and the validated ``PoolConfig`` if one exists already.
+
+    ``None`` with no ``COMFY_ENV_*`` variable set gives the defaults without pydantic (the
+    model is built when someone reads ``pool.config``). A variable set, or a config given, goes
+    through pydantic: ``model_copy(update=...)`` skips its checks, and a value the OS or the
+    clock cannot take must fail here (``ConfigError``), not inside a worker or a timer.
+    """
+    if config is None:
+        if not environment_overrides():
+            return Settings(), None
+        config = PoolConfig()
+    elif not holds_defaults(config):
+        config = PoolConfig(**dict(config))
+    return Settings.of(config), config
 
 
-_VARIABLES: tuple[str, ...] = ()
-
-
-def _field_variables() -> tuple[str, ...]:
-    global _VARIABLES
-    if not _VARIABLES:
-        _VARIABLES = tuple(ENV_PREFIX + name.upper() for name in PoolConfig.model_fields)
-    return _VARIABLES
+def config_of_defaults() -> PoolConfig:
+    """A ``PoolConfig`` holding every default, whatever the environment says now: what a pool
+    that took the defaults (``Settings()``) shows as ``pool.config``."""
+    config = PoolConfig.__new__(PoolConfig)
+    config.__setstate__(_default_state())
+    return config
 
 
 def _default_state() -> dict[str, Any]:
     """What ``PoolConfig.model_construct()`` holds: every default, freshly made (no field is
     shared between two configs), with nothing counted as set; no validator is built."""
-    values = {
-        name: field.get_default(call_default_factory=True)
-        for name, field in PoolConfig.model_fields.items()
-    }
     return {
-        "__dict__": values,
+        "__dict__": default_values(),
         "__pydantic_fields_set__": set(),
         "__pydantic_extra__": None,
         "__pydantic_private__": None,
     }
-
-
-def check_timeout(value: object, what: str = "timeout") -> float | None:
-    """A per-call timeout: None, or a finite number of seconds in (0, MAX_SECONDS]. Anything
-    else is an ``ArgumentError`` naming it (inf, nan and huge values included)."""
-    from ._errors import ArgumentError
-
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentError(f"{what} must be seconds (a number) or None, not {value!r}")
-    seconds = float(value)
-    if not (0 < seconds <= MAX_SECONDS):  # also false for nan
-        raise ArgumentError(
-            f"{what} must be positive seconds up to {MAX_SECONDS:g} (or None for no "
-            f"deadline), not {value!r}"
-        )
-    return seconds
 
 
 class _EnvValueError(ValueError):

@@ -39,8 +39,8 @@ from ._failures import abandoned_error
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
-    from ._config import PoolConfig
     from ._entry import EnvEntry, Slot
+    from ._settings import Settings
 
 _log = logging.getLogger("comfy_env")
 
@@ -99,7 +99,7 @@ def held_refs(entry: EnvEntry, slot: Slot) -> set[int]:
     return slot.live_refs - dropped
 
 
-def reap_idle(entries: Iterable[EnvEntry], now: float, config: PoolConfig, hooks: ReapHooks) -> int:
+def reap_idle(entries: Iterable[EnvEntry], now: float, config: Settings, hooks: ReapHooks) -> int:
     """Retire workers idle longer than ``config.idle_timeout`` as of ``now``; returns how many.
 
     The decision and its application happen under the env's lock, and the decision names the
@@ -184,7 +184,7 @@ def record_death(
     returncode: int | None,
     stderr_tail: str,
     at: float,
-    config: PoolConfig,
+    config: Settings,
     events: Dispatcher,
 ) -> None:
     """The crash-loop breaker's bookkeeping: count a death (``at`` on the pool's clock); too

@@ -76,7 +76,6 @@ from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._call import EventCallback, event_handler
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
-from ._config import PoolConfig, check_timeout, holds_defaults
 from ._entry import EnvEntry, Slot, Ticket, free_slot, outcome_of, release_locked
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
@@ -113,6 +112,7 @@ from ._identity import host_id
 from ._process import HOST_ID_VAR, make_runtime_dir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
+from ._settings import Settings, check_timeout, environment_overrides
 from ._stats import CALL_COUNTERS, EnvStats
 from ._status import Snapshot, host_publisher
 from ._watcher import HostWatcher
@@ -122,6 +122,7 @@ from ._watcher import HostWatcher
 from ._worker import Worker
 
 if TYPE_CHECKING:
+    from ._config import PoolConfig
     from ._sweep import SweepReport
 
 _log = logging.getLogger("comfy_env")
@@ -142,15 +143,17 @@ class Pool:
     ) -> None:
         """``clock`` (monotonic seconds) times idleness, the reaper and the breaker; tests
         inject a fake one. Call deadlines always use real time."""
-        # Validated again: ``model_copy(update=...)`` skips pydantic's checks, and a value the
-        # OS or the clock cannot take must fail here, not inside a worker or a timer.
-        # A config of defaults only is valid as it is (and needs no validator: see _config).
-        if config is None:
-            config = PoolConfig()
-        elif not holds_defaults(config):
-            config = PoolConfig(**dict(config))
-        self.config = config
-        self._backend: Backend = backend_for(config)
+        # Validated again (``model_copy`` skips pydantic's checks); the defaults need neither
+        # pydantic nor a model: the pool runs on plain Settings (see _settings).
+        self.settings: Settings
+        self._config: PoolConfig | None
+        if config is None and not environment_overrides():
+            self.settings, self._config = Settings(), None
+        else:
+            from ._config import settings_for
+
+            self.settings, self._config = settings_for(config)
+        self._backend: Backend = backend_for(self.settings)
         self.clock = clock
         self._events = Dispatcher()
         self._reap_hooks = _policies.ReapHooks()  # see add_reap_hook
@@ -215,6 +218,18 @@ class Pool:
         return {e.spec.key: e.snapshot() for e in entries}
 
     @property
+    def config(self) -> PoolConfig:
+        """The pool's ``PoolConfig``: the one given (checked), or, for a pool that took the
+        defaults, one holding them, built on first read (pydantic loads then)."""
+        config = self._config
+        if config is None:
+            from ._config import config_of_defaults
+
+            # Two threads reading at once may both build one: equal values, one is kept.
+            config = self._config = config_of_defaults()
+        return config
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -242,7 +257,7 @@ class Pool:
             entries = list(self._entries.values())
             reactor = self._reactor
         if not first:
-            self._close_done.wait(self.config.close_timeout + 10.0)
+            self._close_done.wait(self.settings.close_timeout + 10.0)
             return
         try:
             self._stop_everything(entries, reactor)
@@ -268,7 +283,7 @@ class Pool:
                 raise self.closed_error()
             entry = self._entries.get(spec.key)
             if entry is None:
-                entry = EnvEntry(spec, self.config.max_workers_per_env)
+                entry = EnvEntry(spec, self.settings.max_workers_per_env)
                 entry.call_later = self._call_later
                 self._entries[spec.key] = entry
             return entry
@@ -349,7 +364,7 @@ class Pool:
         process = slot.process
         if type(state) is not lc.Idle or process is None or process.generation != state.generation:
             return
-        ping_after = self.config.ping_after_idle
+        ping_after = self.settings.ping_after_idle
         if ping_after is not None and lc.needs_ping(state, self.clock(), ping_after):
             return
         if deadline is not None and time.monotonic() >= deadline:
@@ -439,7 +454,7 @@ class Pool:
             if force:
                 event = lc.CallCancelled(ticket.generation, ticket.call_id)
             else:
-                grace = self.config.cancel_grace
+                grace = self.settings.cancel_grace
                 event = lc.CancelRequested(ticket.generation, ticket.call_id, self.clock(), grace)
         entry.apply(slot, event)
 
@@ -495,7 +510,7 @@ class Pool:
         its size, its deadline (which starts now), the RemoteRefs that bind it to a slot."""
         if self._closed:
             raise self.closed_error()
-        config = self.config
+        config = self.settings
         # One scan of the arguments: a call whose arguments are all scalars (the common small
         # call) can hold no RemoteRef and no out-of-band buffer, so both checks are skipped.
         plain = _all_scalars(args, kwargs)
@@ -649,9 +664,9 @@ class Pool:
             stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
             entry.apply(slot, stray(process.generation))
             return process, 0
-        ping_after = self.config.ping_after_idle
+        ping_after = self.settings.ping_after_idle
         if ping_after is not None and lc.needs_ping(slot.state, self.clock(), ping_after):
-            if not _policies.ping(entry, slot, process, self.config.ping_timeout):
+            if not _policies.ping(entry, slot, process, self.settings.ping_timeout):
                 return process, 0  # replaced through the gate; a fresh worker runs it
         if entry.dropped_refs:
             _policies.release_dropped_refs(entry, slot, process)
@@ -724,7 +739,7 @@ class Pool:
             process: WorkerGeneration = self._backend.new_generation(
                 entry.spec,
                 generation,
-                self.config,
+                self.settings,
                 reactor,
                 runtime_dir,
                 lambda p: self._on_exit(entry, slot, p),
@@ -748,7 +763,7 @@ class Pool:
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
         try:
-            process.handshake(started + self.config.start_timeout)
+            process.handshake(started + self.settings.start_timeout)
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if isinstance(exc, WorkerStartError) and exc.unsupported:
@@ -813,7 +828,7 @@ class Pool:
 
     def _schedule_reaper(self) -> None:
         """One periodic timer on the reactor serves every env (no thread per worker)."""
-        timeout = self.config.idle_timeout
+        timeout = self.settings.idle_timeout
         if timeout is None or self._reactor is None:
             return
         interval = min(max(timeout / 4, 0.02), 5.0)
@@ -836,7 +851,7 @@ class Pool:
             now = self.clock()
         with self._lock:
             entries = list(self._entries.values())
-        return _policies.reap_idle(entries, now, self.config, self._reap_hooks)
+        return _policies.reap_idle(entries, now, self.settings, self._reap_hooks)
 
     def _record_death(
         self,
@@ -853,7 +868,7 @@ class Pool:
             returncode,
             stderr_tail,
             self.clock(),
-            self.config,
+            self.settings,
             self._events,
         )
 
@@ -981,7 +996,7 @@ class Pool:
             # KeyboardInterrupt (or another async exception) while waiting: the call's result
             # can no longer be delivered. Ctrl-C asks the worker first (it may keep its
             # caches); anything else, or a second Ctrl-C, stops the worker at once.
-            if not isinstance(exc, KeyboardInterrupt) or self.config.cancel_grace <= 0:
+            if not isinstance(exc, KeyboardInterrupt) or self.settings.cancel_grace <= 0:
                 entry.apply(slot, lc.CallCancelled(process.generation, call_id))
                 raise
             frame = self._drain_cancelled(entry, slot, process, ticket, call_id)
@@ -1022,14 +1037,14 @@ class Pool:
     ) -> Exception:
         """The error of a call whose worker's channel broke (``_failures.crash_error``)."""
         return crash_error(
-            entry, slot, process, call_id, label, self._closed, self.config.cancel_grace
+            entry, slot, process, call_id, label, self._closed, self.settings.cancel_grace
         )
 
     def _timeout_error(
         self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
     ) -> Exception:
         return timeout_error(
-            entry, slot, process, call_id, label, self._closed, self.config.cancel_grace
+            entry, slot, process, call_id, label, self._closed, self.settings.cancel_grace
         )
 
     # ---- shutdown ----
@@ -1065,7 +1080,7 @@ class Pool:
             reactor,
             lambda: list(self._processes),
             self._lock,
-            self.config.close_timeout,
+            self.settings.close_timeout,
         )
         if self._watcher is not None:  # every worker is stopped: the watcher has nothing to do
             self._watcher.close(2.0)

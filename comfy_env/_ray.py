@@ -76,12 +76,12 @@ from comfy_env_worker.protocol import (
 )
 
 from ._codec import decode_reply, encode_call, oob_threshold
-from ._config import PoolConfig
 from ._envs import EnvSpec
 from ._errors import ConfigError, SerializationError, WorkerStartError
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
+from ._settings import Settings
 
 _log = logging.getLogger("comfy_env")
 
@@ -207,7 +207,7 @@ class RayBackend:
     name = "ray"
     capabilities = RAY_CAPABILITIES
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: Settings) -> None:
         try:
             ray_module()  # at pool creation, not at the first call
         except ImportError as exc:
@@ -228,7 +228,7 @@ class RayBackend:
         self,
         spec: EnvSpec,
         generation: int,
-        config: PoolConfig,
+        config: Settings,
         reactor: Reactor,
         runtime_dir: str,
         on_exit: Callable[[Any], None],
@@ -419,7 +419,7 @@ class RayWorker:
         backend: RayBackend,
         spec: EnvSpec,
         generation: int,
-        config: PoolConfig,
+        config: Settings,
         reactor: Reactor,
         runtime_dir: str,
         on_exit: Callable[[RayWorker], None],

@@ -198,6 +198,18 @@ def test_call_bad_usage(
     assert needle in err
 
 
+def test_call_with_a_bad_setting_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `call` builds Pool() (no pydantic unless a variable is set): a bad COMFY_ENV_* value
+    # is still checked, and still a usage error naming the variable.
+    monkeypatch.setenv("COMFY_ENV_CALL_TIMEOUT", "-1")
+    code, out, err = run_cli(capsys, "call", "-", "builtins:int", "[1]")
+    assert code == 2
+    assert out == ""
+    assert "invalid COMFY_ENV_* setting" in err and "COMFY_ENV_CALL_TIMEOUT" in err
+
+
 # ---- sweep -----------------------------------------------------------------------------------
 
 

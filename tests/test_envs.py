@@ -185,6 +185,35 @@ def test_unlaunchable_interpreter_is_a_start_error(
             pool.get_worker(tmp_path / "env").call("comfy_env_worker.tasks:echo", 1)
 
 
+def test_a_worker_without_shared_memory_gets_the_canary_inline(
+    config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host encodes the canary into a shared-memory block before the worker's HELLO
+    # arrives; a worker that says it cannot use shared memory gets it inline instead, and the
+    # block made in advance is unlinked (the leak guard checks /dev/shm).
+    import pickle
+
+    from comfy_env import _process
+    from comfy_env_worker.protocol import FrameReader, FrameType
+
+    class NoShmHello(FrameReader):
+        def read(self, deadline: float | None = None) -> tuple[int, int, int, bytes]:
+            ftype, flags, call_id, payload = super().read(deadline)
+            if ftype == FrameType.HELLO:
+                hello = pickle.loads(payload)
+                payload = pickle.dumps({**hello, "shm": False}, protocol=5)
+            return ftype, flags, call_id, payload
+
+    monkeypatch.setattr(_process, "FrameReader", NoShmHello)
+    with comfy_env.Pool(config) as pool:
+        worker = pool.get_worker()
+        payload = bytes(range(256)) * 4096  # 1 MiB: over the shared-memory threshold
+        assert worker.call("comfy_env_worker.tasks:echo", payload) == payload
+        stats = worker.stats()
+        assert stats.shared_memory == "unavailable"
+        assert stats.spawns == 1 and stats.crashed == 0
+
+
 def test_worker_failing_its_canary_is_refused(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
     # A launcher wrapper that runs the real worker with a tampered echo.
     boot = (
@@ -314,6 +343,83 @@ def test_a_pool_takes_a_default_config_as_is_and_checks_any_other(
         assert type(pool.config.max_workers_per_env) is int
     with pytest.raises(comfy_env.ConfigError, match="max_workers_per_env"):
         comfy_env.Pool(default.model_copy(update={"max_workers_per_env": 0}))
+
+
+def test_the_pool_settings_defaults_are_the_config_defaults_field_by_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pool of defaults runs on Settings() without pydantic: every field must be what
+    # PoolConfig's validation gives, value and type, in the model's field order.
+    from comfy_env._settings import FIELDS, Settings
+
+    _without_config_variables(monkeypatch)
+    validated = comfy_env.PoolConfig.model_validate({})
+    assert FIELDS == tuple(comfy_env.PoolConfig.model_fields)
+    settings = Settings()
+    for name in FIELDS:
+        value = getattr(settings, name)
+        assert value == getattr(validated, name), name
+        assert type(value) is type(getattr(validated, name)), name
+    assert Settings().env_vars is not settings.env_vars  # no default is shared
+    with pytest.raises(AttributeError, match="read-only"):
+        settings.call_timeout = 3.0
+    given = comfy_env.PoolConfig(call_timeout=2.5, sys_path=("/x",))
+    assert Settings.of(given).values() == dict(given)
+
+
+def test_a_pool_of_defaults_builds_its_config_only_when_it_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_config_variables(monkeypatch)
+    with comfy_env.Pool() as pool:
+        assert pool._config is None  # runs on Settings; no model built yet
+        # Set after the pool was made: the model shows what the pool runs on, not this.
+        monkeypatch.setenv("COMFY_ENV_CALL_TIMEOUT", "7")
+        config = pool.config
+        assert pool.config is config
+        assert type(config) is comfy_env.PoolConfig
+        assert config == comfy_env.PoolConfig.model_validate({"call_timeout": None})
+        assert config.model_fields_set == set()
+
+
+def test_a_pool_without_a_config_still_reads_and_checks_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_config_variables(monkeypatch)
+    monkeypatch.setenv("COMFY_ENV_CALL_TIMEOUT", "7")
+    with comfy_env.Pool() as pool:
+        assert pool.settings.call_timeout == 7.0
+        assert pool.config.call_timeout == 7.0
+    monkeypatch.setenv("COMFY_ENV_CALL_TIMEOUT", "-1")
+    with pytest.raises(comfy_env.ConfigError, match="COMFY_ENV_CALL_TIMEOUT"):
+        comfy_env.Pool()
+    given = comfy_env.PoolConfig(call_timeout=3)
+    with comfy_env.Pool(given) as pool:  # a config given wins over the environment
+        assert pool.config == given and pool.settings.call_timeout == 3.0
+
+
+def test_a_fresh_host_with_a_pool_of_defaults_does_not_import_pydantic() -> None:
+    # The import-included first call: pydantic and building PoolConfig cost about 100 ms; a
+    # pool that takes the defaults (Pool(), get_worker) must not pay them, and reading
+    # pool.config must still give the validated model.
+    code = (
+        "import sys, comfy_env\n"
+        "pool = comfy_env.Pool()\n"
+        "w = comfy_env.get_worker(None)\n"
+        "assert 'pydantic' not in sys.modules, 'loaded by Pool() or get_worker'\n"
+        "assert pool.get_worker(None).call('comfy_env_worker.tasks:echo', 5) == 5\n"
+        "assert 'pydantic' not in sys.modules, 'loaded by the first call'\n"
+        "assert pool.config == comfy_env.PoolConfig.model_validate({})\n"
+        "assert 'pydantic' in sys.modules\n"
+        "pool.close(); comfy_env.shutdown()\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMFY_ENV_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
 
 
 def test_config_is_immutable() -> None:

@@ -896,6 +896,32 @@ def test_a_setsid_descendant_is_stopped_when_its_generation_dies(pool: comfy_env
         _kill_quietly(descendant)
 
 
+def test_a_descendant_scan_still_due_at_close_runs_at_close(
+    config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scan for a dead generation's setsid descendants runs on a reactor timer after the
+    # exit (off the crash report's path). Here the timer is set far out: only close() can run
+    # the scan, also for a generation the pool no longer lists (its slot holds generation 2).
+    from comfy_env import _process
+
+    monkeypatch.setattr(_process, "_MARKED_SCAN_DELAY", 3600.0)
+    with comfy_env.Pool(config) as pool:
+        worker = pool.get_worker()
+        descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", False)
+        try:
+            with pytest.raises(comfy_env.WorkerCrashed):
+                worker.call("hardening_tasks:die", 3)
+            assert worker.call("hardening_tasks:add", 1, 2) == 3  # generation 2
+            assert alive(descendant)  # its scan is due in an hour
+        except BaseException:
+            _kill_quietly(descendant)
+            raise
+    try:
+        assert wait_until(lambda: _gone(descendant), 10), "a due scan did not run at close"
+    finally:
+        _kill_quietly(descendant)
+
+
 def test_a_setsid_descendant_is_stopped_at_close(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config) as pool:
         descendant = pool.get_worker().call("hardening_tasks:spawn_setsid_sleeper", False)

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
 from conftest import alive as _alive
 from conftest import run_host as _run_host
 from conftest import wait_until as _wait
 
 import comfy_env
+import comfy_env_worker
 from comfy_env import PoolClosedError, WorkerCrashed
 from comfy_env._process import runtime_root
 
@@ -340,3 +344,128 @@ def test_the_runtime_package_is_byte_compiled_once_and_recompiled_when_stale(
     assert not _byte_code_current(str(package))
     _precompile(str(package))
     assert _byte_code_current(str(package))
+
+
+def _files(top: str) -> dict[str, os.stat_result]:
+    return {
+        os.path.relpath(os.path.join(d, f), top): os.lstat(os.path.join(d, f))
+        for d, _, files in os.walk(top)
+        for f in files
+    }
+
+
+def test_runtime_dirs_are_hard_links_into_one_store_of_ours(tmp_path: Path) -> None:
+    # A fresh host links its runtime dir from a content-addressed store made by the first
+    # host: same files (inode, size, time), directories of its own, nothing followed.
+    from comfy_env._process import make_runtime_dir
+    from comfy_env._rundir import runtime_root
+
+    first, second = make_runtime_dir(), make_runtime_dir()
+    try:
+        root = runtime_root()
+        stores = [n for n in os.listdir(root) if n.startswith("store-")]
+        assert len(stores) == 1
+        store = os.path.join(root, stores[0])
+        assert stat.S_IMODE(os.lstat(store).st_mode) == 0o700
+        assert os.lstat(store).st_uid == os.getuid()
+        linked = _files(store)
+        assert any(p.startswith("comfy_env_worker/") for p in linked)
+        assert any(p.startswith("cloudpickle/") for p in linked)
+        for path in (first, second):
+            mine = _files(path)
+            assert mine.keys() == linked.keys()
+            assert all(mine[p].st_ino == linked[p].st_ino for p in mine)
+            assert not os.path.samefile(os.path.join(path, "comfy_env_worker"), store)
+    finally:
+        shutil.rmtree(first)
+        shutil.rmtree(second)
+
+
+def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path) -> None:
+    # The store's name is predictable: a symlink (or anything not ours) at it is refused and
+    # the host copies the packages itself; nothing is read from the planted target.
+    from comfy_env import _process
+    from comfy_env._rundir import runtime_root
+
+    root = runtime_root()
+    for name in os.listdir(root):
+        if name.startswith("store-"):
+            shutil.rmtree(os.path.join(root, name))
+    sources = [
+        ("comfy_env_worker", os.path.dirname(comfy_env_worker.__file__)),
+        ("cloudpickle", os.path.dirname(cloudpickle.__file__)),
+    ]
+    for _, source in sources:
+        _process._precompile(source)
+    planted = tmp_path / "planted"
+    (planted / "comfy_env_worker").mkdir(parents=True)
+    (planted / "comfy_env_worker" / "main.py").write_text("raise SystemExit('planted')\n")
+    (planted / "cloudpickle").mkdir()
+    link = os.path.join(root, "store-" + _process._content_key(sources))
+    os.symlink(planted, link)
+    path = _process.make_runtime_dir()
+    try:
+        main = os.path.join(path, "comfy_env_worker", "main.py")
+        assert "planted" not in Path(main).read_text()
+        assert os.lstat(main).st_ino != (planted / "comfy_env_worker" / "main.py").stat().st_ino
+        assert os.path.islink(link)  # left alone, not followed, not replaced
+    finally:
+        shutil.rmtree(path)
+        os.unlink(link)
+
+
+def test_a_store_that_cannot_be_linked_from_is_copied_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A store pruned by a host of another version while this host links from it: copy.
+    from comfy_env import _process
+
+    def fail(source: str, dest: str) -> None:
+        raise FileNotFoundError(source)
+
+    monkeypatch.setattr(_process, "link_tree", fail)
+    path = _process.make_runtime_dir()
+    try:
+        main = os.path.join(path, "comfy_env_worker", "main.py")
+        source = os.path.join(os.path.dirname(comfy_env_worker.__file__), "main.py")
+        assert Path(main).read_bytes() == Path(source).read_bytes()
+        assert os.lstat(main).st_ino != os.lstat(source).st_ino
+        assert os.lstat(main).st_nlink == 1  # a copy, not a link into the store
+    finally:
+        shutil.rmtree(path)
+
+
+def _edit(path: Path, text: str) -> None:
+    later = path.stat().st_mtime_ns + 10**9
+    path.write_text(text)
+    os.utime(path, ns=(later, later))
+
+
+def test_a_store_of_other_package_files_is_replaced(tmp_path: Path) -> None:
+    # The key covers every file's path, size and time: edited packages get a new store; the
+    # old one is pruned once unused for an hour (two versions in use side by side keep both).
+    from comfy_env import _process
+    from comfy_env._rundir import runtime_root
+
+    package = tmp_path / "comfy_env_worker"
+    package.mkdir()
+    (package / "__init__.py").write_text("X = 1\n")
+    sources = [("comfy_env_worker", str(package))]
+    root = runtime_root()
+    old = _process._runtime_store(root, sources)
+    assert old is not None and os.path.isdir(old)
+    assert _process._runtime_store(root, sources) == old  # same files: the same store
+    _edit(package / "__init__.py", "X = 2\n")
+    new = _process._runtime_store(root, sources)
+    assert new is not None and new != old
+    assert os.path.isdir(old)  # used a moment ago: kept
+    assert Path(new, "comfy_env_worker", "__init__.py").read_text() == "X = 2\n"
+    hour_ago = time.time() - _process._STORE_IDLE_S - 60
+    os.utime(old, (hour_ago, hour_ago))
+    _edit(package / "__init__.py", "X = 3\n")
+    newest = _process._runtime_store(root, sources)
+    assert newest is not None and newest not in (old, new)
+    assert not os.path.exists(old)  # unused for an hour: pruned
+    assert os.path.isdir(new)
+    shutil.rmtree(new)
+    shutil.rmtree(newest)

@@ -30,7 +30,6 @@ import importlib
 import os
 import pickle
 import select
-import signal
 import socket
 import sys
 import threading
@@ -482,6 +481,7 @@ def _set_parent_death_signal() -> None:
         return
     try:
         import ctypes
+        import signal  # here only: about 1 ms of every worker's start-up otherwise
 
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
