@@ -57,6 +57,7 @@ import logging
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -113,12 +114,42 @@ _cluster_users = 0
 _cluster_owned = False  # comfy-env called ray.init, so comfy-env calls ray.shutdown
 
 
-def _join_cluster(address: str | None) -> None:
+def cluster_endpoint(address: str) -> tuple[str, int] | None:
+    """The (host, port) an address names (``host:port``, ``ray://host:port``), or None where
+    Ray resolves it itself (``auto``, ``local``, no port)."""
+    rest = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _probe(address: str, timeout: float) -> None:
+    """Refuse an address nothing answers on within ``timeout``: ``ray.init`` itself retries an
+    unreachable cluster for minutes (measured: over 2 min here), which would be a hang."""
+    endpoint = cluster_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout).close()
+    except OSError as exc:
+        raise ClusterUnreachable(
+            f"cannot reach the Ray cluster at {address!r} (PoolConfig.ray_address) within "
+            f"{timeout:g}s: {exc}"
+        ) from None
+
+
+class ClusterUnreachable(OSError):
+    """``ray_address`` names a cluster that does not answer (said before ``ray.init``)."""
+
+
+def _join_cluster(address: str | None, timeout: float) -> None:
     global _cluster_users, _cluster_owned
     ray = ray_module()
     with _cluster_lock:
         if not ray.is_initialized():
             if address:
+                _probe(address, timeout)
                 ray.init(address=address, log_to_driver=False)
             else:
                 # Ray sizes a local cluster to the machine (CPUs, object store); actors need
@@ -318,7 +349,10 @@ class RayBackend:
             if self._closed:
                 raise WorkerStartError("the pool was closed", env=spec.key)
             if not self._joined:
-                _join_cluster(self.config.ray_address)
+                try:
+                    _join_cluster(self.config.ray_address, self.config.start_timeout)
+                except ClusterUnreachable as exc:
+                    raise WorkerStartError(str(exc), env=spec.key) from None
                 self._joined = True
             if self._actor_class is None:
                 from comfy_env_worker import ray_actor

@@ -165,3 +165,40 @@ def test_an_actor_runs_under_the_envs_own_interpreter(tmp_path: Path) -> None:
         assert w.call("remote_tasks:executable") == str(env / "bin" / "python")
         assert w.call("remote_tasks:prefix") == str(env)
         assert w.call("remote_tasks:add", 2, b=3) == 5
+
+
+def test_cluster_endpoint_parses_what_ray_address_takes() -> None:
+    from comfy_env._ray import cluster_endpoint
+
+    assert cluster_endpoint("10.0.0.5:6379") == ("10.0.0.5", 6379)
+    assert cluster_endpoint("ray://head.example:10001") == ("head.example", 10001)
+    assert cluster_endpoint("[::1]:6379") == ("::1", 6379)
+    assert cluster_endpoint("auto") is None  # Ray resolves these itself
+    assert cluster_endpoint("local") is None
+    assert cluster_endpoint("head.example") is None
+
+
+def test_an_unreachable_cluster_address_is_a_start_error_not_a_hang() -> None:
+    """``ray.init`` retries an address nothing answers on for minutes; the pool says so within
+    ``start_timeout``. In a fresh host: this one has the session's Ray initialised, which a
+    pool joins as it is (the address would not be used)."""
+    code = (
+        "import socket, time, comfy_env\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "config = comfy_env.PoolConfig(backend='ray', ray_address=f'127.0.0.1:{port}',"
+        " start_timeout=5)\n"
+        "with comfy_env.Pool(config) as pool:\n"
+        "    try:\n"
+        "        pool.get_worker().call('comfy_env_worker.tasks:echo', 1)\n"
+        "    except comfy_env.WorkerStartError as exc:\n"
+        "        print('START-ERROR', exc)\n"
+        "    import ray\n"
+        "    print('INITIALISED', ray.is_initialized())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "START-ERROR cannot reach the Ray cluster at '127.0.0.1:" in out.stdout, out.stdout
+    assert "PoolConfig.ray_address" in out.stdout
+    assert "INITIALISED False" in out.stdout  # nothing half-joined was left behind
