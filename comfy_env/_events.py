@@ -23,7 +23,9 @@ _log = logging.getLogger("comfy_env")
 
 @dataclass(frozen=True)
 class WorkerSpawned:
-    """A worker process was launched (not yet verified). ``pid`` is the launched process's."""
+    """A worker process was launched (not yet verified). ``pid`` is the launched process's.
+    For a worker the host does not launch itself (a Ray actor) it comes once the worker's
+    hello names its pid, just before ``WorkerReady``."""
 
     env: str
     generation: int

@@ -792,6 +792,9 @@ class Pool:
             process.pid,
             process.startup_seconds * 1000,
         )
+        if process.popen is None and process.pid is not None:
+            # No process of ours was launched (a Ray actor): its pid is known from its hello.
+            self._events.emit(WorkerSpawned(entry.spec.key, generation, process.pid))
         self._events.emit(
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
         )

@@ -428,6 +428,7 @@ def blob(n: int) -> bytes:
     than one read of the channel."""
     return bytes(range(256)) * (n // 256) + b"x" * (n % 256)
 
+
 # ---- backends (tests/test_contract.py, tests/test_ray.py) ----
 
 

@@ -74,6 +74,37 @@ def test_a_call_returns_its_result(cpool: comfy_env.Pool) -> None:
     assert w.generation == 1
 
 
+def test_lifecycle_events_name_each_generation_and_its_pid(cpool: comfy_env.Pool) -> None:
+    seen: list[object] = []
+    unsubscribe = cpool.subscribe(seen.append)
+    try:
+        w = cpool.get_worker()
+        pid = w.call("remote_tasks:getpid")
+        with pytest.raises(WorkerCrashed):
+            w.call("remote_tasks:count_then_crash", os.devnull)
+        assert w.call("remote_tasks:getpid") != pid
+        names = ("WorkerSpawned", "WorkerReady", "WorkerRetired")
+
+        def lifecycle() -> list[tuple[str, int]]:
+            return [
+                (type(e).__name__, e.generation)  # type: ignore[attr-defined]
+                for e in seen
+                if type(e).__name__ in names
+            ]
+
+        want = [("WorkerSpawned", 1), ("WorkerReady", 1), ("WorkerRetired", 1)]
+        want += [("WorkerSpawned", 2), ("WorkerReady", 2)]
+        # Generation 1's retirement may be published after generation 2 spawned.
+        assert wait_until(lambda: sorted(lifecycle()) == sorted(want), 30), lifecycle()
+        first = next(e for e in seen if type(e).__name__ == "WorkerSpawned")
+        if "exit codes" in capabilities(cpool):
+            assert first.pid > 0  # type: ignore[attr-defined]  # the launched process
+        else:
+            assert first.pid == pid  # type: ignore[attr-defined]  # the actor's, from its hello
+    finally:
+        unsubscribe()
+
+
 def test_a_remote_exception_is_reraised_as_its_class(cpool: comfy_env.Pool) -> None:
     import remote_tasks
 
