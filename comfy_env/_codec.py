@@ -1,4 +1,5 @@
-"""Host-side codec: call messages out, replies and remote exceptions in.
+"""Host-side codec: call messages out, replies and remote exceptions in (and the CONFIG a worker
+runtime gets at its start-up, ``worker_config``, the same for every backend).
 
 A call message is one pickle (protocol 5) of ``(target, args, kwargs)``:
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import pickle
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import FrameType
@@ -39,6 +40,9 @@ from ._errors import (
     RemoteTraceback,
     SerializationError,
 )
+
+if TYPE_CHECKING:
+    from ._settings import Settings
 
 # Buffers at least this large leave the pickle (out of band); whether they then go through
 # shared memory is decided per call by their total (``oob_threshold``, ``use_shm``).
@@ -230,3 +234,25 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
             raise exc from cause
     type_name = qualname if module in ("builtins", None) else f"{module}.{qualname}"
     raise RemoteError(type_name, message, tb_text) from cause
+
+
+def worker_config(
+    settings: Settings, generation: int, shm_host_id: str | None, shm_pool_bytes: int
+) -> dict[str, Any]:
+    """The CONFIG a worker runtime gets at its start-up, whatever runs it (a process, an
+    actor): ``shm_host_id`` None means no shared memory between host and worker."""
+    return {
+        "sys_path": list(settings.sys_path),
+        "cwd": settings.cwd,
+        "env": dict(settings.env_vars),
+        "log_level": settings.log_level.upper(),
+        "max_frame_bytes": settings.max_frame_bytes,
+        "shm_threshold_bytes": settings.shm_threshold_bytes,
+        "oob_min_bytes": oob_threshold(settings.shm_threshold_bytes),
+        "shm_host_id": shm_host_id,
+        "shm_pool_bytes": shm_pool_bytes,
+        "shm_pinned_ttl": settings.shm_pinned_ttl,
+        "generation": generation,
+        # Cooperative code gets the first half of the grace to stop by itself.
+        "cancel_interrupt_after": settings.cancel_grace / 2,
+    }

@@ -69,7 +69,7 @@ from comfy_env_worker.protocol import (
     send_parts,
 )
 
-from ._codec import decode_reply, encode_call, oob_threshold, use_shm
+from ._codec import decode_reply, encode_call, oob_threshold, use_shm, worker_config
 from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
@@ -561,21 +561,12 @@ class WorkerProcess:
             self.pid = int(hello["pid"])
             self.log.pid = self.pid
             use_shm = self.shm_wanted and bool(hello.get("shm"))
-            config = {
-                "sys_path": list(self.config.sys_path),
-                "cwd": self.config.cwd,
-                "env": dict(self.config.env_vars),
-                "log_level": self.config.log_level.upper(),
-                "max_frame_bytes": self.config.max_frame_bytes,
-                "shm_threshold_bytes": self.config.shm_threshold_bytes,
-                "oob_min_bytes": oob_threshold(self.config.shm_threshold_bytes),
-                "shm_host_id": host_id() if use_shm else None,
-                "shm_pool_bytes": self.config.shm_pool_bytes,
-                "shm_pinned_ttl": self.config.shm_pinned_ttl,
-                "generation": self.generation,
-                # Cooperative code gets the first half of the grace to stop by itself.
-                "cancel_interrupt_after": self.config.cancel_grace / 2,
-            }
+            config = worker_config(
+                self.config,
+                self.generation,
+                host_id() if use_shm else None,
+                self.config.shm_pool_bytes,
+            )
             if use_shm:
                 self.mappings = shm.PeerMappings(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
             else:

@@ -76,7 +76,7 @@ from comfy_env_worker.protocol import (
     Payload,
 )
 
-from ._codec import decode_reply, encode_call, oob_threshold
+from ._codec import decode_reply, encode_call, oob_threshold, worker_config
 from ._envs import EnvSpec
 from ._errors import ConfigError, SerializationError, WorkerStartError
 from ._lifecycle import RetireReason, Stop
@@ -543,20 +543,8 @@ class RayWorker:
         on anything else, a death, or ``start_timeout``."""
         ray = ray_module()
         started = time.monotonic()
-        config = {
-            "sys_path": list(self.config.sys_path),
-            "cwd": self.config.cwd,
-            "env": dict(self.config.env_vars),
-            "log_level": self.config.log_level.upper(),
-            "max_frame_bytes": self.config.max_frame_bytes,
-            "shm_threshold_bytes": self.config.shm_threshold_bytes,
-            "oob_min_bytes": oob_threshold(self.config.shm_threshold_bytes),
-            "shm_host_id": None,  # no shared memory between the host and an actor
-            "shm_pool_bytes": 0,
-            "shm_pinned_ttl": self.config.shm_pinned_ttl,
-            "generation": self.generation,
-            "cancel_interrupt_after": self.config.cancel_grace / 2,
-        }
+        # No shared memory between the host and an actor.
+        config = worker_config(self.config, self.generation, None, 0)
         try:
             hello = ray.get(
                 self.actor.hello.remote(pickle.dumps(config, protocol=5)),
