@@ -575,7 +575,7 @@ WORKER: Optional[Worker] = None
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: ``main([channel fd, host pid])``."""
-    global _launched_via_wrapper, CHANNEL, WORKER
+    global _launched_via_wrapper, CHANNEL
     args = list(sys.argv[1:] if argv is None else argv)
     fd = int(args[0])
     host_pid = int(args[1]) if len(args) > 1 else 0
@@ -594,7 +594,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.set_inheritable(log_fd, False)
     if cancel_fd is not None:
         os.set_inheritable(cancel_fd, False)
-    worker = Worker(sock, log_fd)
+    os._exit(serve(Worker(sock, log_fd), host_pid, cancel_fd))
+
+
+def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
+    """Handshake, then serve calls until the channel ends; returns the exit code (0: the host
+    closed the channel or said SHUTDOWN, 70: a protocol error). Shared by ``main`` and the Ray
+    actor (``ray_actor``), which sets up its own process."""
+    global WORKER
     code = 0
     try:
         worker.handshake()
@@ -616,4 +623,4 @@ def main(argv: Optional[List[str]] = None) -> None:
             sys.stderr.flush()
         except Exception:  # noqa: BLE001
             pass
-    os._exit(code)
+    return code

@@ -81,33 +81,12 @@ def _serve(sock: Any, log_fd: int, cancel_fd: int, stopped: threading.Event) -> 
     Ray here (no parent check, no stdio of its own). The actor's process ends with it."""
     import faulthandler
 
-    from comfy_env_worker import control, logs, main
-    from comfy_env_worker.protocol import ChannelClosed, FrameError
+    from comfy_env_worker import main
 
     faulthandler.enable(all_threads=False)  # a segfault's stack goes to the actor's .err log
-    worker = main.Worker(sock, log_fd)  # built here: call control interrupts this thread
-    code = 0
-    try:
-        worker.handshake()
-        logs.install(worker.outbox, worker.log_level)
-        main.WORKER = worker
-        main.CHANNEL = sock
-        control.CONTROL = worker.control
-        main._start_watchdog(worker, 0, cancel_fd)
-        worker.serve()
-    except ChannelClosed:
-        code = 0
-    except FrameError as exc:
-        sys.stderr.write("comfy-env worker: protocol error: %s\n" % exc)
-        code = 70
-    finally:
-        if worker.pool is not None:
-            worker.pool.destroy_all()
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except Exception:  # noqa: BLE001
-            pass
+    main.CHANNEL = sock
+    # The Worker is built on this thread: call control interrupts the thread that serves.
+    code = main.serve(main.Worker(sock, log_fd), 0, cancel_fd)
     if code == 0 and stopped.is_set():
         return  # SHUTDOWN: release hooks ran; the actor's ``shutdown`` ends the actor
     os._exit(code)  # a broken channel: the actor goes with its serve loop
