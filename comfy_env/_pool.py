@@ -151,6 +151,7 @@ class Pool:
         elif not holds_defaults(config):
             config = PoolConfig(**dict(config))
         self.config = config
+        self._oob_threshold = oob_threshold(config.shm_threshold_bytes)  # once, not per call
         self._backend: Backend = backend_for(config)
         self.clock = clock
         self._events = Dispatcher()
@@ -506,7 +507,7 @@ class Pool:
         if bound is None and not plain:
             bound = bound_by_refs(entry, args, kwargs)
         threshold = config.shm_threshold_bytes
-        body, buffers, by_value = encode_call(target, args, kwargs, oob_threshold(threshold), plain)
+        body, buffers, by_value = encode_call(target, args, kwargs, self._oob_threshold, plain)
         inline = len(body)
         if buffers:  # the small call has none: two generator scans saved
             if not (config.shared_memory and use_shm(buffers, threshold)):
