@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Bootstrap and run: ``python3 dev.py demo``, ``python3 dev.py test [pytest args]`` or
 ``python3 dev.py test-comfyui [--comfyui TARBALL] [pytest args]`` or
-``python3 dev.py bench-comfyui [--comfyui TARBALL] [--no-write]``.
+``python3 dev.py bench-comfyui [--comfyui TARBALL] [--no-write]`` or
+``python3 dev.py compile [--clean]``.
 
 Creates ``.venv`` next to this file with the project installed in editable mode plus its test
 extras (re-installed only when ``pyproject.toml`` changes), then runs the command inside it.
@@ -19,6 +20,13 @@ It prepares, once, outside the repository (``~/.cache/comfy-env-dev/``, or
 - ``pack-numpy-<hash>/`` and ``pack-torch-<hash>/``: the example packs' envs (a venv with numpy,
   a venv with a CPU torch). They never get ComfyUI or comfy-env.
 
+``compile`` (opt-in) builds the host's per-call modules (``HOT_MODULES``) with mypyc into
+extension modules next to their sources, which Python then imports instead of the ``.py``
+files; it needs a C compiler and installs the ``dev`` extra (mypy, which brings mypyc) into
+``.venv``. Without it, or after ``compile --clean``, the pure modules run: nothing else changes.
+The build records its sources' digests; ``test`` (and every other command) removes a build
+whose sources changed since, so an edit is never hidden behind a stale extension.
+
 The tarball comes from ``--comfyui``, else ``$COMFY_ENV_COMFYUI_SRC``, else
 ``<repo>/../shared/comfyui/ComfyUI-0.3.64-src.tar.gz``. Without one the command says so and exits
 0 (skipped); the tests skip the same way when run directly without the harness's variables.
@@ -28,8 +36,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -205,12 +215,123 @@ def bench_comfyui(argv: list[str]) -> int:
     return subprocess.call([py, script, *envs, *rest], cwd=ROOT)
 
 
+# ---- the opt-in compiled hot path (mypyc) ---------------------------------------------------
+
+# The modules on every call's path (issue 16, third round). The worker runtime is never
+# compiled: it must run under any env's Python (3.8 and up) with nothing but the stdlib.
+HOT_MODULES = ("_lifecycle", "_entry", "_pool", "_codec")
+HOT_DIR = os.path.join(ROOT, "comfy_env")
+# Written next to the compiled modules: the sha256 of each source they were built from.
+HOT_STAMP = os.path.join(HOT_DIR, "_hotpath.sha256")
+
+_BUILD = r"""
+import sys
+from setuptools import setup
+from mypyc.build import mypycify
+config, paths = sys.argv[1], sys.argv[2:]
+setup(
+    name="comfy-env-hotpath",
+    py_modules=[],
+    ext_modules=mypycify(["--config-file", config, *paths], group_name="comfy_env._hotpath"),
+    script_args=["build_ext", "--inplace", "--build-temp", "build"],
+)
+"""
+
+
+def _compiled_files() -> list[str]:
+    """The build's extension modules: any of a module of the package (not only the current
+    ``HOT_MODULES``: a module dropped from the list must not stay compiled) and the shared
+    library of the group."""
+    names = os.listdir(HOT_DIR)
+    modules = {name[:-3] for name in names if name.endswith(".py")} | {"_hotpath__mypyc"}
+    return sorted(
+        os.path.join(HOT_DIR, name)
+        for name in names
+        if name.endswith((".so", ".pyd")) and name.split(".")[0] in modules
+    )
+
+
+def _source_digests() -> str:
+    lines = []
+    for name in HOT_MODULES:
+        with open(os.path.join(HOT_DIR, name + ".py"), "rb") as fh:
+            lines.append(f"{hashlib.sha256(fh.read()).hexdigest()}  {name}.py\n")
+    return "".join(lines)
+
+
+def clean_compiled(reason: str | None = None) -> None:
+    """Remove the compiled hot path: the pure modules are imported again."""
+    files = _compiled_files()
+    for path in [*files, HOT_STAMP]:
+        if os.path.exists(path):
+            os.remove(path)
+    if files and reason:
+        print(f"dev.py: removed the compiled hot path ({reason})", flush=True)
+
+
+def drop_stale_compiled() -> None:
+    """A compiled module is imported before its ``.py`` (the import system prefers extension
+    modules): once a source changed, its stale build must go, or the edit would be ignored."""
+    if not _compiled_files():
+        return
+    stamp = ""
+    if os.path.exists(HOT_STAMP):
+        with open(HOT_STAMP) as fh:
+            stamp = fh.read()
+    if stamp != _source_digests():
+        clean_compiled("its sources changed; run `python3 dev.py compile` again")
+
+
+def compile_hot_path(argv: list[str]) -> int:
+    """``dev.py compile``: build the hot-path modules with mypyc, in place (opt-in; needs a C
+    compiler; installs the dev extra, which brings mypy and mypyc, into .venv).
+    ``dev.py compile --clean``: remove them (the pure modules are used again)."""
+    clean_compiled("rebuilding" if "--clean" not in argv else "--clean")
+    if "--clean" in argv:
+        return 0
+    if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
+        print("dev.py: no C compiler found; the pure-Python modules stay in use", file=sys.stderr)
+        return 1
+    try:
+        subprocess.check_call([PY, "-c", "import mypyc"], stderr=subprocess.DEVNULL)
+    except subprocess.CalledProcessError:
+        subprocess.check_call(
+            [PY, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e", ".[dev]"],
+            cwd=ROOT,
+        )
+    with tempfile.TemporaryDirectory(prefix="comfy-env-mypyc-") as tmp:
+        # Built from a copy: setuptools must not see the project's pyproject.toml, and the
+        # build's C files and the mypy cache stay out of the checkout.
+        shutil.copytree(
+            HOT_DIR, os.path.join(tmp, "comfy_env"), ignore=shutil.ignore_patterns("__pycache__")
+        )
+        env = dict(os.environ, MYPYPATH=os.path.join(ROOT, "workers"))
+        paths = [os.path.join("comfy_env", name + ".py") for name in HOT_MODULES]
+        config = os.path.join(ROOT, "pyproject.toml")
+        rc = subprocess.call([PY, "-c", _BUILD, config, *paths], cwd=tmp, env=env)
+        if rc != 0:
+            print("dev.py: mypyc failed; the pure-Python modules stay in use", file=sys.stderr)
+            return rc
+        built = os.path.join(tmp, "comfy_env")
+        for name in os.listdir(built):
+            if name.endswith((".so", ".pyd")):
+                shutil.copy2(os.path.join(built, name), os.path.join(HOT_DIR, name))
+    with open(HOT_STAMP, "w") as fh:
+        fh.write(_source_digests())
+    print("dev.py: compiled " + ", ".join(os.path.basename(p) for p in _compiled_files()))
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "test-comfyui", "bench-comfyui"):
+    commands = ("demo", "test", "test-comfyui", "bench-comfyui", "compile")
+    if not argv or argv[0] not in commands:
         print(__doc__)
         return 2
     ensure_venv()
     command, rest = argv[0], argv[1:]
+    if command == "compile":
+        return compile_hot_path(rest)
+    drop_stale_compiled()
     if command == "test-comfyui":
         return test_comfyui(rest)
     if command == "bench-comfyui":

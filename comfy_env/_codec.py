@@ -39,6 +39,7 @@ from ._errors import (
     RemoteError,
     RemoteTraceback,
     SerializationError,
+    chained,
 )
 
 if TYPE_CHECKING:
@@ -182,8 +183,10 @@ def _cloudpickle(obj: Any, what: str, threshold: int) -> tuple[bytes, list[memor
 
     try:
         return shm.encode(obj, threshold, cloudpickle.dumps)
-    except Exception as exc:
-        raise SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - re-raised, typed (chained)
+        raise chained(  # noqa: B904 - see chained
+            SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}"), exc
+        )
 
 
 def decode_reply(
@@ -200,10 +203,11 @@ def decode_reply(
         except BaseException as exc:  # noqa: BLE001 - SystemExit from a reducer included
             # A result whose reconstruction raises SystemExit or KeyboardInterrupt must fail
             # this call, never unwind the caller as itself.
-            raise SerializationError(
+            error = SerializationError(
                 f"the result of {target_label(target)} could not be unpickled in the host: "
                 f"{type(exc).__name__}: {_text(exc)}"
-            ) from (exc if isinstance(exc, Exception) else None)
+            )
+            raise chained(error, exc if isinstance(exc, Exception) else None)  # noqa: B904
     raise_remote(payload)
 
 
@@ -219,21 +223,22 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
     cause = RemoteTraceback(tb_text)
     if (module, qualname) == ("comfy_env_worker.control", "Cancelled"):
         # The call stopped on a cancel (cooperatively or interrupted) and its worker lives on.
-        raise CallCancelled(
+        cancelled = CallCancelled(
             "the call was cancelled; it stopped in its worker, which lives on with its caches "
             f"({message})"
-        ) from cause
+        )
+        raise chained(cancelled, cause)
     if (module, qualname) == ("comfy_env_worker.refs", "StaleRefError"):
-        raise RefReleasedError(message) from cause
+        raise chained(RefReleasedError(message), cause)
     if pickled is not None:
         try:
             exc = pickle.loads(pickled)
         except BaseException:  # noqa: BLE001 - class missing here, broken reduce, even a
             exc = None  # SystemExit from a reconstructor: keep the text
         if isinstance(exc, Exception):
-            raise exc from cause
+            raise chained(exc, cause)
     type_name = qualname if module in ("builtins", None) else f"{module}.{qualname}"
-    raise RemoteError(type_name, message, tb_text) from cause
+    raise chained(RemoteError(type_name, message, tb_text), cause)
 
 
 def worker_config(

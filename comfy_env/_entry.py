@@ -267,7 +267,9 @@ def release_locked(entry: EnvEntry, slot: Slot) -> WorkerGeneration | None:
     """Hand ``slot`` to the first waiter or mark it free (lock held). Returns its process if
     that is retired, for the caller to dispose of after unlocking (nobody reads it any more)."""
     # FIFO, except that a call bound to another slot (it uses a RemoteRef) lets others pass.
-    nxt = next((t for t in entry.waiters if t.wanted is None or t.wanted is slot), None)
+    nxt = None
+    if entry.waiters:  # none in the common call: no generator built
+        nxt = next((t for t in entry.waiters if t.wanted is None or t.wanted is slot), None)
     if nxt is not None:
         entry.waiters.remove(nxt)
         nxt.slot = slot

@@ -20,7 +20,9 @@ Messages say what probably happened; attributes carry the facts (env, pid, gener
 from __future__ import annotations
 
 import signal as _signal
-from typing import Any
+from typing import Any, TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
 
 
 class ComfyEnvError(Exception):
@@ -266,3 +268,12 @@ def describe_exit(returncode: int | None) -> str:
         hint = _SIGNAL_HINTS.get(name)
         return f"was killed by {name}" + (f": {hint}" if hint else "")
     return f"exited with code {returncode}"
+
+
+def chained(exc: _E, cause: BaseException | None) -> _E:
+    """``raise chained(exc, cause)`` does what ``raise exc from cause`` does (``cause=None``:
+    ``from None``). The modules of the compiled hot path (``python3 dev.py compile``) spell it
+    this way because mypyc ignores the ``from`` clause; setting ``__cause__`` also sets
+    ``__suppress_context__``, exactly as ``from`` does."""
+    exc.__cause__ = cause
+    return exc

@@ -47,13 +47,17 @@ def assert_never(value: NoReturn) -> NoReturn:
 
 
 def _lean(cls: type[_T]) -> type[_T]:
-    """Give a frozen, slotted dataclass of the per-call pairs a cheaper ``__init__``.
+    """Give a frozen, slotted dataclass (every state, event and effect here) a cheaper
+    ``__init__``.
 
     The generated one stores each field through ``object.__setattr__`` (about 0.1 us a field);
     this one calls the slots' own descriptors, bound once, and keeps the signature (names,
     order, defaults). The class stays a frozen dataclass: ``fields()``, equality, ``repr`` and
     ``FrozenInstanceError`` on assignment are unchanged. Every call builds six such values, so
-    this is on the hot path."""
+    this is on the hot path. It also keeps every value a plain Python class when this module
+    is compiled (``python3 dev.py compile``): mypyc leaves classes with an unknown decorator
+    interpreted, and a native frozen dataclass could not be copied or pickled (its
+    ``__setstate__`` meets the frozen ``__setattr__``)."""
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     params = []
     namespace: dict[str, Any] = {}
@@ -108,6 +112,7 @@ class Stop(str, enum.Enum):
 # ---- states ---------------------------------------------------------------------------------
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Starting:
     """The process is being launched, handshaken and canaried; not yet trusted."""
@@ -138,6 +143,7 @@ class InCall:
     cancel_requested_at: float | None = None
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Retired:
     """Terminal: this generation is over. ``pid`` is None if it never reported one."""
@@ -153,6 +159,7 @@ LiveState = Starting | Idle | InCall
 # ---- events ---------------------------------------------------------------------------------
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class SpawnBegan:
     """A caller claimed the empty slot to launch generation ``generation``."""
@@ -160,6 +167,7 @@ class SpawnBegan:
     generation: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class HandshakeOk:
     """Handshake and canary passed; ``pid`` is the interpreter's own pid (from its hello)."""
@@ -169,6 +177,7 @@ class HandshakeOk:
     at: float
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class StartFailed:
     """Launch, handshake or canary failed."""
@@ -194,6 +203,7 @@ class Replied:
     at: float
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Exited:
     """The process exited (seen by the exit watcher)."""
@@ -202,6 +212,7 @@ class Exited:
     returncode: int | None
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class ChannelClosed:
     """EOF on the channel (the process may still be alive)."""
@@ -209,12 +220,14 @@ class ChannelClosed:
     generation: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class DeadlineHit:
     generation: int
     call_id: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class CallCancelled:
     """Stop the worker running ``call_id`` now (a cancel with no grace, or the escalation of a
@@ -224,6 +237,7 @@ class CallCancelled:
     call_id: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class CancelRequested:
     """Someone cancelled running call ``call_id`` at ``at``: ask the worker first, and kill it
@@ -235,6 +249,7 @@ class CancelRequested:
     grace: float
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class CancelGraceExpired:
     """The grace timer of the cancel requested at ``requested_at`` for ``call_id`` fired."""
@@ -244,6 +259,7 @@ class CancelGraceExpired:
     requested_at: float
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class ProtocolViolated:
     """A malformed frame arrived (or was about to be sent)."""
@@ -251,11 +267,13 @@ class ProtocolViolated:
     generation: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class CloseRequested:
     generation: int
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class IdleExpired:
     """The reaper saw the worker idle since ``idle_since`` for longer than allowed."""
@@ -264,6 +282,7 @@ class IdleExpired:
     idle_since: float
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class PingFailed:
     """The health ping before a call on a long-idle worker got no answer in time."""
@@ -292,6 +311,7 @@ Event = (
 # ---- effects and results --------------------------------------------------------------------
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class KillWorker:
     """Stop generation ``generation``'s process group, as ``stop`` says."""
@@ -300,6 +320,7 @@ class KillWorker:
     stop: Stop
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class SendCancel:
     """Send a CANCEL frame for ``call_id`` to generation ``generation``'s worker and start its
@@ -321,6 +342,7 @@ class Transition:
     effects: tuple[Effect, ...] = ()
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Dropped:
     """The event changed nothing; ``reason`` says why (for stats and debugging)."""
@@ -466,6 +488,7 @@ def needs_ping(state: State | None, now: float, ping_after_idle: float | None) -
 # ---- the env's own typestate: the crash-loop breaker -----------------------------------------
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class Death:
     """One worker death the breaker counts. ``at`` is on the pool's clock (monotonic), ``when``
@@ -480,6 +503,7 @@ class Death:
     stderr_tail: str
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class EnvActive:
     """Calls are served. ``deaths``: those still inside the restart window."""
@@ -487,6 +511,7 @@ class EnvActive:
     deaths: tuple[Death, ...] = ()
 
 
+@_lean
 @dataclass(frozen=True, slots=True)
 class EnvAbandoned:
     """Terminal until reset: the env died too often; calls fail fast."""

@@ -86,6 +86,7 @@ from ._errors import (
     SerializationError,
     WorkerCrashed,
     WorkerStartError,
+    chained,
     describe_exit,
     signal_name,
 )
@@ -153,6 +154,7 @@ class Pool:
             from ._config import settings_for
 
             self.settings, self._config = settings_for(config)
+        self._oob_threshold = oob_threshold(self.settings.shm_threshold_bytes)  # once, not per call
         self._backend: Backend = backend_for(self.settings)
         self.clock = clock
         self._events = Dispatcher()
@@ -172,7 +174,7 @@ class Pool:
         self._sweep_queued = False
         self._status_pending = False
         self._status_dirty = False  # changed while a write was pending: write again after it
-        _shutdown.live_pools.add(self)
+        self._registration = _shutdown.register(self)
         _shutdown.install_process_hooks()
 
     # ---- public API ----
@@ -262,7 +264,7 @@ class Pool:
         try:
             self._stop_everything(entries, reactor)
         finally:
-            _shutdown.live_pools.discard(self)
+            _shutdown.live_pools.discard(self._registration)
             self._close_done.set()
 
     def __enter__(self) -> Pool:
@@ -419,7 +421,10 @@ class Pool:
                 else:
                     entry.in_flight -= 1
                 ticket.stage = "done"
-                setattr(entry, outcome, getattr(entry, outcome) + 1)
+                if outcome == "ok":  # the common call: no attribute lookup by name
+                    entry.ok += 1
+                else:
+                    setattr(entry, outcome, getattr(entry, outcome) + 1)
         if retired is not None:
             self._dispose_later(retired)
         self._status_changed()
@@ -466,7 +471,7 @@ class Pool:
         target: str | Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: float | None,
+        timeout: Any,  # float | None, checked in prepare (a compiled build would coerce it)
         ticket: Ticket | None = None,
         bound: tuple[Slot, int] | None = None,
         on_event: EventCallback | None = None,
@@ -502,7 +507,7 @@ class Pool:
         target: str | Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: float | None,
+        timeout: Any,  # float | None, checked in prepare (a compiled build would coerce it)
         ticket: Ticket,
         bound: tuple[Slot, int] | None,
     ) -> tuple[bytes, list[memoryview], bool, float | None]:
@@ -517,9 +522,11 @@ class Pool:
         if bound is None and not plain:
             bound = bound_by_refs(entry, args, kwargs)
         threshold = config.shm_threshold_bytes
-        body, buffers, by_value = encode_call(target, args, kwargs, oob_threshold(threshold), plain)
-        shm_used = config.shared_memory and use_shm(buffers, threshold)
-        inline = len(body) + (0 if shm_used else sum(b.nbytes for b in buffers))
+        body, buffers, by_value = encode_call(target, args, kwargs, self._oob_threshold, plain)
+        inline = len(body)
+        if buffers:  # the small call has none: two generator scans saved
+            if not (config.shared_memory and use_shm(buffers, threshold)):
+                inline += sum(b.nbytes for b in buffers)
         if inline + HEADER_SIZE > config.max_frame_bytes:
             raise SerializationError(
                 f"the call to {target_label(target)} pickles to {inline} bytes, over "
@@ -564,7 +571,7 @@ class Pool:
             return result
         except HostFault as fault:
             replied = fault.replied  # the worker replied whole: it goes back to idle
-            raise fault.error from None
+            raise chained(fault.error, None)  # noqa: B904
         except CallTimeout:
             outcome = "timed_out"
             raise
@@ -635,10 +642,10 @@ class Pool:
             try:
                 reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
             except FrameError as exc:
-                raise protocol_error(entry, slot, process, str(exc)) from None
+                raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
             except HostResourceError as exc:  # the host's fault: the worker stays, idle
                 process.finish_request(block, [block.name] if block is not None else [])
-                raise HostFault(replied, exc) from None
+                raise chained(HostFault(replied, exc), None)  # noqa: B904
             process.finish_request(block, retained)
             return ftype, reply_body, reply_buffers, replied
 
@@ -716,11 +723,12 @@ class Pool:
                 if self._runtime_dir is None:
                     self._runtime_dir = make_runtime_dir()
             except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
-                raise WorkerStartError(
+                error = WorkerStartError(
                     f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
                     "host out of file descriptors or disk space?)",
                     env=entry.spec.key,
-                ) from exc
+                )
+                raise chained(error, exc)  # noqa: B904
             reactor, runtime_dir = self._reactor, self._runtime_dir
         with entry.lock:
             if isinstance(entry.env_state, lc.EnvAbandoned):
@@ -770,7 +778,9 @@ class Pool:
                 with entry.lock:
                     entry.unsupported = exc
             if self._closed and isinstance(exc, WorkerStartError):
-                raise PoolClosedError("the pool was closed while the worker started") from exc
+                raise chained(  # noqa: B904 - see chained
+                    PoolClosedError("the pool was closed while the worker started"), exc
+                )
             raise
         if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, self.clock())):
             # Retired while starting (the pool is closing, or it died right after the canary).
@@ -953,11 +963,15 @@ class Pool:
             return False, None
         except TimeoutError:
             label = target_label(target)
-            raise self._timeout_error(entry, slot, process, call_id, label) from None
+            raise chained(  # noqa: B904 - see chained
+                self._timeout_error(entry, slot, process, call_id, label), None
+            )
         except SerializationError:
             raise
         except OSError:
-            raise self.crash_error(entry, slot, process, call_id, target_label(target)) from None
+            raise chained(  # noqa: B904 - see chained
+                self.crash_error(entry, slot, process, call_id, target_label(target)), None
+            )
         return True, block
 
     def _receive(
@@ -981,7 +995,9 @@ class Pool:
                 )
         except TimeoutError:
             label = target_label(target)
-            raise self._timeout_error(entry, slot, process, call_id, label) from None
+            raise chained(  # noqa: B904 - see chained
+                self._timeout_error(entry, slot, process, call_id, label), None
+            )
         except ConnectionResetError:
             # A Unix socket whose owner exits with unread data resets its peer instead of
             # giving EOF: the worker died before it read the whole request, so the call never
@@ -989,12 +1005,16 @@ class Pool:
             entry.apply(slot, lc.ChannelClosed(process.generation))
             reason = retire_reason(slot, process.generation)
             if reader.buffered == 0 and reason is lc.RetireReason.CRASHED:
-                raise NotDelivered from None
-            raise self.crash_error(entry, slot, process, call_id, target_label(target)) from None
+                raise chained(NotDelivered(), None)  # noqa: B904
+            raise chained(  # noqa: B904 - see chained
+                self.crash_error(entry, slot, process, call_id, target_label(target)), None
+            )
         except (ChannelClosed, ConnectionError, OSError):
-            raise self.crash_error(entry, slot, process, call_id, target_label(target)) from None
+            raise chained(  # noqa: B904 - see chained
+                self.crash_error(entry, slot, process, call_id, target_label(target)), None
+            )
         except FrameError as exc:
-            raise protocol_error(entry, slot, process, str(exc)) from None
+            raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
         except BaseException as exc:
             # KeyboardInterrupt (or another async exception) while waiting: the call's result
             # can no longer be delivered. Ctrl-C asks the worker first (it may keep its
@@ -1170,7 +1190,7 @@ def live_pool_snapshots() -> list[Snapshot]:
     """Snapshots of every open pool of this process (the default pool included)."""
     for _ in range(3):
         try:
-            pools = list(_shutdown.live_pools)
+            pools = [registration.pool for registration in list(_shutdown.live_pools)]
             break
         except RuntimeError:  # another thread created a pool while we listed them
             continue

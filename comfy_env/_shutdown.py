@@ -56,7 +56,20 @@ class LivePool(Protocol):
     def abandon_in_forked_child(self) -> None: ...
 
 
-live_pools: weakref.WeakSet[LivePool] = weakref.WeakSet()
+class Registration:
+    """A pool's entry in ``live_pools``. The registry holds these weakly rather than the pools
+    themselves because a compiled pool (``python3 dev.py compile``: a mypyc native class)
+    cannot be weakly referenced. The pool keeps its registration and the registration its
+    pool, so the entry lives exactly as long as the pool does (freed with it by the cycle
+    collector if it was dropped unclosed)."""
+
+    __slots__ = ("__weakref__", "pool")
+
+    def __init__(self, pool: LivePool) -> None:
+        self.pool = pool
+
+
+live_pools: weakref.WeakSet[Registration] = weakref.WeakSet()
 _hooks_lock = threading.Lock()
 _hooks_installed = False
 
@@ -76,10 +89,17 @@ def install_process_hooks() -> None:
         _hooks_installed = True
 
 
+def register(pool: LivePool) -> Registration:
+    """Add ``pool`` to the registry; the pool keeps the returned registration."""
+    registration = Registration(pool)
+    live_pools.add(registration)
+    return registration
+
+
 def _close_all_pools() -> None:
-    for pool in list(live_pools):
+    for registration in list(live_pools):
         try:
-            pool.close()
+            registration.pool.close()
         except Exception:  # noqa: BLE001 - exit must go on
             _log.exception("comfy-env: closing a pool at exit failed")
 
@@ -94,8 +114,8 @@ def _after_fork_in_child() -> None:
     replaced."""
     global _hooks_lock
     _hooks_lock = threading.Lock()
-    for pool in list(live_pools):
-        pool.abandon_in_forked_child()
+    for registration in list(live_pools):
+        registration.pool.abandon_in_forked_child()
     live_pools.clear()
 
 

@@ -1,0 +1,189 @@
+"""A/B of the warm small call between source trees (and the raw references), interleaved.
+
+Not part of ``run_all.py``: a tool for comparing two builds of the host package in the same
+minutes on a noisy machine (issue 16, third round: a mypyc-compiled hot path against the pure
+modules, a pipe channel against the socketpair).
+
+Each *arm* is a long-lived child process that answers ``pin``/``run`` lines on stdin:
+
+``tree:PATH``
+    ``comfy_env`` imported from ``PATH`` (put first on ``PYTHONPATH``, ahead of the editable
+    install), a warm ``Pool`` with one worker; ``run N`` times ``N`` calls of
+    ``comfy_env_worker.tasks:echo``.
+``raw:pipe`` / ``raw:sock``
+    The raw length-prefixed pickle ping-pong of ``benchlib.RawChild``.
+
+Per round every arm runs one batch, in an order shuffled per round (seeded). A batch reports
+wall us/call and the on-CPU us/call of the caller process (all threads) and of its worker,
+from ``/proc/<pid>/task/*/schedstat``. Placements: caller and worker on CPU 0 ("same"), caller
+on 0 and worker on 1 ("across"). Medians over rounds with min-max.
+
+``python benchmarks/ab_hotpath.py --arm tree:/tmp/pure --arm tree:/tmp/mypyc --arm raw:pipe
+--rounds 9 --calls 3000 [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+_CHILD = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+import benchlib
+from bench_small_call import cpu_ns
+arm = sys.argv[1]
+me = os.getpid()
+if arm.startswith("tree:"):
+    import comfy_env
+    pool = comfy_env.Pool()
+    worker = pool.get_worker(None)
+    call = worker.call
+    call("comfy_env_worker.tasks:echo", 0)
+    import comfy_env._pool as _p
+    origin = os.path.dirname(_p.__file__)
+    compiled = [n for n in os.listdir(origin) if n.endswith(".so")]
+    wpids = [p for p in benchlib.descendants(me)]
+    def one(i):
+        return call("comfy_env_worker.tasks:echo", i)
+    info = f"{origin} compiled={sorted(compiled)}"
+else:
+    raw = benchlib.RawChild(arm.split(":", 1)[1])
+    raw.call(0)
+    wpids = [raw.pid]
+    one = raw.call
+    info = arm
+print("ready " + info, flush=True)
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "pin":
+        caller = {int(c) for c in cmd[1].split(",")}
+        workers = {int(c) for c in cmd[2].split(",")}
+        benchlib.pin_self(caller)
+        for p in wpids:
+            benchlib.pin_process(p, workers)
+        for i in range(200):
+            one(i)
+        print("ok", flush=True)
+    elif cmd[0] == "run":
+        n = int(cmd[1])
+        h0 = cpu_ns(me)
+        w0 = sum(cpu_ns(p) for p in wpids)
+        t0 = time.perf_counter_ns()
+        for i in range(n):
+            one(i)
+        t1 = time.perf_counter_ns()
+        h1 = cpu_ns(me)
+        w1 = sum(cpu_ns(p) for p in wpids)
+        print(f"{(t1 - t0) / n / 1e3} {(h1 - h0) / n / 1e3} {(w1 - w0) / n / 1e3}", flush=True)
+    elif cmd[0] == "quit":
+        break
+if not arm.startswith("tree:"):
+    raw.close()
+else:
+    pool.close()
+"""
+
+
+class Arm:
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        env = dict(os.environ)
+        if spec.startswith("tree:"):
+            path = spec.split(":", 1)[1]
+            env["PYTHONPATH"] = os.pathsep.join([path, BENCH_DIR])
+        else:
+            env["PYTHONPATH"] = BENCH_DIR
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, spec, BENCH_DIR],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=BENCH_DIR,  # not the checkout: ``-c`` puts the cwd first on sys.path
+        )
+        self.info = self._ask(None)
+
+    def _ask(self, line: str | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if line is not None:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"arm {self.spec} died")
+        return answer.strip()
+
+    def pin(self, caller: str, workers: str) -> None:
+        self._ask(f"pin {caller} {workers}")
+
+    def run(self, n: int) -> tuple[float, float, float]:
+        wall, host, worker = (float(x) for x in self._ask(f"run {n}").split())
+        return wall, host, worker
+
+    def close(self) -> None:
+        try:
+            self._ask("quit")
+        except (RuntimeError, BrokenPipeError):
+            pass
+        self.proc.wait(10)
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):6.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arm", action="append", required=True)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--placements", default="same,across")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    arms = [Arm(spec) for spec in args.arm]
+    out: dict[str, Any] = {"load_start": os.getloadavg()}
+    try:
+        for arm in arms:
+            print(f"# {arm.spec}: {arm.info}")
+        for placement in args.placements.split(","):
+            workers = "0" if placement == "same" else "1"
+            for arm in arms:
+                arm.pin("0", workers)
+            samples: dict[str, list[tuple[float, float, float]]] = {a.spec: [] for a in arms}
+            for _ in range(args.rounds):
+                order = list(arms)
+                rng.shuffle(order)
+                for arm in order:
+                    samples[arm.spec].append(arm.run(args.calls))
+            print(f"## {placement} CPU ({args.rounds} rounds x {args.calls} calls)")
+            print(f"{'arm':40s} {'wall us/call':>22s} {'host on-CPU':>22s} {'worker on-CPU':>22s}")
+            for spec, rows in samples.items():
+                cols = [summary([r[i] for r in rows]) for i in range(3)]
+                print(f"{spec:40s} {cols[0]:>22s} {cols[1]:>22s} {cols[2]:>22s}")
+            out[placement] = samples
+    finally:
+        for arm in arms:
+            arm.close()
+    out["load_end"] = os.getloadavg()
+    print(f"# load average start {out['load_start']} end {out['load_end']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    time.sleep(0)
+    sys.exit(main())
