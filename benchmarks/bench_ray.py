@@ -76,7 +76,7 @@ def _crash_sample(worker: Any) -> tuple[float, float]:
 
 
 def run(ctx: Context) -> Section:
-    section = Section("ray", "7. Ray backend beside the local backend")
+    section = Section("ray", "8. Ray backend beside the local backend")
     missing = _ray_available()
     if missing is not None:
         section.lines.append(f"Skipped: {missing}.")

@@ -74,7 +74,7 @@ from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType
 from . import _lifecycle as lc
 from ._call import EventCallback, deliver, event_handler
 from ._codec import decode_reply, target_label, use_shm
-from ._entry import Ticket, free_slot, outcome_of
+from ._entry import Ticket, lease_at_once_locked, outcome_of, queue_locked
 from ._errors import (
     CallCancelled,
     CallTimeout,
@@ -169,21 +169,16 @@ def _lease_now(
             ticket.stage = "in_flight"
             entry.in_flight += 1
             raise abandoned_error(entry.spec.key, entry.env_state)
-        if not entry.waiters:
-            slot = free_slot(entry, ticket.wanted)
-            if slot is not None:
-                slot.leased = True
-                ticket.slot = slot
-                ticket.stage = "in_flight"
-                entry.in_flight += 1
-                if (
-                    eager_deadline != _NOT_EAGER
-                    and ticket.wanted is None
-                    and not entry.dropped_refs
-                    and not ticket.cancelled
-                ):
-                    pool.start_locked(entry, slot, ticket, eager_deadline)
-                return slot
+        slot = lease_at_once_locked(entry, ticket)
+        if slot is not None:
+            if (
+                eager_deadline != _NOT_EAGER
+                and ticket.wanted is None
+                and not entry.dropped_refs
+                and not ticket.cancelled
+            ):
+                pool.start_locked(entry, slot, ticket, eager_deadline)
+            return slot
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
 
@@ -196,9 +191,7 @@ def _lease_now(
 
         ticket.waker = wake
         ticket.woken = woken
-        ticket.stage = "queued"
-        entry.queued += 1
-        entry.waiters.append(ticket)
+        queue_locked(entry, ticket)
     return None
 
 

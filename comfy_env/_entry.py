@@ -293,6 +293,28 @@ def outcome_of(exc: BaseException) -> str:
     return "failed"
 
 
+def lease_at_once_locked(entry: EnvEntry, ticket: Ticket) -> Slot | None:
+    """Lease a free slot to ``ticket`` now, if no caller waits before it (FIFO; lock held):
+    the slot, with the call counted in flight, or None (the caller queues the ticket with
+    ``queue_locked`` and its own way of waiting: a thread's event, an asyncio future)."""
+    if entry.waiters:
+        return None
+    slot = free_slot(entry, ticket.wanted)
+    if slot is not None:
+        slot.leased = True
+        ticket.slot = slot
+        ticket.stage = "in_flight"
+        entry.in_flight += 1
+    return slot
+
+
+def queue_locked(entry: EnvEntry, ticket: Ticket) -> None:
+    """Append ``ticket`` to the env's FIFO of waiters (lock held; its waker is set)."""
+    ticket.stage = "queued"
+    entry.queued += 1
+    entry.waiters.append(ticket)
+
+
 def free_slot(entry: EnvEntry, wanted: Slot | None = None) -> Slot | None:
     """A slot no caller holds: a verified idle worker first, else an empty or retired slot.
     A call bound to one slot (``wanted``) takes that one or none."""

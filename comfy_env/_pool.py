@@ -76,7 +76,15 @@ from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._call import EventCallback, event_handler
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
-from ._entry import EnvEntry, Slot, Ticket, free_slot, outcome_of, release_locked
+from ._entry import (
+    EnvEntry,
+    Slot,
+    Ticket,
+    lease_at_once_locked,
+    outcome_of,
+    queue_locked,
+    release_locked,
+)
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
     CallCancelled,
@@ -322,20 +330,13 @@ class Pool:
                 raise CallCancelled(
                     "the call was cancelled before it was queued", env=entry.spec.key
                 )
-            if not entry.waiters:
-                slot = free_slot(entry, ticket.wanted)
-                if slot is not None:
-                    slot.leased = True
-                    ticket.slot = slot
-                    ticket.stage = "in_flight"
-                    entry.in_flight += 1
-                    if eager and ticket.wanted is None and not entry.dropped_refs:
-                        self.start_locked(entry, slot, ticket, deadline)
-                    return slot
+            slot = lease_at_once_locked(entry, ticket)
+            if slot is not None:
+                if eager and ticket.wanted is None and not entry.dropped_refs:
+                    self.start_locked(entry, slot, ticket, deadline)
+                return slot
             ticket.event = threading.Event()
-            ticket.stage = "queued"
-            entry.queued += 1
-            entry.waiters.append(ticket)
+            queue_locked(entry, ticket)
         event = ticket.event
         try:
             if deadline is None:
