@@ -602,7 +602,13 @@ with comfy_env.Pool(config) as pool:
     pid = w.pid
     os.kill(pid, 9)
     import time
-    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+    def dead(pid):
+        try:  # reaped (gone) or a zombie; it may be reaped between any two looks
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+    while not dead(pid):
         time.sleep(0.01)
     time.sleep(0.2)
     limits = exhaust()
