@@ -19,9 +19,11 @@ worker that exits during start-up is reported at once rather than after a timeou
 
 Watching: the reactor watches a pidfd (exit, reaped at once so no zombie lingers) and the two
 output pipes (kept as a tail of recent lines for crash reports and forwarded to ``logging``).
-A caller whose call the exit failed waits for the reaping and the drained output (exit code
-and last words); the slower scan for the generation's setsid descendants runs on a timer
-just after, so it never holds the GIL while that caller wakes.
+A caller whose call the exit failed collects the exit code and the last words itself
+(``collect_exit``: reaps and drains on its own thread when the exit is there; the reactor
+reports an exit a moment after reaping it, so the caller, not the reactor, goes first), or
+waits for the reactor's report when not. The slower scan for the generation's setsid
+descendants runs on a timer just after, so it never holds the GIL while that caller wakes.
 
 Handshake: the canary is encoded (and its shared-memory block filled) before the worker's
 HELLO arrives, while its interpreter starts; then CONFIG and the canary go out together.
@@ -119,6 +121,8 @@ LOAN_MIN = 256 << 10
 # Seconds a caller whose read saw the worker's EOF waits for the exit itself (collect_exit)
 # before it leaves the rest to the reactor; a closed channel means the exit is moments away.
 _COLLECT_WAIT = 0.1
+# Seconds from the reactor's reaping of an exited worker to its report (see _on_pidfd).
+_EXIT_REPORT_DELAY = 0.002
 # Seconds from a worker's exit to the scan for its marked descendants (see _reaped), and the
 # processes whose scan is still due (any pool's; run at the latest by force_close at close).
 _MARKED_SCAN_DELAY = 0.005
@@ -996,7 +1000,13 @@ class WorkerProcess:
         self.reactor.remove_reader(self._pidfd)
         os.close(self._pidfd)
         self._pidfd = None
-        self._reaped(self.popen.wait())
+        rc = self.popen.wait()  # reaped at once: no zombie lingers
+        # Reported a moment later: a caller whose read saw the EOF reports it first, on its
+        # own thread (collect_exit), instead of queueing behind this thread for the GIL (the
+        # hand-off measured most of crash detection's cost over a raw child's EOF). Nobody
+        # waits on this for an idle worker; close waits for ``exited`` and force_close
+        # reports what is still due.
+        self.reactor.call_later(_EXIT_REPORT_DELAY, lambda: self._reaped(rc))
 
     def _poll_exit(self) -> None:  # pragma: no cover - fallback without pidfd
         assert self.popen is not None
