@@ -92,7 +92,9 @@ def crash_error(
             pid=process.pid,
             generation=process.generation,
         )
-    # Wait (bounded) for the exit status, so the message can name the signal.
+    # Reap and drain here if the exit is already there (no hand-off to the reactor thread);
+    # else wait (bounded) for the exit status, so the message can name the signal.
+    process.collect_exit()
     rc = process.wait_exit(1.0)
     # A backend without exit codes (Ray) reports a death with rc None and its own words.
     still_running = rc is None and not process.exited.is_set()

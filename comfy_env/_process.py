@@ -19,9 +19,11 @@ worker that exits during start-up is reported at once rather than after a timeou
 
 Watching: the reactor watches a pidfd (exit, reaped at once so no zombie lingers) and the two
 output pipes (kept as a tail of recent lines for crash reports and forwarded to ``logging``).
-A caller whose call the exit failed waits for the reaping and the drained output (exit code
-and last words); the slower scan for the generation's setsid descendants runs on a timer
-just after, so it never holds the GIL while that caller wakes.
+A caller whose call the exit failed collects the exit code and the last words itself
+(``collect_exit``: reaps and drains on its own thread when the exit is there; the reactor
+reports an exit a moment after reaping it, so the caller, not the reactor, goes first), or
+waits for the reactor's report when not. The slower scan for the generation's setsid
+descendants runs on a timer just after, so it never holds the GIL while that caller wakes.
 
 Handshake: the canary is encoded (and its shared-memory block filled) before the worker's
 HELLO arrives, while its interpreter starts; then CONFIG and the canary go out together.
@@ -41,6 +43,7 @@ import logging
 import os
 import pickle
 import re
+import select
 import shutil
 import signal
 import socket
@@ -115,6 +118,11 @@ MAX_LOANS = 64
 # 3 MiB 1.04 ms lent vs 2.27 ms copied (2.56 vs 1.13 with 16 results kept), 1 MiB 0.71 vs
 # 0.79, 256 KiB 0.31 vs 0.34. (A ComfyUI 512x512 IMAGE is 3 MiB.)
 LOAN_MIN = 256 << 10
+# Seconds a caller whose read saw the worker's EOF waits for the exit itself (collect_exit)
+# before it leaves the rest to the reactor; a closed channel means the exit is moments away.
+_COLLECT_WAIT = 0.1
+# Seconds from the reactor's reaping of an exited worker to its report (see _on_pidfd).
+_EXIT_REPORT_DELAY = 0.002
 # Seconds from a worker's exit to the scan for its marked descendants (see _reaped), and the
 # processes whose scan is still due (any pool's; run at the latest by force_close at close).
 _MARKED_SCAN_DELAY = 0.005
@@ -383,6 +391,15 @@ class WorkerProcess:
         self._on_finished = on_finished
         self._finished = False
         self._output_closed = False
+        # The exit is reported once (``_reaped``, then ``_maybe_finished``) by whichever thread
+        # gets there first: the reactor (its pidfd) or the caller whose read saw the EOF
+        # (``collect_exit``). ``_exit_reported``: the pool's ``on_exit`` ran.
+        self._exit_lock = threading.Lock()
+        self._exit_reported = False
+        # One thread at a time reads an output pipe (the tail keeps the order of its lines);
+        # the streams read to their end, whose pipes the reactor closes (it owns the selector).
+        self._output_lock = threading.Lock()
+        self._ended: set[str] = set()
         self.retire_reason: RetireReason | None = None  # set by the pool's gate
         self.popen: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
@@ -898,36 +915,98 @@ class WorkerProcess:
         fd = pipe.fileno()
 
         def on_readable() -> None:
+            with self._output_lock:
+                if pipe.closed:
+                    return
+                ended = stream in self._ended  # a caller read it to its end (collect_exit)
+                last = False if ended else self._read_locked(stream, fd, drain=False)
+                if ended or last:
+                    self.reactor.remove_reader(pipe)
+                    pipe.close()
+            if last:
+                self._stream_ended()
+
+        return on_readable
+
+    def _read_locked(self, stream: str, fd: int, drain: bool) -> bool:
+        """Under ``_output_lock``: read what ``stream`` holds (one read, or until it would block
+        when ``drain``). True when it ended (EOF), which is recorded here; the caller then calls
+        ``_stream_ended`` outside the lock."""
+        while True:
             try:
                 data = os.read(fd, 65536)
             except BlockingIOError:
-                return
+                return False
             except OSError:
                 data = b""
-            if data:
-                if stream == "log":
-                    self.log.feed_pipe(data)
-                else:
-                    self.log.feed_native(stream, data)
-                return
-            if stream != "log":
-                self.log.finish_native(stream)
-            self.reactor.remove_reader(pipe)
-            pipe.close()
-            self._open_streams -= 1
-            if self._open_streams == 0:
-                self._output_closed = True
-                self._maybe_finished()
-                self.output_done.set()
+            if not data:
+                self._ended.add(stream)
+                if stream != "log":
+                    self.log.finish_native(stream)
+                self._open_streams -= 1
+                return True
+            if stream == "log":
+                self.log.feed_pipe(data)
+            else:
+                self.log.feed_native(stream, data)
+            if not drain:
+                return False
 
-        return on_readable
+    def _stream_ended(self) -> None:
+        with self._output_lock:
+            done = self._open_streams == 0 and not self._output_closed
+            if done:
+                self._output_closed = True
+        if done:
+            self._maybe_finished()
+            self.output_done.set()
+
+    def collect_exit(self) -> None:
+        """Caller thread, after its read of the channel saw the worker's EOF: reap the process
+        and drain its output pipes here when the exit is already there, instead of waiting for
+        the reactor thread to be scheduled, take the GIL, do it and wake us (a hand-off of two
+        threads on a busy machine: most of what crash detection costs over a raw child's EOF).
+        Whatever is not ready (the process still exiting, a descendant holding a pipe open)
+        stays the reactor's, as before. Both threads may run this at once safely: the exit is
+        reported once (``_exit_lock``; the pool's gate drops the second ``Exited`` anyway), a
+        pipe is read by one thread at a time (``_output_lock``), and descriptors (pidfd,
+        pipes) are closed only on the reactor thread, which owns the selector: the pidfd of a
+        process reaped here stays readable, and the reactor's callback then finds the exit
+        reported."""
+        popen = self.popen
+        if popen is None or self.exited.is_set() or os.getpid() != self._owner_pid:
+            return
+        if popen.poll() is None and not self._await_exit(popen.pid, _COLLECT_WAIT):
+            return
+        if popen.poll() is None:
+            return  # the reactor holds the wait (it reaps at this moment): leave it the rest
+        last = False
+        with self._output_lock:
+            for stream, pipe in (
+                ("stdout", popen.stdout),
+                ("stderr", popen.stderr),
+                ("log", self._log_pipe),
+            ):
+                if pipe is None or pipe.closed or stream in self._ended:
+                    continue
+                last = self._read_locked(stream, pipe.fileno(), drain=True) or last
+        if last:
+            self._stream_ended()
+        assert popen.returncode is not None
+        self._reaped(popen.returncode)
 
     def _on_pidfd(self) -> None:
         assert self.popen is not None and self._pidfd is not None
         self.reactor.remove_reader(self._pidfd)
         os.close(self._pidfd)
         self._pidfd = None
-        self._reaped(self.popen.wait())
+        rc = self.popen.wait()  # reaped at once: no zombie lingers
+        # Reported a moment later: a caller whose read saw the EOF reports it first, on its
+        # own thread (collect_exit), instead of queueing behind this thread for the GIL (the
+        # hand-off measured most of crash detection's cost over a raw child's EOF). Nobody
+        # waits on this for an idle worker; close waits for ``exited`` and force_close
+        # reports what is still due.
+        self.reactor.call_later(_EXIT_REPORT_DELAY, lambda: self._reaped(rc))
 
     def _poll_exit(self) -> None:  # pragma: no cover - fallback without pidfd
         assert self.popen is not None
@@ -937,8 +1016,31 @@ class WorkerProcess:
         else:
             self._reaped(rc)
 
+    @staticmethod
+    def _await_exit(pid: int, timeout: float) -> bool:
+        """Caller thread: wait up to ``timeout`` for ``pid`` (our child, not yet reaped) to
+        exit, on a pidfd of our own (never the reactor's, which it may close at any moment).
+        The channel's EOF comes when the dying process closes its descriptors, a moment
+        before it becomes a zombie; a core dump widens that gap."""
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is None:  # pragma: no cover - kernels without pidfd
+            return False
+        try:
+            fd = pidfd_open(pid)
+        except OSError:  # reaped meanwhile (by the reactor)
+            return False
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(timeout * 1000))
+        finally:
+            os.close(fd)
+
     def _reaped(self, returncode: int) -> None:
-        self.returncode = returncode
+        with self._exit_lock:
+            if self.returncode is not None:
+                return  # reported already (collect_exit on the caller, or the reactor)
+            self.returncode = returncode
         if self._escalation is not None:
             self._escalation.cancel()
         self._worker_blocks_orphaned(exited=True)
@@ -947,6 +1049,8 @@ class WorkerProcess:
         # Report before waking waiters, so a caller that waited for the exit sees the pool's
         # bookkeeping (gate, breaker) already up to date.
         self._on_exit(self)
+        with self._exit_lock:
+            self._exit_reported = True
         self._maybe_finished()
         if not self._finished and self.reactor.running:
             # A grandchild that escaped the group may hold the output pipes: don't wait forever.
@@ -959,7 +1063,7 @@ class WorkerProcess:
         # 1.2 ms late). A short timer lets the reactor block in select first, so the caller
         # raises before the scan starts; pool close runs a scan still due (force_close).
         if os.getpid() == self._owner_pid:
-            if self.reactor.running and self.reactor.in_reactor_thread():
+            if self.reactor.running:  # call_later is safe from a caller (collect_exit)
                 with _due_scans_lock:
                     _due_scans.add(self)
                 self._marked_scan = self.reactor.call_later(
@@ -975,11 +1079,12 @@ class WorkerProcess:
         kill_marked(WORKER_ID_VAR, self.worker_id)
 
     def _maybe_finished(self) -> None:
-        """Reactor thread: once the process is reaped *and* its output drained, report it
-        (exit code and last output lines are final then)."""
-        if self._finished or self.returncode is None or not self._output_closed:
-            return
-        self._finished = True
+        """Once the process is reaped (and reported) *and* its output drained, report it
+        (exit code and last output lines are final then); once, on either thread."""
+        with self._exit_lock:
+            if self._finished or not self._exit_reported or not self._output_closed:
+                return
+            self._finished = True
         self._on_finished(self)
 
     def _finish_now(self) -> None:
@@ -991,12 +1096,13 @@ class WorkerProcess:
 
     def _close_output(self) -> None:
         popen = self.popen
-        if popen is not None:
-            for pipe in (popen.stdout, popen.stderr, self._log_pipe):
-                if pipe is not None and not pipe.closed:
-                    self.reactor.remove_reader(pipe)
-                    pipe.close()
-        self._output_closed = True
+        with self._output_lock:  # never under a caller draining it (collect_exit)
+            if popen is not None:
+                for pipe in (popen.stdout, popen.stderr, self._log_pipe):
+                    if pipe is not None and not pipe.closed:
+                        self.reactor.remove_reader(pipe)
+                        pipe.close()
+            self._output_closed = True
         self._maybe_finished()
         self.output_done.set()
 

@@ -741,6 +741,10 @@ class RayWorker:
         except Exception as exc:  # noqa: BLE001 - already gone, or Ray shut down
             _log.debug("comfy-env: ray.kill of actor %s: %s", self.actor_id, exc)
 
+    def collect_exit(self) -> None:
+        """Nothing to collect on the caller's thread: Ray reports an actor's death through its
+        own notice (``_death_notice``), which ``wait_exit`` waits for."""
+
     def wait_exit(self, timeout: float) -> int | None:
         """The return code once Ray reported the death (None: unknown, see ``death_detail``)."""
         self.exited.wait(timeout)

@@ -40,6 +40,46 @@ def test_segfault_fails_that_call_with_the_full_story(pool: comfy_env.Pool) -> N
     assert "in crash" in err.stderr_tail
 
 
+def test_the_crashed_caller_collects_exit_and_last_words_without_the_reactor(
+    pool: comfy_env.Pool,
+) -> None:
+    # The caller whose read saw the EOF reaps the worker and drains its output itself, so the
+    # error does not wait for the reactor thread (crash detection's thread hand-off). Held
+    # busy here, the reactor could tell nothing: the old path waited for it, gave up after
+    # its bound and reported "still running" without a signal or the worker's last words.
+    events: list[object] = []
+    pool.subscribe(events.append)
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    reactor = pool._reactor
+    assert reactor is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    reactor.call_soon(hold)
+    try:
+        assert held.wait(10)
+        with pytest.raises(WorkerCrashed) as info:
+            w.call("comfy_env_worker.tasks:crash")
+        assert not release.is_set()  # the reactor was still held when the error was raised
+    finally:
+        release.set()
+    err = info.value
+    assert (err.exitcode, err.signal, err.generation) == (-signal.SIGSEGV, "SIGSEGV", 1)
+    assert "Fatal Python error: Segmentation fault" in err.stderr_tail
+    # The reactor, free again, finds the exit reported: one death, one WorkerRetired.
+    assert w.call("remote_tasks:add", 1, 1) == 2
+    assert wait_until(lambda: any(type(e).__name__ == "WorkerRetired" for e in events), 10)
+    time.sleep(0.2)  # a second report, if any, would arrive meanwhile
+    retired = [e for e in events if isinstance(e, comfy_env.WorkerRetired)]
+    assert [(e.generation, e.reason, e.signal) for e in retired] == [(1, "crashed", "SIGSEGV")]
+    stats = w.stats()
+    assert (stats.crashed, stats.ok, stats.spawns, w.generation) == (1, 2, 2, 2)
+
+
 def test_next_call_after_a_crash_runs_on_the_next_generation(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     with pytest.raises(WorkerCrashed):
