@@ -237,16 +237,19 @@ def test_a_kept_echo_result_is_never_overwritten_by_a_later_request(
     assert _host_process(w)._own_lent == {}
 
 
-def test_an_echoed_block_the_worker_keeps_is_given_up_not_reused(pool: comfy_env.Pool) -> None:
+def test_a_result_the_function_also_keeps_is_a_copy_not_shared_with_its_cache(
+    pool: comfy_env.Pool,
+) -> None:
     w = pool.get_worker()
     ones = np.ones(2 * MiB, dtype=np.float32)
-    out = w.call(remote_tasks.keep_and_return, ones)  # result and worker cache: one block
+    out = w.call(remote_tasks.keep_and_return, ones)  # returned and cached in the worker
     assert float(out.sum()) == float(2 * MiB)
+    assert _host_process(w)._own_lent == {}  # not a view of our block: a reply block
+    out[:] = 5.0  # the caller's to change: the worker's cache must not see it
+    assert w.call(remote_tasks.kept_sum, -1) == float(2 * MiB)
     w.call("comfy_env_worker.tasks:echo", np.full(2 * MiB, 2.0, dtype=np.float32))
-    assert float(out.sum()) == float(2 * MiB)  # not overwritten by the second request
-    assert w.call(remote_tasks.kept_sum, -1) == float(2 * MiB)  # nor the worker's cache
-    del out
-    assert _host_process(w)._own_lent == {}
+    assert w.call(remote_tasks.kept_sum, -1) == float(2 * MiB)  # the block was given up
+    assert float(out.max()) == 5.0
 
 
 def test_kept_echo_results_get_a_spare_block_made_off_the_call_path(
