@@ -753,8 +753,10 @@ class WorkerProcess:
         only once the last view of the mapping is gone (a finalizer queues the call id in
         ``returned``; the next request carries it). A result therefore never aliases memory
         the worker will reuse: a block the worker gives up after its TTL is unlinked, never
-        reused, and this mapping keeps its memory. A forged or malformed table raises
-        ``FrameError``."""
+        reused, and this mapping keeps its memory. Buffers the worker sent back in our own
+        argument block (``echo`` entries) are views of a fresh mapping of that block, which
+        stays out of our pool until they die (``_lend_own``, ``finish_request``). A forged or
+        malformed table raises ``FrameError``."""
         if not flags & FLAG_OOB:
             return payload, None, []
         # Beyond MAX_LOANS live loans (a caller collecting many results) replies are copied

@@ -29,6 +29,12 @@ frame.
   ``CONSUMED`` for that call id; the host copies the buffers out before it acks, so nothing the
   caller keeps aliases memory the worker will reuse. A timer-driven TTL unlinks pinned blocks the
   host never acks (it died).
+- Echoed blocks: a result whose buffers all lie in the call's argument blocks goes back as
+  ``("echo", name, offset, length)`` entries naming the host's own block (``echo_table``): no
+  reply block, no copy. The host keeps that block out of its pool until the result's last view
+  dies, so no later request writes into memory a result still shows. A result the function
+  also kept (a retained block) is copied into a reply block instead: the caller never shares
+  memory with the worker's cache.
 
 **Names** carry the owning host's pid and start time (``ce-<pid>-<start ms>-...``) so the
 orphan sweep can tell a dead host's blocks from a live one's even when the pid is reused, and
