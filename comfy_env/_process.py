@@ -123,6 +123,8 @@ LOAN_MIN = 256 << 10
 _COLLECT_WAIT = 0.1
 # Seconds from the reactor's reaping of an exited worker to its report (see _on_pidfd).
 _EXIT_REPORT_DELAY = 0.002
+# States of our argument blocks lent to a result (see ``_lend_own``).
+_LENT, _FINISHED, _RETURNED = 1, 2, 3
 # Seconds from a worker's exit to the scan for its marked descendants (see _reaped), and the
 # processes whose scan is still due (any pool's; run at the latest by force_close at close).
 _MARKED_SCAN_DELAY = 0.005
@@ -444,6 +446,12 @@ class WorkerProcess:
         # that the finalizers need no reference to this object.
         self._loans = [0]
         self._loans_lock = threading.Lock()
+        # Our argument blocks a result holds (the worker echoed them back), by name: LENT
+        # until finish_request, then FINISHED until the last view dies (its finalizer puts
+        # the block back in the pool); RETURNED when the views died before finish_request.
+        self._own_lent: dict[str, int] = {}
+        # Threads faulting in a spare argument block (joined before our blocks go).
+        self._spares: list[threading.Thread] = []
         self._orphan_lock = threading.Lock()
         self._exit_seen = False
         self._dispose_seen = False
@@ -762,16 +770,25 @@ class WorkerProcess:
         only once the last view of the mapping is gone (a finalizer queues the call id in
         ``returned``; the next request carries it). A result therefore never aliases memory
         the worker will reuse: a block the worker gives up after its TTL is unlinked, never
-        reused, and this mapping keeps its memory. A forged or malformed table raises
-        ``FrameError``."""
+        reused, and this mapping keeps its memory. Buffers the worker sent back in our own
+        argument block (``echo`` entries) are views of a fresh mapping of that block, which
+        stays out of our pool until they die (``_lend_own``, ``finish_request``). A forged or
+        malformed table raises ``FrameError``."""
         if not flags & FLAG_OOB:
             return payload, None, []
         # Beyond MAX_LOANS live loans (a caller collecting many results) replies are copied
         # out and returned at once: before Python 3.13 every mapping keeps a descriptor.
         loaned: list[Any] | None = [] if self._loans[0] < MAX_LOANS else None
+        echoed: list[tuple[shm.Block, Any]] = []
         try:
             body, buffers, sources, retained = shm.unpack(
-                payload, self.mappings, copy_out=loaned is None, loaned=loaned, loan_min=LOAN_MIN
+                payload,
+                self.mappings,
+                copy_out=loaned is None,
+                loaned=loaned,
+                loan_min=LOAN_MIN,
+                own=self.blocks,
+                echoed=echoed,
             )
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
@@ -789,10 +806,13 @@ class WorkerProcess:
                 errno=getattr(exc, "errno", None),
             ) from None
         if self.mappings is not None and buffers:
-            if any(source is not None for source in sources):
+            if echoed or any(source is not None for source in sources):
                 self.shm_state = "on"
             else:  # the worker could not create a reply block: it streamed them inline
                 self._shm_unavailable("the worker cannot create a block")
+        for block, mapping in echoed:
+            if mapping is not None:
+                self._lend_own(block, mapping)
         if loaned:
             self._lend(call_id, loaned)
         elif any(source is not None for source in sources):
@@ -816,6 +836,31 @@ class WorkerProcess:
 
         for mm in mappings:
             weakref.finalize(mm, gone)
+
+    def _lend_own(self, block: shm.Block, mapping: Any) -> None:
+        """The result views our own argument block ``block`` (through ``mapping``, fresh):
+        keep the block out of our pool until the mapping dies, so that no later request
+        writes into memory a result still shows."""
+        lock, loans, lent, pool = self._loans_lock, self._loans, self._own_lent, self.blocks
+        name = block.name
+        with lock:
+            loans[0] += 1
+            lent[name] = _LENT
+
+        def gone() -> None:  # any thread, at any time (garbage collection)
+            with lock:
+                loans[0] -= 1
+                state = lent.get(name)
+                if state == _LENT:
+                    lent[name] = _RETURNED  # finish_request puts it back
+                    return
+                if state is None:
+                    return
+                del lent[name]
+            if pool is not None:
+                pool.release(block)  # a no-op once the block was given up
+
+        weakref.finalize(mapping, gone)
 
     def take_returns(self) -> bytes:
         """CONSUMED frames of the loans returned so far (lease holder only)."""
@@ -851,12 +896,47 @@ class WorkerProcess:
 
     def finish_request(self, block: shm.Block | None, retained: list[str]) -> None:
         """The request's block may be reused, unless the worker kept a view of it."""
-        if block is None or self.blocks is None:
+        blocks = self.blocks
+        if block is None or blocks is None:
             return
-        if block.name in retained:
-            self.blocks.give_up(block)
-        else:
-            self.blocks.release(block)
+        name = block.name
+        lent = False
+        if self._own_lent:
+            with self._loans_lock:
+                state = self._own_lent.get(name)
+                if state == _LENT:
+                    self._own_lent[name] = _FINISHED  # the loan's finalizer puts it back
+                    lent = True
+                elif state == _RETURNED:
+                    del self._own_lent[name]
+        if name in retained:
+            blocks.give_up(block)  # the result's mapping keeps its memory
+        elif not lent:
+            blocks.release(block)
+        elif block.size >= shm.SPARE_MIN_BYTES and not blocks.has_idle(block.size):
+            self._spare_soon(block.size)
+
+    def _spare_soon(self, size: int) -> None:
+        """A result holds our last idle argument block of its size: fault in a spare on a
+        helper thread, so that the next request of that size (results kept) finds one ready
+        instead of faulting fresh pages on its path (about 175 ms per 256 MiB)."""
+        blocks = self.blocks
+        assert blocks is not None
+        with self._loans_lock:
+            self._spares = [t for t in self._spares if t.is_alive()]
+            if self._spares or self._disposed:
+                return  # one at a time: a caller keeping results gets one per call anyway
+
+            def make() -> None:
+                try:
+                    if not blocks.has_idle(size):
+                        blocks.add_spare(size)
+                except OSError:
+                    pass  # /dev/shm full: the next request makes its own or goes inline
+
+            thread = threading.Thread(target=make, name="comfy-env-spare", daemon=True)
+            self._spares.append(thread)
+        thread.start()
 
     def _too_old_error(self) -> WorkerStartError:
         self.wait_output(1.0)
@@ -1225,7 +1305,11 @@ class WorkerProcess:
         """Unlink our argument blocks, close mappings of the worker's blocks, and unlink the
         worker's blocks by name prefix (a dead worker cannot unlink its own)."""
         if self.blocks is not None:
-            self.blocks.destroy_all()
+            self.blocks.destroy_all()  # a spare still being made is destroyed when done
+            with self._loans_lock:
+                spares, self._spares = self._spares, []
+            for thread in spares:
+                thread.join()
         if self.mappings is not None:
             self.mappings.close_all()
         self._worker_blocks_orphaned(disposed=True)

@@ -175,6 +175,12 @@ def filled(value: float, n: int, dtype: str = "float32") -> Any:
 _KEPT: list[Any] = []
 
 
+def keep_and_return(arr: Any) -> Any:
+    """Stores the argument (a view of the host's block) beyond the call and returns it."""
+    _KEPT.append(arr)
+    return arr
+
+
 def keep(arr: Any) -> int:
     """Stores the argument (a view of the host's block) beyond the call."""
     _KEPT.append(arr)
@@ -197,6 +203,12 @@ def forge_oob_reply(name_kind: str) -> None:
         table = [("shm", "ce-1-1-w1-1", 0, 16)]
     elif name_kind == "path":
         table = [("shm", "../../etc/passwd", 0, 16)]
+    elif name_kind == "echo-path":  # "your own block", naming a file outside /dev/shm
+        table = [("echo", "../../etc/passwd", 0, 16)]
+    elif name_kind == "echo-not-yours":  # "your own block", naming one of ours
+        pool = main.WORKER.pool
+        assert pool is not None
+        table = [("echo", pool.acquire(1).name, 0, 16)]
     else:  # a real block of ours, but a range far outside it
         pool = main.WORKER.pool
         assert pool is not None

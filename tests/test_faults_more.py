@@ -288,13 +288,16 @@ _DYING_HOST = """
     pool = comfy_env.Pool(comfy_env.PoolConfig(shm_pinned_ttl=600))
     workers = [pool.get_worker(), pool.get_worker(venv)]
     # The bare venv has no numpy: a large bytes object travels out of band just the same.
+    # An echoed array would come back in the host's own block (nothing pinned): a copy
+    # needs a reply block.
     payloads = [np.arange(1 << 20, dtype=np.float64), os.urandom(8 << 20)]
+    targets = ["numpy:copy", "comfy_env_worker.tasks:echo"]
 
     def work():
-        for w, payload in zip(workers, payloads):
-            w.call("comfy_env_worker.tasks:echo", payload)
+        for w, target, payload in zip(workers, targets, payloads):
+            w.call(target, payload)
             w._entry.slots[0].process.ack_consumed = False
-            w.call("comfy_env_worker.tasks:echo", payload)  # its reply blocks stay pinned
+            w.call(target, payload)  # its reply blocks stay pinned
 
     if how == "thread-exit":
         spawner = threading.Thread(target=work)

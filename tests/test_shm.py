@@ -196,6 +196,79 @@ def test_beyond_the_loan_bound_results_are_private_copies(pool: comfy_env.Pool) 
     assert _worker_shm(w)["pinned"] == 0
 
 
+def _owner_block(arr: np.ndarray) -> object:
+    base = arr
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    return base
+
+
+def test_an_echoed_array_comes_back_in_the_hosts_own_block_with_no_reply_block(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    before = _worker_shm(w)["blocks"]
+    process = _host_process(w)
+    arr = np.arange(2 * MiB, dtype=np.float32)
+    out = w.call("comfy_env_worker.tasks:echo", arr)
+    assert np.array_equal(out, arr) and out.flags.writeable
+    assert isinstance(_owner_block(out), memoryview)  # a view of our block, not a copy
+    stats = _worker_shm(w)
+    assert (stats["blocks"], stats["pinned"]) == (before, 0)  # the worker made no reply block
+    assert len(process._own_lent) == 1  # our argument block, lent to the result
+    idle = process.blocks.idle_blocks
+    del out  # its last view: the block goes back to our pool at once
+    assert process._own_lent == {} and process.blocks.idle_blocks == idle + 1
+
+
+def test_a_kept_echo_result_is_never_overwritten_by_a_later_request(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    kept = [w.call("comfy_env_worker.tasks:echo", np.full(MiB, float(i))) for i in range(4)]
+    # Same size class every time: had a request reused a block a result still views, an
+    # earlier result would show a later value.
+    assert [float(k.min()) for k in kept] == [0.0, 1.0, 2.0, 3.0]
+    assert [float(k.max()) for k in kept] == [0.0, 1.0, 2.0, 3.0]
+    sliced = w.call("operator:getitem", np.arange(MiB, dtype=np.float64), slice(1000, None))
+    assert np.array_equal(sliced, np.arange(1000, MiB, dtype=np.float64))  # at an offset
+    kept.clear()
+    del sliced
+    assert _host_process(w)._own_lent == {}
+
+
+def test_a_result_the_function_also_keeps_is_a_copy_not_shared_with_its_cache(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    ones = np.ones(2 * MiB, dtype=np.float32)
+    out = w.call(remote_tasks.keep_and_return, ones)  # returned and cached in the worker
+    assert float(out.sum()) == float(2 * MiB)
+    assert _host_process(w)._own_lent == {}  # not a view of our block: a reply block
+    out[:] = 5.0  # the caller's to change: the worker's cache must not see it
+    assert w.call(remote_tasks.kept_sum, -1) == float(2 * MiB)
+    w.call("comfy_env_worker.tasks:echo", np.full(2 * MiB, 2.0, dtype=np.float32))
+    assert w.call(remote_tasks.kept_sum, -1) == float(2 * MiB)  # the block was given up
+    assert float(out.max()) == 5.0
+
+
+def test_kept_echo_results_get_a_spare_block_made_off_the_call_path(
+    pool: comfy_env.Pool,
+) -> None:
+    import comfy_env_worker.shm as wshm
+
+    w = pool.get_worker()
+    n = wshm.SPARE_MIN_BYTES // 4
+    first = w.call("comfy_env_worker.tasks:echo", np.ones(n, dtype=np.float32))
+    process = _host_process(w)
+    assert _wait(lambda: process.blocks.has_idle(wshm.SPARE_MIN_BYTES), 10.0)
+    ready = set(process.blocks.live)
+    second = w.call("comfy_env_worker.tasks:echo", np.full(n, 2.0, dtype=np.float32))
+    assert set(process._own_lent) <= ready  # the request took the spare: no block made
+    assert float(first.max()) == 1.0 and float(second.min()) == 2.0
+    del first, second
+
+
 def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config.model_copy(update={"shm_pinned_ttl": 0.3})) as pool:
         w = pool.get_worker()
@@ -234,7 +307,9 @@ def test_shared_memory_off_streams_buffers_inline(config: comfy_env.PoolConfig) 
         assert _worker_shm(w)["blocks"] == 0
 
 
-@pytest.mark.parametrize("forgery", ["foreign", "path", "out-of-range"])
+@pytest.mark.parametrize(
+    "forgery", ["foreign", "path", "out-of-range", "echo-path", "echo-not-yours"]
+)
 def test_a_forged_envelope_is_a_protocol_error(pool: comfy_env.Pool, forgery: str) -> None:
     w = pool.get_worker()
     with pytest.raises(ProtocolError, match="out-of-band"):

@@ -341,6 +341,30 @@ class Worker:
             # arguments: a result that is (a view of) an argument still points into the
             # host's block, and must not make that block look retained.
             pool = self.pool
+            # A result in the host's own argument blocks (an echo, a slice, an update in
+            # place) goes back as references to them: no copy here, and the host keeps that
+            # block out of its pool while the result lives.
+            echo = shm.echo_table(buffers, self.mappings, sources) if sources else None
+            if echo is not None:
+                del buffers
+                buffers = []
+                retained = self.release_args(arg_views, sources)
+                if not retained or not any(entry[1] in retained for entry in echo):
+                    self.reply_oob(call_id, data, echo, None, [], retained)
+                    return
+                # The function also kept what it returned (a cache): the caller gets its own
+                # copy instead of sharing memory with the cache, read back from our mapping.
+                mappings = self.mappings
+                assert mappings is not None
+                buffers = [mappings.view(e[1], e[2], e[3]) for e in echo]
+                if pool is not None and sum(b.nbytes for b in buffers) < self.threshold:
+                    pool = None
+                try:
+                    table, block, inline = shm.place(buffers, pool)
+                except OSError:
+                    table, block, inline = shm.place(buffers, None)
+                self.reply_oob(call_id, data, table, block, inline, retained)
+                return
             if pool is not None and sum(b.nbytes for b in buffers) < self.threshold:
                 pool = None  # small in total: inline (still no pickle copy)
             try:

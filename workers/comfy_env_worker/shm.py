@@ -29,6 +29,12 @@ frame.
   ``CONSUMED`` for that call id; the host copies the buffers out before it acks, so nothing the
   caller keeps aliases memory the worker will reuse. A timer-driven TTL unlinks pinned blocks the
   host never acks (it died).
+- Echoed blocks: a result whose buffers all lie in the call's argument blocks goes back as
+  ``("echo", name, offset, length)`` entries naming the host's own block (``echo_table``): no
+  reply block, no copy. The host keeps that block out of its pool until the result's last view
+  dies, so no later request writes into memory a result still shows. A result the function
+  also kept (a retained block) is copied into a reply block instead: the caller never shares
+  memory with the worker's cache.
 
 **Names** carry the owning host's pid and start time (``ce-<pid>-<start ms>-...``) so the
 orphan sweep can tell a dead host's blocks from a live one's even when the pid is reused, and
@@ -43,6 +49,7 @@ import mmap
 import os
 import pickle
 import struct
+import sys
 import threading
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
@@ -320,11 +327,19 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one cal
 SPARE_MIN_BYTES = 8 << 20
 
 
+# ``mmap.madvise`` holds the GIL: populating 256 MiB in one call stalls every other thread of
+# the process for 60-90 ms (measured here), the host's caller thread included when the host
+# makes a spare. In steps of this size the other threads run between steps.
+_PREFAULT_STEP = 4 << 20
+
+
 def prefault(mm: mmap.mmap) -> None:
-    """Fault every page of ``mm`` in (writable) now: in one ``madvise`` where the kernel has
-    MADV_POPULATE_WRITE, else by touching each page."""
+    """Fault every page of ``mm`` in (writable) now: with ``madvise(MADV_POPULATE_WRITE)``
+    where the kernel has it, a few MiB per call, else by touching each page."""
+    size = len(mm)
     try:
-        mm.madvise(_MADV_POPULATE_WRITE)
+        for start in range(0, size, _PREFAULT_STEP):
+            mm.madvise(_MADV_POPULATE_WRITE, start, min(_PREFAULT_STEP, size - start))
         return
     except (OSError, ValueError, AttributeError):
         pass
@@ -348,6 +363,7 @@ class BlockPool:
         self._idle_since: Dict[str, int] = {}  # name -> release order (the oldest goes first)
         self._clock = 0
         self.dropped: List[str] = []  # destroyed since the peer last heard, so it can unmap
+        self._closed = False  # after destroy_all: a late spare is destroyed, never kept
 
     def acquire(self, nbytes: int) -> Block:
         size = size_class(nbytes)
@@ -413,15 +429,25 @@ class BlockPool:
         path (about 175 ms per 256 MiB). Run off the hot path (a helper thread)."""
         size = size_class(nbytes)
         with self._lock:
-            if size > self._max_idle:
+            if size > self._max_idle or self._closed:
                 return
             self._seq += 1
             name = "%s%d" % (self._prefix, self._seq)
         block = Block(name, size)
         prefault(block.mm)
         with self._lock:
-            self.live[name] = block
+            closed = self._closed
+            if not closed:
+                self.live[name] = block
+        if closed:  # destroy_all ran meanwhile (the pool is closing): nothing may outlive it
+            block.destroy()
+            return
         self.release(block)
+
+    def get(self, name: str) -> Optional[Block]:
+        """Our live block ``name``, or None."""
+        with self._lock:
+            return self.live.get(name)
 
     def take_dropped(self) -> List[str]:
         with self._lock:
@@ -435,6 +461,7 @@ class BlockPool:
 
     def destroy_all(self) -> None:
         with self._lock:
+            self._closed = True
             blocks = list(self.live.values())
             self.live.clear()
             self._free.clear()
@@ -469,6 +496,11 @@ class PeerMappings:
         if mm is None:
             mm = self._map(name)
         return _slice(mm, name, offset, length)
+
+    def cached(self, name: str) -> Optional[mmap.mmap]:
+        """The cached mapping of the peer's block ``name``, if there is one."""
+        with self._lock:
+            return self._maps.get(name)
 
     def map_fresh(self, name: str) -> mmap.mmap:
         """A new mapping of the peer's block ``name``, not cached: its lifetime is its
@@ -577,6 +609,40 @@ def pack(
     return parts, block, length
 
 
+def echo_table(
+    buffers: Sequence[memoryview], mappings: Optional[PeerMappings], names: Sequence[Optional[str]]
+) -> Optional[Table]:
+    """The reply table of a result whose buffers all lie inside the peer's blocks ``names``
+    (the call's argument blocks: an echo, a slice or an in-place update of an argument):
+    ``("echo", name, offset, length)`` entries that send the peer's own memory back to it, no
+    copy made. None when any buffer lies elsewhere (then it is copied into a reply block).
+
+    Addresses come from numpy, which is loaded whenever a result holds an array (without it no
+    result can alias a block: bytes-like results are rebuilt as copies on arrival)."""
+    np = sys.modules.get("numpy")
+    if np is None or mappings is None or not buffers:
+        return None
+    spans = []
+    for name in set(n for n in names if n is not None):
+        mm = mappings.cached(name)
+        if mm is not None and len(mm):
+            base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
+            spans.append((base, len(mm), name))
+    if not spans:
+        return None
+    table: Table = []
+    for buf in buffers:
+        addr = np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
+        for base, size, name in spans:
+            offset = addr - base
+            if 0 <= offset and offset + buf.nbytes <= size:
+                table.append(("echo", name, offset, buf.nbytes))
+                break
+        else:
+            return None
+    return table
+
+
 def _slice(mm: mmap.mmap, name: str, offset: int, length: int) -> memoryview:
     if not (0 <= offset and 0 <= length and offset + length <= len(mm)):
         raise ValueError(
@@ -591,6 +657,8 @@ def unpack(
     copy_out: bool,
     loaned: Optional[List[mmap.mmap]] = None,
     loan_min: int = 0,
+    own: Optional[BlockPool] = None,
+    echoed: Optional[List[Tuple[Block, Optional[mmap.mmap]]]] = None,
 ) -> Tuple[memoryview, List[Any], List[Optional[str]], List[str]]:
     """Split an out-of-band payload. Returns (body, buffers for ``pickle.loads``, the block
     name each buffer came from (None: inline), names of our blocks the peer retained).
@@ -599,8 +667,12 @@ def unpack(
     appended to ``loaned``: the caller lends them out and returns each block to the peer when
     the last view of its mapping is gone (the host's loaned reply blocks). Mappings of blocks
     the peer dropped are closed. A payload with fewer than ``loan_min`` shared-memory bytes is
-    copied out instead (a fresh mapping costs more than copying a small buffer). Raises
-    ``ValueError`` on a malformed or forged table."""
+    copied out instead (a fresh mapping costs more than copying a small buffer). ``echo``
+    entries name blocks of ``own`` (our pool: the peer sent our argument memory back): with
+    ``loaned`` they are views of a fresh mapping of our block, appended with the block to
+    ``echoed`` (the caller keeps the block out of its pool until the mapping dies), else
+    copies (the block is appended with None). Raises ``ValueError`` on a malformed or forged
+    table."""
     view = memoryview(payload)
     if len(view) < 4:
         raise ValueError("out-of-band payload shorter than its header")
@@ -623,7 +695,7 @@ def unpack(
     sources: List[Optional[str]] = []
     loaned_names: List[str] = []
     if loaned is not None and loan_min > 0:
-        shared = sum(e[3] for e in table if e and e[0] == "shm" and len(e) == 4)
+        shared = sum(e[3] for e in table if e and e[0] in ("shm", "echo") and len(e) == 4)
         if not isinstance(shared, int) or shared < loan_min:
             loaned, copy_out = None, True
     for entry in table:
@@ -653,6 +725,24 @@ def unpack(
             else:
                 buffers.append(buf)
             sources.append(name)
+        elif entry[0] == "echo":
+            _, name, offset, length = entry
+            block = own.get(name) if own is not None and isinstance(name, str) else None
+            if block is None or echoed is None:
+                raise ValueError("echo entry names %r, not one of our blocks" % (name,))
+            if loaned is None:
+                buf = _slice(block.mm, name, offset, length)
+                buffers.append(private_copy(buf))
+                buf.release()
+                if not any(b is block for b, _ in echoed):
+                    echoed.append((block, None))
+            else:
+                fresh = next((m for b, m in echoed if b is block), None)
+                if fresh is None:
+                    fresh = PeerMappings._open(name)
+                    echoed.append((block, fresh))
+                buffers.append(_slice(fresh, name, offset, length))
+            sources.append(None)  # our own memory: nothing of the peer's to acknowledge
         else:
             raise ValueError("unknown out-of-band entry %r" % (entry[0],))
     return body, buffers, sources, list(retained)
