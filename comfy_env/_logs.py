@@ -41,8 +41,9 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType
+from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType, Payload
 
 _log = logging.getLogger("comfy_env")
 
@@ -158,6 +159,39 @@ class WorkerLog:
                 stream.flush()
             except (OSError, ValueError):  # a closed stderr: nothing to do
                 pass
+
+    def read_past_side_frames(
+        self,
+        read: Callable[[float | None], tuple[int, int, int, Payload]],
+        deadline: float | None,
+        pending: tuple[int, int, Payload] | None,
+        on_event: Callable[[int, Payload], None] | None,
+    ) -> tuple[int, int, int, Payload]:
+        """The next frame from ``read`` that is not a log record or a call event: LOG frames
+        met on the way are emitted here and EVENT frames handed to ``on_event(call id,
+        payload)`` (dropped without one), so whatever a call logged or emitted is handled
+        before its reply is returned. ``pending`` is such a frame (type, call id, payload)
+        the caller already read. Shared by every backend's ``read_frame``."""
+        if pending is not None:
+            self._side_frame(*pending, on_event)
+        while True:
+            frame = read(deadline)
+            ftype = frame[0]
+            if ftype != FrameType.LOG and ftype != FrameType.EVENT:
+                return frame
+            self._side_frame(ftype, frame[2], frame[3], on_event)
+
+    def _side_frame(
+        self,
+        ftype: int,
+        call_id: int,
+        payload: Payload,
+        on_event: Callable[[int, Payload], None] | None,
+    ) -> None:
+        if ftype == FrameType.LOG:
+            self.emit_frame(payload)
+        elif on_event is not None:
+            on_event(call_id, payload)
 
     def emit_frame(self, payload: bytes | bytearray | memoryview) -> None:
         """A LOG frame's payload: (level, logger, message, exc text, created, stream)."""

@@ -642,26 +642,7 @@ class WorkerProcess:
         ``pending`` is such a frame (type, call id, payload) the caller already read."""
         reader = self.reader
         assert reader is not None
-        if pending is not None:
-            self._side_frame(*pending, on_event)
-        while True:
-            frame = reader.read(deadline)
-            ftype = frame[0]
-            if ftype != FrameType.LOG and ftype != FrameType.EVENT:
-                return frame
-            self._side_frame(ftype, frame[2], frame[3], on_event)
-
-    def _side_frame(
-        self,
-        ftype: int,
-        call_id: int,
-        payload: Payload,
-        on_event: Callable[[int, Payload], None] | None,
-    ) -> None:
-        if ftype == FrameType.LOG:
-            self.log.emit_frame(payload)
-        elif on_event is not None:
-            on_event(call_id, payload)
+        return self.log.read_past_side_frames(reader.read, deadline, pending, on_event)
 
     def _canary_prepare(self) -> tuple[Any, list[Any], shm.Block | None]:
         """Encode the canary: one real call through the codec, with a buffer out of band

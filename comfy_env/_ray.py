@@ -644,26 +644,7 @@ class RayWorker:
     ) -> tuple[int, int, int, Payload]:
         """The next frame that is not a log record or a call event (those are handled on the
         way, as ``WorkerProcess.read_frame`` does)."""
-        if pending is not None:
-            self._side_frame(*pending, on_event)
-        while True:
-            frame = self._reader.read(deadline)
-            ftype = frame[0]
-            if ftype != FrameType.LOG and ftype != FrameType.EVENT:
-                return frame
-            self._side_frame(ftype, frame[2], frame[3], on_event)
-
-    def _side_frame(
-        self,
-        ftype: int,
-        call_id: int,
-        payload: Payload,
-        on_event: Callable[[int, Payload], None] | None,
-    ) -> None:
-        if ftype == FrameType.LOG:
-            self.log.emit_frame(payload)
-        elif on_event is not None:
-            on_event(call_id, payload)
+        return self.log.read_past_side_frames(self._reader.read, deadline, pending, on_event)
 
     def open_reply(
         self, call_id: int, flags: int, payload: Payload
