@@ -29,12 +29,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+import benchlib  # noqa: E402
 
 _CHILD = r"""
 import os, sys, time
@@ -94,34 +95,9 @@ else:
 """
 
 
-class Arm:
+class Arm(benchlib.ArmProcess):
     def __init__(self, spec: str) -> None:
-        self.spec = spec
-        env = dict(os.environ)
-        if spec.startswith("tree:"):
-            path = spec.split(":", 1)[1]
-            env["PYTHONPATH"] = os.pathsep.join([path, BENCH_DIR])
-        else:
-            env["PYTHONPATH"] = BENCH_DIR
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, spec, BENCH_DIR],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=BENCH_DIR,  # not the checkout: ``-c`` puts the cwd first on sys.path
-        )
-        self.info = self._ask(None)
-
-    def _ask(self, line: str | None) -> str:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if line is not None:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        if not answer:
-            raise RuntimeError(f"arm {self.spec} died")
-        return answer.strip()
+        super().__init__(spec, _CHILD, BENCH_DIR)
 
     def pin(self, caller: str, workers: str) -> None:
         self._ask(f"pin {caller} {workers}")

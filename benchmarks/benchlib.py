@@ -776,3 +776,34 @@ def rounds_order(rng: Any, names: Sequence[str]) -> list[str]:
     order = list(names)
     rng.shuffle(order)
     return order
+
+
+class ArmProcess:
+    """One arm of an interleaved A/B script (``ab_hotpath``, ``ab_crash``): a long-lived child
+    running ``child_code`` that answers one line per command line. ``spec`` is ``tree:PATH``
+    (that source tree first on ``PYTHONPATH``) or a name the child understands."""
+
+    def __init__(self, spec: str, child_code: str, bench_dir: str) -> None:
+        self.spec = spec
+        env = dict(os.environ)
+        path = [spec.split(":", 1)[1]] if spec.startswith("tree:") else []
+        env["PYTHONPATH"] = os.pathsep.join([*path, bench_dir])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", child_code, spec, bench_dir],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=bench_dir,  # not the checkout: ``-c`` puts the cwd first on sys.path
+        )
+        self.info = self._ask(None)
+
+    def _ask(self, line: str | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if line is not None:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"arm {self.spec} died")
+        return answer.strip()

@@ -211,6 +211,24 @@ def foreign_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def private_shm_mount_usable(size: str = "1M") -> bool:
+    """Can a test mount a private tmpfs over /dev/shm in a mount namespace of its own
+    (``unshare -m``, root on Linux)? Tests that need one skip or fall back otherwise."""
+    import shutil
+
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    try:
+        probe = subprocess.run(
+            ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs /dev/shm"],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
 def alive(pid: int) -> bool:
     """Is ``pid`` a running process (a zombie counts as gone)?"""
     try:

@@ -24,29 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TESTS_DIR, alive, run_host, wait_until
+from conftest import TESTS_DIR, alive, private_shm_mount_usable, run_host, wait_until
 
 import comfy_env
 
 # ---- 1. shared memory that runs out -----------------------------------------------------------
 
 
-def _namespace_usable() -> bool:
-    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
-        return False
-    try:
-        probe = subprocess.run(
-            ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /dev/shm"],
-            capture_output=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
-
-
 needs_mount_namespace = pytest.mark.skipif(
-    not _namespace_usable(), reason="needs unshare -m and mount (root in a Linux namespace)"
+    not private_shm_mount_usable(), reason="needs unshare -m and mount (root in a Linux namespace)"
 )
 
 SMALL_SHM_HOST = """

@@ -10,6 +10,7 @@ import numpy as np
 import psutil
 import pytest
 import remote_tasks
+from conftest import private_shm_mount_usable
 from conftest import run_host as _run_host
 from conftest import wait_until as _wait
 
@@ -318,28 +319,10 @@ def test_a_forged_envelope_is_a_protocol_error(pool: comfy_env.Pool, forgery: st
     assert w.generation == 2
 
 
-def _private_shm_usable() -> bool:
-    import shutil
-    import subprocess
-    import sys
-
-    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
-        return False
-    try:
-        probe = subprocess.run(
-            ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64M tmpfs /dev/shm"],
-            capture_output=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
-
-
 def test_a_double_crash_leaves_blocks_that_the_next_pool_start_sweeps(
     pool: comfy_env.Pool,
 ) -> None:
-    if not _private_shm_usable():
+    if not private_shm_mount_usable("64M"):
         _double_crash_then_sweep(pool)  # any other pool starting meanwhile would sweep first
         return
     # In a private /dev/shm (a mount namespace of its own), so that no other comfy-env pool on
