@@ -354,15 +354,29 @@ def _files(top: str) -> dict[str, os.stat_result]:
     }
 
 
-def test_runtime_dirs_are_hard_links_into_one_store_of_ours(tmp_path: Path) -> None:
+@pytest.fixture
+def own_runtime_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A runtime root of this test's own: the machine's shared one may hold the stores of
+    other package versions (an older checkout's CI run keeps its store for an hour), and
+    these tests remove and plant stores."""
+    from comfy_env._rundir import runtime_root
+
+    base = tmp_path / "xdg"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+    root = runtime_root()
+    assert root == str(base / "comfy-env")
+    return root
+
+
+def test_runtime_dirs_are_hard_links_into_one_store_of_ours(own_runtime_root: str) -> None:
     # A fresh host links its runtime dir from a content-addressed store made by the first
     # host: same files (inode, size, time), directories of its own, nothing followed.
     from comfy_env._process import make_runtime_dir
-    from comfy_env._rundir import runtime_root
 
     first, second = make_runtime_dir(), make_runtime_dir()
     try:
-        root = runtime_root()
+        root = own_runtime_root
         stores = [n for n in os.listdir(root) if n.startswith("store-")]
         assert len(stores) == 1
         store = os.path.join(root, stores[0])
@@ -381,16 +395,13 @@ def test_runtime_dirs_are_hard_links_into_one_store_of_ours(tmp_path: Path) -> N
         shutil.rmtree(second)
 
 
-def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path) -> None:
+def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path, own_runtime_root: str) -> None:
     # The store's name is predictable: a symlink (or anything not ours) at it is refused and
     # the host copies the packages itself; nothing is read from the planted target.
     from comfy_env import _process
-    from comfy_env._rundir import runtime_root
 
-    root = runtime_root()
-    for name in os.listdir(root):
-        if name.startswith("store-"):
-            shutil.rmtree(os.path.join(root, name))
+    root = own_runtime_root
+    assert not [name for name in os.listdir(root) if name.startswith("store-")]
     sources = [
         ("comfy_env_worker", os.path.dirname(comfy_env_worker.__file__)),
         ("cloudpickle", os.path.dirname(cloudpickle.__file__)),
