@@ -452,17 +452,16 @@ def _edit(path: Path, text: str) -> None:
     os.utime(path, ns=(later, later))
 
 
-def test_a_store_of_other_package_files_is_replaced(tmp_path: Path) -> None:
+def test_a_store_of_other_package_files_is_replaced(tmp_path: Path, own_runtime_root: str) -> None:
     # The key covers every file's path, size and time: edited packages get a new store; the
     # old one is pruned once unused for an hour (two versions in use side by side keep both).
     from comfy_env import _process
-    from comfy_env._rundir import runtime_root
 
     package = tmp_path / "comfy_env_worker"
     package.mkdir()
     (package / "__init__.py").write_text("X = 1\n")
     sources = [("comfy_env_worker", str(package))]
-    root = runtime_root()
+    root = own_runtime_root
     old = _process._runtime_store(root, sources)
     assert old is not None and os.path.isdir(old)
     assert _process._runtime_store(root, sources) == old  # same files: the same store
