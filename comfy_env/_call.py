@@ -21,15 +21,15 @@ import logging
 import pickle
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._errors import CallCancelled
+from ._values import value
 
 _log = logging.getLogger("comfy_env")
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class CallEvent:
     """Something a running call reported: ``kind`` ``"progress"`` (``data`` is
     ``{"done", "total", **info}``) or the kind given to ``comfy_env_worker.emit``; ``call_id``

@@ -47,7 +47,6 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
@@ -62,6 +61,7 @@ from ._errors import (
     WorkerStartError,
 )
 from ._stats import CALL_COUNTERS
+from ._values import as_dict
 
 if TYPE_CHECKING:
     from ._config import PoolConfig
@@ -268,16 +268,28 @@ SHM_PROBE_BYTES = 4 * 1024 * 1024
 WARM_CALLS = 50
 
 
-@dataclass
 class Step:
-    """One doctor check: ``status`` is "ok", "WARN" (works, but not as configured) or "FAIL"."""
+    """One doctor check: ``status`` is "ok", "WARN" (works, but not as configured) or "FAIL".
+    Filled in as the check runs. (A plain class: ``comfy-env status`` imports this module and
+    stays clear of the dataclasses import.)"""
 
-    name: str
-    status: str = "ok"
-    ms: float | None = None
-    detail: str = ""
-    error: dict[str, Any] | None = None
-    facts: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.status = "ok"
+        self.ms: float | None = None
+        self.detail = ""
+        self.error: dict[str, Any] | None = None
+        self.facts: dict[str, Any] = {}
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "ms": None if self.ms is None else round(self.ms, 3),
+            "detail": self.detail,
+            "error": self.error,
+            "facts": self.facts,
+        }
 
 
 class _Doctor:
@@ -512,9 +524,7 @@ def doctor(env: str | None, *, as_json: bool = False, timeout: float = 60.0) -> 
     healthy = all(s.status != "FAIL" for s in checks.steps)
     label = env if _env_arg(env) is not None else "the current interpreter"
     if as_json:
-        steps = [
-            {**asdict(s), "ms": None if s.ms is None else round(s.ms, 3)} for s in checks.steps
-        ]
+        steps = [s.as_json() for s in checks.steps]
         _print_json({"ok": healthy, "env": label, "steps": steps})
     else:
         print(f"comfy-env {__version__} doctor: {label}")
@@ -701,7 +711,7 @@ def status_command(*, as_json: bool = False) -> int:
     if as_json:
         documents = []
         for host in hosts:
-            doc = asdict(host)
+            doc = as_dict(host)
             doc["updated_seconds_ago"] = round(max(0.0, now - host.updated_at), 3)
             for env_doc, env in zip(doc["envs"], host.envs, strict=True):
                 for w_doc, w in zip(env_doc["workers"], env.workers, strict=True):

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from ._errors import EnvError
+from ._values import value
 
 # Interpreter locations inside an env directory, in the order they are tried.
 INTERPRETER_CANDIDATES: tuple[str, ...] = (
@@ -33,7 +33,7 @@ INTERPRETER_CANDIDATES: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class EnvSpec:
     """A resolved env: ``key`` names it in the pool, ``interpreter`` is what gets launched."""
 

@@ -13,15 +13,15 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ._lifecycle import Death
 from ._sweep import SweepReport
+from ._values import value
 
 _log = logging.getLogger("comfy_env")
 
 
-@dataclass(frozen=True)
+@value
 class WorkerSpawned:
     """A worker process was launched (not yet verified). ``pid`` is the launched process's.
     For a worker the host does not launch itself (a Ray actor) it comes once the worker's
@@ -32,7 +32,7 @@ class WorkerSpawned:
     pid: int
 
 
-@dataclass(frozen=True)
+@value
 class WorkerReady:
     """The worker passed its handshake and canary; ``pid`` is the interpreter's own."""
 
@@ -42,7 +42,7 @@ class WorkerReady:
     startup_seconds: float
 
 
-@dataclass(frozen=True)
+@value
 class WorkerRetired:
     """A generation ended. ``reason``: crashed, start_failed, timeout, cancelled, idle,
     ping_failed, protocol_error or closed. ``exitcode``/``signal`` once the process is reaped
@@ -56,7 +56,7 @@ class WorkerRetired:
     signal: str | None
 
 
-@dataclass(frozen=True)
+@value
 class EnvAbandoned:
     """The crash-loop breaker cut the env off; ``deaths`` are the recent ones."""
 
@@ -64,14 +64,14 @@ class EnvAbandoned:
     deaths: tuple[Death, ...]
 
 
-@dataclass(frozen=True)
+@value
 class EnvReset:
     """``Pool.reset(env)`` brought an abandoned env back."""
 
     env: str
 
 
-@dataclass(frozen=True)
+@value
 class ShmSwept:
     """The start-up sweep removed leftovers of dead hosts."""
 

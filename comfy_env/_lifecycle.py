@@ -35,45 +35,14 @@ pool's gate) counts it. Observations carry what they observed: ``IdleExpired`` n
 from __future__ import annotations
 
 import enum
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn
 
-_T = TypeVar("_T")
+from ._values import value
 
 
-def assert_never(value: NoReturn) -> NoReturn:
+def assert_never(unhandled: NoReturn) -> NoReturn:
     """Exhaustiveness check: mypy proves this line unreachable."""
-    raise AssertionError(f"unhandled state {value!r}")
-
-
-def _lean(cls: type[_T]) -> type[_T]:
-    """Give a frozen, slotted dataclass (every state, event and effect here) a cheaper
-    ``__init__``.
-
-    The generated one stores each field through ``object.__setattr__`` (about 0.1 us a field);
-    this one calls the slots' own descriptors, bound once, and keeps the signature (names,
-    order, defaults). The class stays a frozen dataclass: ``fields()``, equality, ``repr`` and
-    ``FrozenInstanceError`` on assignment are unchanged. Every call builds six such values, so
-    this is on the hot path. It also keeps every value a plain Python class when this module
-    is compiled (``python3 dev.py compile``): mypyc leaves classes with an unknown decorator
-    interpreted, and a native frozen dataclass could not be copied or pickled (its
-    ``__setstate__`` meets the frozen ``__setattr__``)."""
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
-    params = []
-    namespace: dict[str, Any] = {}
-    for f in fields(cls):  # type: ignore[arg-type]
-        namespace[f"_set_{f.name}"] = getattr(cls, f.name).__set__
-        if f.default is not MISSING:
-            namespace[f"_default_{f.name}"] = f.default
-            params.append(f"{f.name}=_default_{f.name}")
-        else:
-            params.append(f.name)
-    body = "".join(f"    _set_{n}(self, {n})\n" for n in names)
-    exec(f"def __init__(self, {', '.join(params)}):\n{body}", namespace)
-    init = namespace["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    cls.__init__ = init  # type: ignore[method-assign]
-    return cls
+    raise AssertionError(f"unhandled state {unhandled!r}")
 
 
 class RetireReason(str, enum.Enum):
@@ -112,16 +81,14 @@ class Stop(str, enum.Enum):
 # ---- states ---------------------------------------------------------------------------------
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Starting:
     """The process is being launched, handshaken and canaried; not yet trusted."""
 
     generation: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Idle:
     """Verified and waiting for a call since ``idle_since`` (a monotonic time)."""
 
@@ -130,8 +97,7 @@ class Idle:
     idle_since: float
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class InCall:
     """Running call ``call_id`` since ``started_at``. ``cancel_requested_at`` is set once the
     worker was asked to stop the call (a CANCEL frame went out; the grace timer runs)."""
@@ -143,8 +109,7 @@ class InCall:
     cancel_requested_at: float | None = None
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Retired:
     """Terminal: this generation is over. ``pid`` is None if it never reported one."""
 
@@ -159,16 +124,14 @@ LiveState = Starting | Idle | InCall
 # ---- events ---------------------------------------------------------------------------------
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class SpawnBegan:
     """A caller claimed the empty slot to launch generation ``generation``."""
 
     generation: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class HandshakeOk:
     """Handshake and canary passed; ``pid`` is the interpreter's own pid (from its hello)."""
 
@@ -177,24 +140,21 @@ class HandshakeOk:
     at: float
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class StartFailed:
     """Launch, handshake or canary failed."""
 
     generation: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class CallStarted:
     generation: int
     call_id: int
     at: float
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Replied:
     """A complete reply frame for ``call_id`` arrived."""
 
@@ -203,8 +163,7 @@ class Replied:
     at: float
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Exited:
     """The process exited (seen by the exit watcher)."""
 
@@ -212,23 +171,20 @@ class Exited:
     returncode: int | None
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class ChannelClosed:
     """EOF on the channel (the process may still be alive)."""
 
     generation: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class DeadlineHit:
     generation: int
     call_id: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class CallCancelled:
     """Stop the worker running ``call_id`` now (a cancel with no grace, or the escalation of a
     second cancel while the first one is pending)."""
@@ -237,8 +193,7 @@ class CallCancelled:
     call_id: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class CancelRequested:
     """Someone cancelled running call ``call_id`` at ``at``: ask the worker first, and kill it
     if the call has not ended ``grace`` seconds later (``grace`` 0: kill at once)."""
@@ -249,8 +204,7 @@ class CancelRequested:
     grace: float
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class CancelGraceExpired:
     """The grace timer of the cancel requested at ``requested_at`` for ``call_id`` fired."""
 
@@ -259,22 +213,19 @@ class CancelGraceExpired:
     requested_at: float
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class ProtocolViolated:
     """A malformed frame arrived (or was about to be sent)."""
 
     generation: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class CloseRequested:
     generation: int
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class IdleExpired:
     """The reaper saw the worker idle since ``idle_since`` for longer than allowed."""
 
@@ -282,8 +233,7 @@ class IdleExpired:
     idle_since: float
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class PingFailed:
     """The health ping before a call on a long-idle worker got no answer in time."""
 
@@ -311,8 +261,7 @@ Event = (
 # ---- effects and results --------------------------------------------------------------------
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class KillWorker:
     """Stop generation ``generation``'s process group, as ``stop`` says."""
 
@@ -320,8 +269,7 @@ class KillWorker:
     stop: Stop
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class SendCancel:
     """Send a CANCEL frame for ``call_id`` to generation ``generation``'s worker and start its
     grace timer: ``CancelGraceExpired(generation, call_id, requested_at)`` after ``grace``."""
@@ -335,15 +283,13 @@ class SendCancel:
 Effect = KillWorker | SendCancel
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Transition:
     state: State
     effects: tuple[Effect, ...] = ()
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Dropped:
     """The event changed nothing; ``reason`` says why (for stats and debugging)."""
 
@@ -488,8 +434,7 @@ def needs_ping(state: State | None, now: float, ping_after_idle: float | None) -
 # ---- the env's own typestate: the crash-loop breaker -----------------------------------------
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class Death:
     """One worker death the breaker counts. ``at`` is on the pool's clock (monotonic), ``when``
     wall time for people."""
@@ -503,16 +448,14 @@ class Death:
     stderr_tail: str
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class EnvActive:
     """Calls are served. ``deaths``: those still inside the restart window."""
 
     deaths: tuple[Death, ...] = ()
 
 
-@_lean
-@dataclass(frozen=True, slots=True)
+@value
 class EnvAbandoned:
     """Terminal until reset: the env died too often; calls fail fast."""
 

@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import stat
-import tempfile
 
 from ._errors import RuntimeRootError
 
@@ -95,6 +94,8 @@ def _candidate() -> str:
             usable = False
         if usable and os.access(base, os.W_OK):
             return os.path.join(base, "comfy-env")
+    import tempfile  # only without a usable XDG_RUNTIME_DIR: off a desktop host's start-up
+
     return os.path.join(tempfile.gettempdir(), f"comfy-env-{os.getuid()}")
 
 
@@ -109,6 +110,8 @@ def runtime_root() -> str:
     if why is None:
         return path
     try:
+        import tempfile
+
         private = tempfile.mkdtemp(prefix=f"comfy-env-{os.getuid()}-private-")
     except OSError as exc:
         raise RuntimeRootError(

@@ -6,14 +6,14 @@ counters (``CALL_COUNTERS``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._values import value
 
 # How a call ended, and the counters that add up to ``submitted`` (with spawns alongside).
 OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
 CALL_COUNTERS = ("submitted", *OUTCOMES, "in_flight", "queued", "spawns")
 
 
-@dataclass(frozen=True)
+@value
 class WorkerStats:
     """One slot's worker as of the snapshot. ``state`` is ``"empty"`` before the first spawn.
     ``idle_since`` is on the pool's clock (monotonic); ``live_refs`` counts RemoteRefs held.
@@ -31,7 +31,7 @@ class WorkerStats:
     shared_memory: str | None = None
 
 
-@dataclass(frozen=True)
+@value
 class EnvStats:
     """Counters of one env. Invariant: ``submitted == ok + raised + crashed + timed_out +
     cancelled + failed + in_flight + queued``.

@@ -36,7 +36,6 @@ publisher and file; it never writes or removes the parent's.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -45,12 +44,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from ._identity import host_id, owner_dead, pid_namespace
 from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
+from ._values import replace, value
 
 SCHEMA = 1
 STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
@@ -176,6 +175,8 @@ class StatusPublisher:
             "version": _version(),
             "pools": pools,
         }
+        import json  # here, not at import: publishing runs on the reactor, off the first call
+
         data = json.dumps(document, separators=(",", ":"), default=str).encode()
         directory = self._dir()
         final = os.path.join(directory, f"{self.host_id}.json")
@@ -252,7 +253,7 @@ def host_publisher(snapshots: Callable[[], Iterable[Snapshot]]) -> StatusPublish
 # ---- reading (any process) ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@value
 class WorkerStatus:
     """One worker slot as its host last published it; ``rss_bytes`` is measured at read time
     (None when the pid is not a live worker of that host)."""
@@ -280,7 +281,7 @@ class WorkerStatus:
         return max(0.0, (time.time() if now is None else now) - self.busy_since)
 
 
-@dataclass(frozen=True)
+@value
 class EnvStatus:
     """One env of one pool of a host, with its call counters."""
 
@@ -301,7 +302,7 @@ class EnvStatus:
     workers: tuple[WorkerStatus, ...]
 
 
-@dataclass(frozen=True)
+@value
 class HostStatus:
     """A live host process using comfy-env, as of its status file (``path``)."""
 
@@ -415,6 +416,8 @@ def _load(path: str, notes: list[str]) -> HostStatus | None:
     finally:
         os.close(fd)
     try:
+        import json
+
         doc = json.loads(b"".join(chunks), parse_constant=_no_constant, parse_float=_finite_float)
         return _parse(doc, path)
     except (
@@ -497,7 +500,6 @@ def _parse(doc: Any, path: str) -> HostStatus:
 
 
 def _measured(host: HostStatus) -> HostStatus:
-    from dataclasses import replace
 
     envs = tuple(
         replace(env, workers=tuple(replace(w, rss_bytes=worker_rss(host, w)) for w in env.workers))

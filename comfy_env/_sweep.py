@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import signal
-from dataclasses import dataclass
 
 from comfy_env_worker import shm
 
@@ -34,11 +33,12 @@ from ._descendants import environ_of, pids
 from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
 from ._process import HOST_ID_VAR
 from ._rundir import runtime_root
+from ._values import value
 
 _log = logging.getLogger("comfy_env")
 
 
-@dataclass(frozen=True)
+@value
 class SweepReport:
     """What a sweep removed."""
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ import pytest
 
 from comfy_env import _lifecycle as lc
 from comfy_env._lifecycle import RetireReason as R
+from comfy_env._values import FrozenValueError
 
 # ---- fixed values of the representative states and events ----------------------------------
 
@@ -520,9 +520,14 @@ def test_step_is_pure(state: lc.State | None, event: lc.Event) -> None:
     ids=lambda v: type(v).__name__,
 )
 def test_values_are_frozen(value: object) -> None:
-    field = dataclasses.fields(value)[0].name  # type: ignore[arg-type]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    field = type(value).__slots__[0]  # type: ignore[attr-defined]
+    before = getattr(value, field)
+    with pytest.raises(FrozenValueError):
         setattr(value, field, None)
+    with pytest.raises(FrozenValueError):
+        delattr(value, field)
+    assert getattr(value, field) == before
+    assert not hasattr(value, "__dict__")
 
 
 def test_a_whole_lifetime() -> None:

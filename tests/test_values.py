@@ -1,0 +1,104 @@
+"""``_values.value``: the frozen, slotted value classes of the lifecycle (pure logic).
+
+They replace ``@dataclass(frozen=True, slots=True)`` (for import time, issue 16), so these tests
+hold the behaviour the lifecycle relied on: construction by position and name with defaults,
+equality and hashing by fields, a readable repr, immutability, and copy/pickle round trips.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+
+from comfy_env import _lifecycle as lc
+from comfy_env._values import FrozenValueError, value
+
+
+@value
+class Point:
+    """A point."""
+
+    x: int
+    y: int = 0
+    label: str | None = None
+
+
+@value
+class Other:
+    x: int
+    y: int = 0
+    label: str | None = None
+
+
+def test_construction_by_position_name_and_default() -> None:
+    assert (Point(1).x, Point(1).y, Point(1).label) == (1, 0, None)
+    p = Point(1, label="a", y=2)
+    assert (p.x, p.y, p.label) == (1, 2, "a")
+    with pytest.raises(TypeError):
+        Point()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Point(1, 2, "a", 4)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Point(1, z=3)  # type: ignore[call-arg]
+
+
+def test_equality_and_hash_follow_the_fields_and_the_class() -> None:
+    assert Point(1, 2) == Point(1, 2)
+    assert Point(1, 2) != Point(1, 3)
+    assert Point(1, 2) != Other(1, 2)  # same fields, another class
+    assert Point(1, 2) != (1, 2, None)
+    assert hash(Point(1, 2)) == hash(Point(1, 2))
+    assert len({Point(1, 2), Point(1, 2), Point(2, 2)}) == 2
+
+
+def test_repr_names_every_field() -> None:
+    assert repr(Point(1, label="a")) == "Point(x=1, y=0, label='a')"
+    assert repr(lc.Idle(3, 42, 1.5)) == "Idle(generation=3, pid=42, idle_since=1.5)"
+
+
+def test_frozen_slotted_and_documented() -> None:
+    p = Point(1)
+    with pytest.raises(FrozenValueError, match="cannot assign to field 'x' of Point"):
+        p.x = 2  # type: ignore[misc]
+    with pytest.raises(FrozenValueError):
+        p.other = 2  # type: ignore[attr-defined]
+    with pytest.raises(FrozenValueError):
+        del p.y  # type: ignore[misc]
+    assert isinstance(FrozenValueError("x"), AttributeError)
+    assert not hasattr(p, "__dict__")
+    assert Point.__slots__ == ("x", "y", "label")  # type: ignore[attr-defined]
+    assert Point.__match_args__ == ("x", "y", "label")
+    assert Point.__doc__ == "A point."
+    assert Point.__qualname__ == "Point" and Point.__module__ == __name__
+
+
+def test_copy_and_pickle_rebuild_equal_values() -> None:
+    death = lc.Death(1.0, 2.0, 3, lc.RetireReason.CRASHED, None, "SIGSEGV", "tail")
+    abandoned = lc.EnvAbandoned((death,), 4.0)
+    for original in (Point(1, 2, "a"), death, abandoned, lc.Transition(lc.Starting(1))):
+        for clone in (
+            copy.copy(original),
+            copy.deepcopy(original),
+            pickle.loads(pickle.dumps(original)),
+        ):
+            assert clone == original and type(clone) is type(original)
+
+
+def test_bad_declarations_are_refused() -> None:
+    with pytest.raises(TypeError, match="without a default follows one"):
+
+        @value
+        class Bad:
+            a: int = 0
+            b: int
+
+    class Base:
+        pass
+
+    with pytest.raises(TypeError, match="cannot have base classes"):
+
+        @value
+        class Derived(Base):
+            a: int
