@@ -135,6 +135,9 @@ if TYPE_CHECKING:
     from ._sweep import SweepReport
 
 _log = logging.getLogger("comfy_env")
+# Seconds from a pool's first fork to its start-up sweep (see ``_track``): past the moment the
+# launching caller blocks on the worker's hello, well before the hello can arrive.
+_SWEEP_DELAY = 0.005
 
 # ---- the pool --------------------------------------------------------------------------------
 
@@ -897,9 +900,11 @@ class Pool:
             first = self.last_sweep is None and not self._sweep_queued
             self._sweep_queued = True
         if first and self._reactor is not None:
-            # The pool starts: clear what dead hosts left behind, off every caller's path
-            # (after this fork, on the reactor thread).
-            self._reactor.call_soon(self._sweep)
+            # The pool starts: clear what dead hosts left behind, off every caller's path: on
+            # the reactor thread, a moment after this fork, when the caller that launched the
+            # worker waits for its hello (tens of ms). Run at once, the sweep (1-8 ms of
+            # Python) held the GIL while that caller wanted to go on with the handshake.
+            self._reactor.call_later(_SWEEP_DELAY, self._sweep)
 
     def _on_exit(self, entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
         """Reactor thread: the process was reaped."""
