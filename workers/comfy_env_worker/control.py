@@ -32,8 +32,8 @@ Stdlib only; parses under Python 3.8.
 
 from __future__ import annotations
 
+import _thread
 import pickle
-import threading
 import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
@@ -66,10 +66,10 @@ class CallControl:
     """The state of the call the main thread runs, shared with the watchdog thread."""
 
     def __init__(self, send: Callable[[int, bytes], bool], interrupt_after: float) -> None:
-        self.lock = threading.Lock()
+        self.lock = _thread.allocate_lock()
         self.send = send  # (call id, EVENT payload) -> sent? (False once the call is over)
         self.interrupt_after = interrupt_after
-        self.thread_id = threading.get_ident()  # calls run on the thread that serves
+        self.thread_id = _thread.get_ident()  # calls run on the thread that serves
         self.call_id = 0  # the running call, 0 between calls
         self.last_begun = 0
         self.is_cancelled = False

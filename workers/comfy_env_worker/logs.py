@@ -22,12 +22,12 @@ Stdlib only; Python 3.8+.
 
 from __future__ import annotations
 
+import _thread
 import io
 import os
 import pickle
 import socket
 import sys
-import threading
 import time
 
 from .protocol import FrameType, encode_header
@@ -65,7 +65,7 @@ class Outbox:
     def __init__(self, sock: socket.socket, log_fd: Optional[int]) -> None:
         self.sock = sock
         self.log_fd = log_fd
-        self.lock = threading.Lock()  # every write on the channel or the log pipe
+        self.lock = _thread.allocate_lock()  # every write on the channel or the log pipe
         self.in_call = False
         self.max_payload = RECORD_CAP  # lowered by the host's max_frame_bytes (CONFIG)
 
@@ -147,7 +147,7 @@ class LineStream(io.TextIOBase):
         self.original = original
         self._parts: "list[str]" = []  # text written since the last complete line
         self._size = 0
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
 
     @property
     def encoding(self) -> str:  # type: ignore[override]

@@ -25,6 +25,7 @@ Stdlib only; parses under Python 3.8.
 
 from __future__ import annotations
 
+import _thread
 import faulthandler
 import importlib
 import os
@@ -32,7 +33,6 @@ import pickle
 import select
 import socket
 import sys
-import threading
 import time
 
 from . import control, logs, refs, shm
@@ -188,7 +188,7 @@ class Worker:
         self.mappings: Optional[shm.PeerMappings] = None
         self.pinned: Dict[int, Tuple[shm.Block, float]] = {}
         self.pinned_ttl = 60.0
-        self.pin_lock = threading.Lock()
+        self.pin_lock = _thread.allocate_lock()
         self.spares_pending: Set[int] = set()  # size classes a helper thread is faulting in
         self.control = control.CallControl(self.send_event, 0.5)
 
@@ -437,6 +437,8 @@ class Worker:
                 with self.pin_lock:
                     self.spares_pending.discard(size)
 
+        import threading  # not at import: see _start_watchdog
+
         threading.Thread(target=make, name="comfy-env-spare", daemon=True).start()
 
     def reply_too_big(self, call_id: int, length: int) -> None:
@@ -583,8 +585,10 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
             if host_pid and os.getppid() != host_pid and not _launched_via_wrapper:
                 _exit_orphaned(worker)
 
-    t = threading.Thread(target=watch, name="comfy-env-watchdog", daemon=True)
-    t.start()
+    # A bare thread: the threading module costs a worker 1.5-2 ms at start-up, before its
+    # first call, and nothing on that path needs it. The watchdog never imports it either (an
+    # import of threading on this thread would make this thread its main thread).
+    _thread.start_new_thread(watch, ())
 
 
 _launched_via_wrapper = False

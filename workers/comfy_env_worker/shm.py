@@ -44,13 +44,13 @@ never registered with ``multiprocessing.resource_tracker``.
 
 from __future__ import annotations
 
+import _thread
 import errno
 import mmap
 import os
 import pickle
 import struct
 import sys
-import threading
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
@@ -358,7 +358,7 @@ class BlockPool:
         self._free: Dict[int, List[Block]] = {}
         self._idle_bytes = 0
         self._seq = 0
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
         self.live: Dict[str, Block] = {}  # every block not destroyed, by name
         self._idle_since: Dict[str, int] = {}  # name -> release order (the oldest goes first)
         self._clock = 0
@@ -478,7 +478,7 @@ class PeerMappings:
         self._prefix = allowed_prefix
         self._max = max_mappings
         self._maps: Dict[str, mmap.mmap] = {}
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
 
     def _check_name(self, name: str) -> None:
         if (
