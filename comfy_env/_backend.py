@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ._envs import EnvSpec
     from ._lifecycle import RetireReason, Stop
     from ._logs import WorkerLog
+    from ._process import RuntimeDir
     from ._reactor import Reactor
     from ._settings import Settings
 
@@ -137,7 +138,7 @@ class Backend(Protocol):
         generation: int,
         config: Settings,
         reactor: Reactor,
-        runtime_dir: str,
+        runtime_dir: RuntimeDir,
         on_exit: Callable[[Any], None],
         on_finished: Callable[[Any], None],
     ) -> WorkerGeneration: ...
@@ -158,7 +159,7 @@ class LocalBackend:
         generation: int,
         config: Settings,
         reactor: Reactor,
-        runtime_dir: str,
+        runtime_dir: RuntimeDir,
         on_exit: Callable[[Any], None],
         on_finished: Callable[[Any], None],
     ) -> WorkerGeneration:

@@ -118,7 +118,7 @@ from ._failures import (
     timeout_error,
 )
 from ._identity import host_id
-from ._process import HOST_ID_VAR, make_runtime_dir, python_mismatch
+from ._process import HOST_ID_VAR, RuntimeDir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout, environment_overrides
@@ -176,7 +176,7 @@ class Pool:
         self._closed = False
         self._close_done = threading.Event()
         self._reactor: Reactor | None = None
-        self._runtime_dir: str | None = None
+        self._runtime_dir: RuntimeDir | None = None
         self._watcher: HostWatcher | None = None  # stops setsid descendants if we die
         self._processes: set[WorkerGeneration] = set()  # forked and not yet reaped
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
@@ -725,7 +725,8 @@ class Pool:
                     self._reactor.start()
                     self._schedule_reaper()
                 if self._runtime_dir is None:
-                    self._runtime_dir = make_runtime_dir()
+                    # Made empty here; the first spawn fills it while its worker starts.
+                    self._runtime_dir = RuntimeDir()
             except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
                 error = WorkerStartError(
                     f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
@@ -1115,7 +1116,7 @@ class Pool:
             self._watcher.close(2.0)
         self._backend.close()
         if self._runtime_dir is not None:
-            shutil.rmtree(self._runtime_dir, ignore_errors=True)
+            shutil.rmtree(self._runtime_dir.path, ignore_errors=True)
         host_publisher(
             live_pool_snapshots
         ).publish()  # without this pool (the file goes with the last pool)

@@ -64,7 +64,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
@@ -83,6 +83,9 @@ from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
 from ._settings import Settings
+
+if TYPE_CHECKING:
+    from ._process import RuntimeDir
 
 _log = logging.getLogger("comfy_env")
 
@@ -261,7 +264,7 @@ class RayBackend:
         generation: int,
         config: Settings,
         reactor: Reactor,
-        runtime_dir: str,
+        runtime_dir: RuntimeDir,
         on_exit: Callable[[Any], None],
         on_finished: Callable[[Any], None],
     ) -> RayWorker:
@@ -343,8 +346,15 @@ class RayBackend:
             env=spec.key,
         )
 
-    def create_actor(self, spec: EnvSpec, runtime_dir: str) -> Any:
+    def create_actor(self, spec: EnvSpec, runtime: RuntimeDir) -> Any:
         ray = ray_module()
+        try:
+            runtime_dir = runtime.ready()  # its files travel with the actor class
+        except (OSError, ImportError) as exc:
+            raise WorkerStartError(
+                f"cannot prepare the runtime directory {runtime.path} for env {spec.key}: {exc}",
+                env=spec.key,
+            ) from exc
         with self._lock:
             if self._closed:
                 raise WorkerStartError("the pool was closed", env=spec.key)
@@ -455,7 +465,7 @@ class RayWorker:
         generation: int,
         config: Settings,
         reactor: Reactor,
-        runtime_dir: str,
+        runtime_dir: RuntimeDir,
         on_exit: Callable[[RayWorker], None],
         on_finished: Callable[[RayWorker], None],
     ) -> None:

@@ -410,7 +410,11 @@ def boot(argv: list[str]) -> None:
     """Run the real worker with a fault armed at one start-up stage, named by the environment:
     ``COMFY_ENV_FAULT_WHERE`` (``start-before-hello``, ``start-after-hello``,
     ``start-canary``), ``COMFY_ENV_FAULT_HOW``, ``COMFY_ENV_FAULT_MARKER``. With
-    ``COMFY_ENV_FAULT_ONCE=1`` only the first process to start faults; later ones are healthy."""
+    ``COMFY_ENV_FAULT_ONCE=1`` only the first process to start faults; later ones are healthy.
+    Like the pool's BOOT, it waits for the host's GO byte before importing from the runtime
+    dir (``argv[0]`` is the channel's descriptor)."""
+    if os.read(int(argv[0]), 1) != b"\x01":
+        os._exit(0)
     from comfy_env_worker import main as worker_main
     from comfy_env_worker import tasks
 

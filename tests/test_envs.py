@@ -215,9 +215,11 @@ def test_a_worker_without_shared_memory_gets_the_canary_inline(
 
 
 def test_worker_failing_its_canary_is_refused(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
-    # A launcher wrapper that runs the real worker with a tampered echo.
+    # A launcher wrapper that runs the real worker with a tampered echo (after the host's GO
+    # byte, as the pool's BOOT does).
     boot = (
-        "import sys;sys.path[0]=sys.argv[1];import comfy_env_worker.tasks as t;"
+        "import sys,os;os.read(int(sys.argv[2]),1);"
+        "sys.path[0]=sys.argv[1];import comfy_env_worker.tasks as t;"
         "t.echo=lambda v: 'tampered';from comfy_env_worker.main import main;main(sys.argv[2:])"
     )
     _script(

@@ -425,6 +425,81 @@ def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path, own_runtime_
         os.unlink(link)
 
 
+def test_the_runtime_dir_is_filled_while_the_first_worker_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first spawn launches its interpreter, then fills the runtime dir; BOOT waits for the
+    # host's GO byte, so a fill slower than the interpreter's start is still never seen half
+    # made.
+    import psutil
+
+    from comfy_env import _process
+
+    fill = _process._fill_runtime_dir
+    children_at_fill: list[list[str]] = []
+
+    def slow_fill(path: str) -> None:
+        children_at_fill.append([" ".join(c.cmdline()) for c in psutil.Process().children()])
+        time.sleep(0.5)  # the interpreter is up long before this ends
+        fill(path)
+
+    monkeypatch.setattr(_process, "_fill_runtime_dir", slow_fill)
+    with comfy_env.Pool() as pool:
+        worker = pool.get_worker(None)
+        assert worker.call("comfy_env_worker.tasks:echo", 7) == 7
+        assert len(children_at_fill) == 1
+        assert any(_process.BOOT in cmdline for cmdline in children_at_fill[0])
+    assert len(children_at_fill) == 1  # filled once per pool
+
+
+def test_a_runtime_dir_that_cannot_be_filled_fails_the_start_and_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from comfy_env import WorkerStartError, _process
+
+    fill = _process._fill_runtime_dir
+    attempts: list[str] = []
+
+    def failing_once(path: str) -> None:
+        attempts.append(path)
+        if len(attempts) == 1:
+            raise OSError(28, "No space left on device")
+        fill(path)
+
+    monkeypatch.setattr(_process, "_fill_runtime_dir", failing_once)
+    with comfy_env.Pool() as pool:
+        worker = pool.get_worker(None)
+        with pytest.raises(WorkerStartError, match=r"runtime directory .*No space left"):
+            worker.call("comfy_env_worker.tasks:echo", 1)
+        assert worker.call("comfy_env_worker.tasks:echo", 2) == 2  # the next start fills it
+        assert attempts[0] == attempts[1]
+        stats = worker.stats()
+        assert stats.failed == 1 and stats.ok == 1 and stats.spawns == 2
+
+
+def test_boot_without_go_exits_quietly_and_imports_nothing(tmp_path: Path) -> None:
+    # A host that closes the channel before GO (it died, or could not fill the dir): the
+    # interpreter leaves without touching the runtime dir, with nothing on stderr.
+    import socket
+
+    from comfy_env._process import BOOT
+
+    mine, theirs = socket.socketpair()
+    missing = tmp_path / "never-made"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BOOT, str(missing), str(theirs.fileno()), "0"],
+        pass_fds=(theirs.fileno(),),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    theirs.close()
+    mine.close()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert (out, err) == (b"", b"")
+    assert not missing.exists()
+
+
 def test_a_store_that_cannot_be_linked_from_is_copied_instead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
