@@ -94,9 +94,25 @@ def _candidate() -> str:
             usable = False
         if usable and os.access(base, os.W_OK):
             return os.path.join(base, "comfy-env")
-    import tempfile  # only without a usable XDG_RUNTIME_DIR: off a desktop host's start-up
+    return os.path.join(_temp_dir(), f"comfy-env-{os.getuid()}")
 
-    return os.path.join(tempfile.gettempdir(), f"comfy-env-{os.getuid()}")
+
+def _temp_dir() -> str:
+    """The directory ``tempfile.gettempdir()`` would choose, in the common cases: the first
+    of ``$TMPDIR``, ``$TEMP``, ``$TMP``, /tmp, /var/tmp, /usr/tmp that is a directory we may
+    write to. Not ``tempfile`` itself: importing it (and ``random``) and its probe file cost
+    a fresh host 1.5-5 ms on the first call's path. The root found there is checked as ever
+    (``check_private_dir``), and an unusable one still falls back to a private directory."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        value = os.environ.get(name)
+        if value and os.path.isdir(value) and os.access(value, os.W_OK | os.X_OK):
+            return os.path.abspath(value)
+    for path in ("/tmp", "/var/tmp", "/usr/tmp"):
+        if os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK):
+            return path
+    import tempfile  # nothing usable in the usual places: let tempfile search (the cwd too)
+
+    return tempfile.gettempdir()
 
 
 def runtime_root() -> str:

@@ -152,7 +152,8 @@ def shared_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     tmp.mkdir()
     tmp.chmod(0o1777)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("TMPDIR", str(tmp))  # where the root is looked for
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where a private fallback is made
     monkeypatch.setattr(_rundir, "_private", None)
     return tmp
 

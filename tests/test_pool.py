@@ -369,6 +369,34 @@ def own_runtime_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return root
 
 
+def test_without_xdg_runtime_dir_the_root_is_where_tempfile_would_put_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fallback root is found without importing tempfile, but in the same place.
+    import tempfile
+
+    from comfy_env._rundir import _candidate
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches its choice
+    mine = tmp_path / "tmp"
+    mine.mkdir()
+    cases = [
+        {"TMPDIR": str(mine)},
+        {"TMPDIR": str(tmp_path / "missing"), "TMP": str(mine)},
+        {"TMPDIR": str(tmp_path / "missing")},
+        {},
+    ]
+    for env in cases:
+        for name in ("TMPDIR", "TEMP", "TMP"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        tempfile.tempdir = None
+        expected = os.path.join(tempfile.gettempdir(), f"comfy-env-{os.getuid()}")
+        assert _candidate() == expected, env
+
+
 def test_runtime_dirs_are_hard_links_into_one_store_of_ours(own_runtime_root: str) -> None:
     # A fresh host links its runtime dir from a content-addressed store made by the first
     # host: same files (inode, size, time), directories of its own, nothing followed.
