@@ -37,7 +37,11 @@ Interleaved rounds (7; 2 in quick mode), one sample per method per round in a sh
 median with min and max. No CPU pinning. comfy_env's crash-loop breaker
 (``PoolConfig.max_restarts``) is given a large budget: the deliberate kills would otherwise
 abandon the env after a few samples. The recovery target compares against comfy_env's own
-first call (measurement 3, pool creation included), as the issue asks.
+first call (measurement 3, pool creation included), as the issue asks. Detection has two
+targets: the absolute 2 ms of the first release, and issue 16's "a raw child's + 0.5 ms"
+(medians of the same run). Beyond the raw child's EOF, comfy_env waits for the exit status
+(the kernel reports it 0.1-0.7 ms after the EOF, once the dying process is torn down) so the
+error can name the signal, and records the death for the breaker before it raises.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ ECHO_TARGET = "comfy_env_worker.tasks:echo"
 SLEEP_TARGET = "comfy_env_worker.tasks:sleep"
 
 TARGET_DETECT_MS = 2.0
+TARGET_DETECT_OVER_RAW_MS = 0.5  # issue 16: at most a raw child's detection + 0.5 ms
 TARGET_RECOVER_VS_FIRST = 1.2
 
 # The raw reference's child: says it is up, then takes one "call" byte and sleeps in it.
@@ -243,6 +248,20 @@ def run(ctx: Context) -> Section:
             unit=" ms",
         )
     )
+    raw_ms = detect[RAW].median if detect[RAW].values else math.nan
+    t = target_at_most(
+        "4",
+        f"comfy_env detection <= the raw child's + {TARGET_DETECT_OVER_RAW_MS:g} ms",
+        detect[COMFY_ENV].median - raw_ms,
+        TARGET_DETECT_OVER_RAW_MS,
+        unit=" ms",
+    )
+    if math.isfinite(raw_ms):
+        t.detail = (
+            f"{detect[COMFY_ENV].median:.2f} ms vs the raw child's {raw_ms:.2f} ms: "
+            f"{t.detail.replace(' (limit', ' over it (limit', 1)}"
+        )
+    section.targets.append(t)
     first = ctx.shared.get("first_call_comfy_env_s", math.nan) * 1e3
     t = target_at_most(
         "4",
