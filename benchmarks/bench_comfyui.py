@@ -179,10 +179,10 @@ def main() -> int:
     if not args.no_write:
         results = HERE / "RESULTS.md"
         current = results.read_text() if results.exists() else ""
-        if BEGIN in current and END in current:
+        if BEGIN in current and END in current.split(BEGIN, 1)[1]:
             head, rest = current.split(BEGIN, 1)
             current = head + text + rest.split(END, 1)[1]
-        else:
+        else:  # no section yet (or its markers were lost): append it
             current = current.rstrip("\n") + "\n\n" + text + "\n"
         results.write_text(current)
     return 0
