@@ -453,6 +453,20 @@ def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path, own_runtime_
         os.unlink(link)
 
 
+def test_a_worker_starts_without_the_heavy_stdlib_modules() -> None:
+    # Start-up cost (issue 16): the worker's channel is the C socket type, its locks and
+    # watchdog come from _thread, logging loads when the env's code first imports it. Asked
+    # through sys.modules itself, so the question imports nothing. (What the env's own code
+    # imports is its business: this is only the runtime's share. ctypes is not asked about:
+    # the watchdog loads it 0.1 s after the handshake, to arm the parent-death signal.)
+    with comfy_env.Pool() as pool:
+        worker = pool.get_worker(None)
+        assert worker.call("comfy_env_worker.tasks:echo", 1) == 1
+        heavy = ("socket", "selectors", "threading", "logging", "typing", "dataclasses")
+        loaded = [name for name in heavy if worker.call("sys:modules.__contains__", name)]
+        assert loaded == []
+
+
 def test_the_runtime_dir_is_filled_while_the_first_worker_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

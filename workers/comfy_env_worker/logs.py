@@ -22,11 +22,11 @@ Stdlib only; Python 3.8+.
 
 from __future__ import annotations
 
+import _socket
 import _thread
 import io
 import os
 import pickle
-import socket
 import sys
 import time
 
@@ -62,7 +62,7 @@ def clip(text: str, max_chars: int) -> str:
 class Outbox:
     """Sends log records in band during a call and to the log pipe between calls."""
 
-    def __init__(self, sock: socket.socket, log_fd: Optional[int]) -> None:
+    def __init__(self, sock: _socket.socket, log_fd: Optional[int]) -> None:
         self.sock = sock
         self.log_fd = log_fd
         self.lock = _thread.allocate_lock()  # every write on the channel or the log pipe

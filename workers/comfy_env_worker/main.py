@@ -25,13 +25,13 @@ Stdlib only; parses under Python 3.8.
 
 from __future__ import annotations
 
+import _socket
 import _thread
 import faulthandler
 import importlib
 import os
 import pickle
 import select
-import socket
 import sys
 import time
 
@@ -172,7 +172,7 @@ def _dumps_result(result: Any) -> bytes:
 class Worker:
     """One channel, one call at a time."""
 
-    def __init__(self, sock: socket.socket, log_fd: Optional[int] = None) -> None:
+    def __init__(self, sock: _socket.socket, log_fd: Optional[int] = None) -> None:
         self.sock = sock
         # Every write on the channel goes through the outbox's lock (log records from other
         # threads share the channel during a call).
@@ -597,7 +597,7 @@ _ARM_PDEATHSIG_AFTER = 0.1
 
 # The worker's channel socket once ``main`` runs; tests and fault-injection tasks use it to
 # write raw bytes at the host. Nothing in the serve loop reads this global.
-CHANNEL: Optional[socket.socket] = None
+CHANNEL: Optional[_socket.socket] = None
 WORKER: Optional[Worker] = None
 
 
@@ -613,8 +613,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     faulthandler.enable(all_threads=False)
     if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
         os._exit(0)  # the host died before we started
-    sock = socket.socket(fileno=fd)
-    sock.set_inheritable(False)  # our own children must not hold the channel open
+    # The C socket type: the ``socket`` module (its enums, ``selectors``) costs a worker
+    # 2-3 ms at start-up, and the channel needs none of it.
+    sock = _socket.socket(fileno=fd)
+    os.set_inheritable(fd, False)  # our own children must not hold the channel open
     CHANNEL = sock
     # Ctrl-C in the host's terminal is the host's business; we run in our own session, but a
     # host may still forward SIGINT deliberately, which then interrupts the call as usual.

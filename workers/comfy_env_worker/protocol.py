@@ -23,8 +23,8 @@ This module is stdlib-only and must parse under the oldest Python an env may run
 
 from __future__ import annotations
 
+import _socket
 import select
-import socket
 import struct
 import time
 
@@ -102,7 +102,7 @@ class PartialSend(OSError):
     """The channel failed after part of a frame was written (the peer saw a partial frame)."""
 
 
-def send_parts(sock: socket.socket, parts: List[Any]) -> None:
+def send_parts(sock: _socket.socket, parts: List[Any]) -> None:
     """Write buffers back to back with ``sendmsg`` (no joining copy), resuming after partial
     writes. An error on the first write means nothing was sent and propagates as is; a later
     one is raised as ``PartialSend``."""
@@ -130,7 +130,7 @@ def send_parts(sock: socket.socket, parts: List[Any]) -> None:
                 sent = 0
 
 
-def send_frame(sock: socket.socket, ftype: int, call_id: int, payload: bytes = b"") -> None:
+def send_frame(sock: _socket.socket, ftype: int, call_id: int, payload: bytes = b"") -> None:
     """Write one frame. Small frames go out in one ``sendall`` of a joined buffer (one syscall);
     large ones as header + payload via ``sendmsg`` to avoid copying the payload."""
     header = HEADER.pack(MAGIC, ftype, 0, len(payload), call_id)
@@ -153,7 +153,7 @@ class FrameReader:
 
     __slots__ = ("_buf", "_limit", "_poller", "_scratch", "_scratch_view", "_sock")
 
-    def __init__(self, sock: socket.socket, limit: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, sock: _socket.socket, limit: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._sock = sock
         self._buf = bytearray()
         self._scratch = bytearray(_RECV_CHUNK)
@@ -178,7 +178,7 @@ class FrameReader:
         """What the socket holds now, up to 64 KiB (b"" at EOF; ``BlockingIOError`` if
         nothing), read into the reusable scratch buffer. For a reader driven by readiness
         callbacks (the host's asyncio path), which then owns the stream until ``unread``."""
-        n = self._sock.recv_into(self._scratch_view, _RECV_CHUNK, socket.MSG_DONTWAIT)
+        n = self._sock.recv_into(self._scratch_view, _RECV_CHUNK, _socket.MSG_DONTWAIT)
         return bytes(self._scratch_view[:n])
 
     def unread(self, data: bytes) -> None:
