@@ -2,6 +2,8 @@
 
 Data flow (one worker process, one channel)::
 
+    host  --GO------>  BOOT          one byte, once the runtime dir (this package) is complete
+    host  <--HELLO---  worker        protocol, pid, Python version, shared memory usable
     host  --CONFIG-->  worker        after the worker's HELLO
     host  <--READY---  worker
     host  --CALL(id)-> worker        target, args, kwargs (pickle 5; cloudpickle by value)
@@ -20,7 +22,9 @@ The worker never writes to fd 1/2 on behalf of the protocol: those are pipes the
 plain output. ``faulthandler`` writes there on a fatal signal, which is how a segfault's Python
 stack reaches the host.
 
-Stdlib only; parses under Python 3.8.
+Stdlib only; parses under Python 3.8. Start-up imports only what the first call needs: the
+channel is the C socket type (``_socket``), locks and the watchdog come from ``_thread``, and
+``logging``, ``threading`` and ``ctypes`` load when first used.
 """
 
 from __future__ import annotations
