@@ -607,16 +607,10 @@ class WorkerProcess:
         # HELLO and READY are a few hundred bytes: until the worker is known to speak our
         # protocol, a frame announcing more is refused before anything is allocated for it.
         self.reader.limit = min(self.config.max_frame_bytes, _HANDSHAKE_FRAME_BYTES)
-        # The canary is encoded, and its block made and filled, while the worker's interpreter
-        # starts (this thread would only wait for HELLO): off the first call's path when the
-        # host has a CPU of its own. A worker that turns out unable to use shared memory gets
-        # it inline instead (the block goes back with the pool, below).
-        if self.shm_wanted:
-            self.blocks = shm.BlockPool(
-                f"{shm.NAME_PREFIX}{host_id()}-h{next(_serials)}-", self.config.shm_pool_bytes
-            )
+        # The runtime dir is filled (by the pool's first spawn) while the worker's interpreter
+        # starts; GO lets the worker import from it.
         try:
-            self.runtime_dir.ready()  # filled while the worker's interpreter starts
+            self.runtime_dir.ready()
         except (OSError, ImportError) as exc:
             raise self._start_error(
                 f"could not be given its runtime directory {self.runtime_dir.path}: {exc}"
@@ -625,6 +619,14 @@ class WorkerProcess:
             self.sock.sendall(GO)
         except OSError:
             pass  # the worker died already: its EOF is read below, and its exit reported
+        # The canary is encoded, and its block made and filled, while the interpreter still
+        # starts (this thread would only wait for HELLO): off the first call's path when the
+        # host has a CPU of its own. A worker that turns out unable to use shared memory gets
+        # it inline instead (the block goes back with the pool, below).
+        if self.shm_wanted:
+            self.blocks = shm.BlockPool(
+                f"{shm.NAME_PREFIX}{host_id()}-h{next(_serials)}-", self.config.shm_pool_bytes
+            )
         canary = self._canary_prepare()
         try:
             ftype, _, _, payload = self.reader.read(deadline)
