@@ -17,7 +17,10 @@ within 3x a hand-written minimal host and worker).
 * ``__eq__`` (same class, equal fields), ``__hash__`` (of the fields), ``__repr__``
   (``Name(field=value, ...)``), ``__match_args__``, and ``__reduce__`` so ``copy`` and
   ``pickle`` rebuild a value through its ``__init__`` (a frozen slotted class has no other way
-  to set its fields on load).
+  to set its fields on load); a method the class body defines itself is kept;
+* ``replace`` and ``as_dict`` here do what ``dataclasses.replace``/``asdict`` did.
+
+Every annotation is a field (a ``ClassVar`` is refused); no base classes.
 
 Type checkers see a frozen dataclass (``dataclass_transform``); at run time the decorator is a
 plain function, so a compiled build (mypyc) leaves these classes interpreted, as it must: a
@@ -70,7 +73,11 @@ def value(cls: type[_T]) -> type[_T]:
     if cls.__bases__ != (object,):
         raise TypeError(f"{cls.__qualname__}: a value class cannot have base classes")
     namespace = dict(cls.__dict__)
-    names = tuple(namespace.get("__annotations__", {}))
+    annotations = namespace.get("__annotations__", {})
+    names = tuple(annotations)
+    for name, annotation in annotations.items():
+        if "ClassVar" in str(annotation):  # every annotation is a field here
+            raise TypeError(f"{cls.__qualname__}: {name!r} is a ClassVar; value classes have none")
     defaults = {name: namespace.pop(name) for name in names if name in namespace}
     namespace.pop("__dict__", None)
     namespace.pop("__weakref__", None)
@@ -114,10 +121,10 @@ def value(cls: type[_T]) -> type[_T]:
     def __reduce__(self: Any) -> tuple[Any, tuple[Any, ...]]:
         return built, fields_of(self)
 
-    built.__eq__ = __eq__
-    built.__hash__ = __hash__
-    built.__repr__ = __repr__
-    built.__reduce__ = __reduce__
+    # What the class body defines itself is kept (as dataclasses keep an own __repr__/__eq__).
+    for method in (__eq__, __hash__, __repr__, __reduce__):
+        if method.__name__ not in namespace:
+            setattr(built, method.__name__, method)
     built.__setattr__ = _frozen_setattr
     built.__delattr__ = _frozen_delattr
     built.__qualname__ = cls.__qualname__

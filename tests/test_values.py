@@ -102,3 +102,53 @@ def test_bad_declarations_are_refused() -> None:
         @value
         class Derived(Base):
             a: int
+
+
+def test_replace_and_as_dict_do_what_the_dataclasses_helpers_did() -> None:
+    from comfy_env._values import as_dict, replace
+
+    p = Point(1, 2, "a")
+    q = replace(p, y=5)
+    assert q == Point(1, 5, "a") and p == Point(1, 2, "a")
+    with pytest.raises(TypeError, match="has no field 'z'"):
+        replace(p, z=1)
+    death = lc.Death(1.0, 2.0, 3, lc.RetireReason.CRASHED, None, "SIGSEGV", "tail")
+    assert as_dict(lc.EnvAbandoned((death,), 4.0)) == {
+        "deaths": (
+            {
+                "at": 1.0,
+                "when": 2.0,
+                "generation": 3,
+                "reason": lc.RetireReason.CRASHED,
+                "exitcode": None,
+                "signal": "SIGSEGV",
+                "stderr_tail": "tail",
+            },
+        ),
+        "at": 4.0,
+    }
+    assert as_dict({"k": [Point(1)]}) == {"k": [{"x": 1, "y": 0, "label": None}]}
+
+
+def test_methods_of_the_class_body_are_kept_and_classvars_refused() -> None:
+    from typing import ClassVar
+
+    @value
+    class Named:
+        name: str
+
+        def __repr__(self) -> str:
+            return f"<{self.name}>"
+
+        @property
+        def shout(self) -> str:
+            return self.name.upper()
+
+    assert repr(Named("a")) == "<a>" and Named("a").shout == "A"
+    assert Named("a") == Named("a")
+    with pytest.raises(TypeError, match="ClassVar"):
+
+        @value
+        class WithClassVar:
+            limit: ClassVar[int] = 3
+            x: int
