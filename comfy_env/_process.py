@@ -192,7 +192,8 @@ class RuntimeDir:
     def __init__(self) -> None:
         # Made and filled relative to descriptors of directories checked to be ours (see
         # _rundir): nobody else can put code where the worker imports it from.
-        self.path = make_private_dir(runtime_root(), f"host-{host_token()}-")
+        self._root = runtime_root()
+        self.path = make_private_dir(self._root, f"host-{host_token()}-")
         self._lock = threading.Lock()
         self._filled = False
 
@@ -201,22 +202,13 @@ class RuntimeDir:
         ``ImportError`` without cloudpickle) when it cannot be filled."""
         with self._lock:
             if not self._filled:
-                _fill_runtime_dir(self.path)
+                _fill_runtime_dir(self.path, self._root)
                 self._filled = True
         return self.path
 
 
-def make_runtime_dir() -> str:
-    """A runtime directory, made and filled now (see ``RuntimeDir``)."""
-    runtime = RuntimeDir()
-    try:
-        return runtime.ready()
-    except BaseException:
-        shutil.rmtree(runtime.path, ignore_errors=True)
-        raise
-
-
-def _fill_runtime_dir(path: str) -> None:
+def _fill_runtime_dir(path: str, root: str) -> None:
+    """Link (or copy) both packages into the empty ``path``, from the store under ``root``."""
     # Found, not imported: importing cloudpickle costs the host 2-4 ms it does not need for
     # calls by reference.
     sources = [("comfy_env_worker", os.path.dirname(comfy_env_worker.__file__ or ""))]
@@ -224,7 +216,6 @@ def _fill_runtime_dir(path: str) -> None:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("cloudpickle is not installed (a dependency of comfy-env)")
     sources.append(("cloudpickle", next(iter(spec.submodule_search_locations))))
-    root = runtime_root()
     try:
         store = _runtime_store(root, sources)
         for name, source in sources:

@@ -13,7 +13,7 @@ trusted only after a check on an opened descriptor (no race between check and us
 - ``lstat`` of the path names the same inode (it was not swapped between ``mkdir`` and open).
 
 The same check applies to the status directory inside it, and to the runtime stores
-(``store-<content key>``, see ``_process.make_runtime_dir``) that per-host runtime directories
+(``store-<content key>``, see ``_process.RuntimeDir``) that per-host runtime directories
 are hard-linked from. Below a checked root, nobody else
 can create, rename or remove entries, so paths under it are stable; new directories are made
 with ``mkdir(dir_fd=...)`` and files with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to the
@@ -211,7 +211,7 @@ def copy_tree(source: str, dest: str) -> None:
 
 def link_tree(source: str, dest: str) -> None:
     """Fill the existing directory ``dest`` (ours) with hard links to the regular files of
-    ``source`` (a runtime store of ours: see ``_process.make_runtime_dir``), directories made
+    ``source`` (a runtime store of ours: see ``_process.RuntimeDir``), directories made
     anew. Everything is created relative to opened directory descriptors; symlinks and special
     files are skipped; nothing is followed. One ``link`` a file instead of a read and a write:
     the per-host copy costs a fraction of a millisecond. Raises ``OSError`` if any link

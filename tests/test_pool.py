@@ -400,9 +400,9 @@ def test_without_xdg_runtime_dir_the_root_is_where_tempfile_would_put_it(
 def test_runtime_dirs_are_hard_links_into_one_store_of_ours(own_runtime_root: str) -> None:
     # A fresh host links its runtime dir from a content-addressed store made by the first
     # host: same files (inode, size, time), directories of its own, nothing followed.
-    from comfy_env._process import make_runtime_dir
+    from comfy_env._process import RuntimeDir
 
-    first, second = make_runtime_dir(), make_runtime_dir()
+    first, second = RuntimeDir().ready(), RuntimeDir().ready()
     try:
         root = own_runtime_root
         stores = [n for n in os.listdir(root) if n.startswith("store-")]
@@ -442,7 +442,7 @@ def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path, own_runtime_
     (planted / "cloudpickle").mkdir()
     link = os.path.join(root, "store-" + _process._content_key(sources))
     os.symlink(planted, link)
-    path = _process.make_runtime_dir()
+    path = _process.RuntimeDir().ready()
     try:
         main = os.path.join(path, "comfy_env_worker", "main.py")
         assert "planted" not in Path(main).read_text()
@@ -480,10 +480,10 @@ def test_the_runtime_dir_is_filled_while_the_first_worker_starts(
     fill = _process._fill_runtime_dir
     children_at_fill: list[list[str]] = []
 
-    def slow_fill(path: str) -> None:
+    def slow_fill(path: str, root: str) -> None:
         children_at_fill.append([" ".join(c.cmdline()) for c in psutil.Process().children()])
         time.sleep(0.5)  # the interpreter is up long before this ends
-        fill(path)
+        fill(path, root)
 
     monkeypatch.setattr(_process, "_fill_runtime_dir", slow_fill)
     with comfy_env.Pool() as pool:
@@ -502,11 +502,11 @@ def test_a_runtime_dir_that_cannot_be_filled_fails_the_start_and_is_tried_again(
     fill = _process._fill_runtime_dir
     attempts: list[str] = []
 
-    def failing_once(path: str) -> None:
+    def failing_once(path: str, root: str) -> None:
         attempts.append(path)
         if len(attempts) == 1:
             raise OSError(28, "No space left on device")
-        fill(path)
+        fill(path, root)
 
     monkeypatch.setattr(_process, "_fill_runtime_dir", failing_once)
     with comfy_env.Pool() as pool:
@@ -552,7 +552,7 @@ def test_a_store_that_cannot_be_linked_from_is_copied_instead(
         raise FileNotFoundError(source)
 
     monkeypatch.setattr(_process, "link_tree", fail)
-    path = _process.make_runtime_dir()
+    path = _process.RuntimeDir().ready()
     try:
         main = os.path.join(path, "comfy_env_worker", "main.py")
         source = os.path.join(os.path.dirname(comfy_env_worker.__file__), "main.py")
