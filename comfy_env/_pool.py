@@ -890,6 +890,32 @@ class Pool:
             self._events,
         )
 
+    def _report_death(
+        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
+    ) -> None:
+        """Report a generation's end once: the crash-loop breaker counts it (deaths only, and
+        nothing while the pool closes) and subscribers get ``WorkerRetired``. The caller whose
+        call the death failed reports before it raises (``crash_error``), so a caller that
+        calls again at once meets the breaker's verdict and events keep their order; else
+        the reactor does when the exit is reported."""
+        with entry.lock:
+            if process.death_reported:
+                return
+            process.death_reported = True
+        reason = process.retire_reason or lc.RetireReason.CRASHED
+        if reason in lc.DEATHS and not self._closed:
+            self._record_death(entry, process.generation, reason, returncode, tail)
+        self._events.emit(
+            WorkerRetired(
+                entry.spec.key,
+                process.generation,
+                process.pid,
+                reason.value,
+                returncode,
+                signal_name(returncode),
+            )
+        )
+
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise self.closed_error()
@@ -939,15 +965,7 @@ class Pool:
 
     def _on_finished(self, entry: EnvEntry, process: WorkerGeneration) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
-        reason = process.retire_reason or lc.RetireReason.CRASHED
-        rc = process.returncode
-        if reason in lc.DEATHS and not self._closed:
-            self._record_death(entry, process.generation, reason, rc, process.log.tail())
-        self._events.emit(
-            WorkerRetired(
-                entry.spec.key, process.generation, process.pid, reason.value, rc, signal_name(rc)
-            )
-        )
+        self._report_death(entry, process, process.returncode, process.log.tail())
 
     def _send(
         self,
@@ -1067,14 +1085,28 @@ class Pool:
     ) -> Exception:
         """The error of a call whose worker's channel broke (``_failures.crash_error``)."""
         return crash_error(
-            entry, slot, process, call_id, label, self._closed, self.settings.cancel_grace
+            entry,
+            slot,
+            process,
+            call_id,
+            label,
+            self._closed,
+            self.settings.cancel_grace,
+            lambda rc, tail: self._report_death(entry, process, rc, tail),
         )
 
     def _timeout_error(
         self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
     ) -> Exception:
         return timeout_error(
-            entry, slot, process, call_id, label, self._closed, self.settings.cancel_grace
+            entry,
+            slot,
+            process,
+            call_id,
+            label,
+            self._closed,
+            self.settings.cancel_grace,
+            lambda rc, tail: self._report_death(entry, process, rc, tail),
         )
 
     # ---- shutdown ----
