@@ -133,7 +133,7 @@ LOAN_MIN = 256 << 10
 # Seconds a caller whose read saw the worker's EOF waits for the exit itself (collect_exit)
 # before it leaves the rest to the reactor; a closed channel means the exit is moments away.
 _COLLECT_WAIT = 0.1
-# Seconds from the reactor's reaping of an exited worker to its report (see _on_pidfd).
+# Seconds from a worker's exit (its pidfd) to the reactor's reaping and report (see _on_pidfd).
 _EXIT_REPORT_DELAY = 0.002
 # States of our argument blocks lent to a result (see ``_lend_own``).
 _LENT, _FINISHED, _RETURNED = 1, 2, 3
@@ -1190,15 +1190,21 @@ class WorkerProcess:
     def _on_pidfd(self) -> None:
         assert self.popen is not None and self._pidfd is not None
         self.reactor.remove_reader(self._pidfd)
+        # Reaped and reported a moment later: a caller whose read saw the EOF writes its
+        # crash report first, on its own thread (status_at_eof), instead of trading the GIL
+        # with this thread at each of the reaping's system calls (the hand-off measured most
+        # of crash detection's cost over a raw child's EOF). Nobody waits on this for an idle
+        # worker; close waits for ``exited`` and force_close reaps what is still due.
+        self.reactor.call_later(_EXIT_REPORT_DELAY, self._reap)
+
+    def _reap(self) -> None:
+        """Reactor thread, just after the exit: reap (no zombie lingers) and report."""
+        assert self.popen is not None
+        if self._pidfd is None:
+            return  # force_close got here first
         os.close(self._pidfd)
         self._pidfd = None
-        rc = self.popen.wait()  # reaped at once: no zombie lingers
-        # Reported a moment later: a caller whose read saw the EOF reports it first, on its
-        # own thread (collect_exit), instead of queueing behind this thread for the GIL (the
-        # hand-off measured most of crash detection's cost over a raw child's EOF). Nobody
-        # waits on this for an idle worker; close waits for ``exited`` and force_close
-        # reports what is still due.
-        self.reactor.call_later(_EXIT_REPORT_DELAY, lambda: self._reaped(rc))
+        self._reaped(self.popen.wait())
 
     def _poll_exit(self) -> None:  # pragma: no cover - fallback without pidfd
         assert self.popen is not None
