@@ -58,9 +58,9 @@ class HostFault(Exception):
     """Carries a ``HostResourceError`` out of the exchange with the call's ``Replied``, so the
     worker that replied whole is settled as idle (not retired) while the call fails."""
 
-    def __init__(self, replied: lc.Replied, error: HostResourceError) -> None:
+    def __init__(self, replied_at: float, error: HostResourceError) -> None:
         super().__init__(str(error))
-        self.replied = replied
+        self.replied_at = replied_at
         self.error = error
 
 
