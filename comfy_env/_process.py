@@ -1144,11 +1144,22 @@ class WorkerProcess:
         return rc
 
     def _drain_output(self) -> None:
-        """Read what the output pipes hold now, on this thread (until they would block)."""
+        """Read what the output pipes hold now, on this thread (until they would block). One
+        ``poll`` first, so a pipe with nothing in it (the usual case) costs no read: on a
+        crash this runs while the reactor wakes, and each system call hands it the GIL."""
         with self._output_lock:
-            for stream, pipe in self._streams():
-                if pipe is not None and not pipe.closed:
-                    self._read_locked(stream, pipe.fileno(), drain=True)
+            streams = {
+                pipe.fileno(): stream
+                for stream, pipe in self._streams()
+                if pipe is not None and not pipe.closed
+            }
+            if not streams:
+                return
+            poller = select.poll()
+            for fd in streams:
+                poller.register(fd, select.POLLIN)
+            for fd, _events in poller.poll(0):
+                self._read_locked(streams[fd], fd, drain=True)
 
     def _end_output(self) -> None:
         """After the reaping (any thread): read what is left; the output is complete then
