@@ -365,18 +365,16 @@ async def _warm_call(
         call_id = next(pool.call_ids)
         with entry.lock:
             cancelled = ticket.cancelled
-            effects = None
+            started = False
             if not cancelled:
-                effects = entry.apply_locked(
-                    slot, lc.CallStarted(generation, call_id, pool.clock())
-                )
+                started = entry.start_call_locked(slot, generation, call_id, pool.clock())
                 ticket.generation = generation
                 ticket.call_id = call_id
                 ticket.ran_on = slot
         if cancelled:
             pool.settle(entry, ticket, "cancelled", None)
             raise CallCancelled("the call was cancelled", env=entry.spec.key)
-        if effects is None:
+        if not started:
             return False, None
     sock = process.sock
     assert sock is not None
@@ -395,7 +393,7 @@ async def _warm_call(
         pool.settle(entry, ticket, "failed", None)
         raise
     outcome = "failed"
-    replied: lc.Replied | None = None
+    replied_at: float | None = None
     cancels = 0
     frames = process.reader
     assert frames is not None
@@ -500,7 +498,7 @@ async def _warm_call(
                 ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR
             ) or reply_id != call_id:
                 raise not_the_reply(entry, slot, process, ftype, reply_id, call_id, payload)
-            replied = lc.Replied(generation, call_id, pool.clock())
+            replied_at = pool.clock()
             reply_buffers = None
             retained: list[str] = []
             if flags:
@@ -511,7 +509,7 @@ async def _warm_call(
                 except FrameError as exc:
                     raise protocol_error(entry, slot, process, str(exc)) from None
                 except HostResourceError:
-                    # The host's fault: the worker replied whole and stays, idle (replied).
+                    # The host's fault: the worker replied whole and stays, idle (replied_at).
                     process.finish_request(block, [block.name] if block is not None else [])
                     raise
             process.finish_request(block, retained)
@@ -560,7 +558,7 @@ async def _warm_call(
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
-        pool.settle(entry, ticket, outcome, replied)
+        pool.settle(entry, ticket, outcome, replied_at)
 
 
 # Whether the calling thread and a worker may only run on one and the same CPU, per worker:

@@ -71,6 +71,7 @@ class WorkerGeneration(Protocol):
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
     popen: Any  # the launched process, if the backend has one (None for an actor)
     death_detail: str | None  # how it died, where no exit code says it (Ray)
+    death_reported: bool  # the pool reported this generation's end (breaker, event)
 
     @property
     def reader(self) -> FrameSource | None: ...
@@ -112,6 +113,8 @@ class WorkerGeneration(Protocol):
     def release_refs(self, ref_ids: list[int]) -> None: ...
 
     def kill(self, stop: Stop) -> None: ...
+
+    def status_at_eof(self) -> int | None: ...
 
     def collect_exit(self) -> None: ...
 

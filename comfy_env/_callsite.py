@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from ._call import EventCallback
     from ._entry import EnvEntry, Slot, Ticket
     from ._errors import PoolClosedError
-    from ._lifecycle import Replied
     from ._settings import Settings
 
 # What ``prepare`` returns and ``call_prepared`` takes: the pickled body, its out-of-band
@@ -109,7 +108,7 @@ class CallSite(Protocol):
     def leave_queue(self, entry: EnvEntry, ticket: Ticket) -> None: ...
 
     def settle(
-        self, entry: EnvEntry, ticket: Ticket, outcome: str, replied: Replied | None
+        self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
     ) -> None: ...
 
     def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> None: ...

@@ -153,13 +153,39 @@ class EnvEntry:
         if isinstance(result, lc.Dropped):
             self.stale_events_dropped += 1
             return None
-        slot.state = result.state
+        self._store(slot, result.state)
         if isinstance(result.state, lc.Retired):
             process = slot.process
             if process is not None and process.generation == result.state.generation:
                 process.retire_reason = result.state.reason
             slot.live_refs.clear()  # they died with this generation
         return result.effects
+
+    @staticmethod
+    def _store(slot: Slot, state: lc.State) -> None:
+        """The one write of a slot's state, of a value the lifecycle module computed (lock
+        held; only the gate's methods call it: ``apply_locked``, ``start_call_locked``,
+        ``replied_locked``)."""
+        slot.state = state
+
+    def start_call_locked(self, slot: Slot, generation: int, call_id: int, at: float) -> bool:
+        """``CallStarted`` (lock held), the per-call pair without an event object
+        (``lc.call_started``). True if the call started; False if the gate dropped it (the
+        worker is not idle in that generation any more)."""
+        started = lc.call_started(slot.state, generation, call_id, at)
+        if started is not None:
+            self._store(slot, started)
+            return True
+        return self.apply_locked(slot, lc.CallStarted(generation, call_id, at)) is not None
+
+    def replied_locked(self, slot: Slot, generation: int, call_id: int, at: float) -> None:
+        """``Replied`` (lock held), as ``start_call_locked``: the worker goes back to idle, or a
+        late reply of a retired worker is dropped (and counted)."""
+        idle = lc.call_replied(slot.state, generation, call_id, at)
+        if idle is not None:
+            self._store(slot, idle)
+        else:
+            self.apply_locked(slot, lc.Replied(generation, call_id, at))
 
     def apply(self, slot: Slot, event: lc.Event) -> bool:
         """Apply ``event`` and run its effects. True if it changed the slot's state."""

@@ -3,11 +3,13 @@
 Data flow (who calls what; every builder retires through the gate first, then tells)::
 
     the call path (_pool, _acall)          on a read/send failure of generation g
-        crash_error(...)        gate(ChannelClosed g) -> why was it retired?
+        crash_error(...)        the exit status, if the kernel has it (status_at_eof)
+                                gate(ChannelClosed g) -> why was it retired?
                                   CLOSED / pool closed  -> PoolClosedError
                                   CANCELLED             -> CallCancelled (grace ran out)
-                                  else: wait (bounded) for the exit status and the last
-                                  output, then WorkerCrashed naming signal and tail
+                                  else: the status (or a bounded wait for it) and the last
+                                  output; the death reported (breaker, WorkerRetired);
+                                  then WorkerCrashed naming signal and tail
         timeout_error(...)      gate(DeadlineHit g, call id) -> CallTimeout; if something
                                 else retired it first, crash_error tells that instead
         protocol_error(...)     gate(ProtocolViolated g) -> ProtocolError
@@ -25,6 +27,7 @@ is dropped; the message then names the reason that actually won.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from comfy_env_worker.protocol import FrameType, Payload
@@ -55,9 +58,9 @@ class HostFault(Exception):
     """Carries a ``HostResourceError`` out of the exchange with the call's ``Replied``, so the
     worker that replied whole is settled as idle (not retired) while the call fails."""
 
-    def __init__(self, replied: lc.Replied, error: HostResourceError) -> None:
+    def __init__(self, replied_at: float, error: HostResourceError) -> None:
         super().__init__(str(error))
-        self.replied = replied
+        self.replied_at = replied_at
         self.error = error
 
 
@@ -77,8 +80,14 @@ def crash_error(
     label: str,
     closed: bool,
     cancel_grace: float,
+    report_death: Callable[[int | None, str], None],
 ) -> Exception:
-    """The error of a call whose worker's channel broke (``closed``: the pool is closing)."""
+    """The error of a call whose worker's channel broke (``closed``: the pool is closing;
+    ``report_death(exit status, last output)`` tells the breaker and subscribers)."""
+    # The common crash: the kernel holds the exit status already (the process is being torn
+    # down) and what it wrote is in the pipes; both are read here, before the gate's kill,
+    # which then has nothing to signal. The reactor reaps and reports a moment later.
+    rc = process.status_at_eof()
     entry.apply(slot, lc.ChannelClosed(process.generation))
     reason = retire_reason(slot, process.generation)
     if reason is lc.RetireReason.CLOSED or closed:
@@ -92,17 +101,22 @@ def crash_error(
             pid=process.pid,
             generation=process.generation,
         )
-    # Reap and drain here if the exit is already there (no hand-off to the reactor thread);
-    # else wait (bounded) for the exit status, so the message can name the signal.
-    process.collect_exit()
-    rc = process.wait_exit(1.0)
-    # A backend without exit codes (Ray) reports a death with rc None and its own words.
-    still_running = rc is None and not process.exited.is_set()
-    if still_running:
-        process.kill(lc.Stop.KILL)
+    # Else reap and drain here if the exit is there, or wait (bounded) for it, so the
+    # message can name the signal.
+    still_running = False
+    if rc is None:
+        process.collect_exit()
         rc = process.wait_exit(1.0)
-    process.wait_output(0.5)
+        # A backend without exit codes (Ray) reports a death with rc None and its own words.
+        still_running = rc is None and not process.exited.is_set()
+        if still_running:
+            process.kill(lc.Stop.KILL)
+            rc = process.wait_exit(1.0)
+        process.wait_output(0.5)
     tail = process.log.tail()
+    # Reported (the breaker, ``WorkerRetired``) before the caller hears of it, so a caller
+    # that calls again at once meets the breaker's verdict (else the reactor reports, once).
+    report_death(rc, tail)
     if still_running:
         what = "closed its channel while still running (it was killed)"
     elif rc is None and process.death_detail:
@@ -137,11 +151,12 @@ def timeout_error(
     label: str,
     closed: bool,
     cancel_grace: float,
+    report_death: Callable[[int | None, str], None],
 ) -> Exception:
     """The error of a call that missed its deadline: ``DeadlineHit`` stops its worker."""
     if not entry.apply(slot, lc.DeadlineHit(process.generation, call_id)):
         # Something else retired the worker first (crash, close, cancel): report that.
-        return crash_error(entry, slot, process, call_id, label, closed, cancel_grace)
+        return crash_error(entry, slot, process, call_id, label, closed, cancel_grace, report_death)
     return CallTimeout(
         f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
         f"worker pid {process.pid} (generation {process.generation}) was stopped",

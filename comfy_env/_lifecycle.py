@@ -328,13 +328,32 @@ _NOT_APPLICABLE = Dropped(NOT_APPLICABLE)
 _NO_WORKER = Dropped(NO_WORKER)
 
 
+def call_started(state: State | None, generation: int, call_id: int, at: float) -> InCall | None:
+    """``step(state, CallStarted(generation, call_id, at))`` for the per-call pair, without the
+    event and the ``Transition`` (on every call's path): the new state when it is the pair
+    (an ``Idle`` of that generation), else None, and ``step`` decides."""
+    if type(state) is Idle and generation == state.generation:
+        return InCall(generation, state.pid, call_id, at)
+    return None
+
+
+def call_replied(state: State | None, generation: int, call_id: int, at: float) -> Idle | None:
+    """``step(state, Replied(generation, call_id, at))`` for the per-call pair, as
+    ``call_started``: the new state when ``state`` is that call in that generation, else None
+    (and ``step`` decides: a late reply of a retired worker is dropped)."""
+    if type(state) is InCall and generation == state.generation and call_id == state.call_id:
+        return Idle(generation, state.pid, at)
+    return None
+
+
 def step(state: State | None, event: Event) -> Transition | Dropped:
     """The next state of a slot (``None``: never used) after ``event``, or why it was dropped.
 
-    On the hot path of every call (twice): the two per-call pairs, (Idle, CallStarted) and
-    (InCall, Replied) of the current generation and call, are answered first by exact type
-    (they return exactly what the general rules below would); drops return preallocated
-    ``Dropped`` values."""
+    The two per-call pairs, (Idle, CallStarted) and (InCall, Replied) of the current
+    generation and call, are answered first by exact type (they return exactly what the
+    general rules below would); the call path itself asks ``call_started`` and
+    ``call_replied`` for them, which build no event. Drops return preallocated ``Dropped``
+    values."""
     if type(state) is Idle:
         if type(event) is CallStarted and event.generation == state.generation:
             return Transition(InCall(state.generation, state.pid, event.call_id, event.at))

@@ -380,8 +380,7 @@ class Pool:
         if process.idle_channel_state() != "quiet":
             return
         call_id = next(self.call_ids)
-        event = lc.CallStarted(state.generation, call_id, self.clock())
-        if entry.apply_locked(slot, event) is None:
+        if not entry.start_call_locked(slot, state.generation, call_id, self.clock()):
             return  # cannot happen (Idle of this generation); the general path decides
         ticket.generation = state.generation
         ticket.call_id = call_id
@@ -404,18 +403,19 @@ class Pool:
             retired.dispose()
 
     def settle(
-        self, entry: EnvEntry, ticket: Ticket, outcome: str, replied: lc.Replied | None
+        self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
     ) -> None:
-        """End of a call, in one lock section: apply its ``Replied``, release its slot (to the
-        next waiter, if any) and count its outcome."""
+        """End of a call, in one lock section: apply its ``Replied`` (``replied_at``: when the
+        worker's whole reply arrived; None if it did not), release its slot (to the next
+        waiter, if any) and count its outcome."""
         retired = None
         with entry.lock:
             slot = ticket.slot
             if slot is not None:
-                if replied is not None:
+                if replied_at is not None:
                     # A reply that raced a kill is still delivered (the function completed);
                     # the gate drops this late Replied if the worker was retired meanwhile.
-                    entry.apply_locked(slot, replied)
+                    entry.replied_locked(slot, ticket.generation, ticket.call_id, replied_at)
                 ticket.slot = None
                 retired = release_locked(entry, slot)
             stage = ticket.stage
@@ -560,10 +560,10 @@ class Pool:
         """The rest of a call once it holds ``slot`` (None: acquiring failed and raised in
         the caller, who still must settle): exchange, decode, settle, count once."""
         outcome = "failed"
-        replied: lc.Replied | None = None
+        replied_at: float | None = None
         try:
             assert slot is not None
-            ftype, reply, reply_buffers, replied = self._exchange(
+            ftype, reply, reply_buffers, replied_at = self._exchange(
                 entry, slot, ticket, target, body, buffers, by_value, deadline
             )
             del buffers
@@ -574,7 +574,7 @@ class Pool:
             outcome = "ok"
             return result
         except HostFault as fault:
-            replied = fault.replied  # the worker replied whole: it goes back to idle
+            replied_at = fault.replied_at  # the worker replied whole: it goes back to idle
             raise chained(fault.error, None)  # noqa: B904
         except CallTimeout:
             outcome = "timed_out"
@@ -593,7 +593,7 @@ class Pool:
             outcome = "crashed"
             raise
         finally:
-            self.settle(entry, ticket, outcome, replied)
+            self.settle(entry, ticket, outcome, replied_at)
 
     @staticmethod
     def _pid_of(slot: Slot | None, generation: int) -> int | None:
@@ -610,12 +610,12 @@ class Pool:
         buffers: list[memoryview],
         by_value: bool,
         deadline: float | None,
-    ) -> tuple[int, Payload | memoryview, list[Any] | None, lc.Replied]:
+    ) -> tuple[int, Payload | memoryview, list[Any] | None, float]:
         """Send the call to the leased slot's worker (spawning one if needed) and read the reply.
 
         Returns the reply's type, body and out-of-band buffers (private copies; the worker has
-        been told it may reuse its blocks) and the ``Replied`` event, which ``settle``
-        applies."""
+        been told it may reuse its blocks) and the time of the reply (``Replied``, which
+        ``settle`` applies)."""
         started = ticket.started
         ticket.started = None
         while True:
@@ -640,18 +640,18 @@ class Pool:
                 )
             except NotDelivered:
                 continue  # it died with our request unread: the call never ran
-            replied = lc.Replied(generation, call_id, self.clock())
+            replied_at = self.clock()
             if not flags and block is None:
-                return ftype, reply, None, replied  # the small-call path: nothing out of band
+                return ftype, reply, None, replied_at  # the small-call path: nothing out of band
             try:
                 reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
             except FrameError as exc:
                 raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
             except HostResourceError as exc:  # the host's fault: the worker stays, idle
                 process.finish_request(block, [block.name] if block is not None else [])
-                raise chained(HostFault(replied, exc), None)  # noqa: B904
+                raise chained(HostFault(replied_at, exc), None)  # noqa: B904
             process.finish_request(block, retained)
-            return ftype, reply_body, reply_buffers, replied
+            return ftype, reply_body, reply_buffers, replied_at
 
     def _start(
         self,
@@ -700,11 +700,11 @@ class Pool:
         with entry.lock:
             if ticket.cancelled:
                 raise CallCancelled("the call was cancelled", env=entry.spec.key)
-            effects = entry.apply_locked(slot, lc.CallStarted(generation, call_id, self.clock()))
+            started = entry.start_call_locked(slot, generation, call_id, self.clock())
             ticket.generation = generation
             ticket.call_id = call_id
             ticket.ran_on = slot
-        if effects is None:
+        if not started:
             return process, 0  # died idle after we looked: a fresh worker takes it
         return process, call_id
 
@@ -890,6 +890,32 @@ class Pool:
             self._events,
         )
 
+    def _report_death(
+        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
+    ) -> None:
+        """Report a generation's end once: the crash-loop breaker counts it (deaths only, and
+        nothing while the pool closes) and subscribers get ``WorkerRetired``. The caller whose
+        call the death failed reports before it raises (``crash_error``), so a caller that
+        calls again at once meets the breaker's verdict and events keep their order; else
+        the reactor does when the exit is reported."""
+        with entry.lock:
+            if process.death_reported:
+                return
+            process.death_reported = True
+        reason = process.retire_reason or lc.RetireReason.CRASHED
+        if reason in lc.DEATHS and not self._closed:
+            self._record_death(entry, process.generation, reason, returncode, tail)
+        self._events.emit(
+            WorkerRetired(
+                entry.spec.key,
+                process.generation,
+                process.pid,
+                reason.value,
+                returncode,
+                signal_name(returncode),
+            )
+        )
+
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise self.closed_error()
@@ -939,15 +965,7 @@ class Pool:
 
     def _on_finished(self, entry: EnvEntry, process: WorkerGeneration) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
-        reason = process.retire_reason or lc.RetireReason.CRASHED
-        rc = process.returncode
-        if reason in lc.DEATHS and not self._closed:
-            self._record_death(entry, process.generation, reason, rc, process.log.tail())
-        self._events.emit(
-            WorkerRetired(
-                entry.spec.key, process.generation, process.pid, reason.value, rc, signal_name(rc)
-            )
-        )
+        self._report_death(entry, process, process.returncode, process.log.tail())
 
     def _send(
         self,
@@ -1067,14 +1085,28 @@ class Pool:
     ) -> Exception:
         """The error of a call whose worker's channel broke (``_failures.crash_error``)."""
         return crash_error(
-            entry, slot, process, call_id, label, self._closed, self.settings.cancel_grace
+            entry,
+            slot,
+            process,
+            call_id,
+            label,
+            self._closed,
+            self.settings.cancel_grace,
+            lambda rc, tail: self._report_death(entry, process, rc, tail),
         )
 
     def _timeout_error(
         self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
     ) -> Exception:
         return timeout_error(
-            entry, slot, process, call_id, label, self._closed, self.settings.cancel_grace
+            entry,
+            slot,
+            process,
+            call_id,
+            label,
+            self._closed,
+            self.settings.cancel_grace,
+            lambda rc, tail: self._report_death(entry, process, rc, tail),
         )
 
     # ---- shutdown ----

@@ -20,13 +20,17 @@ tied to a thread that lives as long as the pool. Immediately after, the host clo
 of the child's end: from then on the worker dying is an EOF on the host end, which is how a
 worker that exits during start-up is reported at once rather than after a timeout.
 
-Watching: the reactor watches a pidfd (exit, reaped at once so no zombie lingers) and the two
-output pipes (kept as a tail of recent lines for crash reports and forwarded to ``logging``).
-A caller whose call the exit failed collects the exit code and the last words itself
-(``collect_exit``: reaps and drains on its own thread when the exit is there; the reactor
-reports an exit a moment after reaping it, so the caller, not the reactor, goes first), or
-waits for the reactor's report when not. The slower scan for the generation's setsid
-descendants runs on a timer just after, so it never holds the GIL while that caller wakes.
+Watching: the reactor watches a pidfd (exit, reaped at once so no zombie lingers) and the
+stdout, stderr and log pipes (kept as a tail of recent lines for crash reports and forwarded
+to ``logging``). The host holds the pipes' write ends until the reaping, so a dying worker
+wakes the reactor once (its pidfd), not three times more at the moment its EOF wakes the
+caller; the output ends at the reaping (``_end_output``), whatever a descendant holds.
+A caller whose call the exit failed reads the exit status and the last words itself
+(``status_at_eof``: the kernel has the status before the worker can be reaped; nothing is
+reaped there), or reaps and drains when the exit is there (``collect_exit``), or waits for
+the reactor's report. The reactor reports an exit a moment after reaping it, so the caller,
+not the reactor, goes first. The slower scan for the generation's setsid descendants runs on
+a timer just after, so it never holds the GIL while that caller wakes.
 
 Handshake: the canary is encoded (and its shared-memory block filled) before the worker's
 HELLO arrives, while its interpreter starts; then CONFIG and the canary go out together.
@@ -129,7 +133,7 @@ LOAN_MIN = 256 << 10
 # Seconds a caller whose read saw the worker's EOF waits for the exit itself (collect_exit)
 # before it leaves the rest to the reactor; a closed channel means the exit is moments away.
 _COLLECT_WAIT = 0.1
-# Seconds from the reactor's reaping of an exited worker to its report (see _on_pidfd).
+# Seconds from a worker's exit (its pidfd) to the reactor's reaping and report (see _on_pidfd).
 _EXIT_REPORT_DELAY = 0.002
 # States of our argument blocks lent to a result (see ``_lend_own``).
 _LENT, _FINISHED, _RETURNED = 1, 2, 3
@@ -392,6 +396,52 @@ def _byte_code_current(source: str) -> bool:
     return True
 
 
+def _peek_exit(popen: subprocess.Popen[bytes]) -> int | None:
+    """The exit status of ``popen`` if it was reaped or is a zombie (left unreaped), else
+    None."""
+    if popen.returncode is not None:
+        return popen.returncode
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped meanwhile (the reactor)
+        return popen.returncode
+    if info is None:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status  # killed, or dumped core
+
+
+# ``/proc/<pid>/stat``: the per-process flag set once exit has begun (field 9).
+_PF_EXITING = 0x4
+
+
+def exiting_status(pid: int) -> int | None:
+    """The exit status of our child ``pid`` once the kernel has begun to tear it down
+    (``subprocess`` convention: the exit code, or minus the signal), before it can be reaped;
+    None while it runs, if the status is not final yet, or without ``/proc``.
+
+    Field 9 of ``/proc/<pid>/stat`` holds ``PF_EXITING``; field 52 (Linux 3.5+) the exit
+    status in ``wait`` form, set before the process closes its descriptors. A zero status
+    is trusted only from a zombie: an exit that has only just begun may not have stored its
+    status yet. The pid is ours and unreaped, so it names no other process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+        fields = data.rpartition(b")")[2].split()
+        state, flags, status = fields[0], int(fields[6]), int(fields[49])
+    except (OSError, IndexError, ValueError):
+        return None
+    if state != b"Z" and not flags & _PF_EXITING:
+        return None  # running: its channel closed some other way
+    if status == 0 and state != b"Z":
+        return None
+    if status & 0x7F:
+        return -(status & 0x7F)
+    return (status >> 8) & 0xFF
+
+
 def worker_environment(config: Settings, worker_id: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
     env["PYTHONNOUSERSITE"] = "1"
@@ -435,7 +485,6 @@ class WorkerProcess:
         # One thread at a time reads an output pipe (the tail keeps the order of its lines);
         # the streams read to their end, whose pipes the reactor closes (it owns the selector).
         self._output_lock = threading.Lock()
-        self._ended: set[str] = set()
         self.retire_reason: RetireReason | None = None  # set by the pool's gate
         self.popen: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
@@ -444,12 +493,18 @@ class WorkerProcess:
         self.hello: dict[str, Any] = {}
         self.returncode: int | None = None
         self.death_detail: str | None = None  # exit codes say it all here
+        self.death_reported = False  # by the pool (breaker, WorkerRetired), once
+        self._dying = False  # its exit status was read before the reaping (status_at_eof)
         self.exited = threading.Event()
         self.startup_seconds = 0.0
         self.log = WorkerLog(spec.key, spec.name, generation, config.stderr_tail_lines)
-        self.output_done = threading.Event()  # stdout, stderr and the log pipe all closed
-        self._open_streams = 0
+        self.output_done = threading.Event()  # reaped, and its output read to the end
+        # Read ends of the worker's stdout, stderr and log pipes, and the write ends the host
+        # keeps open (see ``launch``): nothing reaches EOF while the worker dies.
+        self._stdout: Any = None
+        self._stderr: Any = None
         self._log_pipe: Any = None
+        self._held_ends: list[int] = []
         self._cancel_fd: int | None = None  # write end of the cancel pipe (CANCEL frames)
         self._cancel_lock = threading.Lock()  # a descriptor is never closed under a writer
         self._pidfd: int | None = None
@@ -512,13 +567,28 @@ class WorkerProcess:
             parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:  # out of descriptors (EMFILE/ENFILE): nothing to release
             raise self._no_channel(exc) from exc
+        # stdout, stderr and the log pipe (records between calls, see comfy_env_worker.logs).
+        # The host keeps their write ends open until it has reaped the worker: a dying
+        # worker's pipes then never reach EOF, so the reactor thread is not woken by the
+        # death three times over at the moment the caller whose call it failed wakes (it
+        # cost crash detection about 0.2 ms). The exit is the pidfd's news; the output ends
+        # at the reaping (``_end_output``), and a descendant that escaped the group cannot
+        # hold it open.
+        pipes: list[int] = []
         try:
-            log_read, log_write = os.pipe()  # records between calls (see comfy_env_worker.logs)
+            for _ in range(3):
+                pipes.extend(os.pipe())
         except OSError as exc:
+            for fd in pipes:
+                os.close(fd)
             parent_sock.close()
             child_sock.close()
             raise self._no_channel(exc) from exc
+        out_read, out_write, err_read, err_write, log_read, log_write = pipes
+        self._stdout = os.fdopen(out_read, "rb", buffering=0)
+        self._stderr = os.fdopen(err_read, "rb", buffering=0)
         self._log_pipe = os.fdopen(log_read, "rb", buffering=0)
+        self._held_ends = [out_write, err_write, log_write]
         # CANCEL frames, read by the worker's watchdog while its main thread runs the call.
         cancel_read, self._cancel_fd = os.pipe()
         os.set_blocking(self._cancel_fd, False)
@@ -549,8 +619,8 @@ class WorkerProcess:
                 proc = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
+                    stdout=out_write,
+                    stderr=err_write,
                     pass_fds=(child_fd, log_write, cancel_read),
                     close_fds=True,
                     start_new_session=True,
@@ -575,12 +645,11 @@ class WorkerProcess:
                 ) from exc
         except BaseException:
             self.dispose()
-            if self.popen is None:  # nothing forked, so the reactor never took the pipe
-                self._log_pipe.close()
+            if self.popen is None:  # nothing forked, so the reactor never took the pipes
+                self._close_pipes()
             raise
         finally:
             child_sock.close()  # the worker holds the only other end now
-            os.close(log_write)
             os.close(cancel_read)
 
     def _no_channel(self, exc: OSError) -> WorkerStartError:
@@ -1001,10 +1070,8 @@ class WorkerProcess:
 
     def _watch(self) -> None:
         popen = self.popen
-        assert popen is not None and popen.stdout is not None and popen.stderr is not None
-        streams = (("stdout", popen.stdout), ("stderr", popen.stderr), ("log", self._log_pipe))
-        self._open_streams = len(streams)
-        for stream, pipe in streams:
+        assert popen is not None
+        for stream, pipe in self._streams():
             os.set_blocking(pipe.fileno(), False)
             self.reactor.add_reader(pipe, self._make_pipe_reader(stream, pipe))
         pidfd_open = getattr(os, "pidfd_open", None)
@@ -1018,6 +1085,9 @@ class WorkerProcess:
         else:  # pragma: no cover - kernels without pidfd: poll the exit status
             self._poll_exit()
 
+    def _streams(self) -> tuple[tuple[str, Any], ...]:
+        return (("stdout", self._stdout), ("stderr", self._stderr), ("log", self._log_pipe))
+
     def _make_pipe_reader(self, stream: str, pipe: Any) -> Callable[[], None]:
         fd = pipe.fileno()
 
@@ -1025,20 +1095,15 @@ class WorkerProcess:
             with self._output_lock:
                 if pipe.closed:
                     return
-                ended = stream in self._ended  # a caller read it to its end (collect_exit)
-                last = False if ended else self._read_locked(stream, fd, drain=False)
-                if ended or last:
+                if self._read_locked(stream, fd, drain=False):
+                    # EOF although we hold a write end: only after ``_close_pipes`` began.
                     self.reactor.remove_reader(pipe)
-                    pipe.close()
-            if last:
-                self._stream_ended()
 
         return on_readable
 
     def _read_locked(self, stream: str, fd: int, drain: bool) -> bool:
         """Under ``_output_lock``: read what ``stream`` holds (one read, or until it would block
-        when ``drain``). True when it ended (EOF), which is recorded here; the caller then calls
-        ``_stream_ended`` outside the lock."""
+        when ``drain``) into the log. True at EOF."""
         while True:
             try:
                 data = os.read(fd, 65536)
@@ -1047,10 +1112,6 @@ class WorkerProcess:
             except OSError:
                 data = b""
             if not data:
-                self._ended.add(stream)
-                if stream != "log":
-                    self.log.finish_native(stream)
-                self._open_streams -= 1
                 return True
             if stream == "log":
                 self.log.feed_pipe(data)
@@ -1059,14 +1120,60 @@ class WorkerProcess:
             if not drain:
                 return False
 
-    def _stream_ended(self) -> None:
+    def status_at_eof(self) -> int | None:
+        """Caller thread, after its read of the channel saw the worker's EOF: the exit status
+        if the kernel has it already, with the output pipes drained (everything the worker
+        wrote is in them: it closed its descriptors); None if not (the caller then waits for
+        it, ``collect_exit``). Nothing is reaped here: the reactor reaps and reports the exit
+        as usual a moment later, so this thread does no more than the crash report needs.
+
+        Known already: a zombie (``waitid`` with ``WNOWAIT`` peeks at its status; usually
+        the case by the time the caller runs), or a process the kernel is tearing down. A
+        dying process closes its descriptors (our EOF) before it becomes a zombie, but its
+        status is set before either (``exiting_status``)."""
+        popen = self.popen
+        if popen is None or os.getpid() != self._owner_pid:
+            return None
+        rc = _peek_exit(popen)
+        if rc is None:
+            rc = exiting_status(popen.pid)  # several times dearer than the peek
+        if rc is None:
+            return None
+        self._dying = True  # ``kill`` has nothing left to signal until the reaping
+        self._drain_output()
+        return rc
+
+    def _drain_output(self) -> None:
+        """Read what the output pipes hold now, on this thread (until they would block). One
+        ``poll`` first, so a pipe with nothing in it (the usual case) costs no read: on a
+        crash this runs while the reactor wakes, and each system call hands it the GIL."""
         with self._output_lock:
-            done = self._open_streams == 0 and not self._output_closed
-            if done:
-                self._output_closed = True
-        if done:
-            self._maybe_finished()
-            self.output_done.set()
+            streams = {
+                pipe.fileno(): stream
+                for stream, pipe in self._streams()
+                if pipe is not None and not pipe.closed
+            }
+            if not streams:
+                return
+            poller = select.poll()
+            for fd in streams:
+                poller.register(fd, select.POLLIN)
+            for fd, _events in poller.poll(0):
+                self._read_locked(streams[fd], fd, drain=True)
+
+    def _end_output(self) -> None:
+        """After the reaping (any thread): read what is left; the output is complete then
+        (a descendant still writing is being killed with the group). The descriptors are
+        closed on the reactor thread, which owns the selector."""
+        self._drain_output()
+        with self._output_lock:
+            self._output_closed = True
+        self._maybe_finished()
+        self.output_done.set()
+        if self.reactor.running and not self.reactor.in_reactor_thread():
+            self.reactor.call_soon(self._close_pipes)
+        else:
+            self._close_pipes()
 
     def collect_exit(self) -> None:
         """Caller thread, after its read of the channel saw the worker's EOF: reap the process
@@ -1087,33 +1194,28 @@ class WorkerProcess:
             return
         if popen.poll() is None:
             return  # the reactor holds the wait (it reaps at this moment): leave it the rest
-        last = False
-        with self._output_lock:
-            for stream, pipe in (
-                ("stdout", popen.stdout),
-                ("stderr", popen.stderr),
-                ("log", self._log_pipe),
-            ):
-                if pipe is None or pipe.closed or stream in self._ended:
-                    continue
-                last = self._read_locked(stream, pipe.fileno(), drain=True) or last
-        if last:
-            self._stream_ended()
+        self._drain_output()
         assert popen.returncode is not None
         self._reaped(popen.returncode)
 
     def _on_pidfd(self) -> None:
         assert self.popen is not None and self._pidfd is not None
         self.reactor.remove_reader(self._pidfd)
+        # Reaped and reported a moment later: a caller whose read saw the EOF writes its
+        # crash report first, on its own thread (status_at_eof), instead of trading the GIL
+        # with this thread at each of the reaping's system calls (the hand-off measured most
+        # of crash detection's cost over a raw child's EOF). Nobody waits on this for an idle
+        # worker; close waits for ``exited`` and force_close reaps what is still due.
+        self.reactor.call_later(_EXIT_REPORT_DELAY, self._reap)
+
+    def _reap(self) -> None:
+        """Reactor thread, just after the exit: reap (no zombie lingers) and report."""
+        assert self.popen is not None
+        if self._pidfd is None:
+            return  # force_close got here first
         os.close(self._pidfd)
         self._pidfd = None
-        rc = self.popen.wait()  # reaped at once: no zombie lingers
-        # Reported a moment later: a caller whose read saw the EOF reports it first, on its
-        # own thread (collect_exit), instead of queueing behind this thread for the GIL (the
-        # hand-off measured most of crash detection's cost over a raw child's EOF). Nobody
-        # waits on this for an idle worker; close waits for ``exited`` and force_close
-        # reports what is still due.
-        self.reactor.call_later(_EXIT_REPORT_DELAY, lambda: self._reaped(rc))
+        self._reaped(self.popen.wait())
 
     def _poll_exit(self) -> None:  # pragma: no cover - fallback without pidfd
         assert self.popen is not None
@@ -1158,10 +1260,7 @@ class WorkerProcess:
         self._on_exit(self)
         with self._exit_lock:
             self._exit_reported = True
-        self._maybe_finished()
-        if not self._finished and self.reactor.running:
-            # A grandchild that escaped the group may hold the output pipes: don't wait forever.
-            self.reactor.call_later(0.5, self._finish_now)
+        self._end_output()
         self.exited.set()
         # Descendants that left the group (setsid) carry the generation's mark. Found by a
         # scan of /proc (about 10 us a process, over a millisecond on a busy machine) that
@@ -1194,22 +1293,24 @@ class WorkerProcess:
             self._finished = True
         self._on_finished(self)
 
-    def _finish_now(self) -> None:
-        """Half a second after the exit, output pipes still open are held by a descendant
-        that escaped every stop (it cleared its environment): stop reading them and close
-        our ends, so a dead generation holds no host descriptors."""
-        if not self._finished:
-            self._close_output()
+    def _close_pipes(self) -> None:
+        """Reactor thread (or no reactor): stop reading the output pipes and close both our
+        ends of each. Idempotent."""
+        with self._output_lock:  # never under a thread draining them
+            for _stream, pipe in self._streams():
+                if pipe is not None and not pipe.closed:
+                    if self.popen is not None:
+                        self.reactor.remove_reader(pipe)
+                    pipe.close()
+            held, self._held_ends = self._held_ends, []
+            for fd in held:
+                os.close(fd)
 
     def _close_output(self) -> None:
-        popen = self.popen
-        with self._output_lock:  # never under a caller draining it (collect_exit)
-            if popen is not None:
-                for pipe in (popen.stdout, popen.stderr, self._log_pipe):
-                    if pipe is not None and not pipe.closed:
-                        self.reactor.remove_reader(pipe)
-                        pipe.close()
+        """Pool close, last resort: the output ends here even if the worker was not reaped."""
+        with self._output_lock:
             self._output_closed = True
+        self._close_pipes()
         self._maybe_finished()
         self.output_done.set()
 
@@ -1231,6 +1332,8 @@ class WorkerProcess:
         ``kill_grace``. ``KILL`` is SIGKILL at once. All but ``ASK`` also shut the channel down,
         which wakes a thread blocked reading it."""
         self._kill_requested = True
+        if self._dying:
+            return  # its exit status is known: nothing of it is left to stop or wake
         if stop is not Stop.ASK and self.sock is not None:
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -1361,11 +1464,14 @@ class WorkerProcess:
         if self.sock is not None:
             self.sock.close()
         self._close_cancel_pipe()
+        for _stream, pipe in self._streams():
+            if pipe is not None:
+                pipe.close()
+        held, self._held_ends = self._held_ends, []
+        for fd in held:
+            os.close(fd)
         popen = self.popen
         if popen is not None:
-            for pipe in (popen.stdout, popen.stderr, self._log_pipe):
-                if pipe is not None:
-                    pipe.close()
             popen.returncode = 0  # not our child: never wait for it here
         if self._pidfd is not None:
             os.close(self._pidfd)

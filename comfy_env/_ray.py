@@ -484,6 +484,7 @@ class RayWorker:
         self.hello: dict[str, Any] = {}
         self.returncode: int | None = None  # Ray reports none; a signal when the log says it
         self.death_detail: str | None = None  # what Ray said about the death
+        self.death_reported = False  # by the pool (breaker, WorkerRetired), once
         self.fault: str | None = None  # a Ray error that made the host stop the actor
         self.exited = threading.Event()
         self.output_done = threading.Event()
@@ -731,6 +732,10 @@ class RayWorker:
             ray_module().kill(self.actor, no_restart=True)
         except Exception as exc:  # noqa: BLE001 - already gone, or Ray shut down
             _log.debug("comfy-env: ray.kill of actor %s: %s", self.actor_id, exc)
+
+    def status_at_eof(self) -> int | None:
+        """Never known at once: Ray tells an actor's death in its own notice (``wait_exit``)."""
+        return None
 
     def collect_exit(self) -> None:
         """Nothing to collect on the caller's thread: Ray reports an actor's death through its

@@ -6,6 +6,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -78,6 +80,79 @@ def test_the_crashed_caller_collects_exit_and_last_words_without_the_reactor(
     assert [(e.generation, e.reason, e.signal) for e in retired] == [(1, "crashed", "SIGSEGV")]
     stats = w.stats()
     assert (stats.crashed, stats.ok, stats.spawns, w.generation) == (1, 2, 2, 2)
+
+
+def test_the_crashed_caller_reports_the_death_before_it_raises(pool: comfy_env.Pool) -> None:
+    # The breaker counts the death and subscribers get WorkerRetired from the caller's own
+    # thread, before WorkerCrashed reaches it: held busy, the reactor (which reaps) could
+    # tell neither. The worker is left unreaped until then, and reported once.
+    events: list[object] = []
+    pool.subscribe(events.append)
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    process = pool._entries[w.env].slots[0].process
+    assert process is not None and process.popen is not None
+    reactor = pool._reactor
+    assert reactor is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    reactor.call_soon(hold)
+    try:
+        assert held.wait(10)
+        with pytest.raises(WorkerCrashed) as info:
+            w.call("hardening_tasks:die", 7)
+        assert (info.value.exitcode, info.value.signal) == (7, None)
+        assert w.stats().restarts_in_window == 1
+        assert wait_until(lambda: any(type(e).__name__ == "WorkerRetired" for e in events), 10)
+        assert process.popen.returncode is None  # the reactor reaps it, once free again
+        assert not release.is_set()
+    finally:
+        release.set()
+    assert wait_until(lambda: process.exited.is_set(), 10)
+    assert process.popen.returncode == 7 and process.returncode == 7
+    time.sleep(0.2)  # a second report, if any, would arrive meanwhile
+    retired = [e for e in events if isinstance(e, comfy_env.WorkerRetired)]
+    assert [(e.generation, e.reason, e.exitcode) for e in retired] == [(1, "crashed", 7)]
+    assert w.stats().restarts_in_window == 1
+
+
+def test_exit_status_is_read_before_the_reaping_and_leaves_the_zombie() -> None:
+    from comfy_env._process import _peek_exit, exiting_status
+
+    code = "import os, sys; sys.stdin.read(1); os._exit(int(sys.argv[1]))"
+    for how, expected in (("exit 3", 3), ("exit 0", 0), ("SIGKILL", -signal.SIGKILL)):
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, how.split()[-1] if how != "SIGKILL" else "0"],
+            stdin=subprocess.PIPE,
+        )
+        try:
+            assert exiting_status(child.pid) is None  # running
+            assert _peek_exit(child) is None
+            if how == "SIGKILL":
+                child.kill()
+            else:
+                assert child.stdin is not None
+                child.stdin.write(b"x")
+                child.stdin.flush()
+            # A zombie: both readings give the status, and neither reaps it.
+            assert wait_until(lambda c=child: _peek_exit(c) is not None, 10)
+            assert _peek_exit(child) == expected
+            assert exiting_status(child.pid) == expected
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                assert f.read().rpartition(b")")[2].split()[0] == b"Z"
+            assert child.wait(5) == expected  # ours to reap
+            assert _peek_exit(child) == expected  # known from the reaping now
+            assert exiting_status(child.pid) is None  # gone from /proc
+        finally:
+            if child.stdin is not None:
+                child.stdin.close()
+            if child.returncode is None:
+                child.kill()
+                child.wait()
 
 
 def test_next_call_after_a_crash_runs_on_the_next_generation(pool: comfy_env.Pool) -> None:
@@ -323,8 +398,10 @@ def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
         fds = sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))
         targets = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds}
         assert not any("held-open" in t for t in targets.values())
-        sockets = [t for t in targets.values() if t.startswith("socket:")]
-        assert len(sockets) == 1, targets  # its own channel, not the other worker's
+        # Its own channel, not the other worker's: one socket (held by two descriptors, the
+        # second one so that the channel ends with the process; see comfy_env_worker.main).
+        sockets = {t for t in targets.values() if t.startswith("socket:")}
+        assert len(sockets) == 1, targets
         host_pipe = os.readlink(f"/proc/self/fd/{read_end}")
         assert host_pipe not in targets.values()
         assert targets[0] == "/dev/null"

@@ -1015,8 +1015,10 @@ def test_a_dead_generation_holds_no_host_descriptors_while_a_descendant_keeps_it
     try:
         process = pool._entries[worker.env].slots[0].process
         assert process is not None and process.popen is not None
-        popen = process.popen
-        pipes = [p.fileno() for p in (popen.stdout, popen.stderr, process._log_pipe) if p]
+        streams = (process._stdout, process._stderr, process._log_pipe)
+        # Both ends: the host keeps the write ends open until the reaping (see launch).
+        pipes = [p.fileno() for p in streams if p] + list(process._held_ends)
+        assert len(pipes) == 6
         held = _links(pipes)
         assert held and all(link.startswith("pipe:") for link in held)
         with pytest.raises(comfy_env.WorkerCrashed):

@@ -315,6 +315,38 @@ def test_step_matches_the_table(state: lc.State | None, event: lc.Event, expecte
     assert lc.step(state, event) == expected
 
 
+@pytest.mark.parametrize(("state", "event"), ALL_PAIRS)
+def test_the_call_paths_shortcuts_agree_with_step(state: lc.State | None, event: lc.Event) -> None:
+    # The call path asks call_started / call_replied for the two per-call pairs (no event
+    # object): where they answer, it is step's new state with no effects; where they do not,
+    # step decides. Every representative state against both events, at every generation and
+    # for another call id.
+    if isinstance(event, lc.CallStarted):
+        shortcut = lc.call_started(state, event.generation, event.call_id, event.at)
+    elif isinstance(event, lc.Replied):
+        shortcut = lc.call_replied(state, event.generation, event.call_id, event.at)
+    else:
+        return
+    full = lc.step(state, event)
+    if shortcut is not None:
+        assert full == lc.Transition(shortcut)
+    else:
+        # Left to step: never the per-call pair itself.
+        assert not (
+            isinstance(full, lc.Transition)
+            and not full.effects
+            and type(full.state) is {lc.CallStarted: lc.InCall, lc.Replied: lc.Idle}[type(event)]
+        )
+
+
+def test_a_reply_for_another_call_is_not_a_shortcut() -> None:
+    in_call = STATES["InCall"]
+    assert isinstance(in_call, lc.InCall)
+    assert lc.call_replied(in_call, G, CALL_ID + 1, AT) is None
+    assert lc.call_replied(in_call, G, CALL_ID, AT) == lc.Idle(G, PID, AT)
+    assert lc.call_started(STATES["Idle"], G + 1, NEXT_CALL_ID, AT) is None
+
+
 # ---- named promises ---------------------------------------------------------------------------
 
 
@@ -605,23 +637,49 @@ def test_only_the_gate_assigns_a_slot_state_by_regex() -> None:
     ]
     assert sorted(hits) == [
         ("_entry.py", "self.state: lc.State | None = None"),  # Slot.__init__: the initial value
-        ("_entry.py", "slot.state = result.state"),  # EnvEntry.apply_locked: the gate
+        ("_entry.py", "slot.state = state"),  # EnvEntry._store: the gate's one write
     ]
 
 
 def test_only_the_gate_assigns_a_slot_state_by_ast() -> None:
     writes = _state_writes()
     where = sorted((file, scope) for file, scope, _ in writes)
-    assert where == [("_entry.py", "EnvEntry.apply_locked"), ("_entry.py", "Slot.__init__")]
+    assert where == [("_entry.py", "EnvEntry._store"), ("_entry.py", "Slot.__init__")]
     for _, scope, node in writes:
         if scope == "Slot.__init__":
             # The initial value only: a never-used slot.
             assert isinstance(node, ast.AnnAssign)
             assert isinstance(node.value, ast.Constant) and node.value.value is None
         else:
-            # The gate stores what ``step`` returned, and nothing else.
             assert isinstance(node, ast.Assign)
-            assert ast.unparse(node) == "slot.state = result.state"
+            assert ast.unparse(node) == "slot.state = state"
+
+
+def test_the_gate_stores_only_what_the_lifecycle_module_computed() -> None:
+    # ``_store`` is called by the gate's three methods only, each with the value a pure
+    # function of _lifecycle returned: ``step``'s new state, or a per-call shortcut's.
+    tree = ast.parse((PACKAGE / "_entry.py").read_text(encoding="utf-8"))
+    stores: list[tuple[str, str]] = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "_store"
+                ):
+                    stores.append((fn.name, ast.unparse(node.args[1])))
+    assert sorted(stores) == [
+        ("apply_locked", "result.state"),
+        ("replied_locked", "idle"),
+        ("start_call_locked", "started"),
+    ]
+    source = (PACKAGE / "_entry.py").read_text(encoding="utf-8")
+    assert "result = lc.step(slot.state, event)" in source
+    assert "started = lc.call_started(slot.state, generation, call_id, at)" in source
+    assert "idle = lc.call_replied(slot.state, generation, call_id, at)" in source
+    other = [p.name for p in PACKAGE.glob("*.py") if p.name != "_entry.py"]
+    assert not [name for name in other if "._store(" in (PACKAGE / name).read_text("utf-8")]
 
 
 def test_no_state_write_through_setattr() -> None:
