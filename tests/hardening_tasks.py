@@ -110,18 +110,3 @@ def spawn_setsid_sleeper(clear_env: bool) -> int:
 
 def die(code: int) -> None:
     os._exit(code)
-
-
-def parent_death_signal() -> int:
-    """PR_GET_PDEATHSIG of the calling thread (the worker's main thread runs calls)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    value = ctypes.c_int(-1)
-    if libc.prctl(2, ctypes.byref(value), 0, 0, 0) != 0:  # PR_GET_PDEATHSIG
-        raise OSError(ctypes.get_errno(), "prctl(PR_GET_PDEATHSIG)")
-    return value.value
-
-
-def thread_count() -> int:
-    return len(os.listdir("/proc/self/task"))

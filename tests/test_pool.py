@@ -467,55 +467,6 @@ def test_a_worker_starts_without_the_heavy_stdlib_modules() -> None:
         assert loaded == []
 
 
-def test_a_worker_has_one_thread_unless_call_control_has_work(
-    config: comfy_env.PoolConfig,
-) -> None:
-    # Issue 16 (crash detection): a second thread must be woken and exit before the kernel
-    # closes a killed worker's descriptors, so the watchdog runs only while it has work. Idle
-    # and during a plain call the worker is one thread; a cancel (the cancel pipe signals the
-    # main thread) or pending progress starts it, and it leaves when done.
-    with comfy_env.Pool(config) as pool:
-        worker = pool.get_worker(None)
-        assert worker.call("hardening_tasks:thread_count") == 1
-        time.sleep(0.3)  # idle: the main thread's read timed out and did the idle duties
-        assert worker.call("hardening_tasks:thread_count") == 1
-        pid = worker.pid
-        assert pid is not None
-        call = worker.submit("remote_tasks:cooperative_loop", (30,))
-        assert _wait(lambda: _sleeping(pid), 10)
-        assert len(os.listdir(f"/proc/{pid}/task")) == 1  # during a call, too
-        call.cancel()
-        with pytest.raises(comfy_env.CallCancelled):
-            call.result(10)
-        assert worker.pid == pid  # stopped in time: the same worker
-        assert _wait(lambda: len(os.listdir(f"/proc/{pid}/task")) == 1, 10)
-        assert worker.call("hardening_tasks:thread_count") == 1
-
-
-def test_an_idle_worker_arms_the_parent_death_signal_on_its_main_thread(
-    config: comfy_env.PoolConfig,
-) -> None:
-    # PR_SET_PDEATHSIG belongs to the thread that sets it: with no thread for good, the main
-    # thread arms it when it is first idle (or after a call, a second after its start).
-    with comfy_env.Pool(config) as pool:
-        worker = pool.get_worker(None)
-        worker.call("comfy_env_worker.tasks:echo", 1)
-        time.sleep(0.3)
-        assert worker.call("hardening_tasks:parent_death_signal") == signal.SIGKILL
-    with comfy_env.Pool(config) as pool:  # never idle for long
-        worker = pool.get_worker(None)
-        started = time.monotonic()
-        while time.monotonic() - started < 1.5:
-            worker.call("comfy_env_worker.tasks:sleep", 0.05)
-        worker.call("comfy_env_worker.tasks:echo", 1)
-        assert worker.call("hardening_tasks:parent_death_signal") == signal.SIGKILL
-
-
-def _sleeping(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].split()[0] == b"S"
-
-
 def test_the_runtime_dir_is_filled_while_the_first_worker_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -2,21 +2,16 @@
 
 Data flow::
 
-    host  --CANCEL(id)--> cancel pipe --signal--> main thread: start the watchdog thread
-                                          watchdog thread: CONTROL.cancel(id) sets the flag;
-                                            after ``interrupt_after`` seconds raises
-                                            ``Cancelled`` asynchronously in the thread running
-                                            the call (if it is still running); leaves when
-                                            nothing is due (``main.Watchdog``)
+    host  --CANCEL(id)--> cancel pipe --> watchdog thread: CONTROL.cancel(id)
+                                            sets the flag at once; after ``interrupt_after``
+                                            seconds raises ``Cancelled`` asynchronously in the
+                                            thread running the call (if it is still running)
     call code (main thread): cancelled() / raise_if_cancelled()   read the flag
                              progress(...) / emit(...)  --EVENT(id)--> host, in band
 
 The main thread runs calls and is the only reader of the channel, so cancel frames travel on a
-pipe of their own, read by the worker's watchdog thread, which runs only while there is such
-work (a cancel, progress left pending: ``on_pending``); the small-call path pays one
-uncontended lock at the start and one at the end of a call. The cancel's signal reaches the
-main thread between bytecodes or in a blocking system call, so the flag is set once the call's
-code runs Python again (or waits in the kernel), as the asynchronous ``Cancelled`` always was.
+pipe of their own, read by the worker's watchdog thread; the small-call path pays one
+uncontended lock at the start and one at the end of a call.
 
 **Races this module closes** (everything below runs under ``CallControl.lock``):
 
@@ -83,9 +78,6 @@ class CallControl:
         self.armed = False  # an asynchronous Cancelled is pending or landed for this call
         self.pending: Optional[Tuple[int, bytes]] = None  # coalesced progress (call id, data)
         self.last_progress = 0.0
-        # Called (outside the lock) when progress is left pending: the watchdog thread, which
-        # flushes it, runs only while it has work (see ``main.Watchdog``).
-        self.on_pending: Optional[Callable[[], None]] = None
 
     # ---- main thread ----
 
@@ -157,24 +149,19 @@ class CallControl:
             return  # outside a call nobody would read it
         payload = pickle.dumps((kind, data), protocol=4)
         now = time.monotonic()
-        left_pending = False
         with self.lock:  # one sender at a time, so frames keep the order of the calls
             if call_id != self.call_id:
                 return
-            if progress and now - self.last_progress < PROGRESS_INTERVAL:
-                self.pending = (call_id, payload)  # the latest wins; flushed later
-                left_pending = True
-            else:
-                if progress:
-                    self.pending = None  # superseded by this one
-                    self.last_progress = now
-                elif self.pending is not None:
-                    self.send(*self.pending)  # the progress reported before this event
-                    self.pending = None
-                self.send(call_id, payload)
-        wake = self.on_pending
-        if left_pending and wake is not None:
-            wake()
+            if progress:
+                if now - self.last_progress < PROGRESS_INTERVAL:
+                    self.pending = (call_id, payload)  # the latest wins; flushed later
+                    return
+                self.pending = None  # superseded by this one
+                self.last_progress = now
+            elif self.pending is not None:
+                self.send(*self.pending)  # the progress reported before this event
+                self.pending = None
+            self.send(call_id, payload)
 
 
 CONTROL: Optional[CallControl] = None  # set by the serve loop of a worker process

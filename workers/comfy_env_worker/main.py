@@ -10,29 +10,25 @@ Data flow (one worker process, one channel)::
     host  <-REPLY_OK(id) or REPLY_ERR(id)
 
 The main thread owns the channel: it blocks in ``recv`` between calls, so the host closing its
-end (or dying) is an EOF here and the worker exits. That read times out every so often
-(``SO_RCVTIMEO``) and the main thread does its idle duties (``Watchdog.idle``): a channel
-descriptor closed under it, a parent that is gone, reply blocks never acknowledged, and arming
-``PR_SET_PDEATHSIG``, which kills the worker with its host even inside a long native call (as
-does the host's watcher process). CANCEL frames come on a pipe of their own (the channel keeps
-one reader) that signals the main thread, whose handler starts the watchdog thread; it reads
-them and runs what call control has due (see ``control`` for cancellation, progress and
-events), and leaves when nothing is. So a worker is one thread while it is idle or runs a
-plain call, and dies as fast as any process when it is killed.
+end (or dying) is an EOF here and the worker exits. While a call runs, the main thread is busy,
+so a small watchdog thread polls the channel for hang-up (``POLLRDHUP``, without reading) and
+exits the process if the host goes away. The same thread reads CANCEL frames from the cancel
+pipe (a second host -> worker descriptor, so the channel keeps one reader) and runs what call
+control has due: see ``control`` for cancellation, progress and events. ``PR_SET_PDEATHSIG`` is
+the second line of defence on Linux. Together they close the race "host killed while the worker
+is inside a long native call".
 
 The worker never writes to fd 1/2 on behalf of the protocol: those are pipes the host reads as
 plain output. ``faulthandler`` writes there on a fatal signal, which is how a segfault's Python
 stack reaches the host.
 
 Stdlib only; parses under Python 3.8. Start-up imports only what the first call needs: the
-channel is the C socket type (``_socket``), locks and the watchdog come from ``_thread``, the
-cancel signal from ``_signal`` and ``fcntl``, and ``logging``, ``threading`` and ``ctypes``
-load when first used.
+channel is the C socket type (``_socket``), locks and the watchdog come from ``_thread``, and
+``logging``, ``threading`` and ``ctypes`` load when first used.
 """
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # no stub; `signal` costs ~1 ms at start
 import _socket
 import _thread
 import faulthandler
@@ -40,7 +36,6 @@ import importlib
 import os
 import pickle
 import select
-import struct
 import sys
 import time
 
@@ -200,8 +195,6 @@ class Worker:
         self.pin_lock = _thread.allocate_lock()
         self.spares_pending: Set[int] = set()  # size classes a helper thread is faulting in
         self.control = control.CallControl(self.send_event, 0.5)
-        # Run after each call's reply while set (``Watchdog.after_call``).
-        self.after_call: Optional[Callable[[], None]] = None
 
     def send_event(self, call_id: int, payload: bytes) -> bool:
         """An EVENT frame of the running call, in band (dropped once its reply went out)."""
@@ -282,9 +275,6 @@ class Worker:
                     # before the reply went out: the call ends cancelled.
                     self.control.end()
                     self.reply(FrameType.REPLY_ERR, call_id, error_record(exc))
-                after = self.after_call
-                if after is not None:
-                    after()
             elif ftype == FrameType.CONSUMED:
                 self.consumed(call_id)
             elif ftype == FrameType.RELEASE_REFS:
@@ -557,199 +547,52 @@ def _read_cancels(fd: int, buf: bytearray, calls: control.CallControl) -> bool:
     return True
 
 
-class Watchdog:
-    """The worker's second thread, which exists only while it has work (on Linux, where the
-    serve loop runs on the main thread): a worker with one thread dies as fast as any
-    process, while a second one must be woken and exit before the kernel closes the worker's
-    descriptors (measured: about 0.2 ms more from SIGKILL to the host's EOF).
+def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = None) -> None:
+    """Exit when the host's end of the channel hangs up, even while a call is running; expire
+    pinned reply blocks on time (a timer, not a check on the next call); read CANCEL frames
+    from the cancel pipe and run what call control has due (interrupt, progress flush)."""
+    poll_hup = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
+    fd = worker.sock.fileno()
+    calls = worker.control
 
-    - **Call control** (``control``): CANCEL frames arrive on the cancel pipe, which signals
-      the main thread (``O_ASYNC``, ``F_SETSIG``, ``F_SETOWN_EX``); the handler starts the
-      thread, which reads them, raises the delayed ``Cancelled`` when due and flushes
-      coalesced progress (``CallControl.on_pending`` starts it too). It leaves once none of
-      that is pending and the pipe is empty, under ``lock``, so a frame that arrives as it
-      leaves starts it again.
-    - **Idle duties** run on the main thread, when its read of the channel times out
-      (``SO_RCVTIMEO``, ``IDLE_TICK``): a channel descriptor closed under it (a stray
-      thread) or a host that is gone ends the worker; reply blocks the host never
-      acknowledged expire; the parent-death signal is armed (it belongs to the thread that
-      sets it, so only the main thread may). A host that dies while a call runs is the
-      parent-death signal's and the host watcher's to handle.
-    - **Elsewhere** (no signal on the thread that serves, as in a Ray actor, or a platform
-      without them) the thread starts at once and stays, doing all of it as before.
-
-    The race it must not lose: a CANCEL frame written just as the thread decides to leave.
-    The thread re-checks the pipe under ``lock`` and marks itself gone there; the handler
-    takes ``lock`` (re-entrant: it may interrupt the main thread inside ``ensure``) before it
-    looks, so it either sees the thread still running (which then sees the frame) or starts
-    a new one."""
-
-    def __init__(self, worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> None:
-        self.worker = worker
-        self.host_pid = host_pid
-        self.cancel_fd = cancel_fd
-        self.lock = _thread.RLock()
-        self.running = False
-        self.on_demand = False
-        self.pending = bytearray()  # a CANCEL frame read in part
-        self.arm_at: Optional[float] = time.monotonic() + _ARM_PDEATHSIG_AFTER
-
-    def start(self) -> None:
-        if self.cancel_fd is not None and self._signal_on_cancel():
-            self.on_demand = True
-            self.worker.control.on_pending = self.ensure
-            try:
-                self.worker.sock.setsockopt(
-                    _socket.SOL_SOCKET, _socket.SO_RCVTIMEO, _timeval(_IDLE_TICK)
-                )
-            except OSError:
-                self.on_demand = False
-            else:
-                self.worker.reader.on_idle = self.idle
-                return
-        self.worker.control.on_pending = None
-        self.ensure()  # for good: it also keeps the idle duties
-
-    def _signal_on_cancel(self) -> bool:
-        """Have the kernel signal the main thread when a CANCEL frame arrives. False where it
-        cannot (not the main thread, no ``F_SETSIG``): the thread then stays."""
-        if not sys.platform.startswith("linux") or _thread.get_ident() != _MAIN_THREAD:
-            return False
-        try:
-            import fcntl
-
-            fd = self.cancel_fd
-            assert fd is not None
-            _signal.signal(_CANCEL_SIGNAL, self._on_cancel_signal)
-            fcntl.fcntl(fd, _F_SETSIG, _CANCEL_SIGNAL)
-            owner = _OWNER(_F_OWNER_TID, _thread.get_native_id())
-            fcntl.fcntl(fd, _F_SETOWN_EX, owner)
-            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC | os.O_NONBLOCK)
-        except (ImportError, AttributeError, OSError, ValueError):
-            return False
-        return True
-
-    def _on_cancel_signal(self, signum: int, frame: Any) -> None:
-        self.ensure()
-
-    def ensure(self) -> None:
-        """Start the thread unless it runs (any thread, the signal handler included)."""
-        with self.lock:
-            if self.running:
-                return
-            self.running = True
-        # A bare thread: the threading module costs a worker 1.5-2 ms at start-up, and
-        # nothing here needs it. It never imports threading either (an import on this
-        # thread would make it threading's main thread).
-        _thread.start_new_thread(self._watch, ())
-
-    def idle(self) -> None:
-        """Main thread, its read of the channel timed out: the idle duties (see above)."""
-        worker = self.worker
-        if self.arm_at is not None and time.monotonic() >= self.arm_at:
-            self.arm_at = None
-            worker.after_call = None
-            _set_parent_death_signal()
-            # From now on a second between ticks is soon enough for the rest.
-            try:
-                worker.sock.setsockopt(
-                    _socket.SOL_SOCKET, _socket.SO_RCVTIMEO, _timeval(_IDLE_TICK_ARMED)
-                )
-            except OSError:
-                pass
-        self._check_host()
-        worker.expire_pins()
-        # A descriptor closed under the blocked read (by a stray thread): the socket lives on
-        # in that read, so no EOF would ever come.
+    def watch() -> None:
+        # The parent-death signal is armed here, off the start-up path, and only
+        # _ARM_PDEATHSIG_AFTER seconds after the handshake: importing and loading ctypes costs
+        # a few ms of CPU (and the GIL) that would otherwise land on the canary and the first
+        # call. Until then a host that dies is seen as a hang-up of the channel (polled here,
+        # during calls too) or an EOF between calls, as afterwards.
+        arm_at: Optional[float] = time.monotonic() + _ARM_PDEATHSIG_AFTER
         poller = select.poll()
-        poller.register(worker.sock.fileno(), _POLL_HUP)
-        for _fd, ev in poller.poll(0):
-            if ev & (_POLL_HUP | select.POLLERR | select.POLLNVAL):
-                _exit_orphaned(worker)
-
-    def after_call(self) -> None:
-        """Main thread, after a reply: a worker that is never idle arms the parent-death
-        signal here, once, a second after its start."""
-        arm_at = self.arm_at
-        if arm_at is not None and time.monotonic() >= arm_at + 1.0:
-            self.arm_at = None
-            self.worker.after_call = None
-            _set_parent_death_signal()
-
-    def _check_host(self) -> None:
-        # The channel may outlive the host in a copy of its descriptor: check the parent.
-        host_pid = self.host_pid
-        if host_pid and os.getppid() != host_pid and not _launched_via_wrapper:
-            _exit_orphaned(self.worker)
-
-    def _has_work(self, poller: Any) -> bool:
-        calls = self.worker.control
-        if calls.interrupt_at is not None or calls.pending is not None:
-            return True
-        return self.cancel_fd is not None and bool(poller.poll(0))
-
-    def _watch(self) -> None:
-        worker = self.worker
-        calls = worker.control
-        cancel_fd = self.cancel_fd
-        poller = select.poll()
-        poller.register(worker.sock.fileno(), _POLL_HUP)
-        pipe = select.poll()
+        poller.register(fd, poll_hup)
         if cancel_fd is not None:
             poller.register(cancel_fd, select.POLLIN)
-            pipe.register(cancel_fd, select.POLLIN)
-        wait = 0.0 if self.on_demand else 1.0
+        pending = bytearray()
+        wait = 1.0
         while True:
-            if not self.on_demand and self.arm_at is not None:
-                # For good (no signals): the parent-death signal is armed from here, off the
-                # start-up path, as the thread lives as long as the worker.
+            if arm_at is not None:
                 now = time.monotonic()
-                if now >= self.arm_at:
-                    self.arm_at = None
+                if now >= arm_at:
+                    arm_at = None
                     _set_parent_death_signal()
                 else:
-                    wait = min(wait, self.arm_at - now)
+                    wait = min(wait, arm_at - now)
             events = poller.poll(min(wait, 1.0) * 1000 + 1)
             for _fd, ev in events:
                 if _fd == cancel_fd:
-                    if not _read_cancels(cancel_fd, self.pending, calls):
+                    if not _read_cancels(cancel_fd, pending, calls):
                         poller.unregister(cancel_fd)  # the host closed it: it is going away
-                        pipe.unregister(cancel_fd)
-                        cancel_fd = None
                     continue
-                if ev & (_POLL_HUP | select.POLLERR | select.POLLNVAL):
+                if ev & (poll_hup | select.POLLERR | select.POLLNVAL):
                     _exit_orphaned(worker)
-            wait = calls.tick(time.monotonic())
-            if self.on_demand:
-                with self.lock:
-                    if not self._has_work(pipe):
-                        self.running = False
-                        return
-            else:
-                wait = min(wait, worker.expire_pins())
-                self._check_host()
+            wait = min(worker.expire_pins(), calls.tick(time.monotonic()))
+            # Fallback for the case a descriptor copy keeps the channel open: the host is gone.
+            if host_pid and os.getppid() != host_pid and not _launched_via_wrapper:
+                _exit_orphaned(worker)
 
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
-
-
-_TIMEVAL = struct.Struct("@ll")
-_OWNER = struct.Struct("@ii").pack  # struct f_owner_ex
-_POLL_HUP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
-_MAIN_THREAD = _thread.get_ident()  # this module is imported by the main thread (BOOT)
-# The signal that tells the main thread a CANCEL frame arrived (a real-time one, which no
-# library in the worker is likely to use); fcntl constants Python does not name.
-_CANCEL_SIGNAL = getattr(_signal, "SIGRTMIN", 34) + 7  # a real-time signal
-_F_SETSIG = 10
-_F_SETOWN_EX = 15
-_F_OWNER_TID = 0
-# Seconds a worker's read of its channel waits before the idle duties run (``Watchdog``):
-# until the parent-death signal is armed, then after.
-_IDLE_TICK = 0.1  # as _ARM_PDEATHSIG_AFTER
-_IDLE_TICK_ARMED = 1.0
+    # A bare thread: the threading module costs a worker 1.5-2 ms at start-up, before its
+    # first call, and nothing on that path needs it. The watchdog never imports it either (an
+    # import of threading on this thread would make this thread its main thread).
+    _thread.start_new_thread(watch, ())
 
 
 _launched_via_wrapper = False
@@ -760,7 +603,6 @@ _ARM_PDEATHSIG_AFTER = 0.1
 # write raw bytes at the host. Nothing in the serve loop reads this global.
 CHANNEL: Optional[_socket.socket] = None
 WORKER: Optional[Worker] = None
-_CHANNEL_HOLD: Optional[int] = None  # see ``main``
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -779,13 +621,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     # 2-3 ms at start-up, and the channel needs none of it.
     sock = _socket.socket(fileno=fd)
     os.set_inheritable(fd, False)  # our own children must not hold the channel open
-    # A second descriptor of the channel that no Python object owns: an exception that ends
-    # the interpreter (an uncaught one, SystemExit) runs its finalization, which closes the
-    # socket object, and the host would see EOF while this process still runs, and kill it
-    # (reported as SIGKILL, not as the exit it was). Held here, the channel ends with the
-    # process. (Stray threads closing fd N do not keep the worker alive: see ``Watchdog``.)
-    global _CHANNEL_HOLD
-    _CHANNEL_HOLD = os.dup(fd)
     CHANNEL = sock
     # Ctrl-C in the host's terminal is the host's business; we run in our own session, but a
     # host may still forward SIGINT deliberately, which then interrupts the call as usual.
@@ -807,9 +642,7 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
         logs.install(worker.outbox, worker.log_level)
         WORKER = worker
         control.CONTROL = worker.control
-        watchdog = Watchdog(worker, host_pid, cancel_fd)
-        watchdog.start()
-        worker.after_call = watchdog.after_call if watchdog.on_demand else None
+        _start_watchdog(worker, host_pid, cancel_fd)
         worker.serve()
     except ChannelClosed:
         code = 0  # the host closed the channel: nothing left to serve

@@ -30,7 +30,7 @@ import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Callable, List, Optional, Tuple, Union
+    from typing import Any, List, Optional, Tuple, Union
 
 PROTOCOL_VERSION = 1
 
@@ -151,7 +151,7 @@ class FrameReader:
     straight into a buffer of its exact size, so it is copied once.
     """
 
-    __slots__ = ("_buf", "_limit", "_poller", "_scratch", "_scratch_view", "_sock", "on_idle")
+    __slots__ = ("_buf", "_limit", "_poller", "_scratch", "_scratch_view", "_sock")
 
     def __init__(self, sock: _socket.socket, limit: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._sock = sock
@@ -160,10 +160,6 @@ class FrameReader:
         self._scratch_view = memoryview(self._scratch)
         self._limit = limit
         self._poller: Optional[select.poll] = None
-        # Called when a blocking read times out (the worker's channel has SO_RCVTIMEO set:
-        # its serve loop does its idle duties there), then the read goes on where it was.
-        # Without it such a timeout is raised (``BlockingIOError``).
-        self.on_idle: Optional[Callable[[], None]] = None
 
     @property
     def buffered(self) -> int:
@@ -209,19 +205,9 @@ class FrameReader:
         if not self._poller.poll(remaining * 1000.0 + 1.0):
             raise TimeoutError("deadline passed")
 
-    def _recv_into(self, view: memoryview) -> int:
-        """A blocking ``recv_into`` that survives the channel's receive timeout."""
-        while True:
-            try:
-                return self._sock.recv_into(view)
-            except BlockingIOError:
-                if self.on_idle is None:
-                    raise
-                self.on_idle()
-
     def _fill(self, deadline: Optional[float]) -> None:
         self._wait_readable(deadline)
-        n = self._recv_into(self._scratch_view)
+        n = self._sock.recv_into(self._scratch_view)
         if not n:
             raise ChannelClosed(partial=bool(self._buf))
         self._buf += self._scratch_view[:n]
@@ -237,13 +223,7 @@ class FrameReader:
             # Fast path: one recv that holds exactly one whole frame (every small call).
             if deadline is not None:
                 self._wait_readable(deadline)
-            try:
-                n = self._sock.recv_into(self._scratch_view)
-            except BlockingIOError:
-                if self.on_idle is None:
-                    raise
-                self.on_idle()
-                return self.read(deadline)
+            n = self._sock.recv_into(self._scratch_view)
             if not n:
                 raise ChannelClosed()
             if n >= HEADER_SIZE:
@@ -275,6 +255,7 @@ class FrameReader:
         big = bytearray(min(length, max(_EAGER_BYTES, have)))
         big[:have] = buf[HEADER_SIZE:]
         buf.clear()
+        sock = self._sock
         view = memoryview(big)
         try:
             while have < length:
@@ -283,7 +264,7 @@ class FrameReader:
                     big.extend(bytes(min(length, 2 * len(big)) - len(big)))
                     view = memoryview(big)
                 self._wait_readable(deadline)
-                n = self._recv_into(view[have:])
+                n = sock.recv_into(view[have:])
                 if n == 0:
                     raise ChannelClosed(partial=True)
                 have += n
