@@ -1084,30 +1084,26 @@ class Pool:
         self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
     ) -> Exception:
         """The error of a call whose worker's channel broke (``_failures.crash_error``)."""
-        return crash_error(
-            entry,
-            slot,
-            process,
-            call_id,
-            label,
-            self._closed,
-            self.settings.cancel_grace,
-            lambda rc, tail: self._report_death(entry, process, rc, tail),
-        )
+        return crash_error(*self._failure(entry, slot, process, call_id, label))
 
     def _timeout_error(
         self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
     ) -> Exception:
-        return timeout_error(
-            entry,
-            slot,
-            process,
-            call_id,
-            label,
-            self._closed,
-            self.settings.cancel_grace,
-            lambda rc, tail: self._report_death(entry, process, rc, tail),
-        )
+        return timeout_error(*self._failure(entry, slot, process, call_id, label))
+
+    def _failure(
+        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
+    ) -> tuple[
+        EnvEntry, Slot, WorkerGeneration, int, str, bool, float, Callable[[int | None, str], None]
+    ]:
+        """What both error builders of ``_failures`` take: the call, the pool's state, and how
+        to report the worker's death."""
+
+        def report_death(returncode: int | None, tail: str) -> None:
+            self._report_death(entry, process, returncode, tail)
+
+        closed, grace = self._closed, self.settings.cancel_grace
+        return entry, slot, process, call_id, label, closed, grace, report_death
 
     # ---- shutdown ----
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,26 @@ from conftest import alive, wait_until
 import comfy_env
 from comfy_env import CallTimeout, ProtocolError, WorkerCrashed
 from comfy_env_worker.protocol import FrameReader, encode_header
+
+
+@contextlib.contextmanager
+def _reactor_held(pool: comfy_env.Pool) -> Iterator[threading.Event]:
+    """Keep the pool's reactor thread busy inside the block (it reaps and reports exits);
+    yields the event that frees it, set on the way out."""
+    reactor = pool._reactor
+    assert reactor is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    reactor.call_soon(hold)
+    try:
+        assert held.wait(10)
+        yield release
+    finally:
+        release.set()
 
 
 def _wait_gone(pid: int, timeout: float = 5.0) -> None:
@@ -53,22 +75,10 @@ def test_the_crashed_caller_collects_exit_and_last_words_without_the_reactor(
     pool.subscribe(events.append)
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
-    reactor = pool._reactor
-    assert reactor is not None
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(30)
-
-    reactor.call_soon(hold)
-    try:
-        assert held.wait(10)
+    with _reactor_held(pool) as release:
         with pytest.raises(WorkerCrashed) as info:
             w.call("comfy_env_worker.tasks:crash")
         assert not release.is_set()  # the reactor was still held when the error was raised
-    finally:
-        release.set()
     err = info.value
     assert (err.exitcode, err.signal, err.generation) == (-signal.SIGSEGV, "SIGSEGV", 1)
     assert "Fatal Python error: Segmentation fault" in err.stderr_tail
@@ -92,17 +102,7 @@ def test_the_crashed_caller_reports_the_death_before_it_raises(pool: comfy_env.P
     w.call("comfy_env_worker.tasks:echo", 0)
     process = pool._entries[w.env].slots[0].process
     assert process is not None and process.popen is not None
-    reactor = pool._reactor
-    assert reactor is not None
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(30)
-
-    reactor.call_soon(hold)
-    try:
-        assert held.wait(10)
+    with _reactor_held(pool) as release:
         with pytest.raises(WorkerCrashed) as info:
             w.call("hardening_tasks:die", 7)
         assert (info.value.exitcode, info.value.signal) == (7, None)
@@ -110,8 +110,6 @@ def test_the_crashed_caller_reports_the_death_before_it_raises(pool: comfy_env.P
         assert wait_until(lambda: any(type(e).__name__ == "WorkerRetired" for e in events), 10)
         assert process.popen.returncode is None  # the reactor reaps it, once free again
         assert not release.is_set()
-    finally:
-        release.set()
     assert wait_until(lambda: process.exited.is_set(), 10)
     assert process.popen.returncode == 7 and process.returncode == 7
     time.sleep(0.2)  # a second report, if any, would arrive meanwhile
