@@ -55,8 +55,9 @@ class NotDelivered(Exception):
 
 
 class HostFault(Exception):
-    """Carries a ``HostResourceError`` out of the exchange with the call's ``Replied``, so the
-    worker that replied whole is settled as idle (not retired) while the call fails."""
+    """Carries a ``HostResourceError`` out of the exchange with the time of the call's reply
+    (its ``Replied``), so the worker that replied whole is settled as idle (not retired) while
+    the call fails."""
 
     def __init__(self, replied_at: float, error: HostResourceError) -> None:
         super().__init__(str(error))

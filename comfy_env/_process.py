@@ -1141,6 +1141,7 @@ class WorkerProcess:
             return None
         self._dying = True  # ``kill`` has nothing left to signal until the reaping
         self._drain_output()
+        self._finish_lines()
         return rc
 
     def _drain_output(self) -> None:
@@ -1161,11 +1162,19 @@ class WorkerProcess:
             for fd, _events in poller.poll(0):
                 self._read_locked(streams[fd], fd, drain=True)
 
+    def _finish_lines(self) -> None:
+        """The output is complete (the worker has exited): a last line without its newline
+        is a line too. (The pipes never reach EOF, which used to tell this: see ``launch``.)"""
+        with self._output_lock:
+            self.log.finish_native("stdout")
+            self.log.finish_native("stderr")
+
     def _end_output(self) -> None:
         """After the reaping (any thread): read what is left; the output is complete then
         (a descendant still writing is being killed with the group). The descriptors are
         closed on the reactor thread, which owns the selector."""
         self._drain_output()
+        self._finish_lines()
         with self._output_lock:
             self._output_closed = True
         self._maybe_finished()
@@ -1308,6 +1317,7 @@ class WorkerProcess:
 
     def _close_output(self) -> None:
         """Pool close, last resort: the output ends here even if the worker was not reaped."""
+        self._finish_lines()
         with self._output_lock:
             self._output_closed = True
         self._close_pipes()

@@ -110,3 +110,10 @@ def spawn_setsid_sleeper(clear_env: bool) -> int:
 
 def die(code: int) -> None:
     os._exit(code)
+
+
+def die_mid_line(code: int) -> None:
+    """Last words without a newline on both streams, then an exit."""
+    os.write(1, b"half a line on stdout")
+    os.write(2, b"half a line on stderr")
+    os._exit(code)

@@ -118,6 +118,17 @@ def test_the_crashed_caller_reports_the_death_before_it_raises(pool: comfy_env.P
     assert w.stats().restarts_in_window == 1
 
 
+def test_last_words_without_a_newline_reach_the_crash_report(pool: comfy_env.Pool) -> None:
+    # The output pipes never reach EOF while the host holds their write ends, so the output
+    # is complete when the worker has exited: a last line without its newline still counts.
+    w = pool.get_worker()
+    with pytest.raises(WorkerCrashed) as info:
+        w.call("hardening_tasks:die_mid_line", 5)
+    assert info.value.exitcode == 5
+    assert "half a line on stderr" in info.value.stderr_tail
+    assert "half a line on stdout" in info.value.stderr_tail
+
+
 def test_exit_status_is_read_before_the_reaping_and_leaves_the_zombie() -> None:
     from comfy_env._process import _peek_exit, exiting_status
 
