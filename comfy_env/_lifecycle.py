@@ -349,21 +349,10 @@ def call_replied(state: State | None, generation: int, call_id: int, at: float) 
 def step(state: State | None, event: Event) -> Transition | Dropped:
     """The next state of a slot (``None``: never used) after ``event``, or why it was dropped.
 
-    The two per-call pairs, (Idle, CallStarted) and (InCall, Replied) of the current
-    generation and call, are answered first by exact type (they return exactly what the
-    general rules below would); the call path itself asks ``call_started`` and
-    ``call_replied`` for them, which build no event. Drops return preallocated ``Dropped``
+    The call path asks ``call_started`` and ``call_replied`` for the two per-call pairs,
+    (Idle, CallStarted) and (InCall, Replied) of the current generation and call, which build
+    no event; the rules below give the same answers. Drops return preallocated ``Dropped``
     values."""
-    if type(state) is Idle:
-        if type(event) is CallStarted and event.generation == state.generation:
-            return Transition(InCall(state.generation, state.pid, event.call_id, event.at))
-    elif type(state) is InCall:
-        if (
-            type(event) is Replied
-            and event.generation == state.generation
-            and event.call_id == state.call_id
-        ):
-            return Transition(Idle(state.generation, state.pid, event.at))
     if isinstance(event, SpawnBegan):
         if state is None or (isinstance(state, Retired) and event.generation > state.generation):
             return Transition(Starting(event.generation))

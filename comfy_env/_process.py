@@ -1174,15 +1174,7 @@ class WorkerProcess:
         (a descendant still writing is being killed with the group). The descriptors are
         closed on the reactor thread, which owns the selector."""
         self._drain_output()
-        self._finish_lines()
-        with self._output_lock:
-            self._output_closed = True
-        self._maybe_finished()
-        self.output_done.set()
-        if self.reactor.running and not self.reactor.in_reactor_thread():
-            self.reactor.call_soon(self._close_pipes)
-        else:
-            self._close_pipes()
+        self._close_output()
 
     def collect_exit(self) -> None:
         """Caller thread, after its read of the channel saw the worker's EOF: reap the process
@@ -1203,9 +1195,8 @@ class WorkerProcess:
             return
         if popen.poll() is None:
             return  # the reactor holds the wait (it reaps at this moment): leave it the rest
-        self._drain_output()
         assert popen.returncode is not None
-        self._reaped(popen.returncode)
+        self._reaped(popen.returncode)  # drains the output too (``_end_output``)
 
     def _on_pidfd(self) -> None:
         assert self.popen is not None and self._pidfd is not None
@@ -1316,13 +1307,18 @@ class WorkerProcess:
                 os.close(fd)
 
     def _close_output(self) -> None:
-        """Pool close, last resort: the output ends here even if the worker was not reaped."""
+        """The output ends here: after the reaping (``_end_output``), or at pool close even if
+        the worker was not reaped (``force_close``). The descriptors are closed on the reactor
+        thread, which owns the selector."""
         self._finish_lines()
         with self._output_lock:
             self._output_closed = True
-        self._close_pipes()
         self._maybe_finished()
         self.output_done.set()
+        if self.reactor.running and not self.reactor.in_reactor_thread():
+            self.reactor.call_soon(self._close_pipes)
+        else:
+            self._close_pipes()
 
     # ---- stopping ----
 
