@@ -260,4 +260,5 @@ def worker_config(
         "generation": generation,
         # Cooperative code gets the first half of the grace to stop by itself.
         "cancel_interrupt_after": settings.cancel_grace / 2,
+        "spin_wait": settings.spin_wait,
     }

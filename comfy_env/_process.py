@@ -731,6 +731,8 @@ class WorkerProcess:
                 raise FrameError(f"expected READY, got frame type {ftype}")
             self.reader.limit = self.config.max_frame_bytes
             self._canary_check(deadline, value, block)
+            # Only now: the handshake and the canary wait on an interpreter's start-up.
+            self.reader.spin_wait(self.config.spin_wait, self.pid or 0)
         except TimeoutError:
             raise self._start_error(
                 f"did not finish its start-up within {self.config.start_timeout:g}s "

@@ -58,6 +58,7 @@ FIELDS = (
     "shm_pinned_ttl",
     "backend",
     "ray_address",
+    "spin_wait",
 )
 
 
@@ -91,6 +92,7 @@ class Settings:
     shm_pinned_ttl: float
     backend: str
     ray_address: str | None
+    spin_wait: float
 
     def __init__(self) -> None:
         # PoolConfig's defaults, field by field (tests/test_envs.py checks they are equal,
@@ -146,6 +148,7 @@ def _defaults() -> dict[str, Any]:
         "shm_pinned_ttl": 60.0,
         "backend": "local",
         "ray_address": None,
+        "spin_wait": 50e-6,
     }
 
 

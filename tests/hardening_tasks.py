@@ -117,3 +117,13 @@ def die_mid_line(code: int) -> None:
     os.write(1, b"half a line on stdout")
     os.write(2, b"half a line on stderr")
     os._exit(code)
+
+
+def spin_state() -> tuple[float, bool]:
+    """The worker's ``PoolConfig.spin_wait`` as it arrived, and whether its serve loop polls
+    for the next frame now (see ``FrameReader.spin_wait``)."""
+    from comfy_env_worker import main
+
+    worker = main.WORKER
+    assert worker is not None
+    return worker.spin_wait, worker.reader.spins()

@@ -195,6 +195,7 @@ class Worker:
         self.pin_lock = _thread.allocate_lock()
         self.spares_pending: Set[int] = set()  # size classes a helper thread is faulting in
         self.control = control.CallControl(self.send_event, 0.5)
+        self.spin_wait = 0.0  # seconds the serve loop polls for the next frame (CONFIG)
 
     def send_event(self, call_id: int, payload: bytes) -> bool:
         """An EVENT frame of the running call, in band (dropped once its reply went out)."""
@@ -256,6 +257,7 @@ class Worker:
         self.oob_min = int(config.get("oob_min_bytes") or self.threshold)
         refs.GENERATION = int(config.get("generation") or 0)
         self.control.interrupt_after = float(config.get("cancel_interrupt_after") or 0.0)
+        self.spin_wait = float(config.get("spin_wait") or 0.0)
         host_id = config.get("shm_host_id")
         if host_id and shm.shm_available():
             prefix = "%s%s-w%d-" % (shm.NAME_PREFIX, host_id, os.getpid())
@@ -643,6 +645,11 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
         WORKER = worker
         control.CONTROL = worker.control
         _start_watchdog(worker, host_pid, cancel_fd)
+        if host_pid:
+            # From the first call on (the handshake waits on the host's start-up, not on a
+            # reply). Not in a Ray actor (host_pid 0): its peer is a thread of this process,
+            # which a polling thread would only contend with for the GIL.
+            worker.reader.spin_wait(worker.spin_wait, host_pid)
         worker.serve()
     except ChannelClosed:
         code = 0  # the host closed the channel: nothing left to serve

@@ -1,0 +1,161 @@
+"""Polling before sleeping (``PoolConfig.spin_wait``, ``FrameReader.spin_wait``).
+
+A reader that polls must still read every frame whole, keep its deadline and see an EOF; the
+pool's caller and its worker both poll by default, not while they share one pinned CPU, and
+never with ``spin_wait=0``. Real worker processes throughout; nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import comfy_env
+from comfy_env._process import WorkerProcess
+from comfy_env_worker.protocol import HEADER, MAGIC, ChannelClosed, FrameReader, FrameType
+
+TASK = "hardening_tasks:spin_state"
+
+
+def _frame(call_id: int, payload: bytes) -> bytes:
+    return HEADER.pack(MAGIC, FrameType.REPLY_OK, 0, len(payload), call_id) + payload
+
+
+def _process(pool: comfy_env.Pool) -> WorkerProcess:
+    (entry,) = pool._entries.values()
+    process = entry.slots[0].process
+    assert isinstance(process, WorkerProcess)
+    return process
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    with a, b:
+        yield a, b
+
+
+@pytest.fixture
+def restore_affinity() -> Iterator[set[int]]:
+    mine = os.sched_getaffinity(0)
+    try:
+        yield mine
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def test_a_polling_reader_reads_frames_that_come_before_during_and_after_its_budget(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    reader = FrameReader(a)
+    reader.spin_wait(0.002, os.getpid())
+    assert reader.spins() == (len(os.sched_getaffinity(0)) > 1)
+    b.sendall(_frame(1, b"ready"))  # already there: no polling at all
+    assert reader.read() == (FrameType.REPLY_OK, 0, 1, b"ready")
+
+    def later() -> None:
+        b.sendall(_frame(2, b"soon"))  # within the budget: found by a poll
+        time.sleep(0.02)
+        b.sendall(_frame(3, b"late"))  # after it: found by the blocking read
+
+    writer = threading.Thread(target=later)
+    writer.start()
+    try:
+        assert reader.read() == (FrameType.REPLY_OK, 0, 2, b"soon")
+        assert reader.read() == (FrameType.REPLY_OK, 0, 3, b"late")
+    finally:
+        writer.join()
+    b.close()
+    with pytest.raises(ChannelClosed):
+        reader.read()  # EOF is readable: polling ends and the read reports it
+
+
+def test_a_polling_reader_keeps_a_deadline_shorter_than_its_budget(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, _b = pair
+    reader = FrameReader(a)
+    reader.spin_wait(0.01, os.getpid())  # the longest budget PoolConfig allows
+    with pytest.raises(TimeoutError):
+        reader.read(time.monotonic() + 0.001)
+    with pytest.raises(TimeoutError):
+        reader.read(time.monotonic() - 1.0)  # already passed
+
+
+def test_no_polling_while_both_ends_are_pinned_to_one_cpu(
+    pair: tuple[socket.socket, socket.socket], restore_affinity: set[int]
+) -> None:
+    cpus = sorted(restore_affinity)
+    reader = FrameReader(pair[0])
+    # The peer here is this very thread: pinned to one CPU, the two ends share it.
+    os.sched_setaffinity(0, {cpus[0]})
+    reader.spin_wait(0.001, threading.get_native_id())
+    assert not reader.spins()
+    os.sched_setaffinity(0, restore_affinity)
+    reader.spin_wait(0.001, threading.get_native_id())  # spin_wait re-checks at once
+    assert reader.spins() == (len(cpus) > 1)
+    reader.spin_wait(0.0, threading.get_native_id())
+    assert not reader.spins()
+
+
+def test_a_peer_that_cannot_be_seen_counts_as_running_elsewhere(
+    pair: tuple[socket.socket, socket.socket], restore_affinity: set[int]
+) -> None:
+    os.sched_setaffinity(0, {min(restore_affinity)})
+    reader = FrameReader(pair[0])
+    reader.spin_wait(0.001, 2**22 + 12345)  # above pid_max's default: no such process
+    assert reader.spins()
+
+
+def test_caller_and_worker_poll_by_default_and_calls_run_as_before(
+    pool: comfy_env.Pool, restore_affinity: set[int]
+) -> None:
+    worker = pool.get_worker(None)
+    many_cpus = len(restore_affinity) > 1
+    assert worker.call(TASK) == (50e-6, many_cpus)
+    assert _process(pool).reader is not None
+    assert _process(pool).reader.spins() == many_cpus  # type: ignore[union-attr]
+    assert [worker.call("remote_tasks:add", i, 1) for i in range(200)] == list(range(1, 201))
+
+
+def test_no_polling_on_either_side_when_caller_and_worker_share_one_pinned_cpu(
+    pool: comfy_env.Pool, restore_affinity: set[int]
+) -> None:
+    worker = pool.get_worker(None)
+    worker.call(TASK)
+    process = _process(pool)
+    assert process.pid is not None
+    cpu = {min(restore_affinity)}
+    os.sched_setaffinity(0, cpu)  # this thread: the caller
+    os.sched_setaffinity(process.pid, cpu)  # the worker's serving thread
+    reader = process.reader
+    assert reader is not None
+    reader.spin_wait(pool.config.spin_wait, process.pid)  # re-check now, not in 50 ms
+    assert not reader.spins()
+    time.sleep(0.06)  # the worker re-checks after SPIN_RECHECK seconds
+    assert worker.call(TASK) == (50e-6, False)
+
+
+def test_spin_wait_zero_never_polls(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config.model_copy(update={"spin_wait": 0.0})) as pool:
+        worker = pool.get_worker(None)
+        assert worker.call(TASK) == (0.0, False)
+        reader = _process(pool).reader
+        assert reader is not None and not reader.spins()
+
+
+def test_spin_wait_reads_the_environment_and_refuses_bad_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COMFY_ENV_SPIN_WAIT", "0.0002")
+    assert comfy_env.PoolConfig().spin_wait == 0.0002
+    monkeypatch.delenv("COMFY_ENV_SPIN_WAIT")
+    for bad in (-1e-6, 0.5, float("nan")):
+        with pytest.raises(comfy_env.ConfigError, match="spin_wait"):
+            comfy_env.PoolConfig(spin_wait=bad)
