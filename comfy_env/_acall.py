@@ -69,7 +69,14 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType
+from comfy_env_worker.protocol import (
+    CALLS_IN_FLIGHT,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    FrameType,
+    shares_one_cpu,
+)
 
 from . import _lifecycle as lc
 from ._call import EventCallback, deliver, event_handler
@@ -112,6 +119,23 @@ async def arun(
         entry, target, args, kwargs, timeout, ticket, None
     )
     ticket.on_event = on_event
+    CALLS_IN_FLIGHT.append(ticket)  # a sync caller's reader must not poll meanwhile
+    try:
+        return await _run_prepared(pool, entry, ticket, target, body, buffers, by_value, deadline)
+    finally:
+        CALLS_IN_FLIGHT.pop()
+
+
+async def _run_prepared(
+    pool: CallSite,
+    entry: EnvEntry,
+    ticket: Ticket,
+    target: str | Callable[..., Any],
+    body: bytes,
+    buffers: list[memoryview],
+    by_value: bool,
+    deadline: float | None,
+) -> Any:
     # A small in-band call by reference may start in the lease's own lock section, as the
     # sync call does (``Pool.start_locked``): one lock round instead of two.
     eager = not by_value and not buffers and len(body) <= _SMALL
@@ -576,13 +600,8 @@ def _shares_one_cpu(process: WorkerProcess, now: float) -> bool:
     if cached is not None and now - cached[0] < _AFFINITY_TTL:
         return cached[1]
     shared = False
-    getaffinity = getattr(os, "sched_getaffinity", None)  # Linux only
-    if getaffinity is not None and process.pid is not None:
-        try:
-            mine = getaffinity(0)
-            shared = len(mine) == 1 and getaffinity(process.pid) == mine
-        except OSError:  # the worker is gone (the read reports it), or not ours to inspect
-            shared = False
+    if hasattr(os, "sched_getaffinity") and process.pid is not None:  # Linux only
+        shared = shares_one_cpu(process.pid)
     _one_cpu[process] = (now, shared)
     return shared
 

@@ -63,6 +63,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker.protocol import (
+    CALLS_IN_FLIGHT,
     HEADER_SIZE,
     ChannelClosed,
     FrameError,
@@ -498,12 +499,18 @@ class Pool:
         by_value: bool,
         deadline: float | None,
     ) -> Any:
+        # Counted while it runs: a reader polls for its reply only while this process makes
+        # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
+        CALLS_IN_FLIGHT.append(ticket)
         try:
-            slot = self._acquire(entry, ticket, deadline, not by_value)
-        except BaseException as exc:
-            self.settle(entry, ticket, outcome_of(exc), None)
-            raise
-        return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
+            try:
+                slot = self._acquire(entry, ticket, deadline, not by_value)
+            except BaseException as exc:
+                self.settle(entry, ticket, outcome_of(exc), None)
+                raise
+            return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
+        finally:
+            CALLS_IN_FLIGHT.pop()
 
     def prepare(
         self,

@@ -76,6 +76,27 @@ def test_a_polling_reader_reads_frames_that_come_before_during_and_after_its_bud
         reader.read()  # EOF is readable: polling ends and the read reports it
 
 
+def test_a_reader_polls_only_after_a_wait_that_polling_would_have_caught(
+    pair: tuple[socket.socket, socket.socket], restore_affinity: set[int]
+) -> None:
+    if len(restore_affinity) < 2:
+        pytest.skip("one CPU: the reader never polls here")
+    a, b = pair
+    reader = FrameReader(a)
+    reader.spin_wait(0.001, os.getpid())
+    assert reader.spins()
+    timer = threading.Timer(0.03, b.sendall, (_frame(1, b"slow"),))
+    timer.start()
+    try:
+        assert reader.read()[3] == b"slow"  # 30 ms: longer than the 1 ms budget
+    finally:
+        timer.join()
+    assert not reader.spins()  # the next wait sleeps at once, and is timed
+    b.sendall(_frame(2, b"quick"))
+    assert reader.read()[3] == b"quick"  # waited about nothing
+    assert reader.spins()  # polling would have caught it: the next wait polls again
+
+
 def test_a_polling_reader_keeps_a_deadline_shorter_than_its_budget(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
@@ -113,15 +134,19 @@ def test_a_peer_that_cannot_be_seen_counts_as_running_elsewhere(
     assert reader.spins()
 
 
-def test_caller_and_worker_poll_by_default_and_calls_run_as_before(
-    pool: comfy_env.Pool, restore_affinity: set[int]
+def test_caller_and_worker_poll_and_calls_run_as_before(
+    config: comfy_env.PoolConfig, restore_affinity: set[int]
 ) -> None:
-    worker = pool.get_worker(None)
-    many_cpus = len(restore_affinity) > 1
-    assert worker.call(TASK) == (50e-6, many_cpus)
-    assert _process(pool).reader is not None
-    assert _process(pool).reader.spins() == many_cpus  # type: ignore[union-attr]
-    assert [worker.call("remote_tasks:add", i, 1) for i in range(200)] == list(range(1, 201))
+    assert comfy_env.PoolConfig().spin_wait == 50e-6  # the default
+    # The longest budget: every wait here between two calls is shorter, so both ends poll.
+    with comfy_env.Pool(config.model_copy(update={"spin_wait": 0.01})) as pool:
+        worker = pool.get_worker(None)
+        assert [worker.call("remote_tasks:add", i, 1) for i in range(200)] == list(range(1, 201))
+        many_cpus = len(restore_affinity) > 1
+        worker.call(TASK)  # its first call imports the task's module: a long wait
+        assert worker.call(TASK) == (0.01, many_cpus)
+        reader = _process(pool).reader
+        assert reader is not None and reader.spins() == many_cpus
 
 
 def test_no_polling_on_either_side_when_caller_and_worker_share_one_pinned_cpu(
@@ -139,7 +164,7 @@ def test_no_polling_on_either_side_when_caller_and_worker_share_one_pinned_cpu(
     reader.spin_wait(pool.config.spin_wait, process.pid)  # re-check now, not in 50 ms
     assert not reader.spins()
     time.sleep(0.06)  # the worker re-checks after SPIN_RECHECK seconds
-    assert worker.call(TASK) == (50e-6, False)
+    assert worker.call(TASK) == (pool.config.spin_wait, False)
 
 
 def test_spin_wait_zero_never_polls(config: comfy_env.PoolConfig) -> None:
