@@ -17,7 +17,9 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
                                            a non-blocking recv first (the worker often ran
                                            already), nothing yet -> yield the CPU to it once
                                            (cheaper than sleeping in select and being woken);
-                                           else, or still nothing, select for the rest
+                                           across CPUs, poll (FrameReader.spins: at most
+                                           spin_wait, never while another call is in
+                                           flight); still nothing, select for the rest
         loop.add_reader(channel)           only if the spin did not end the call: frames
                                            parsed as they arrive: LOG -> logging, EVENT ->
                                            on_event (on the loop), REPLY -> future
@@ -449,6 +451,11 @@ async def _warm_call(
                         data = frames.recv_nowait()
                     except (BlockingIOError, InterruptedError):
                         pass
+            elif frames.spins():
+                # Across CPUs: poll rather than sleep in select, as the sync path does (the
+                # wake-up is most of the round trip; FrameReader.spin_wait).
+                if frames.poll_until(min(spin_end, now + frames.spin_budget)):
+                    data = frames.recv_nowait()
             if data is None and fd < 1024:  # select()'s FD_SETSIZE
                 left = spin_end - time.monotonic()
                 if left > 0 and select.select((fd,), (), (), left)[0]:
@@ -523,6 +530,7 @@ async def _warm_call(
             ) or reply_id != call_id:
                 raise not_the_reply(entry, slot, process, ftype, reply_id, call_id, payload)
             replied_at = pool.clock()
+            frames.note_wait(time.monotonic() - now)  # polls next time only if it would pay
             reply_buffers = None
             retained: list[str] = []
             if flags:

@@ -179,7 +179,7 @@ class PoolConfig(BaseModel):
         "joins the cluster this process already initialised, else starts a local one.",
     )
     spin_wait: float = Field(
-        50e-6,
+        100e-6,
         ge=0,
         le=0.01,
         description="Seconds a caller waiting for a reply, and a worker waiting for its next "

@@ -148,7 +148,7 @@ def _defaults() -> dict[str, Any]:
         "shm_pinned_ttl": 60.0,
         "backend": "local",
         "ray_address": None,
-        "spin_wait": 50e-6,
+        "spin_wait": 100e-6,
     }
 
 

@@ -7,6 +7,7 @@ never with ``spin_wait=0``. Real worker processes throughout; nothing here asser
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -17,7 +18,14 @@ import pytest
 
 import comfy_env
 from comfy_env._process import WorkerProcess
-from comfy_env_worker.protocol import HEADER, MAGIC, ChannelClosed, FrameReader, FrameType
+from comfy_env_worker.protocol import (
+    CALLS_IN_FLIGHT,
+    HEADER,
+    MAGIC,
+    ChannelClosed,
+    FrameReader,
+    FrameType,
+)
 
 TASK = "hardening_tasks:spin_state"
 
@@ -137,7 +145,7 @@ def test_a_peer_that_cannot_be_seen_counts_as_running_elsewhere(
 def test_caller_and_worker_poll_and_calls_run_as_before(
     config: comfy_env.PoolConfig, restore_affinity: set[int]
 ) -> None:
-    assert comfy_env.PoolConfig().spin_wait == 50e-6  # the default
+    assert comfy_env.PoolConfig().spin_wait == 100e-6  # the default
     # The longest budget: every wait here between two calls is shorter, so both ends poll.
     with comfy_env.Pool(config.model_copy(update={"spin_wait": 0.01})) as pool:
         worker = pool.get_worker(None)
@@ -147,6 +155,56 @@ def test_caller_and_worker_poll_and_calls_run_as_before(
         assert worker.call(TASK) == (0.01, many_cpus)
         reader = _process(pool).reader
         assert reader is not None and reader.spins() == many_cpus
+
+
+def test_no_polling_while_the_process_makes_more_than_one_call(
+    pair: tuple[socket.socket, socket.socket], restore_affinity: set[int]
+) -> None:
+    if len(restore_affinity) < 2:
+        pytest.skip("one CPU: the reader never polls here")
+    reader = FrameReader(pair[0])
+    reader.spin_wait(0.001, os.getpid())
+    assert CALLS_IN_FLIGHT == [] and reader.spins()
+    CALLS_IN_FLIGHT.append(object())  # this thread's own call: it may poll
+    try:
+        assert reader.spins()
+        CALLS_IN_FLIGHT.append(object())  # another thread's call too: it may not
+        try:
+            assert not reader.spins()
+        finally:
+            CALLS_IN_FLIGHT.pop()
+    finally:
+        CALLS_IN_FLIGHT.pop()
+    assert reader.spins()
+
+
+def test_every_call_is_in_flight_while_it_runs_and_only_then(pool: comfy_env.Pool) -> None:
+    worker = pool.get_worker(None)
+    seen: list[int] = []
+    # on_event runs on the caller's thread while its call is in flight.
+    worker.run("remote_tasks:report", (2,), on_event=lambda _: seen.append(len(CALLS_IN_FLIGHT)))
+    assert seen == [1, 1]
+    # An asyncio call counts too (a sync caller's reader must not poll meanwhile).
+    asyncio.run(
+        worker.arun(
+            "remote_tasks:report", (2,), on_event=lambda _: seen.append(len(CALLS_IN_FLIGHT))
+        )
+    )
+    assert seen == [1, 1, 1, 1] and CALLS_IN_FLIGHT == []
+    running = worker.submit("remote_tasks:busy_loop", (0.5,))
+    deadline = time.monotonic() + 10
+    while not CALLS_IN_FLIGHT and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(CALLS_IN_FLIGHT) == 1  # the submitted call, on a thread of its own
+    running.result(10)
+    assert CALLS_IN_FLIGHT == []
+    with pytest.raises(comfy_env.RemoteError):
+        worker.call("remote_tasks:system_exit", 3)
+    with pytest.raises(comfy_env.CallTimeout):
+        worker.run("remote_tasks:busy_loop", (5.0,), timeout=0.2)
+    with pytest.raises(comfy_env.SerializationError):
+        worker.call("remote_tasks:add", threading.Lock())
+    assert CALLS_IN_FLIGHT == []
 
 
 def test_no_polling_on_either_side_when_caller_and_worker_share_one_pinned_cpu(

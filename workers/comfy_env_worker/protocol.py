@@ -232,7 +232,12 @@ class FrameReader:
 
     def spins(self) -> bool:
         """Whether the next read of a new frame polls before it blocks (see ``spin_wait``)."""
-        return self._spin > 0 and self._spin_short and self._spin_allowed(time.monotonic())
+        return (
+            self._spin > 0
+            and self._spin_short
+            and len(CALLS_IN_FLIGHT) <= 1
+            and self._spin_allowed(time.monotonic())
+        )
 
     def _spin_allowed(self, now: float) -> bool:
         if now >= self._spin_recheck:
@@ -256,20 +261,35 @@ class FrameReader:
             end = now + self._spin
             if deadline is not None and deadline < end:
                 end = deadline
-            poller = self._poller
-            if poller is None:
-                poller = self._poller = select.poll()
-                poller.register(self._sock.fileno(), select.POLLIN)
-            # poll(0), not a non-blocking recv: its EAGAIN exception costs 2 us a turn.
-            poll = poller.poll
-            while not poll(0):
-                os.sched_yield()
-                if time.monotonic() >= end:
-                    break
-            else:
+            if self.poll_until(end):
                 self._spin_since = 0.0  # (a wait cut short by a deadline left it set)
                 return  # readable within the budget: the next wait polls too
         self._spin_since = now
+
+    def poll_until(self, end: float) -> bool:
+        """Poll the socket, never blocking and yielding the CPU between polls, until it is
+        readable (True) or ``time.monotonic()`` reaches ``end`` (False)."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(self._sock.fileno(), select.POLLIN)
+        # poll(0), not a non-blocking recv: its EAGAIN exception costs 2 us a turn.
+        poll = poller.poll
+        while not poll(0):
+            os.sched_yield()
+            if time.monotonic() >= end:
+                return False
+        return True
+
+    @property
+    def spin_budget(self) -> float:
+        """Seconds a wait may poll (``spin_wait``; 0: never)."""
+        return self._spin
+
+    def note_wait(self, seconds: float) -> None:
+        """A wait for a frame on this channel that another reader did (the host's asyncio
+        path) took ``seconds``: the next wait polls only if polling would have caught it."""
+        self._spin_short = seconds <= self._spin
 
     def _waited(self) -> None:
         """A wait that did not end while polling ended: poll in the next one only if this one
