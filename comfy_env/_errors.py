@@ -242,10 +242,19 @@ def signal_name(returncode: int | None) -> str | None:
     """``-11`` -> ``"SIGSEGV"``; None for a normal exit or an unknown status."""
     if returncode is None or returncode >= 0:
         return None
-    try:
-        return _signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
+    name = _SIGNAL_NAMES.get(returncode)
+    if name is None:
+        # The enum lookup runs cold on a crash report (tens of microseconds), and a report
+        # names its signal several times: remembered per status.
+        try:
+            name = _signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        _SIGNAL_NAMES[returncode] = name
+    return name
+
+
+_SIGNAL_NAMES: dict[int, str] = {}
 
 
 _SIGNAL_HINTS = {

@@ -108,6 +108,11 @@ class Dispatcher:
 
         return unsubscribe
 
+    @property
+    def subscribed(self) -> bool:
+        """Whether anyone listens (an event nobody would get need not be built)."""
+        return bool(self._callbacks)
+
     def emit(self, event: Event) -> None:
         if not self._callbacks:
             return

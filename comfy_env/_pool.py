@@ -912,16 +912,17 @@ class Pool:
         reason = process.retire_reason or lc.RetireReason.CRASHED
         if reason in lc.DEATHS and not self._closed:
             self._record_death(entry, process.generation, reason, returncode, tail)
-        self._events.emit(
-            WorkerRetired(
-                entry.spec.key,
-                process.generation,
-                process.pid,
-                reason.value,
-                returncode,
-                signal_name(returncode),
+        if self._events.subscribed:  # no event object on a crash path nobody watches
+            self._events.emit(
+                WorkerRetired(
+                    entry.spec.key,
+                    process.generation,
+                    process.pid,
+                    reason.value,
+                    returncode,
+                    signal_name(returncode),
+                )
             )
-        )
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
