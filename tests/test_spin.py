@@ -18,6 +18,7 @@ import pytest
 
 import comfy_env
 from comfy_env._process import WorkerProcess
+from comfy_env_worker import protocol
 from comfy_env_worker.protocol import (
     CALLS_IN_FLIGHT,
     HEADER,
@@ -131,6 +132,26 @@ def test_no_polling_while_both_ends_are_pinned_to_one_cpu(
     assert reader.spins() == (len(cpus) > 1)
     reader.spin_wait(0.0, threading.get_native_id())
     assert not reader.spins()
+
+
+def test_on_one_pinned_cpu_the_masks_are_read_again_every_so_many_frames(
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looks: list[int] = []
+
+    def pinned(peer_pid: int) -> bool:
+        looks.append(peer_pid)
+        return True
+
+    monkeypatch.setattr(protocol, "shares_one_cpu", pinned)
+    a, b = pair
+    reader = FrameReader(a)
+    reader.spin_wait(0.001, 4242)
+    for i in range(2 * protocol.SPIN_RECHECK_READS + 2):
+        b.sendall(_frame(i, b"x"))
+        assert reader.read()[2] == i
+    # The first frame looks, then one look per SPIN_RECHECK_READS frames: never per frame.
+    assert looks == [4242] * 3
 
 
 def test_a_peer_that_cannot_be_seen_counts_as_running_elsewhere(

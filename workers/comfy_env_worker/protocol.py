@@ -76,6 +76,8 @@ _RECV_CHUNK = 64 * 1024
 
 # See ``FrameReader.spin_wait``: seconds between two checks of where the two ends may run.
 SPIN_RECHECK = 0.05
+# While both ends share one pinned CPU: frames between two looks (no clock on that path).
+SPIN_RECHECK_READS = 1000
 _spin_supported = hasattr(os, "sched_getaffinity") and hasattr(os, "sched_yield")
 # The calls this process is making right now, one entry each (the host's pool appends one for
 # the whole of every call; a worker makes none). A reader polls only while at most one call is
@@ -184,8 +186,9 @@ class FrameReader:
         "_scratch_view",
         "_sock",
         "_spin",
-        "_spin_ok",
+        "_spin_budget",
         "_spin_peer",
+        "_spin_pinned_reads",
         "_spin_recheck",
         "_spin_short",
         "_spin_since",
@@ -198,10 +201,11 @@ class FrameReader:
         self._scratch_view = memoryview(self._scratch)
         self._limit = limit
         self._poller: Optional[select.poll] = None
-        self._spin = 0.0
+        self._spin_budget = 0.0  # spin_wait's seconds (0: never poll)
+        self._spin = 0.0  # the budget, or 0 while both ends share one pinned CPU
         self._spin_peer = 0
-        self._spin_ok = False
-        self._spin_recheck = 0.0
+        self._spin_recheck = 0.0  # when to look at the affinity masks again (polling)
+        self._spin_pinned_reads = 0  # reads until the next look (pinned: no clock read)
         self._spin_short = True  # the last wait ended within the budget
         self._spin_since = 0.0  # when a wait that did not poll began (0: none pending)
 
@@ -215,8 +219,10 @@ class FrameReader:
         the CPU (``sched_yield``), so a peer that shares the CPU runs at once.
 
         Spinning is skipped while this thread and ``peer_pid`` are both pinned to the same
-        single CPU (re-checked every ``SPIN_RECHECK`` seconds): there the peer cannot run
-        while we poll, and the yields only add to a plain sleep and wake-up (measured).
+        single CPU (looked at again every ``SPIN_RECHECK`` seconds while polling, every
+        ``SPIN_RECHECK_READS`` frames while not, which costs that path no clock read): there
+        the peer cannot run while we poll, and the yields only add to a plain sleep and
+        wake-up (measured).
         A peer whose affinity cannot be read (another PID namespace) counts as movable.
 
         Adaptive, like a mutex that spins: a wait polls only if the previous one ended within
@@ -224,16 +230,17 @@ class FrameReader:
         or a worker whose next call comes rarely, would only burn the budget in every wait,
         CPU that other workers and caller threads need on a loaded machine. And no reader
         polls while its process makes more than one call at a time (``CALLS_IN_FLIGHT``)."""
-        self._spin = seconds if seconds > 0 and _spin_supported else 0.0
+        self._spin_budget = self._spin = seconds if seconds > 0 and _spin_supported else 0.0
         self._spin_peer = peer_pid
         self._spin_recheck = 0.0
+        self._spin_pinned_reads = 0
         self._spin_short = True
         self._spin_since = 0.0
 
     def spins(self) -> bool:
         """Whether the next read of a new frame polls before it blocks (see ``spin_wait``)."""
         return (
-            self._spin > 0
+            self._spin_budget > 0
             and self._spin_short
             and len(CALLS_IN_FLIGHT) <= 1
             and self._spin_allowed(time.monotonic())
@@ -242,11 +249,12 @@ class FrameReader:
     def _spin_allowed(self, now: float) -> bool:
         if now >= self._spin_recheck:
             self._recheck_affinity(now)
-        return self._spin_ok
+        return self._spin > 0
 
     def _recheck_affinity(self, now: float) -> None:
         self._spin_recheck = now + SPIN_RECHECK
-        self._spin_ok = not shares_one_cpu(self._spin_peer)
+        self._spin_pinned_reads = SPIN_RECHECK_READS
+        self._spin = 0.0 if shares_one_cpu(self._spin_peer) else self._spin_budget
 
     def _spin_until_readable(self, deadline: Optional[float]) -> None:
         """Poll the socket (never blocking) until it is readable, the spin budget is spent or
@@ -255,8 +263,8 @@ class FrameReader:
         now = time.monotonic()
         if now >= self._spin_recheck:
             self._recheck_affinity(now)
-        if not self._spin_ok:
-            return  # one pinned CPU: no polling, no timing
+            if not self._spin:
+                return  # one pinned CPU now: no polling, no timing
         if self._spin_short and len(CALLS_IN_FLIGHT) <= 1:
             end = now + self._spin
             if deadline is not None and deadline < end:
@@ -284,17 +292,17 @@ class FrameReader:
     @property
     def spin_budget(self) -> float:
         """Seconds a wait may poll (``spin_wait``; 0: never)."""
-        return self._spin
+        return self._spin_budget
 
     def note_wait(self, seconds: float) -> None:
         """A wait for a frame on this channel that another reader did (the host's asyncio
         path) took ``seconds``: the next wait polls only if polling would have caught it."""
-        self._spin_short = seconds <= self._spin
+        self._spin_short = seconds <= self._spin_budget
 
     def _waited(self) -> None:
         """A wait that did not end while polling ended: poll in the next one only if this one
         was short enough that polling would have caught its frame."""
-        self._spin_short = time.monotonic() - self._spin_since <= self._spin
+        self._spin_short = time.monotonic() - self._spin_since <= self._spin_budget
         self._spin_since = 0.0
 
     @property
@@ -359,6 +367,12 @@ class FrameReader:
             # Fast path: one recv that holds exactly one whole frame (every small call).
             if self._spin:
                 self._spin_until_readable(deadline)
+            elif self._spin_budget:
+                # Both ends on one pinned CPU (or not known yet): no clock read per frame;
+                # the masks are looked at again every SPIN_RECHECK_READS frames.
+                self._spin_pinned_reads -= 1
+                if self._spin_pinned_reads <= 0:
+                    self._recheck_affinity(time.monotonic())
             if deadline is not None:
                 self._wait_readable(deadline)
             n = self._sock.recv_into(self._scratch_view)
