@@ -16,10 +16,13 @@ Each *arm* is a long-lived child process that answers ``pin``/``run`` lines on s
 Per round every arm runs one batch, in an order shuffled per round (seeded). A batch reports
 wall us/call and the on-CPU us/call of the caller process (all threads) and of its worker,
 from ``/proc/<pid>/task/*/schedstat``. Placements: caller and worker on CPU 0 ("same"), caller
-on 0 and worker on 1 ("across"). Medians over rounds with min-max.
+on 0 and worker on 1 ("across"), both free to run on every CPU of this process ("free", where
+the scheduler puts them). Medians over rounds with min-max. Each arm is one process for the
+whole run: on this VM a process sometimes runs 1.5x slower for its whole life (its placement),
+so compare arms over several runs (seeds), not one.
 
 ``python benchmarks/ab_hotpath.py --arm tree:/tmp/pure --arm tree:/tmp/mypyc --arm raw:pipe
---rounds 9 --calls 3000 [--json PATH]``
+--rounds 9 --calls 3000 [--placements same,across,free] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arm", action="append", required=True)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--placements", default="same,across")
+    ap.add_argument("--placements", default="same,across", help="same, across and/or free")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -134,9 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             print(f"# {arm.spec}: {arm.info}")
         for placement in args.placements.split(","):
-            workers = "0" if placement == "same" else "1"
+            # "free": caller and worker may both run on every CPU, where the scheduler puts them.
+            caller = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+            caller, workers = {"same": ("0", "0"), "across": ("0", "1")}.get(
+                placement, (caller, caller)
+            )
             for arm in arms:
-                arm.pin("0", workers)
+                arm.pin(caller, workers)
             samples: dict[str, list[tuple[float, float, float]]] = {a.spec: [] for a in arms}
             for _ in range(args.rounds):
                 order = list(arms)
