@@ -123,47 +123,46 @@ async def arun(
     ticket.on_event = on_event
     CALLS_IN_FLIGHT.append(ticket)  # a sync caller's reader must not poll meanwhile
     try:
-        return await _run_prepared(pool, entry, ticket, target, body, buffers, by_value, deadline)
+        # A small in-band call by reference may start in the lease's own lock section, as the
+        # sync call does (``Pool.start_locked``): one lock round instead of two.
+        eager = not by_value and not buffers and len(body) <= _SMALL
+        try:
+            slot = _lease_now(pool, entry, ticket, deadline if eager else _NOT_EAGER)
+            if slot is None:
+                slot = await _queued(pool, entry, ticket, deadline)
+        except BaseException as exc:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            pool.settle(entry, ticket, "cancelled" if cancelled else outcome_of(exc), None)
+            raise
+        process = started = ticket.started
+        if started is not None and not isinstance(started, WorkerProcess):
+            # No descriptor for the loop (a Ray actor): the thread runs the started call.
+            process = None
+        elif started is not None:
+            ticket.started = None  # checked and started (CallStarted) in _lease_now
+        else:
+            process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
+        if process is not None:
+            assert isinstance(process, WorkerProcess)  # a call on the loop needs an fd channel
+            sent, value = await _warm_call(
+                pool,
+                entry,
+                slot,
+                ticket,
+                process,
+                target,
+                body,
+                buffers,
+                deadline,
+                started is not None,
+            )
+            if sent:
+                return value
+        return await _on_thread(
+            pool, entry, slot, ticket, target, body, buffers, by_value, deadline
+        )
     finally:
         CALLS_IN_FLIGHT.pop()
-
-
-async def _run_prepared(
-    pool: CallSite,
-    entry: EnvEntry,
-    ticket: Ticket,
-    target: str | Callable[..., Any],
-    body: bytes,
-    buffers: list[memoryview],
-    by_value: bool,
-    deadline: float | None,
-) -> Any:
-    # A small in-band call by reference may start in the lease's own lock section, as the
-    # sync call does (``Pool.start_locked``): one lock round instead of two.
-    eager = not by_value and not buffers and len(body) <= _SMALL
-    try:
-        slot = _lease_now(pool, entry, ticket, deadline if eager else _NOT_EAGER)
-        if slot is None:
-            slot = await _queued(pool, entry, ticket, deadline)
-    except BaseException as exc:
-        cancelled = isinstance(exc, asyncio.CancelledError)
-        pool.settle(entry, ticket, "cancelled" if cancelled else outcome_of(exc), None)
-        raise
-    process = started = ticket.started
-    if started is not None and not isinstance(started, WorkerProcess):
-        process = None  # no descriptor for the loop (a Ray actor): the thread runs the started call
-    elif started is not None:
-        ticket.started = None  # checked and started (CallStarted) in _lease_now
-    else:
-        process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
-    if process is not None:
-        assert isinstance(process, WorkerProcess)  # a call on the loop needs an fd channel
-        sent, value = await _warm_call(
-            pool, entry, slot, ticket, process, target, body, buffers, deadline, started is not None
-        )
-        if sent:
-            return value
-    return await _on_thread(pool, entry, slot, ticket, target, body, buffers, by_value, deadline)
 
 
 # ---- queueing ---------------------------------------------------------------------------------
