@@ -162,7 +162,8 @@ async def arun(
             pool, entry, slot, ticket, target, body, buffers, by_value, deadline
         )
     finally:
-        CALLS_IN_FLIGHT.pop()
+        if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
+            CALLS_IN_FLIGHT.pop()
 
 
 # ---- queueing ---------------------------------------------------------------------------------

@@ -510,7 +510,8 @@ class Pool:
                 raise
             return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
         finally:
-            CALLS_IN_FLIGHT.pop()
+            if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
+                CALLS_IN_FLIGHT.pop()
 
     def prepare(
         self,

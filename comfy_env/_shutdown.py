@@ -35,6 +35,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from comfy_env_worker.protocol import CALLS_IN_FLIGHT
+
 from . import _lifecycle as lc
 
 if TYPE_CHECKING:
@@ -114,6 +116,9 @@ def _after_fork_in_child() -> None:
     replaced."""
     global _hooks_lock
     _hooks_lock = threading.Lock()
+    # The calls in flight were the parent's threads' (gone here); a call of the forking thread
+    # that ends in the child finds the list empty and leaves it so.
+    CALLS_IN_FLIGHT.clear()
     for registration in list(live_pools):
         registration.pool.abandon_in_forked_child()
     live_pools.clear()

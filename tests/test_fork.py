@@ -14,6 +14,7 @@ from conftest import run_host as _run_host
 
 import comfy_env
 from comfy_env import PoolClosedError
+from comfy_env_worker.protocol import CALLS_IN_FLIGHT
 
 
 def _channel_inodes(pool: comfy_env.Pool) -> set[str]:
@@ -29,7 +30,7 @@ def _channel_inodes(pool: comfy_env.Pool) -> set[str]:
 
 def _child_report(pool: comfy_env.Pool, parent_inodes: set[str]) -> dict[str, object]:
     """What a forked child sees; runs in the child."""
-    report: dict[str, object] = {}
+    report: dict[str, object] = {"calls_in_flight": len(CALLS_IN_FLIGHT)}
     try:
         pool.get_worker().call("comfy_env_worker.tasks:getpid")
         report["inherited_call"] = "succeeded"
@@ -44,6 +45,7 @@ def _child_report(pool: comfy_env.Pool, parent_inodes: set[str]) -> dict[str, ob
     report["holds_parent_channels"] = sorted(parent_inodes & mine)
     fresh = comfy_env.get_worker()
     report["fresh_pid"] = fresh.call("comfy_env_worker.tasks:getpid")
+    report["calls_in_flight_after"] = len(CALLS_IN_FLIGHT)
     comfy_env.shutdown()
     return report
 
@@ -90,6 +92,28 @@ def test_os_fork_child_gets_an_inert_pool_and_a_fresh_default_pool(
     # The parent is untouched: same worker, same generation, still answering.
     assert w.call("comfy_env_worker.tasks:getpid") == parent_pid
     assert w.generation == 1 and w.stats().spawns == 1
+
+
+def test_a_forked_child_inherits_none_of_the_parents_calls_in_flight(
+    pool: comfy_env.Pool,
+) -> None:
+    # A call in flight on another thread of the parent must not keep the child's readers
+    # from polling (CALLS_IN_FLIGHT counts this process's calls; that thread is not in the
+    # child).
+    w = pool.get_worker()
+    w.call("remote_tasks:add", 1, 1)
+    running = w.submit("remote_tasks:busy_loop", (1.0,))
+    deadline = time.monotonic() + 10
+    while len(CALLS_IN_FLIGHT) != 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(CALLS_IN_FLIGHT) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+        report = _fork_and_report(pool)
+    assert report["calls_in_flight"] == 0
+    assert report["calls_in_flight_after"] == 0
+    assert running.result(10) > 0
+    assert CALLS_IN_FLIGHT == []
 
 
 def _mp_child(queue: multiprocessing.Queue[object], worker: comfy_env.Worker) -> None:
