@@ -10,6 +10,11 @@ process and back, after every worker is started and warmed up:
     message is an 8-byte length plus a protocol-5 pickle; the child loads and re-dumps it.
 ``raw socketpair``
     The same over one ``AF_UNIX`` socketpair (the transport comfy_env itself uses).
+``raw socketpair, polling``
+    The socketpair with both ends polling for up to 100 us before they block, under the same
+    rule as comfy_env's default ``PoolConfig.spin_wait`` (not while both are pinned to one
+    CPU). The targets stay against the blocking raw pipe; this row shows what comfy_env's own
+    work costs once both wait the same way.
 ``comfy_env``
     ``pool.get_worker(None).call("comfy_env_worker.tasks:echo", x)``: the real protocol, target
     lookup and the pool's bookkeeping.
@@ -75,9 +80,10 @@ from benchlib import (
 
 RAW_PIPE = "raw pipe"
 RAW_SOCKETPAIR = "raw socketpair"
+RAW_SOCKETPAIR_POLLING = "raw socketpair, polling"
 COMFY_ENV = "comfy_env"
 COMFY_ENV_ACALL = "comfy_env acall"
-REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR)
+REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR, RAW_SOCKETPAIR_POLLING)
 PEERS = (
     "ProcessPoolExecutor",
     "multiprocessing.Pool",
@@ -166,8 +172,11 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     stack.callback(raw_pipe.close)
     raw_sock = RawChild("sock")
     stack.callback(raw_sock.close)
+    raw_poll = RawChild("sockpoll")
+    stack.callback(raw_poll.close)
     methods.append(_local(RAW_PIPE, raw_pipe.call, [raw_pipe.pid]))
     methods.append(_local(RAW_SOCKETPAIR, raw_sock.call, [raw_sock.pid]))
+    methods.append(_local(RAW_SOCKETPAIR_POLLING, raw_poll.call, [raw_poll.pid]))
 
     pool = comfy_env.Pool(comfy_env.PoolConfig())
     stack.callback(pool.close)
@@ -373,7 +382,9 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
             "",
             f"comfy_env vs its own transport (raw socketpair): "
             f"{fmt_x(ratio(ce, results[RAW_SOCKETPAIR].median))}; raw socketpair vs raw pipe: "
-            f"{fmt_x(ratio(results[RAW_SOCKETPAIR].median, results[RAW_PIPE].median))}.",
+            f"{fmt_x(ratio(results[RAW_SOCKETPAIR].median, results[RAW_PIPE].median))}; "
+            f"comfy_env vs the polling raw socketpair (both ends poll as comfy_env does): "
+            f"{fmt_x(ratio(ce, results[RAW_SOCKETPAIR_POLLING].median))}.",
         ]
         section.targets.append(
             target_at_most(

@@ -356,16 +356,47 @@ def pin_self(cpus: set[int]) -> None:
 
 _LEN = struct.Struct("<Q")
 
-# The child side of the raw references. argv: mode ("pipe" | "sock"), read fd, write fd.
-_RAW_CHILD = r"""
+# How long the polling reference ("sockpoll") polls before it blocks: comfy_env's default
+# PoolConfig.spin_wait, with the same rule (no polling while both ends share one pinned CPU,
+# looked at every 50 ms).
+RAW_POLL_SECONDS = 100e-6
+
+# The child side of the raw references. argv: mode ("pipe" | "sock" | "sockpoll"), read fd,
+# write fd. ``_POLLING`` (shared by both sides) makes ``recv_into`` poll first.
+_POLLING = r"""
+import os, select, time
+def polling(sock, peer, seconds):
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poll, blocking_recv, state = poller.poll, sock.recv_into, [0.0, False]
+    def recv_into(m):
+        now = time.monotonic()
+        if now >= state[0]:
+            mine = os.sched_getaffinity(0)
+            state[0] = now + 0.05
+            state[1] = len(mine) > 1 or os.sched_getaffinity(peer) != mine
+        if state[1]:
+            end = now + seconds
+            while not poll(0):
+                os.sched_yield()
+                if time.monotonic() >= end:
+                    break
+        return blocking_recv(m)
+    return recv_into
+"""
+_RAW_CHILD = (
+    _POLLING
+    + r"""
 import os, pickle, socket, struct, sys
 mode, rfd, wfd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 L = struct.Struct("<Q")
 buf = bytearray(1 << 16)
 mv = memoryview(buf)
-if mode == "sock":
+if mode in ("sock", "sockpoll"):
     s = socket.socket(fileno=rfd)
     recv_into = s.recv_into
+    if mode == "sockpoll":
+        recv_into = polling(s, os.getppid(), float(sys.argv[4]))
     send = s.sendall
 else:
     def recv_into(m):
@@ -390,20 +421,23 @@ while True:
     out = pickle.dumps(pickle.loads(mv[L.size:need]), protocol=5)
     send(L.pack(len(out)) + out)
 """
+)
 
 
 class RawChild:
     """Caller side of the raw length-prefixed pickle ping-pong (over pipes or a socketpair).
 
     The reference floor: a ``python -c`` child of this interpreter, an 8-byte length plus a
-    protocol-5 pickle per message, one ``write`` per message, preallocated receive buffers."""
+    protocol-5 pickle per message, one ``write`` per message, preallocated receive buffers.
+    ``sockpoll``: the socketpair with both ends polling before they block, as comfy_env does
+    (``RAW_POLL_SECONDS``): the reference for what comfy_env's own work costs across CPUs."""
 
     def __init__(self, mode: str) -> None:
         self._buf = bytearray(1 << 16)
         self._mv = memoryview(self._buf)
         self._sock: socket.socket | None = None
         self._fds: list[int] = []
-        if mode == "sock":
+        if mode in ("sock", "sockpoll"):
             self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fds = (child.fileno(), child.fileno())
             close_after = [child]
@@ -418,16 +452,29 @@ class RawChild:
             self._recv_into = self._read_pipe
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _RAW_CHILD, mode, str(fds[0]), str(fds[1])],
+                [
+                    sys.executable,
+                    "-c",
+                    _RAW_CHILD,
+                    mode,
+                    str(fds[0]),
+                    str(fds[1]),
+                    str(RAW_POLL_SECONDS),
+                ],
                 pass_fds=tuple(set(fds)),
                 stdin=subprocess.DEVNULL,
             )
         finally:
             for s in close_after:
                 s.close()
-            if mode != "sock":
+            if mode not in ("sock", "sockpoll"):
                 os.close(p2c_r)
                 os.close(c2p_w)
+        if mode == "sockpoll":
+            assert self._sock is not None
+            namespace: dict[str, Any] = {}
+            exec(_POLLING, namespace)  # the same polling code as the child's
+            self._recv_into = namespace["polling"](self._sock, self.proc.pid, RAW_POLL_SECONDS)
 
     @property
     def pid(self) -> int:
