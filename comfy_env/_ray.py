@@ -762,7 +762,11 @@ class RayWorker:
         if self.reactor.running:
             self.reactor.call_soon(lambda: self.died(exc))
         else:
-            threading.Thread(target=self.died, args=(exc,), name="comfy-env-ray-death").start()
+            # daemon given: left to inherit it, Thread() would ask current_thread(), which
+            # registers this Ray thread with `threading` for good (a _DummyThread).
+            threading.Thread(
+                target=self.died, args=(exc,), name="comfy-env-ray-death", daemon=True
+            ).start()
 
     def died(self, exc: BaseException | None) -> None:
         """The actor is dead (any thread; once): read what its log says, report the exit, then

@@ -202,3 +202,30 @@ def test_an_unreachable_cluster_address_is_a_start_error_not_a_hang() -> None:
     assert "START-ERROR cannot reach the Ray cluster at '127.0.0.1:" in out.stdout, out.stdout
     assert "PoolConfig.ray_address" in out.stdout
     assert "INITIALISED False" in out.stdout  # nothing half-joined was left behind
+
+
+def test_a_death_notice_on_a_foreign_thread_registers_no_python_thread() -> None:
+    """Ray calls the death notice on a thread of its own; after the pool's reactor stopped the
+    notice starts a thread, which must not register Ray's thread with ``threading`` (a
+    ``_DummyThread`` that would stay for the life of the process)."""
+    import _thread
+    import concurrent.futures
+    import threading
+
+    from comfy_env._ray import RayWorker
+
+    class Stopped:
+        running = False
+
+    worker = RayWorker.__new__(RayWorker)
+    seen: list[BaseException | None] = []
+    worker.reactor = Stopped()  # type: ignore[assignment]
+    worker.died = seen.append  # type: ignore[method-assign]
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    future.set_exception(RuntimeError("the actor died"))
+    before = set(threading.enumerate())
+    _thread.start_new_thread(worker._death_notice, (future,))
+    wait_until(lambda: bool(seen), 10)
+    assert isinstance(seen[0], RuntimeError)
+    wait_until(lambda: not (set(threading.enumerate()) - before), 10)
+    assert not [t for t in threading.enumerate() if t not in before]
