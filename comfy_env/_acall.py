@@ -33,8 +33,9 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
 The spin blocks the loop for at most _REPLY_SPIN (select's timeout counts from the first
 read). The one-CPU yield is no wait on I/O: it hands the CPU to a worker that could only run
 there anyway, and the loop's thread is runnable again within one scheduler slice; it is taken
-only when ``sched_getaffinity`` of both threads is the same single CPU (``_shares_one_cpu``,
-cached per worker for _AFFINITY_TTL): a caller free to run on more CPUs never yields.
+only when ``sched_getaffinity`` of both threads is the same single CPU (``_shares_one_cpu``:
+the worker's reader keeps the answer for _AFFINITY_TTL): a caller free to run on more CPUs
+never yields.
 
 Deadline: one timer per call, from the moment ``arun`` is called. Queued: the ticket leaves
 the queue and the call raises ``CallTimeout``. Warm: the gate applies ``DeadlineHit`` and the
@@ -67,7 +68,6 @@ import os
 import select
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -76,8 +76,8 @@ from comfy_env_worker.protocol import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    SPIN_RECHECK,
     FrameType,
-    shares_one_cpu,
 )
 
 from . import _lifecycle as lc
@@ -593,25 +593,19 @@ async def _warm_call(
         pool.settle(entry, ticket, outcome, replied_at)
 
 
-# Whether the calling thread and a worker may only run on one and the same CPU, per worker:
-# (checked at, answer). Checked again after _AFFINITY_TTL seconds (affinity rarely changes; a
-# stale answer costs a few microseconds: one yield that returns at once, or one select).
-_one_cpu: weakref.WeakKeyDictionary[WorkerProcess, tuple[float, bool]] = weakref.WeakKeyDictionary()
-_AFFINITY_TTL = 0.1
+# How long an answer of ``_shares_one_cpu`` stands: the reader's own period (one answer per
+# worker, shared with the sync path's polling rule). A stale answer costs a few microseconds:
+# one yield that returns at once, or one select.
+_AFFINITY_TTL = SPIN_RECHECK
 
 
 def _shares_one_cpu(process: WorkerProcess, now: float) -> bool:
     """True if this thread and the worker's main thread are both confined to the same single
     CPU (``taskset``, a one-CPU cpuset or container): the reply to a request just sent cannot
-    come before the worker gets that CPU."""
-    cached = _one_cpu.get(process)
-    if cached is not None and now - cached[0] < _AFFINITY_TTL:
-        return cached[1]
-    shared = False
-    if hasattr(os, "sched_getaffinity") and process.pid is not None:  # Linux only
-        shared = shares_one_cpu(process.pid)
-    _one_cpu[process] = (now, shared)
-    return shared
+    come before the worker gets that CPU. The worker's reader keeps the answer
+    (``FrameReader.on_one_cpu``)."""
+    reader = process.reader
+    return reader is not None and reader.on_one_cpu(now)
 
 
 # ---- everything else: a thread of its own -----------------------------------------------------

@@ -107,15 +107,28 @@ def test_a_reader_polls_only_after_a_wait_that_polling_would_have_caught(
 
 
 def test_a_polling_reader_keeps_a_deadline_shorter_than_its_budget(
-    pair: tuple[socket.socket, socket.socket],
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    polled_until: list[float] = []
+    poll_until = FrameReader.poll_until
+
+    def recording(self: FrameReader, end: float) -> bool:
+        polled_until.append(end)
+        return poll_until(self, end)
+
+    monkeypatch.setattr(FrameReader, "poll_until", recording)
     a, _b = pair
     reader = FrameReader(a)
     reader.spin_wait(0.01, os.getpid())  # the longest budget PoolConfig allows
+    deadline = time.monotonic() + 0.001
     with pytest.raises(TimeoutError):
-        reader.read(time.monotonic() + 0.001)
+        reader.read(deadline)
     with pytest.raises(TimeoutError):
         reader.read(time.monotonic() - 1.0)  # already passed
+    # Polling itself stopped at the deadline, not at the end of the budget.
+    if len(os.sched_getaffinity(0)) > 1:
+        assert polled_until
+    assert all(end <= deadline for end in polled_until)
 
 
 def test_no_polling_while_both_ends_are_pinned_to_one_cpu(

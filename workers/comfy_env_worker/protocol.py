@@ -181,6 +181,7 @@ class FrameReader:
     __slots__ = (
         "_buf",
         "_limit",
+        "_one_cpu",
         "_poller",
         "_scratch",
         "_scratch_view",
@@ -208,6 +209,7 @@ class FrameReader:
         self._spin_pinned_reads = 0  # reads until the next look (pinned: no clock read)
         self._spin_short = True  # the last wait ended within the budget
         self._spin_since = 0.0  # when a wait that did not poll began (0: none pending)
+        self._one_cpu = False  # both ends pinned to one same CPU, as last looked at
 
     def spin_wait(self, seconds: float, peer_pid: int) -> None:
         """Poll for up to ``seconds`` before a blocking read of a new frame (0: never).
@@ -231,11 +233,12 @@ class FrameReader:
         CPU that other workers and caller threads need on a loaded machine. And no reader
         polls while its process makes more than one call at a time (``CALLS_IN_FLIGHT``)."""
         self._spin_budget = self._spin = seconds if seconds > 0 and _spin_supported else 0.0
-        self._spin_peer = peer_pid
+        self._spin_peer = peer_pid if _spin_supported else 0
         self._spin_recheck = 0.0
         self._spin_pinned_reads = 0
         self._spin_short = True
         self._spin_since = 0.0
+        self._one_cpu = False
 
     def spins(self) -> bool:
         """Whether the next read of a new frame polls before it blocks (see ``spin_wait``)."""
@@ -246,6 +249,14 @@ class FrameReader:
             and self._spin_allowed(time.monotonic())
         )
 
+    def on_one_cpu(self, now: float) -> bool:
+        """Whether this thread and the peer (``spin_wait``'s ``peer_pid``; never without one)
+        may only run on one and the same CPU; the masks are read at most every
+        ``SPIN_RECHECK`` seconds (``now``: ``time.monotonic()``)."""
+        if now >= self._spin_recheck:
+            self._recheck_affinity(now)
+        return self._one_cpu
+
     def _spin_allowed(self, now: float) -> bool:
         if now >= self._spin_recheck:
             self._recheck_affinity(now)
@@ -254,17 +265,16 @@ class FrameReader:
     def _recheck_affinity(self, now: float) -> None:
         self._spin_recheck = now + SPIN_RECHECK
         self._spin_pinned_reads = SPIN_RECHECK_READS
-        self._spin = 0.0 if shares_one_cpu(self._spin_peer) else self._spin_budget
+        self._one_cpu = bool(self._spin_peer) and shares_one_cpu(self._spin_peer)
+        self._spin = 0.0 if self._one_cpu else self._spin_budget
 
     def _spin_until_readable(self, deadline: Optional[float]) -> None:
         """Poll the socket (never blocking) until it is readable, the spin budget is spent or
         ``deadline`` passes; the caller then reads (or waits) as usual. A wait that does not
         end here is timed (``_spin_since``) up to the read that ends it (``_waited``)."""
         now = time.monotonic()
-        if now >= self._spin_recheck:
-            self._recheck_affinity(now)
-            if not self._spin:
-                return  # one pinned CPU now: no polling, no timing
+        if not self._spin_allowed(now):
+            return  # one pinned CPU now: no polling, no timing
         if self._spin_short and len(CALLS_IN_FLIGHT) <= 1:
             end = now + self._spin
             if deadline is not None and deadline < end:
@@ -300,9 +310,8 @@ class FrameReader:
         self._spin_short = seconds <= self._spin_budget
 
     def _waited(self) -> None:
-        """A wait that did not end while polling ended: poll in the next one only if this one
-        was short enough that polling would have caught its frame."""
-        self._spin_short = time.monotonic() - self._spin_since <= self._spin_budget
+        """A wait that did not end while polling ended (see ``note_wait``)."""
+        self.note_wait(time.monotonic() - self._spin_since)
         self._spin_since = 0.0
 
     @property
