@@ -44,6 +44,7 @@ descriptor number is never closed under a thread that still reads it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import logging
@@ -89,6 +90,7 @@ from ._logs import WorkerLog
 from ._reactor import Reactor
 from ._rundir import check_private_dir, copy_tree, link_tree, make_private_dir, runtime_root
 from ._settings import Settings
+from ._watchdog import named_threads, thread_pidfd
 
 _log = logging.getLogger("comfy_env")
 
@@ -508,6 +510,15 @@ class WorkerProcess:
         self._cancel_fd: int | None = None  # write end of the cancel pipe (CANCEL frames)
         self._cancel_lock = threading.Lock()  # a descriptor is never closed under a writer
         self._pidfd: int | None = None
+        # Pidfds of the worker's named threads, whose end is the first sign of its death (see
+        # ``_watchdog``); reactor thread only, like ``_pidfd``.
+        self._thread_fds: list[int] = []
+        self._thread_lookups = 0
+        # True once a named thread's end, with the process exiting, shut the channel down.
+        self.exit_noticed = False
+        # ``dispose`` closes the socket under it, and a shutdown from another thread
+        # (``_shut_channel``) runs under it: a descriptor number is never shut after its close.
+        self._sock_lock = threading.Lock()
         self._escalation: Any = None
         # The scan for the generation's marked descendants, due shortly after the exit (see
         # _reaped); None once it ran or when none is due.
@@ -733,6 +744,8 @@ class WorkerProcess:
             self._canary_check(deadline, value, block)
             # Only now: the handshake and the canary wait on an interpreter's start-up.
             self.reader.spin_wait(self.config.spin_wait, self.pid or 0)
+            if self.reactor.running:  # a moment later: off the first call's path
+                self.reactor.call_later(self._THREAD_LOOKUP_DELAY, self._watch_threads)
         except TimeoutError:
             raise self._start_error(
                 f"did not finish its start-up within {self.config.start_timeout:g}s "
@@ -1217,7 +1230,84 @@ class WorkerProcess:
             return  # force_close got here first
         os.close(self._pidfd)
         self._pidfd = None
+        self._unwatch_threads()
         self._reaped(self.popen.wait())
+
+    # Seconds from the handshake to the first lookup of the named threads (they name
+    # themselves as they start, so usually before it), doubling between lookups; after the
+    # last one, what was found is watched (nothing: the death is seen at its EOF).
+    _THREAD_LOOKUP_DELAY = 0.005
+    _THREAD_LOOKUPS = 7
+    _NAMED_THREADS = 2  # the watchdog and the sentinel
+
+    def _watch_threads(self) -> None:
+        """Reactor thread, after the handshake: watch the worker's named threads (see
+        ``_watchdog``), looked up again a little later until both have named themselves."""
+        if self._pidfd is None or self.pid is None or self._disposed or self._kill_requested:
+            return  # exited (or reaped, or never watched), or on its way out
+        tids = named_threads(self.pid)
+        self._thread_lookups += 1
+        if len(tids) < self._NAMED_THREADS and self._thread_lookups < self._THREAD_LOOKUPS:
+            delay = self._THREAD_LOOKUP_DELAY * 2 ** (self._thread_lookups - 1)
+            self.reactor.call_later(delay, self._watch_threads)
+            return
+        for tid in tids:
+            fd = thread_pidfd(self.pid, tid)
+            if fd is not None:
+                self._thread_fds.append(fd)
+                self.reactor.add_reader(fd, functools.partial(self._on_thread_exit, fd))
+
+    def _unwatch_threads(self) -> None:
+        """Reactor thread: stop watching the named threads (their pidfds closed)."""
+        fds, self._thread_fds = self._thread_fds, []
+        for fd in fds:
+            self.reactor.remove_reader(fd)
+            os.close(fd)
+
+    def _on_thread_exit(self, fd: int) -> None:
+        """Reactor thread: a named thread ended. If the process is exiting (its status is
+        stored), shut the channel down now, so a caller reading it sees EOF before the
+        kernel's teardown would close it (about 1 ms for a bare worker, tens of ms for one
+        holding a GiB); its crash report then reads the same status (``status_at_eof``).
+        Anything else (an ``exec``, the thread ending alone, a core dump in progress) is left
+        to the exit and the EOF, as without this."""
+        if fd not in self._thread_fds:
+            return  # no longer watched (a stale wake-up)
+        self._thread_fds.remove(fd)
+        self.reactor.remove_reader(fd)
+        os.close(fd)
+        self._notice_exit(0)
+
+    # The main thread may not have begun to exit when a named thread has ended (not yet
+    # scheduled on a busy machine): looked at again this often, this many times.
+    _EXIT_RECHECK_DELAY = 0.001
+    _EXIT_RECHECKS = 20
+
+    def _notice_exit(self, rechecks: int) -> None:
+        popen = self.popen
+        if popen is None or self.exit_noticed or self._dying or self._disposed:
+            return
+        if self.exited.is_set():
+            return
+        if exiting_status(popen.pid) is None:
+            if rechecks < self._EXIT_RECHECKS:
+                again = functools.partial(self._notice_exit, rechecks + 1)
+                self.reactor.call_later(self._EXIT_RECHECK_DELAY, again)
+            return
+        self.exit_noticed = True
+        self._unwatch_threads()
+        self._shut_channel()
+
+    def _shut_channel(self) -> None:
+        """Shut the channel down (any thread), which wakes a thread blocked reading it with
+        EOF; never after ``dispose`` closed it."""
+        with self._sock_lock:
+            if self.sock is None or self._disposed:
+                return
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _poll_exit(self) -> None:  # pragma: no cover - fallback without pidfd
         assert self.popen is not None
@@ -1342,11 +1432,8 @@ class WorkerProcess:
         self._kill_requested = True
         if self._dying:
             return  # its exit status is known: nothing of it is left to stop or wake
-        if stop is not Stop.ASK and self.sock is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if stop is not Stop.ASK:
+            self._shut_channel()
         if self.popen is None or self.exited.is_set():
             return
         if stop is Stop.KILL or self.config.kill_grace <= 0:
@@ -1425,11 +1512,12 @@ class WorkerProcess:
     def dispose(self) -> None:
         """Close the host's channel socket and release its shared memory. Only when no thread
         uses them any more."""
-        if self._disposed:
-            return
-        self._disposed = True
-        if self.sock is not None:
-            self.sock.close()
+        with self._sock_lock:
+            if self._disposed:
+                return
+            self._disposed = True
+            if self.sock is not None:
+                self.sock.close()
         self._close_cancel_pipe()
         self._release_shm()
 
@@ -1484,6 +1572,9 @@ class WorkerProcess:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+        fds, self._thread_fds = self._thread_fds, []
+        for fd in fds:
+            os.close(fd)
 
     def force_close(self) -> None:
         """Last resort at pool close: release pipes and pidfd even if something still holds
@@ -1496,6 +1587,7 @@ class WorkerProcess:
             self.reactor.remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+        self._unwatch_threads()
         if not self.exited.is_set():
             try:
                 rc = popen.wait(0.5)

@@ -461,3 +461,13 @@ def add_in_place(arr: Any, n: float) -> Any:
     """Changes its argument in place: arguments must arrive writable."""
     arr += n
     return arr
+
+
+_HELD: list[bytes] = []
+
+
+def hold_memory_and_sleep(mib: int, seconds: float) -> None:
+    """Touch ``mib`` MiB (kept until the worker dies: its teardown then takes tens of ms), then
+    sleep."""
+    _HELD.append(b"\x01" * (mib << 20))
+    time.sleep(seconds)

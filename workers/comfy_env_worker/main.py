@@ -46,6 +46,8 @@ from .protocol import (
     HEADER,
     HEADER_SIZE,
     PROTOCOL_VERSION,
+    SENTINEL_THREAD_NAME,
+    WATCHDOG_THREAD_NAME,
     ChannelClosed,
     FrameError,
     FrameReader,
@@ -522,6 +524,20 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def _name_this_thread(name: str) -> None:
+    """Name the calling thread (its ``comm``) so the host can find it; best effort."""
+    try:
+        fd = os.open("/proc/thread-self/comm", os.O_WRONLY)
+    except OSError:
+        return  # no /proc: the host then sees this worker's death at its EOF only
+    try:
+        os.write(fd, name.encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _exit_orphaned(worker: Worker) -> None:
     """The host is gone: unlink our shared-memory blocks (nobody will ack them) and leave."""
     if worker.pool is not None:
@@ -558,6 +574,8 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
     calls = worker.control
 
     def watch() -> None:
+        _name_this_thread(WATCHDOG_THREAD_NAME)
+        _thread.start_new_thread(_sentinel, ())  # here: off the main thread's first call
         # The parent-death signal is armed here, off the start-up path, and only
         # _ARM_PDEATHSIG_AFTER seconds after the handshake: importing and loading ctypes costs
         # a few ms of CPU (and the GIL) that would otherwise land on the canary and the first
@@ -595,6 +613,17 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
     # first call, and nothing on that path needs it. The watchdog never imports it either (an
     # import of threading on this thread would make this thread its main thread).
     _thread.start_new_thread(watch, ())
+
+
+def _sentinel() -> None:
+    """A thread that only waits, forever. When the worker is killed, the last of its threads
+    to exit frees the address space before the channel closes; with the main thread and the
+    watchdog alone, the watchdog is often that last one. A third thread makes sure one of the
+    two the host watches ends early (see ``comfy_env._watchdog``)."""
+    _name_this_thread(SENTINEL_THREAD_NAME)
+    never = _thread.allocate_lock()
+    never.acquire()
+    never.acquire()  # blocks for the life of the process; no descriptor held
 
 
 _launched_via_wrapper = False

@@ -66,6 +66,12 @@ class FrameType:
 
 FLAG_OOB = 1
 
+# The names (``/proc/<pid>/task/<tid>/comm``, at most 15 bytes) a worker gives its watchdog
+# thread and its sentinel thread (which only waits): the host watches the end of either as the
+# first sign of the worker's death (see ``comfy_env._watchdog``); ``ps -L`` shows them too.
+WATCHDOG_THREAD_NAME = "comfy-watchdog"
+SENTINEL_THREAD_NAME = "comfy-sentinel"
+
 
 # The largest frame either side accepts unless configured otherwise (PoolConfig.max_frame_bytes).
 DEFAULT_MAX_FRAME_BYTES = 2 * 1024**3

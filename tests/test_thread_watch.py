@@ -1,0 +1,154 @@
+"""The first sign of a worker's death: its named threads end before its channel closes.
+
+A killed worker's channel reaches EOF only once the kernel has freed its whole address space;
+its watchdog and sentinel threads end long before. The host watches them (``_watchdog``) and
+shuts the channel down as soon as one has ended while the process is exiting. Real workers,
+real SIGKILLs; nothing here times anything: the tests look at which path told the caller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+from conftest import wait_until
+
+import comfy_env
+from comfy_env import WorkerCrashed, _watchdog
+from comfy_env._process import WorkerProcess
+from comfy_env_worker.protocol import SENTINEL_THREAD_NAME, WATCHDOG_THREAD_NAME
+
+
+def _thread_names(pid: int) -> set[str]:
+    names = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if int(tid) != pid:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    names.add(f.read().strip())
+            except OSError:
+                pass
+    return names
+
+
+def _torn_down(pid: int) -> bool:
+    """Whether our child ``pid`` is a zombie by now, or reaped already."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _process(w: comfy_env.Worker) -> WorkerProcess:
+    process = w._entry.slots[0].process
+    assert isinstance(process, WorkerProcess)
+    return process
+
+
+def _thread_pidfds_work() -> bool:
+    """Whether this kernel gives pidfds of single threads (Linux 6.9+)."""
+    try:
+        fd = os.pidfd_open(threading.get_native_id(), _watchdog.PIDFD_THREAD)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    return True
+
+
+needs_thread_pidfds = pytest.mark.skipif(
+    not _thread_pidfds_work(), reason="no pidfds of single threads here (Linux 6.9+)"
+)
+
+
+def test_a_worker_names_its_watchdog_and_sentinel_threads(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    pid = w.pid
+    assert pid is not None
+    wanted = {WATCHDOG_THREAD_NAME, SENTINEL_THREAD_NAME}
+    assert wait_until(lambda: wanted <= _thread_names(pid), 5.0), _thread_names(pid)
+    assert sorted(_watchdog.named_threads(pid)) != []
+    assert len(_watchdog.named_threads(pid)) == 2
+
+
+@needs_thread_pidfds
+def test_the_host_watches_both_named_threads(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    process = _process(w)
+    assert wait_until(lambda: len(process._thread_fds) == 2, 5.0), process._thread_fds
+    assert not process.exit_noticed
+
+
+@needs_thread_pidfds
+def test_a_killed_worker_is_told_before_its_teardown_ends(tmp_path: Any) -> None:
+    """A worker holding 512 MiB takes tens of ms to be torn down after a SIGKILL; its
+    channel closes only then. The caller hears of it from the named threads' end instead,
+    with the same status the reaping reports."""
+    config = comfy_env.PoolConfig(sys_path=[os.path.dirname(__file__)], max_restarts=100)
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        process = _process(w)
+        assert wait_until(lambda: len(process._thread_fds) == 2, 5.0)
+        pid = w.pid
+        assert pid is not None
+        failed: list[BaseException] = []
+        torn_down: list[bool] = []
+
+        def call() -> None:
+            try:
+                w.call("remote_tasks:hold_memory_and_sleep", 512, 60)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                failed.append(exc)
+                torn_down.append(_torn_down(pid))
+
+        caller = threading.Thread(target=call)
+        caller.start()
+
+        def holding() -> bool:
+            with open(f"/proc/{pid}/status") as f:
+                rss = next(line for line in f if line.startswith("VmRSS:"))
+            return int(rss.split()[1]) > 400 * 1024
+
+        assert wait_until(holding, 30.0)
+        os.kill(pid, signal.SIGKILL)
+        caller.join(30)
+        assert not caller.is_alive()
+        (err,) = failed
+        assert isinstance(err, WorkerCrashed), err
+        assert (err.exitcode, err.signal) == (-signal.SIGKILL, "SIGKILL")
+        assert process.exit_noticed, "the crash was seen at the EOF, not at the threads' end"
+        # Told while the kernel was still freeing its 512 MiB: not a zombie yet (its EOF
+        # would have come only after that, a moment before it became one).
+        assert torn_down == [False]
+        assert wait_until(lambda: process.exited.is_set(), 10.0)
+        assert process.returncode == -signal.SIGKILL  # what the reaping says, the same
+        assert process._thread_fds == []
+        assert w.call("comfy_env_worker.tasks:echo", 3) == 3  # the next generation serves
+
+
+@needs_thread_pidfds
+def test_a_named_thread_ending_while_the_worker_lives_changes_nothing(
+    pool: comfy_env.Pool,
+) -> None:
+    """An exec, or a watchdog ending alone, ends a named thread but not the process: the host
+    must not take it for a death. Replayed here on a live worker, through the reactor."""
+    w = pool.get_worker()
+    w.call("comfy_env_worker.tasks:echo", 0)
+    process = _process(w)
+    assert wait_until(lambda: len(process._thread_fds) == 2, 5.0)
+    reactor = pool._reactor
+    assert reactor is not None
+    fd = process._thread_fds[0]
+    reactor.run_sync(lambda: process._on_thread_exit(fd))
+    assert process._thread_fds and fd not in process._thread_fds  # the other stays watched
+    # Its rechecks (the main thread might just not have begun to exit) end without a word.
+    checks = process._EXIT_RECHECKS * process._EXIT_RECHECK_DELAY
+    threading.Event().wait(checks + 0.05)
+    assert not process.exit_noticed
+    pid = w.pid
+    assert w.call("comfy_env_worker.tasks:echo", 7) == 7
+    assert w.pid == pid and w.generation == 1
