@@ -20,7 +20,10 @@ call returned) in ms, and the arm process's on-CPU ms (all its threads, ended on
 ``bench_crash.py``). Medians over rounds with min-max.
 
 ``python benchmarks/ab_crash.py --arm tree:/tmp/old --arm tree:/tmp/new --arm raw
---rounds 25 [--json PATH]``
+--rounds 25 [--hold-mib N] [--json PATH]``
+
+``--hold-mib N``: the killed process holds N MiB (touched), as a worker with a model loaded
+does; the kernel frees it before it closes the process's descriptors (the raw child's EOF).
 """
 
 from __future__ import annotations
@@ -45,6 +48,16 @@ arm = sys.argv[1]
 me = os.getpid()
 cpu = {}
 _measure = driver.measure_crash
+hold = int(os.environ.get("AB_CRASH_HOLD_MIB", "0"))
+
+
+def hold_and_sleep(mib, seconds):
+    import time
+    global held
+    held = b"\x01" * (mib << 20)
+    time.sleep(seconds)
+
+
 if arm.startswith("tree:"):
     import comfy_env
     pool = comfy_env.Pool(comfy_env.PoolConfig(max_restarts=100000))
@@ -55,7 +68,10 @@ if arm.startswith("tree:"):
 
     def blocking():
         try:
-            worker.call("comfy_env_worker.tasks:sleep", 10.0)
+            if hold:
+                worker.call(hold_and_sleep, hold, 10.0)
+            else:
+                worker.call("comfy_env_worker.tasks:sleep", 10.0)
         finally:
             cpu["end"] = time.process_time_ns()
 
@@ -63,7 +79,7 @@ if arm.startswith("tree:"):
         return _measure(worker.pid, blocking, lambda: worker.call("comfy_env_worker.tasks:echo", 1))
 else:
     from bench_crash import RawSleeper
-    raw = [RawSleeper()]
+    raw = [RawSleeper(hold)]
     info = arm
 
     def blocking():
@@ -74,7 +90,7 @@ else:
 
     def recover():
         raw[0].close()
-        raw[0] = RawSleeper()
+        raw[0] = RawSleeper(hold)
 
     def sample():
         return _measure(raw[0].proc.pid, blocking, recover)
@@ -127,7 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument(
+        "--hold-mib",
+        type=int,
+        default=0,
+        help="MiB the killed process holds (the tree arms' call touches them, the raw child"
+        " at its start): its teardown, which the raw child's EOF waits for, grows with it",
+    )
     args = ap.parse_args(argv)
+    os.environ["AB_CRASH_HOLD_MIB"] = str(args.hold_mib)
     rng = random.Random(args.seed)
     arms = [Arm(spec) for spec in args.arm]
     out: dict[str, Any] = {"load_start": os.getloadavg()}

@@ -86,6 +86,7 @@ TARGET_RECOVER_VS_FIRST = 1.2
 # The raw reference's child: says it is up, then takes one "call" byte and sleeps in it.
 _SLEEPER = (
     "import socket, sys, time\n"
+    "held = b'\\x01' * (int(sys.argv[2]) << 20)\n"
     "s = socket.socket(fileno=int(sys.argv[1]))\n"
     "s.sendall(b'r')\n"
     "s.recv(1)\n"
@@ -96,13 +97,14 @@ _SLEEPER = (
 class RawSleeper:
     """Reference floor: a ``python -c`` child on a socketpair, sent a one-byte "call" it never
     answers. Detection is the caller's ``recv`` seeing EOF; recovery is a new child saying it is
-    up (a fresh interpreter, no protocol)."""
+    up (a fresh interpreter, no protocol). ``hold_mib``: MiB it touches first and keeps (so its
+    teardown takes what a worker holding that much takes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_mib: int = 0) -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _SLEEPER, str(child.fileno())],
+                [sys.executable, "-c", _SLEEPER, str(child.fileno()), str(hold_mib)],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
