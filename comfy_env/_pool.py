@@ -1032,18 +1032,17 @@ class Pool:
             raise chained(  # noqa: B904 - see chained
                 self._timeout_error(entry, slot, process, call_id, label), None
             )
-        except ConnectionResetError:
+        except (ChannelClosed, ConnectionError, OSError) as exc:
             # A Unix socket whose owner exits with unread data resets its peer instead of
             # giving EOF: the worker died before it read the whole request, so the call never
-            # ran and may run on a fresh worker. Any reply bytes mean it did run.
-            entry.apply(slot, lc.ChannelClosed(process.generation))
-            reason = retire_reason(slot, process.generation)
-            if reader.buffered == 0 and reason is lc.RetireReason.CRASHED:
-                raise chained(NotDelivered(), None)  # noqa: B904
-            raise chained(  # noqa: B904 - see chained
-                self.crash_error(entry, slot, process, call_id, target_label(target)), None
-            )
-        except (ChannelClosed, ConnectionError, OSError):
+            # ran and may run on a fresh worker. Any reply bytes mean it did run. An EOF the
+            # host made itself, seeing the worker's threads end, says the same when our bytes
+            # are still unread (``request_unread``).
+            if isinstance(exc, ConnectionResetError) or process.request_unread():
+                entry.apply(slot, lc.ChannelClosed(process.generation))
+                reason = retire_reason(slot, process.generation)
+                if reader.buffered == 0 and reason is lc.RetireReason.CRASHED:
+                    raise chained(NotDelivered(), None)  # noqa: B904
             raise chained(  # noqa: B904 - see chained
                 self.crash_error(entry, slot, process, call_id, target_label(target)), None
             )

@@ -1163,6 +1163,23 @@ class WorkerProcess:
         self._finish_lines()
         return rc
 
+    def request_unread(self) -> bool:
+        """After an EOF the host made itself (``exit_noticed``: it shut the channel down when
+        the worker's threads ended): whether the dying worker left bytes we sent unread, which
+        its own exit would have told as a reset (the call never ran, and may run on a fresh
+        worker). ``SIOCOUTQ``: what we sent that the worker has not read yet."""
+        sock = self.sock
+        if not self.exit_noticed or sock is None:
+            return False
+        import fcntl  # here only: a crash path, and a rare one
+        import termios
+
+        try:
+            unread = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        except OSError:
+            return False
+        return int.from_bytes(unread, sys.byteorder) > 0
+
     def _drain_output(self) -> None:
         """Read what the output pipes hold now, on this thread (until they would block). One
         ``poll`` first, so a pipe with nothing in it (the usual case) costs no read: on a

@@ -737,6 +737,10 @@ class RayWorker:
         """Never known at once: Ray tells an actor's death in its own notice (``wait_exit``)."""
         return None
 
+    def request_unread(self) -> bool:
+        """Never known: an EOF here is the actor's, not one the host made."""
+        return False
+
     def collect_exit(self) -> None:
         """Nothing to collect on the caller's thread: Ray reports an actor's death through its
         own notice (``_death_notice``), which ``wait_exit`` waits for."""

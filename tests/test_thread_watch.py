@@ -152,3 +152,46 @@ def test_a_named_thread_ending_while_the_worker_lives_changes_nothing(
     pid = w.pid
     assert w.call("comfy_env_worker.tasks:echo", 7) == 7
     assert w.pid == pid and w.generation == 1
+
+
+@needs_thread_pidfds
+def test_a_call_sent_to_a_dying_worker_runs_on_the_next_one() -> None:
+    """The worker is killed idle; the next call's request goes out before the host has heard
+    (its reactor is held), then the named threads' end shuts the channel down. Our request is
+    still unread there: the call never ran, so it runs on a fresh worker instead of failing
+    (what the reset of the worker's own exit would have told, tens of ms later)."""
+    config = comfy_env.PoolConfig(sys_path=[os.path.dirname(__file__)], max_restarts=100)
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:hold_memory_and_sleep", 512, 0)  # kept: a long teardown
+        process = _process(w)
+        assert wait_until(lambda: len(process._thread_fds) == 2, 5.0)
+        pid = w.pid
+        assert pid is not None
+        reactor = pool._reactor
+        assert reactor is not None
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            held.set()
+            release.wait(30)
+
+        reactor.call_soon(hold)
+        results: list[Any] = []
+        try:
+            assert held.wait(10)
+            os.kill(pid, signal.SIGKILL)
+            caller = threading.Thread(
+                target=lambda: results.append(w.call("remote_tasks:add", 2, 3))
+            )
+            caller.start()
+            # The request is on its way (or sent); let the reactor hear of the threads' end.
+            threading.Event().wait(0.005)
+        finally:
+            release.set()
+        caller.join(30)
+        assert results == [5]
+        assert process.exit_noticed, "the dying worker's EOF came first: nothing was tested"
+        assert w.generation == 2 and w.pid != pid
+        stats = pool.stats()[w.env]
+        assert (stats.ok, stats.crashed) == (2, 0)
