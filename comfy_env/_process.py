@@ -518,8 +518,10 @@ class WorkerProcess:
         # ``_watchdog``); reactor thread only, like ``_pidfd``.
         self._thread_fds: list[int] = []
         self._thread_lookups = 0
-        # True once a named thread's end, with the process exiting, shut the channel down.
+        # True once a named thread's end, with the process exiting, shut the channel down;
+        # the exit status read then (the kernel's final word: the caller need not read it).
         self.exit_noticed = False
+        self.noticed_status: int | None = None
         # ``dispose`` closes the socket under it, and a shutdown from another thread
         # (``_shut_channel``) runs under it: a descriptor number is never shut after its close.
         self._sock_lock = threading.Lock()
@@ -1153,7 +1155,9 @@ class WorkerProcess:
         popen = self.popen
         if popen is None or os.getpid() != self._owner_pid:
             return None
-        rc = _peek_exit(popen)
+        rc = self.noticed_status  # read by the reactor when it shut the channel down
+        if rc is None:
+            rc = _peek_exit(popen)
         if rc is None:
             rc = exiting_status(popen.pid)  # several times dearer than the peek
         if rc is None:
@@ -1294,10 +1298,11 @@ class WorkerProcess:
         to the exit and the EOF, as without this."""
         if fd not in self._thread_fds:
             return  # no longer watched (a stale wake-up)
-        self._thread_fds.remove(fd)
-        self.reactor.remove_reader(fd)
-        os.close(fd)
-        self._notice_exit(0)
+        self._notice_exit(0)  # first: a caller may be waiting; the descriptors can wait
+        if fd in self._thread_fds:
+            self._thread_fds.remove(fd)
+            self.reactor.remove_reader(fd)
+            os.close(fd)
 
     # The main thread may not have begun to exit when a named thread has ended (not yet
     # scheduled on a busy machine): looked at again this often, this many times.
@@ -1310,14 +1315,16 @@ class WorkerProcess:
             return
         if self.exited.is_set():
             return
-        if exiting_status(popen.pid) is None:
+        rc = exiting_status(popen.pid)
+        if rc is None:
             if rechecks < self._EXIT_RECHECKS:
                 again = functools.partial(self._notice_exit, rechecks + 1)
                 self.reactor.call_later(self._EXIT_RECHECK_DELAY, again)
             return
+        self.noticed_status = rc
         self.exit_noticed = True
-        self._unwatch_threads()
         self._shut_channel()
+        self._unwatch_threads()
 
     def _shut_channel(self) -> None:
         """Shut the channel down (any thread), which wakes a thread blocked reading it with
