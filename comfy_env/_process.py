@@ -25,6 +25,13 @@ stdout, stderr and log pipes (kept as a tail of recent lines for crash reports a
 to ``logging``). The host holds the pipes' write ends until the reaping, so a dying worker
 wakes the reactor once (its pidfd), not three times more at the moment its EOF wakes the
 caller; the output ends at the reaping (``_end_output``), whatever a descendant holds.
+The reactor also watches the worker's two named threads (``_watchdog``: thread pidfds, Linux
+6.9+). A killed worker's descriptors close, and its channel reaches EOF, only after the
+kernel has freed its memory; its other threads end first. When a named thread has ended and
+the main thread is exiting, the reactor shuts the channel down (``_on_thread_exit``), so the
+caller's read ends at once; the status it read goes to the crash report (``noticed_status``).
+Our request still unread on the worker's side then stands for the reset its exit would give
+(``request_unread``: the call never ran).
 A caller whose call the exit failed reads the exit status and the last words itself
 (``status_at_eof``: the kernel has the status before the worker can be reaped; nothing is
 reaped there), or reaps and drains when the exit is there (``collect_exit``), or waits for

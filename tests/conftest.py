@@ -15,6 +15,7 @@ no actor that comfy-env created during the test is alive afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -235,6 +236,26 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@contextlib.contextmanager
+def reactor_held(pool: comfy_env.Pool) -> Iterator[threading.Event]:
+    """Keep the pool's reactor thread busy inside the block (it reaps and reports exits);
+    yields the event that frees it, set on the way out."""
+    reactor = pool._reactor
+    assert reactor is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    reactor.call_soon(hold)
+    try:
+        assert held.wait(10)
+        yield release
+    finally:
+        release.set()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -11,36 +10,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import remote_tasks
-from conftest import alive, wait_until
+from conftest import alive, reactor_held, wait_until
 
 import comfy_env
 from comfy_env import CallTimeout, ProtocolError, WorkerCrashed
 from comfy_env_worker.protocol import FrameReader, encode_header
-
-
-@contextlib.contextmanager
-def _reactor_held(pool: comfy_env.Pool) -> Iterator[threading.Event]:
-    """Keep the pool's reactor thread busy inside the block (it reaps and reports exits);
-    yields the event that frees it, set on the way out."""
-    reactor = pool._reactor
-    assert reactor is not None
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(30)
-
-    reactor.call_soon(hold)
-    try:
-        assert held.wait(10)
-        yield release
-    finally:
-        release.set()
 
 
 def _wait_gone(pid: int, timeout: float = 5.0) -> None:
@@ -75,7 +53,7 @@ def test_the_crashed_caller_collects_exit_and_last_words_without_the_reactor(
     pool.subscribe(events.append)
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
-    with _reactor_held(pool) as release:
+    with reactor_held(pool) as release:
         with pytest.raises(WorkerCrashed) as info:
             w.call("comfy_env_worker.tasks:crash")
         assert not release.is_set()  # the reactor was still held when the error was raised
@@ -102,7 +80,7 @@ def test_the_crashed_caller_reports_the_death_before_it_raises(pool: comfy_env.P
     w.call("comfy_env_worker.tasks:echo", 0)
     process = pool._entries[w.env].slots[0].process
     assert process is not None and process.popen is not None
-    with _reactor_held(pool) as release:
+    with reactor_held(pool) as release:
         with pytest.raises(WorkerCrashed) as info:
             w.call("hardening_tasks:die", 7)
         assert (info.value.exitcode, info.value.signal) == (7, None)

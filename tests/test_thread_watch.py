@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import reactor_held, wait_until
 
 import comfy_env
 from comfy_env import WorkerCrashed, _watchdog
@@ -47,6 +47,14 @@ def _process(w: comfy_env.Worker) -> WorkerProcess:
     return process
 
 
+def _watched(w: comfy_env.Worker) -> WorkerProcess:
+    """Start ``w``'s worker and wait until the host watches both its named threads."""
+    w.call("comfy_env_worker.tasks:echo", 0)
+    process = _process(w)
+    assert wait_until(lambda: len(process._thread_fds) == 2, 5.0), process._thread_fds
+    return process
+
+
 def _thread_pidfds_work() -> bool:
     """Whether this kernel gives pidfds of single threads (Linux 6.9+)."""
     try:
@@ -69,30 +77,25 @@ def test_a_worker_names_its_watchdog_and_sentinel_threads(pool: comfy_env.Pool) 
     assert pid is not None
     wanted = {WATCHDOG_THREAD_NAME, SENTINEL_THREAD_NAME}
     assert wait_until(lambda: wanted <= _thread_names(pid), 5.0), _thread_names(pid)
-    assert sorted(_watchdog.named_threads(pid)) != []
     assert len(_watchdog.named_threads(pid)) == 2
 
 
 @needs_thread_pidfds
 def test_the_host_watches_both_named_threads(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
-    w.call("comfy_env_worker.tasks:echo", 0)
-    process = _process(w)
-    assert wait_until(lambda: len(process._thread_fds) == 2, 5.0), process._thread_fds
+    process = _watched(w)
     assert not process.exit_noticed
 
 
 @needs_thread_pidfds
-def test_a_killed_worker_is_told_before_its_teardown_ends(tmp_path: Any) -> None:
+def test_a_killed_worker_is_told_before_its_teardown_ends() -> None:
     """A worker holding 512 MiB takes tens of ms to be torn down after a SIGKILL; its
     channel closes only then. The caller hears of it from the named threads' end instead,
     with the same status the reaping reports."""
     config = comfy_env.PoolConfig(sys_path=[os.path.dirname(__file__)], max_restarts=100)
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
-        w.call("comfy_env_worker.tasks:echo", 0)
-        process = _process(w)
-        assert wait_until(lambda: len(process._thread_fds) == 2, 5.0)
+        process = _watched(w)
         pid = w.pid
         assert pid is not None
         failed: list[BaseException] = []
@@ -137,9 +140,7 @@ def test_a_named_thread_ending_while_the_worker_lives_changes_nothing(
     """An exec, or a watchdog ending alone, ends a named thread but not the process: the host
     must not take it for a death. Replayed here on a live worker, through the reactor."""
     w = pool.get_worker()
-    w.call("comfy_env_worker.tasks:echo", 0)
-    process = _process(w)
-    assert wait_until(lambda: len(process._thread_fds) == 2, 5.0)
+    process = _watched(w)
     reactor = pool._reactor
     assert reactor is not None
     fd = process._thread_fds[0]
@@ -164,22 +165,11 @@ def test_a_call_sent_to_a_dying_worker_runs_on_the_next_one() -> None:
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
         w.call("remote_tasks:hold_memory_and_sleep", 512, 0)  # kept: a long teardown
-        process = _process(w)
-        assert wait_until(lambda: len(process._thread_fds) == 2, 5.0)
+        process = _watched(w)
         pid = w.pid
         assert pid is not None
-        reactor = pool._reactor
-        assert reactor is not None
-        held, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            held.set()
-            release.wait(30)
-
-        reactor.call_soon(hold)
         results: list[Any] = []
-        try:
-            assert held.wait(10)
+        with reactor_held(pool):
             os.kill(pid, signal.SIGKILL)
             caller = threading.Thread(
                 target=lambda: results.append(w.call("remote_tasks:add", 2, 3))
@@ -187,8 +177,6 @@ def test_a_call_sent_to_a_dying_worker_runs_on_the_next_one() -> None:
             caller.start()
             # The request is on its way (or sent); let the reactor hear of the threads' end.
             threading.Event().wait(0.005)
-        finally:
-            release.set()
         caller.join(30)
         assert results == [5]
         assert process.exit_noticed, "the dying worker's EOF came first: nothing was tested"
