@@ -525,9 +525,8 @@ class WorkerProcess:
         # ``_watchdog``); reactor thread only, like ``_pidfd``.
         self._thread_fds: list[int] = []
         self._thread_lookups = 0
-        # True once a named thread's end, with the process exiting, shut the channel down;
-        # the exit status read then (the kernel's final word: the caller need not read it).
-        self.exit_noticed = False
+        # The exit status read when a named thread's end, with the process exiting, shut the
+        # channel down (the kernel's final word: the caller need not read it); None until then.
         self.noticed_status: int | None = None
         # ``dispose`` closes the socket under it, and a shutdown from another thread
         # (``_shut_channel``) runs under it: a descriptor number is never shut after its close.
@@ -1174,6 +1173,11 @@ class WorkerProcess:
         self._finish_lines()
         return rc
 
+    @property
+    def exit_noticed(self) -> bool:
+        """Whether a named thread's end shut the channel down (see ``_on_thread_exit``)."""
+        return self.noticed_status is not None
+
     def request_unread(self) -> bool:
         """After an EOF the host made itself (``exit_noticed``: it shut the channel down when
         the worker's threads ended): whether the dying worker left bytes we sent unread, which
@@ -1320,7 +1324,7 @@ class WorkerProcess:
         popen = self.popen
         if popen is None or self.exit_noticed or self._dying or self._disposed:
             return
-        if self.exited.is_set():
+        if self.exited.is_set():  # reaped: nobody can be waiting for its EOF any more
             return
         rc = exiting_status(popen.pid)
         if rc is None:
@@ -1329,7 +1333,6 @@ class WorkerProcess:
                 self.reactor.call_later(self._EXIT_RECHECK_DELAY, again)
             return
         self.noticed_status = rc
-        self.exit_noticed = True
         self._shut_channel()
         self._unwatch_threads()
 
