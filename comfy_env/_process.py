@@ -1295,8 +1295,12 @@ class WorkerProcess:
 
     def _unwatch_threads(self) -> None:
         """Reactor thread: stop watching the named threads (their pidfds closed)."""
-        fds, self._thread_fds = self._thread_fds, []
-        for fd in fds:
+        for fd in list(self._thread_fds):
+            self._unwatch_thread(fd)
+
+    def _unwatch_thread(self, fd: int) -> None:
+        if fd in self._thread_fds:
+            self._thread_fds.remove(fd)
             self.reactor.remove_reader(fd)
             os.close(fd)
 
@@ -1310,10 +1314,7 @@ class WorkerProcess:
         if fd not in self._thread_fds:
             return  # no longer watched (a stale wake-up)
         self._notice_exit(0)  # first: a caller may be waiting; the descriptors can wait
-        if fd in self._thread_fds:
-            self._thread_fds.remove(fd)
-            self.reactor.remove_reader(fd)
-            os.close(fd)
+        self._unwatch_thread(fd)
 
     # The main thread may not have begun to exit when a named thread has ended (not yet
     # scheduled on a busy machine): looked at again this often, this many times.
@@ -1321,6 +1322,8 @@ class WorkerProcess:
     _EXIT_RECHECKS = 20
 
     def _notice_exit(self, rechecks: int) -> None:
+        """Reactor thread: shut the channel down if the process is exiting; else look again
+        (``rechecks`` so far), until ``_EXIT_RECHECKS``."""
         popen = self.popen
         if popen is None or self.exit_noticed or self._dying or self._disposed:
             return
