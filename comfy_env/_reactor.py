@@ -120,7 +120,11 @@ class Reactor:
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         self._pending.append(fn)
-        self._wake()
+        # From the reactor thread itself the loop runs it before it selects again: no wake-up
+        # byte (a write now and two reads later: system calls that, on a crash's path, each
+        # hand the GIL to the caller writing its report and wait to get it back).
+        if threading.current_thread() is not self._thread:
+            self._wake()
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
         handle = TimerHandle(time.monotonic() + delay, fn)

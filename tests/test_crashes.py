@@ -407,3 +407,32 @@ def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
         other_b.close()
         os.close(read_end)
         os.close(write_end)
+
+
+@pytest.mark.parametrize("then", ["close", "next call"])
+def test_a_retired_worker_whose_release_is_due_is_released_at_once_when_needed(
+    monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """A crashed worker's socket and shared memory are released a moment after the crash
+    (off the caller's way out). A pool closed before that moment, or a new generation taking
+    the slot, releases them at once."""
+    from comfy_env import _pool
+    from comfy_env._process import WorkerProcess
+
+    monkeypatch.setattr(_pool, "_DISPOSE_DELAY", 3600.0)
+    pool = comfy_env.Pool(comfy_env.PoolConfig(max_restarts=100))
+    try:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        crashed = w._entry.slots[0].process
+        assert isinstance(crashed, WorkerProcess)
+        with pytest.raises(WorkerCrashed):
+            w.call("comfy_env_worker.tasks:crash")
+        assert not crashed._disposed  # due in an hour
+        if then == "next call":
+            assert w.call("comfy_env_worker.tasks:echo", 1) == 1
+            assert w.generation == 2 and crashed._disposed
+    finally:
+        pool.close()
+    assert crashed._disposed
+    assert crashed.sock is not None and crashed.sock.fileno() == -1  # its channel is closed
