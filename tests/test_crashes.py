@@ -436,3 +436,34 @@ def test_a_retired_worker_whose_release_is_due_is_released_at_once_when_needed(
         pool.close()
     assert crashed._disposed
     assert crashed.sock is not None and crashed.sock.fileno() == -1  # its channel is closed
+
+
+def test_the_reactor_runs_what_it_schedules_itself_without_waking_itself() -> None:
+    """``call_soon``/``call_later`` from the reactor thread run in the loop's next turn
+    without the wake-up byte (a write and two reads: system calls that hand the GIL to a
+    caller on a crash's path); from any other thread they still wake it."""
+    from comfy_env._reactor import Reactor
+
+    reactor = Reactor()
+    reactor.start()
+    try:
+        wakes: list[str] = []
+        real_wake = reactor._wake
+
+        def counted_wake() -> None:
+            wakes.append(threading.current_thread().name)
+            real_wake()
+
+        reactor._wake = counted_wake  # type: ignore[method-assign]
+        ran = threading.Event()
+        timed = threading.Event()
+
+        def on_reactor() -> None:
+            reactor.call_soon(ran.set)
+            reactor.call_later(0.01, timed.set)
+
+        reactor.call_soon(on_reactor)  # from this thread: one wake-up
+        assert ran.wait(5) and timed.wait(5)
+        assert wakes == [threading.current_thread().name]
+    finally:
+        reactor.stop()
