@@ -7,18 +7,27 @@ its descriptors closed: about 1 ms for a bare interpreter here, 15-18 ms for a w
 SIGKILL. Every worker names two threads (``comfy_env_worker.protocol``): its watchdog, and a
 sentinel that only waits, so that one of the two is not the last to exit (with the main
 thread and the watchdog alone, the watchdog often is). A pidfd of a *thread* (Linux 6.9+,
-``PIDFD_THREAD``) becomes readable when that thread has exited; the reactor watches both
-(``WorkerProcess._on_thread_exit``). When one fires while the worker's main thread is exiting
-(its ``PF_EXITING`` flag, with the exit status stored), the host shuts its end of the channel
-down, so a caller blocked reading it sees EOF at once and reports the crash, with the status
-the kernel will report at the reaping.
+``PIDFD_THREAD``) becomes readable when that thread has exited. Two watch them, each on
+pidfds of its own:
+
+* the reactor (``WorkerProcess._on_thread_exit``): when one fires while the worker's main
+  thread is exiting (its ``PF_EXITING`` flag, with the exit status stored), it shuts the
+  host's end of the channel down, so a caller blocked reading it sees EOF at once;
+* the caller itself, once its wait for a reply has lasted ``_ALARM_AFTER`` (the channel's
+  reader, ``FrameReader.set_alarms``): the same check, and its read ends as at EOF. On a
+  2-CPU machine the reactor was often queued behind the dying worker's teardown, on the very
+  CPU that teardown ran on, while the caller's own CPU was free.
+
+Either way the crash report carries the status the kernel will report at the reaping.
 
 Data flow::
 
     handshake done (caller)   reactor.call_later(lookup delay, _watch_threads)
     reactor                   named_threads(pid) -> tids, thread_pidfd(pid, tid) -> fds,
-                              looked up again while the threads have not named themselves
-    a named thread ends       fd readable -> exiting_status(pid) known? -> channel shut down
+                              looked up again while the threads have not named themselves;
+                              a second pidfd per thread for the channel's reader
+    a named thread ends       reactor: fd readable -> exiting_status(pid) known? -> channel
+                              shut down; a caller in a long wait: alarm -> the same check
     caller                    EOF -> crash_error -> status_at_eof (the same status) as before
 
 Races it must not lose:

@@ -7,9 +7,13 @@ real SIGKILLs; nothing here times anything: the tests look at which path told th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,8 +21,15 @@ from conftest import reactor_held, wait_until
 
 import comfy_env
 from comfy_env import WorkerCrashed, _watchdog
-from comfy_env._process import WorkerProcess
-from comfy_env_worker.protocol import SENTINEL_THREAD_NAME, WATCHDOG_THREAD_NAME
+from comfy_env._process import _ALARM_AFTER, WorkerProcess
+from comfy_env_worker.protocol import (
+    SENTINEL_THREAD_NAME,
+    WATCHDOG_THREAD_NAME,
+    ChannelClosed,
+    FrameReader,
+    FrameType,
+    encode_header,
+)
 
 
 def _thread_names(pid: int) -> set[str]:
@@ -183,3 +194,187 @@ def test_a_call_sent_to_a_dying_worker_runs_on_the_next_one() -> None:
         assert w.generation == 2 and w.pid != pid
         stats = pool.stats()[w.env]
         assert (stats.ok, stats.crashed) == (3, 0)  # hold, echo, add
+
+
+def _watches_of(pool: comfy_env.Pool, process: WorkerProcess) -> list[int]:
+    """The descriptors the pool's reactor still watches for ``process``."""
+    reactor = pool._reactor
+    assert reactor is not None
+
+    def owner(callback: Any) -> Any:
+        callback = getattr(callback, "func", callback)  # a functools.partial
+        return getattr(callback, "__self__", None)
+
+    keys = reactor.run_sync(lambda: list(reactor._selector.get_map().values()))
+    return [key.fd for key in keys if owner(key.data) is process]
+
+
+@needs_thread_pidfds
+def test_a_thread_end_and_the_exit_in_one_wake_up_leave_no_watch_behind() -> None:
+    """The reactor, busy while the worker dies, then sees the named threads' end and the
+    process's exit in one wake-up. The notice takes the exit's pidfd off the reactor for a
+    moment (so that nothing wakes it while the caller reports the crash); the exit callback
+    still queued in that same wake-up must not act on it: it would schedule the reaping, the
+    watch would be restored, and the reaping would close a descriptor still watched, which the
+    next worker's pidfd (the same number) could not be watched under."""
+    config = comfy_env.PoolConfig(max_restarts=100)
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        process = _watched(w)
+        pid = w.pid
+        assert pid is not None
+        with reactor_held(pool):
+            os.kill(pid, signal.SIGKILL)
+            assert wait_until(lambda: _torn_down(pid), 10.0)
+        assert wait_until(lambda: process.exited.is_set(), 10.0)
+        assert process.returncode == -signal.SIGKILL
+        assert process.exit_noticed, "the exit came alone: nothing was tested"
+        assert wait_until(lambda: not _watches_of(pool, process), 5.0), _watches_of(pool, process)
+        assert process._thread_fds == [] and process._stat_fd is None
+        for value in range(3):  # the next generations start, are watched, and serve
+            assert w.call("comfy_env_worker.tasks:echo", value) == value
+        assert w.generation == 2
+
+
+# ---- the caller's own alarms (FrameReader.set_alarms) ----
+
+
+def _frame(call_id: int, payload: bytes = b"x") -> bytes:
+    return encode_header(FrameType.REPLY_OK, call_id, len(payload)) + payload
+
+
+@contextlib.contextmanager
+def _alarmed_reader(
+    answers: list[bool], after: float = 0.05
+) -> Iterator[tuple[FrameReader, socket.socket, int, list[float]]]:
+    """A reader of one end of a socketpair, with one alarm: a pipe whose write end the test
+    holds. ``on_alarm`` pops its answers; the times it was asked are recorded."""
+    ours, theirs = socket.socketpair()
+    alarm_r, alarm_w = os.pipe()
+    asked: list[float] = []
+
+    def on_alarm() -> bool:
+        asked.append(time.monotonic())
+        return answers.pop(0)
+
+    try:
+        reader = FrameReader(ours)
+        reader.set_alarms([alarm_r], on_alarm, after)
+        yield reader, theirs, alarm_w, asked
+    finally:
+        for fd in (alarm_r, alarm_w):
+            os.close(fd)
+        ours.close()
+        theirs.close()
+
+
+def _later(seconds: float, action: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()))
+    thread.start()
+    return thread
+
+
+def test_a_read_that_ends_within_the_timeout_never_asks_the_alarms() -> None:
+    """The common call pays nothing: one blocking read, even with an alarm ready at once."""
+    with _alarmed_reader([], after=1.0) as (reader, peer, alarm_w, asked):
+        os.write(alarm_w, b"!")
+        sender = _later(0.02, lambda: peer.sendall(_frame(7)))
+        assert reader.read()[2] == 7
+        sender.join()
+        assert asked == []
+
+
+def test_an_alarm_that_tells_of_a_death_ends_a_long_read_as_at_eof() -> None:
+    with _alarmed_reader([True]) as (reader, _peer, alarm_w, asked):
+        start = time.monotonic()
+        ringer = _later(0.15, lambda: os.write(alarm_w, b"!"))
+        with pytest.raises(ChannelClosed) as err:
+            reader.read()
+        ringer.join()
+        assert not err.value.partial
+        assert len(asked) == 1 and asked[0] - start >= 0.15
+
+
+def test_an_alarm_that_is_not_a_death_is_dropped_and_the_read_goes_on() -> None:
+    with _alarmed_reader([False]) as (reader, peer, alarm_w, asked):
+        os.write(alarm_w, b"!")  # rings at the first watched wait, and stays readable
+        sender = _later(0.15, lambda: peer.sendall(_frame(9)))
+        assert reader.read()[2] == 9
+        sender.join()
+        assert len(asked) == 1 and reader.alarm_fds == []
+
+
+def test_bytes_sent_before_a_death_are_read_before_its_alarm() -> None:
+    """A reply written just before the worker died is delivered, not taken for a crash: a
+    watched wait that finds both the bytes and the alarm ready takes the bytes."""
+    with _alarmed_reader([True]) as (reader, peer, alarm_w, asked):
+        peer.sendall(_frame(3))
+        os.write(alarm_w, b"!")
+        reader._await_watched(None, False)  # the watched wait, both ready at once
+        assert reader.read()[2] == 3
+        assert asked == []
+
+
+def test_an_alarm_mid_frame_ends_the_read_as_a_partial_frame() -> None:
+    with _alarmed_reader([True]) as (reader, peer, alarm_w, asked):
+        peer.sendall(_frame(4, b"abcdef")[:-3])
+        ringer = _later(0.15, lambda: os.write(alarm_w, b"!"))
+        with pytest.raises(ChannelClosed) as err:
+            reader.read()
+        ringer.join()
+        assert err.value.partial and len(asked) == 1
+
+
+def test_a_deadline_holds_while_the_alarms_are_watched() -> None:
+    with _alarmed_reader([]) as (reader, _peer, _alarm_w, asked):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            reader.read(start + 0.2)
+        assert 0.2 <= time.monotonic() - start < 2.0
+        assert asked == []
+
+
+@needs_thread_pidfds
+def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
+    """A caller waiting long for its reply watches the worker's named threads itself: a
+    worker holding 512 MiB, killed while the pool's reactor cannot run, is reported before
+    the kernel has freed its memory (the channel's EOF would come only after that)."""
+    config = comfy_env.PoolConfig(sys_path=[os.path.dirname(__file__)], max_restarts=100)
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        process = _watched(w)
+        assert wait_until(lambda: len(process._alarm_fds) == 2, 5.0), process._alarm_fds
+        pid = w.pid
+        assert pid is not None
+        failed: list[BaseException] = []
+        torn_down: list[bool] = []
+
+        def call() -> None:
+            try:
+                w.call("remote_tasks:hold_memory_and_sleep", 512, 60)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                failed.append(exc)
+                torn_down.append(_torn_down(pid))
+
+        caller = threading.Thread(target=call)
+        caller.start()
+
+        def holding() -> bool:
+            with open(f"/proc/{pid}/status") as f:
+                rss = next(line for line in f if line.startswith("VmRSS:"))
+            return int(rss.split()[1]) > 400 * 1024
+
+        assert wait_until(holding, 30.0)
+        time.sleep(_ALARM_AFTER * 2)  # the caller's wait is a watched one by now
+        with reactor_held(pool):
+            os.kill(pid, signal.SIGKILL)
+            caller.join(30)
+        assert not caller.is_alive()
+        (err,) = failed
+        assert isinstance(err, WorkerCrashed), err
+        assert (err.exitcode, err.signal) == (-signal.SIGKILL, "SIGKILL")
+        assert torn_down == [False], "the crash was seen at the EOF, not at the threads' end"
+        assert wait_until(lambda: process.exited.is_set(), 10.0)
+        assert process.returncode == -signal.SIGKILL
+        assert w.call("comfy_env_worker.tasks:echo", 3) == 3
+    assert process._alarm_fds == [] and process._alarm_stat_fd is None  # closed by dispose

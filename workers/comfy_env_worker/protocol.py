@@ -31,7 +31,7 @@ import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, List, Optional, Tuple, Union
+    from typing import Any, Callable, List, Optional, Tuple, Union
 
 PROTOCOL_VERSION = 1
 
@@ -185,8 +185,11 @@ class FrameReader:
     """
 
     __slots__ = (
+        "_alarm_fds",
+        "_alarm_poller",
         "_buf",
         "_limit",
+        "_on_alarm",
         "_one_cpu",
         "_poller",
         "_scratch",
@@ -216,6 +219,83 @@ class FrameReader:
         self._spin_short = True  # the last wait ended within the budget
         self._spin_since = 0.0  # when a wait that did not poll began (0: none pending)
         self._one_cpu = False  # both ends pinned to one same CPU, as last looked at
+        # Alarms (``set_alarms``): descriptors whose readiness may mean the peer is dead,
+        # watched by waits that outlast a blocking read's timeout.
+        self._alarm_poller: Optional[select.poll] = None
+        self._alarm_fds: List[int] = []
+        self._on_alarm: Optional[Callable[[], bool]] = None
+
+    def set_alarms(self, fds: List[int], on_alarm: Callable[[], bool], after: float) -> None:
+        """Also wake a long wait for a frame when one of ``fds`` (the host: pidfds of the
+        worker's named threads, ``comfy_env._watchdog``) becomes readable, and ask
+        ``on_alarm()`` whether the peer is gone: if it answers True, the read ends as at EOF
+        (``ChannelClosed``); if not, that descriptor is no longer watched.
+
+        Free for the common read: the socket gets a receive timeout of ``after`` seconds
+        (``SO_RCVTIMEO``), so a read blocks in one ``recv`` as before, and only one that has
+        waited that long goes on to wait in ``poll`` on the socket and the alarms together.
+        The descriptors stay the owner's (closed by it once no thread reads any more). Any
+        thread may call this while another reads: the read looks at the alarms only after a
+        timeout, which the socket has only once they are in place."""
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        self._alarm_fds = list(fds)
+        self._on_alarm = on_alarm
+        self._alarm_poller = poller
+        seconds = int(after)
+        micros = int((after - seconds) * 1e6)
+        self._sock.setsockopt(
+            _socket.SOL_SOCKET, _socket.SO_RCVTIMEO, struct.pack("ll", seconds, micros)
+        )
+
+    @property
+    def alarm_fds(self) -> List[int]:
+        """The alarms still watched (``set_alarms``)."""
+        return list(self._alarm_fds)
+
+    def _recv_watched(self, view: memoryview, deadline: Optional[float], partial: bool) -> int:
+        """The blocking read timed out (``SO_RCVTIMEO``, set by ``set_alarms``): wait for the
+        socket or an alarm, then read."""
+        if self._alarm_poller is None:
+            raise BlockingIOError("no frame yet")  # (a non-blocking socket; not ours)
+        while True:
+            self._await_watched(deadline, partial)
+            try:
+                return self._sock.recv_into(view)
+            except BlockingIOError:
+                continue  # (woken, but another reader took the bytes: wait again)
+
+    def _await_watched(self, deadline: Optional[float], partial: bool) -> None:
+        """Wait until the socket is readable (or at EOF), watching the alarms meanwhile.
+        Raises ``ChannelClosed`` when an alarm tells that the peer is gone, ``TimeoutError``
+        when ``deadline`` passes."""
+        poller = self._alarm_poller
+        assert poller is not None
+        sock_fd = self._sock.fileno()
+        while True:
+            if deadline is None:
+                events = poller.poll()
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("deadline passed")
+                events = poller.poll(remaining * 1000.0 + 1.0)
+                if not events:
+                    raise TimeoutError("deadline passed")
+            rang = []
+            for fd, _mask in events:
+                if fd == sock_fd:
+                    return  # bytes or EOF first: what was sent before a death is read
+                rang.append(fd)
+            on_alarm = self._on_alarm
+            for fd in rang:
+                if on_alarm is not None and on_alarm():
+                    raise ChannelClosed(partial=partial)
+                poller.unregister(fd)  # not a death (yet): the socket will tell
+                if fd in self._alarm_fds:
+                    self._alarm_fds.remove(fd)
 
     def spin_wait(self, seconds: float, peer_pid: int) -> None:
         """Poll for up to ``seconds`` before a blocking read of a new frame (0: never).
@@ -352,12 +432,15 @@ class FrameReader:
             self._poller.register(self._sock.fileno(), select.POLLIN)
         return bool(self._poller.poll(0))
 
-    def _wait_readable(self, deadline: Optional[float]) -> None:
+    def _wait_readable(self, deadline: Optional[float], partial: bool = False) -> None:
         if deadline is None:
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline passed")
+        if self._alarm_poller is not None:
+            self._await_watched(deadline, partial)
+            return
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self._sock.fileno(), select.POLLIN)
@@ -365,8 +448,12 @@ class FrameReader:
             raise TimeoutError("deadline passed")
 
     def _fill(self, deadline: Optional[float]) -> None:
-        self._wait_readable(deadline)
-        n = self._sock.recv_into(self._scratch_view)
+        partial = bool(self._buf)
+        self._wait_readable(deadline, partial)
+        try:
+            n = self._sock.recv_into(self._scratch_view)
+        except BlockingIOError:
+            n = self._recv_watched(self._scratch_view, deadline, partial)
         if not n:
             raise ChannelClosed(partial=bool(self._buf))
         self._buf += self._scratch_view[:n]
@@ -390,7 +477,10 @@ class FrameReader:
                     self._recheck_affinity(time.monotonic())
             if deadline is not None:
                 self._wait_readable(deadline)
-            n = self._sock.recv_into(self._scratch_view)
+            try:
+                n = self._sock.recv_into(self._scratch_view)
+            except BlockingIOError:  # only with alarms (set_alarms): a long wait
+                n = self._recv_watched(self._scratch_view, deadline, False)
             if self._spin_since:
                 self._waited()
             if not n:
@@ -432,8 +522,11 @@ class FrameReader:
                     view.release()
                     big.extend(bytes(min(length, 2 * len(big)) - len(big)))
                     view = memoryview(big)
-                self._wait_readable(deadline)
-                n = sock.recv_into(view[have:])
+                self._wait_readable(deadline, True)
+                try:
+                    n = sock.recv_into(view[have:])
+                except BlockingIOError:
+                    n = self._recv_watched(view[have:], deadline, True)
                 if n == 0:
                     raise ChannelClosed(partial=True)
                 have += n
