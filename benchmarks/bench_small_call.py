@@ -15,6 +15,12 @@ process and back, after every worker is started and warmed up:
     rule as comfy_env's default ``PoolConfig.spin_wait`` (not while both are pinned to one
     CPU). The targets stay against the blocking raw pipe; this row shows what comfy_env's own
     work costs once both wait the same way.
+``minimal host, comfy_env worker``
+    A hand-written host on a worker of comfy_env's own (a second pool's): it writes the CALL
+    frame straight on the worker's channel and reads the REPLY_OK (blocking ``recv``, no
+    polling), with none of the pool's work (no gate, lease, deadline, stats, idle-channel
+    check, log frames). What any host-side trim can reach with this worker and transport; the
+    gap to the raw socketpair is the worker's own work.
 ``comfy_env``
     ``pool.get_worker(None).call("comfy_env_worker.tasks:echo", x)``: the real protocol, target
     lookup and the pool's bookkeeping.
@@ -52,6 +58,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import random
 import sys
 import tempfile
@@ -81,9 +88,10 @@ from benchlib import (
 RAW_PIPE = "raw pipe"
 RAW_SOCKETPAIR = "raw socketpair"
 RAW_SOCKETPAIR_POLLING = "raw socketpair, polling"
+MINIMAL_HOST = "minimal host, comfy_env worker"
 COMFY_ENV = "comfy_env"
 COMFY_ENV_ACALL = "comfy_env acall"
-REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR, RAW_SOCKETPAIR_POLLING)
+REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR, RAW_SOCKETPAIR_POLLING, MINIMAL_HOST)
 PEERS = (
     "ProcessPoolExecutor",
     "multiprocessing.Pool",
@@ -164,6 +172,43 @@ def _remote(ctx: Context, name: str) -> Method | None:
     return Method(name, batch, pin)
 
 
+class MinimalHost:
+    """The caller side of ``minimal host, comfy_env worker``: CALL frames written straight on
+    the channel of a comfy_env worker (``pool``'s, warm), its REPLY_OK read back; nothing
+    else. Reaches into the pool for the channel socket: a benchmark's view, not an API."""
+
+    def __init__(self, pool: Any) -> None:
+        worker = pool.get_worker(None)
+        if worker.call(ECHO_TARGET, 12345) != 12345:
+            raise RuntimeError("comfy_env did not echo its argument")
+        process = pool._entries[worker.env].slots[0].process
+        self.sock = process.sock
+        self.pid: int = worker.pid
+        self._call_id = 1 << 40  # far from the pool's own call ids
+        self._buf = bytearray(1 << 16)
+        self._view = memoryview(self._buf)
+
+    def call(self, x: Any) -> Any:
+        from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType
+
+        self._call_id += 1
+        body = pickle.dumps((ECHO_TARGET, (x,), {}), 5)
+        self.sock.sendall(HEADER.pack(MAGIC, FrameType.CALL, 0, len(body), self._call_id) + body)
+        got = 0
+        while got < HEADER_SIZE or got < HEADER_SIZE + HEADER.unpack_from(self._buf)[3]:
+            try:
+                n = self.sock.recv_into(self._view[got:])
+            except BlockingIOError:  # (the channel's receive timeout: a stalled machine)
+                continue
+            if not n:
+                raise RuntimeError("the comfy_env worker closed its channel")
+            got += n
+        _magic, ftype, _flags, length, call_id = HEADER.unpack_from(self._buf)
+        if ftype != FrameType.REPLY_OK or call_id != self._call_id:
+            raise RuntimeError(f"unexpected frame {ftype} for call {call_id}")
+        return pickle.loads(self._view[HEADER_SIZE : HEADER_SIZE + length])
+
+
 def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     import comfy_env
 
@@ -177,6 +222,11 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     methods.append(_local(RAW_PIPE, raw_pipe.call, [raw_pipe.pid]))
     methods.append(_local(RAW_SOCKETPAIR, raw_sock.call, [raw_sock.pid]))
     methods.append(_local(RAW_SOCKETPAIR_POLLING, raw_poll.call, [raw_poll.pid]))
+
+    minimal_pool = comfy_env.Pool(comfy_env.PoolConfig())
+    stack.callback(minimal_pool.close)
+    minimal = MinimalHost(minimal_pool)
+    methods.append(_local(MINIMAL_HOST, minimal.call, [minimal.pid]))
 
     pool = comfy_env.Pool(comfy_env.PoolConfig())
     stack.callback(pool.close)
@@ -386,6 +436,22 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
             f"comfy_env vs the polling raw socketpair (both ends poll as comfy_env does): "
             f"{fmt_x(ratio(ce, results[RAW_SOCKETPAIR_POLLING].median))}.",
         ]
+        if MINIMAL_HOST in results:
+            floor = results[MINIMAL_HOST].median
+            line = (
+                f"A minimal host on comfy_env's own worker: "
+                f"{fmt_x(ratio(floor, results[RAW_PIPE].median))} the raw pipe "
+                f"({fmt_x(ratio(floor, results[RAW_SOCKETPAIR].median))} the raw socketpair); "
+                f"comfy_env is {fmt_x(ratio(ce, floor))} it."
+            )
+            if label == "same CPU":
+                line += (
+                    " Here nothing polls, so no host-side work alone can bring comfy_env below "
+                    "that: the rest is the worker's own work and the transport."
+                )
+            else:
+                line += " (It blocks in recv where comfy_env polls: not a floor here.)"
+            section.lines += ["", line]
         section.targets.append(
             target_at_most(
                 "1",
