@@ -101,6 +101,7 @@ from ._reactor import Reactor
 from ._rundir import check_private_dir, copy_tree, link_tree, make_private_dir, runtime_root
 from ._settings import Settings
 from ._watchdog import named_threads, thread_pidfd
+from ._watchdog import supported as thread_watch_supported
 
 _log = logging.getLogger("comfy_env")
 
@@ -642,6 +643,13 @@ class WorkerProcess:
         os.set_blocking(self._cancel_fd, False)
         self.sock = parent_sock
         self.reader = FrameReader(parent_sock, self.config.max_frame_bytes)
+        if thread_watch_supported():
+            # Before any read: a ``recv`` keeps the timeout it began with, and the first call
+            # may begin before the named threads are found (``_arm_reader_alarms``).
+            try:
+                self.reader.set_read_timeout(_ALARM_AFTER)
+            except OSError:
+                pass  # no caller alarms on this channel: the reactor watches alone
         try:
             child_fd = child_sock.fileno()
             argv = [
@@ -1339,6 +1347,8 @@ class WorkerProcess:
             reader, pid = self.reader, self.pid
             if reader is None or pid is None or self._disposed or self._alarm_fds:
                 return
+            if not reader.read_timeout:
+                return  # the socket refused it (see ``launch``): the reactor watches alone
             for tid in tids:
                 fd = thread_pidfd(pid, tid)
                 if fd is not None:
@@ -1348,7 +1358,7 @@ class WorkerProcess:
                     self._alarm_stat_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
                 except OSError:
                     self._alarm_stat_fd = None
-                reader.set_alarms(self._alarm_fds, self._reader_alarm, _ALARM_AFTER)
+                reader.set_alarms(self._alarm_fds, self._reader_alarm)
 
     def _reader_alarm(self) -> bool:
         """Caller thread, in a wait for a reply: a named thread ended. True (the read ends as

@@ -23,6 +23,7 @@ import comfy_env
 from comfy_env import WorkerCrashed, _watchdog
 from comfy_env._process import _ALARM_AFTER, WorkerProcess
 from comfy_env_worker.protocol import (
+    ALARM_RECHECKS,
     SENTINEL_THREAD_NAME,
     WATCHDOG_THREAD_NAME,
     ChannelClosed,
@@ -239,6 +240,12 @@ def test_a_thread_end_and_the_exit_in_one_wake_up_leave_no_watch_behind() -> Non
 # ---- the caller's own alarms (FrameReader.set_alarms) ----
 
 
+def _alarms_armed(process: WorkerProcess) -> bool:
+    """Whether ``process``'s channel reader watches the named threads (its own pidfds)."""
+    reader = process.reader
+    return reader is not None and len(reader.alarm_fds) == 2
+
+
 def _frame(call_id: int, payload: bytes = b"x") -> bytes:
     return encode_header(FrameType.REPLY_OK, call_id, len(payload)) + payload
 
@@ -255,11 +262,12 @@ def _alarmed_reader(
 
     def on_alarm() -> bool:
         asked.append(time.monotonic())
-        return answers.pop(0)
+        return answers.pop(0) if answers else False
 
     try:
         reader = FrameReader(ours)
-        reader.set_alarms([alarm_r], on_alarm, after)
+        reader.set_read_timeout(after)
+        reader.set_alarms([alarm_r], on_alarm)
         yield reader, theirs, alarm_w, asked
     finally:
         for fd in (alarm_r, alarm_w):
@@ -295,13 +303,26 @@ def test_an_alarm_that_tells_of_a_death_ends_a_long_read_as_at_eof() -> None:
         assert len(asked) == 1 and asked[0] - start >= 0.15
 
 
-def test_an_alarm_that_is_not_a_death_is_dropped_and_the_read_goes_on() -> None:
-    with _alarmed_reader([False]) as (reader, peer, alarm_w, asked):
+def test_an_alarm_that_is_not_a_death_is_asked_again_then_dropped() -> None:
+    """A thread that ended alone: asked again for a while (a killed worker's main thread may
+    not have begun to exit yet), then no longer watched; the read goes on."""
+    with _alarmed_reader([]) as (reader, peer, alarm_w, asked):
         os.write(alarm_w, b"!")  # rings at the first watched wait, and stays readable
-        sender = _later(0.15, lambda: peer.sendall(_frame(9)))
+        sender = _later(0.3, lambda: peer.sendall(_frame(9)))
         assert reader.read()[2] == 9
         sender.join()
-        assert len(asked) == 1 and reader.alarm_fds == []
+        assert len(asked) == 1 + ALARM_RECHECKS and reader.alarm_fds == []
+
+
+def test_an_alarm_that_rang_before_the_death_was_told_hears_of_it_when_asked_again() -> None:
+    """A killed worker's named thread ended before its main thread began to exit (a busy
+    machine): the first answer is "alive"; a later one tells the death."""
+    with _alarmed_reader([False, False, True]) as (reader, _peer, alarm_w, asked):
+        ringer = _later(0.1, lambda: os.write(alarm_w, b"!"))
+        with pytest.raises(ChannelClosed):
+            reader.read()
+        ringer.join()
+        assert len(asked) == 3
 
 
 def test_bytes_sent_before_a_death_are_read_before_its_alarm() -> None:
@@ -343,7 +364,7 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
         process = _watched(w)
-        assert wait_until(lambda: len(process._alarm_fds) == 2, 5.0), process._alarm_fds
+        assert wait_until(lambda: _alarms_armed(process), 5.0), process._alarm_fds
         pid = w.pid
         assert pid is not None
         failed: list[BaseException] = []
@@ -378,3 +399,48 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
         assert process.returncode == -signal.SIGKILL
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3
     assert process._alarm_fds == [] and process._alarm_stat_fd is None  # closed by dispose
+
+
+@needs_thread_pidfds
+def test_a_channel_that_refuses_the_read_timeout_leaves_the_watch_to_the_reactor(
+    pool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the channel refuses the receive timeout, the caller gets no pidfds of its own and
+    the reactor alone watches the named threads; calls go on as before."""
+
+    def refuse(*_args: Any) -> None:
+        raise OSError("SO_RCVTIMEO refused")
+
+    monkeypatch.setattr(FrameReader, "set_read_timeout", refuse)
+    w = pool.get_worker()
+    process = _watched(w)
+    assert process._alarm_fds == [] and process._alarm_stat_fd is None
+    assert process.reader is not None and process.reader.read_timeout == 0
+    assert w.call("comfy_env_worker.tasks:echo", 5) == 5
+
+
+def test_a_wait_begun_before_the_alarms_were_set_picks_them_up() -> None:
+    """The first call may begin before the worker's named threads are found: its wait, on
+    the socket alone, looks again every read timeout and then watches the alarms too."""
+    ours, theirs = socket.socketpair()
+    alarm_r, alarm_w = os.pipe()
+    try:
+        reader = FrameReader(ours)
+        reader.set_read_timeout(0.05)
+        asked: list[bool] = []
+
+        def arm_and_ring() -> None:
+            time.sleep(0.12)
+            reader.set_alarms([alarm_r], lambda: asked.append(True) or True)
+            os.write(alarm_w, b"!")
+
+        armer = _later(0, arm_and_ring)
+        with pytest.raises(ChannelClosed):
+            reader.read()
+        armer.join()
+        assert asked == [True]
+    finally:
+        for fd in (alarm_r, alarm_w):
+            os.close(fd)
+        ours.close()
+        theirs.close()

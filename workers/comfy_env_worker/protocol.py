@@ -84,6 +84,10 @@ _RECV_CHUNK = 64 * 1024
 SPIN_RECHECK = 0.05
 # While both ends share one pinned CPU: frames between two looks (no clock on that path).
 SPIN_RECHECK_READS = 1000
+# An alarm that rang without a death (see FrameReader._await_watched) is asked again this
+# often, this many times.
+ALARM_RECHECK = 0.001
+ALARM_RECHECKS = 20
 _spin_supported = hasattr(os, "sched_getaffinity") and hasattr(os, "sched_yield")
 # The calls this process is making right now, one entry each (the host's pool appends one for
 # the whole of every call; a worker makes none). A reader polls only while at most one call is
@@ -185,8 +189,11 @@ class FrameReader:
     """
 
     __slots__ = (
+        "_alarm_after",
         "_alarm_fds",
         "_alarm_poller",
+        "_alarm_rechecks",
+        "_alarm_suspects",
         "_buf",
         "_limit",
         "_on_alarm",
@@ -224,31 +231,45 @@ class FrameReader:
         self._alarm_poller: Optional[select.poll] = None
         self._alarm_fds: List[int] = []
         self._on_alarm: Optional[Callable[[], bool]] = None
+        self._alarm_suspects: List[int] = []  # rang without a death: asked again for a while
+        self._alarm_after = 0.0  # the socket's receive timeout (set_read_timeout); 0: none
+        self._alarm_rechecks = 0  # times they will still be asked
 
-    def set_alarms(self, fds: List[int], on_alarm: Callable[[], bool], after: float) -> None:
-        """Also wake a long wait for a frame when one of ``fds`` (the host: pidfds of the
-        worker's named threads, ``comfy_env._watchdog``) becomes readable, and ask
-        ``on_alarm()`` whether the peer is gone: if it answers True, the read ends as at EOF
-        (``ChannelClosed``); if not, that descriptor is no longer watched.
+    def set_read_timeout(self, after: float) -> None:
+        """Give the socket a receive timeout of ``after`` seconds (``SO_RCVTIMEO``): a read
+        still blocks in one ``recv``, and only one that has waited that long goes on to wait
+        in ``poll``, on the socket and the alarms (``set_alarms``) together, or on the socket
+        alone until there are any. Free for the common read; set before any read that alarms
+        should reach (a ``recv`` already blocked keeps the timeout it began with)."""
+        seconds = int(after)
+        micros = int((after - seconds) * 1e6)
+        self._sock.setsockopt(
+            _socket.SOL_SOCKET, _socket.SO_RCVTIMEO, struct.pack("ll", seconds, micros)
+        )
+        self._alarm_after = after
 
-        Free for the common read: the socket gets a receive timeout of ``after`` seconds
-        (``SO_RCVTIMEO``), so a read blocks in one ``recv`` as before, and only one that has
-        waited that long goes on to wait in ``poll`` on the socket and the alarms together.
+    def set_alarms(self, fds: List[int], on_alarm: Callable[[], bool]) -> None:
+        """Also wake a long wait for a frame (``set_read_timeout``) when one of ``fds`` (the
+        host: pidfds of the worker's named threads, ``comfy_env._watchdog``) becomes
+        readable, and ask ``on_alarm()`` whether the peer is gone: if it answers True, the
+        read ends as at EOF (``ChannelClosed``); if not, it is asked again a few times, then
+        that descriptor is no longer watched.
+
         The descriptors stay the owner's (closed by it once no thread reads any more). Any
-        thread may call this while another reads: the read looks at the alarms only after a
-        timeout, which the socket has only once they are in place."""
+        thread may call this while another waits: the wait picks the alarms up within
+        ``after`` seconds."""
         poller = select.poll()
         poller.register(self._sock.fileno(), select.POLLIN)
         for fd in fds:
             poller.register(fd, select.POLLIN)
         self._alarm_fds = list(fds)
         self._on_alarm = on_alarm
-        self._alarm_poller = poller
-        seconds = int(after)
-        micros = int((after - seconds) * 1e6)
-        self._sock.setsockopt(
-            _socket.SOL_SOCKET, _socket.SO_RCVTIMEO, struct.pack("ll", seconds, micros)
-        )
+        self._alarm_poller = poller  # last: a wait that sees it sees the rest
+
+    @property
+    def read_timeout(self) -> float:
+        """The socket's receive timeout in seconds (``set_read_timeout``); 0 if none."""
+        return self._alarm_after
 
     @property
     def alarm_fds(self) -> List[int]:
@@ -256,9 +277,9 @@ class FrameReader:
         return list(self._alarm_fds)
 
     def _recv_watched(self, view: memoryview, deadline: Optional[float], partial: bool) -> int:
-        """The blocking read timed out (``SO_RCVTIMEO``, set by ``set_alarms``): wait for the
-        socket or an alarm, then read."""
-        if self._alarm_poller is None:
+        """The blocking read timed out (``set_read_timeout``): wait for the socket or an
+        alarm, then read."""
+        if not self._alarm_after:
             raise BlockingIOError("no frame yet")  # (a non-blocking socket; not ours)
         while True:
             self._await_watched(deadline, partial)
@@ -270,32 +291,60 @@ class FrameReader:
     def _await_watched(self, deadline: Optional[float], partial: bool) -> None:
         """Wait until the socket is readable (or at EOF), watching the alarms meanwhile.
         Raises ``ChannelClosed`` when an alarm tells that the peer is gone, ``TimeoutError``
-        when ``deadline`` passes."""
-        poller = self._alarm_poller
-        assert poller is not None
+        when ``deadline`` passes.
+
+        An alarm whose answer is "not gone" may be early (the host: a killed worker's named
+        thread can end before its main thread has begun to exit, on a busy machine): it is
+        taken off the poll (it stays readable) and asked again every ``ALARM_RECHECK``
+        seconds, ``ALARM_RECHECKS`` times, then forgotten (a thread that ended alone)."""
         sock_fd = self._sock.fileno()
         while True:
-            if deadline is None:
-                events = poller.poll()
+            poller = self._alarm_poller
+            if poller is None:  # no alarms (yet): the socket alone, looking again now and then
+                poller = self._sock_poller()
+                cap = self._alarm_after
             else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError("deadline passed")
-                events = poller.poll(remaining * 1000.0 + 1.0)
-                if not events:
-                    raise TimeoutError("deadline passed")
+                cap = ALARM_RECHECK if self._alarm_rechecks else 0.0
+            wait = -1.0 if deadline is None else deadline - time.monotonic()
+            if deadline is not None and wait <= 0:
+                raise TimeoutError("deadline passed")
+            if cap and (wait < 0 or wait > cap):
+                wait = cap
+            events = poller.poll(wait * 1000.0 + 1.0 if wait >= 0 else None)
+            if not events:
+                if self._alarm_rechecks:
+                    self._alarm_rechecks -= 1
+                    if self._ask_alarm(partial) or not self._alarm_rechecks:
+                        self._forget_suspects()
+                    continue
+                if cap and (deadline is None or time.monotonic() < deadline):
+                    continue
+                raise TimeoutError("deadline passed")
             rang = []
             for fd, _mask in events:
                 if fd == sock_fd:
                     return  # bytes or EOF first: what was sent before a death is read
                 rang.append(fd)
-            on_alarm = self._on_alarm
             for fd in rang:
-                if on_alarm is not None and on_alarm():
-                    raise ChannelClosed(partial=partial)
-                poller.unregister(fd)  # not a death (yet): the socket will tell
-                if fd in self._alarm_fds:
-                    self._alarm_fds.remove(fd)
+                self._ask_alarm(partial)
+                poller.unregister(fd)  # (readable for good now)
+                self._alarm_suspects.append(fd)
+                self._alarm_rechecks = ALARM_RECHECKS
+
+    def _ask_alarm(self, partial: bool) -> bool:
+        """Ask ``on_alarm`` whether the peer is gone; raise ``ChannelClosed`` if it is."""
+        on_alarm = self._on_alarm
+        if on_alarm is not None and on_alarm():
+            raise ChannelClosed(partial=partial)
+        return False
+
+    def _forget_suspects(self) -> None:
+        """Alarms that rang without a death, rechecked enough: no longer watched."""
+        for fd in self._alarm_suspects:
+            if fd in self._alarm_fds:
+                self._alarm_fds.remove(fd)
+        self._alarm_suspects = []
+        self._alarm_rechecks = 0
 
     def spin_wait(self, seconds: float, peer_pid: int) -> None:
         """Poll for up to ``seconds`` before a blocking read of a new frame (0: never).
@@ -432,13 +481,19 @@ class FrameReader:
             self._poller.register(self._sock.fileno(), select.POLLIN)
         return bool(self._poller.poll(0))
 
+    def _sock_poller(self) -> select.poll:
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock.fileno(), select.POLLIN)
+        return self._poller
+
     def _wait_readable(self, deadline: Optional[float], partial: bool = False) -> None:
         if deadline is None:
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline passed")
-        if self._alarm_poller is not None:
+        if self._alarm_after:
             self._await_watched(deadline, partial)
             return
         if self._poller is None:
