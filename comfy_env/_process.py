@@ -54,6 +54,7 @@ descriptor number is never closed under a thread that still reads it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import itertools
@@ -149,8 +150,8 @@ _COLLECT_WAIT = 0.1
 # Seconds from a worker's exit (its pidfd) to the reactor's reaping and report (see _on_pidfd).
 _EXIT_REPORT_DELAY = 0.002
 # Seconds a caller waits for a reply in one blocking read before it watches the worker's
-# named threads itself (``FrameReader.set_alarms``; at least two clock ticks: the socket's
-# receive timeout counts in ticks). A call that ends sooner pays nothing for it.
+# named threads itself (``FrameReader.set_read_timeout``, ``set_alarms``; at least two clock
+# ticks: the socket's receive timeout counts in ticks). A call that ends sooner pays nothing.
 _ALARM_AFTER = 0.05
 # States of our argument blocks lent to a result (see ``_lend_own``).
 _LENT, _FINISHED, _RETURNED = 1, 2, 3
@@ -443,9 +444,10 @@ def exiting_status(pid: int, stat_fd: int | None = None) -> int | None:
     is trusted only from a zombie: an exit that has only just begun may not have stored its
     status yet. The pid is ours and unreaped, so it names no other process.
 
-    ``stat_fd``: that file, opened beforehand (``open_stat``); read again from its start, it
-    is produced afresh. Opening it is most of the cost on a crash's path (40-60 us of a cold
-    thread, against 5 us for the read), so the reactor opens it while the worker is well."""
+    ``stat_fd``: that file, opened beforehand (``WorkerProcess._stat_fd`` for the reactor,
+    ``_alarm_stat_fd`` for a caller); read again from its start, it is produced afresh.
+    Opening it is most of the cost on a crash's path (40-60 us of a cold thread, against 5 us
+    for the read), so it is opened while the worker is well."""
     try:
         # os-level reads: this runs on a crash's path, where buffered I/O cost 0.1 ms cold.
         if stat_fd is not None:
@@ -1212,10 +1214,16 @@ class WorkerProcess:
         return self.noticed_status is not None
 
     def request_unread(self) -> bool:
-        """After an EOF the host made itself (``exit_noticed``: it shut the channel down when
-        the worker's threads ended): whether the dying worker left bytes we sent unread, which
-        its own exit would have told as a reset (the call never ran, and may run on a fresh
-        worker). ``SIOCOUTQ``: what we sent that the worker has not read yet."""
+        """After an EOF the host made itself (``exit_noticed``: the reactor shut the channel
+        down, or the caller's read ended, when the worker's threads ended): whether the dying
+        worker left bytes we sent unread, which its own exit would have told as a reset (the
+        call never ran, and may run on a fresh worker).
+
+        ``SIOCOUTQ``: what we sent that the worker has not read yet, while its socket lives.
+        Once the teardown has released it (0.5 ms after the kill for a bare worker: this
+        thread may look later), our unread bytes are dropped and the count is 0, but the
+        kernel has left the reset pending on our socket (``SO_ERROR``: ``ECONNRESET`` only if
+        bytes were unread); it is read second, so one of the two always tells."""
         sock = self.sock
         if not self.exit_noticed or sock is None:
             return False
@@ -1224,9 +1232,11 @@ class WorkerProcess:
 
         try:
             unread = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            if int.from_bytes(unread, sys.byteorder) > 0:
+                return True
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET
         except OSError:
             return False
-        return int.from_bytes(unread, sys.byteorder) > 0
 
     def _drain_output(self) -> None:
         """Read what the output pipes hold now, on this thread (until they would block). One
@@ -1363,7 +1373,8 @@ class WorkerProcess:
     def _reader_alarm(self) -> bool:
         """Caller thread, in a wait for a reply: a named thread ended. True (the read ends as
         at EOF) if the worker is exiting, with its status noted for the crash report, as the
-        reactor's notice does; else it lives on (an ``exec``, a core dump being written)."""
+        reactor's notice does; False if not (yet: the reader asks again for a while, then
+        forgets that thread: an ``exec``, a core dump being written, a thread ending alone)."""
         popen = self.popen
         if popen is None or os.getpid() != self._owner_pid:
             return False

@@ -99,6 +99,47 @@ def test_the_host_watches_both_named_threads(pool: comfy_env.Pool) -> None:
     assert not process.exit_noticed
 
 
+def _kill_holding_512_mib(
+    pool: comfy_env.Pool, w: comfy_env.Worker, hold_reactor: bool
+) -> tuple[BaseException, bool]:
+    """Kill ``w``'s worker while a call holds 512 MiB in it (a teardown of tens of ms) and
+    return the call's error and whether the worker was a zombie (or reaped) when the caller
+    had it. ``hold_reactor``: the pool's reactor cannot run from just before the kill until
+    the caller has its error, and the caller's wait is by then a watched one."""
+    pid = w.pid
+    assert pid is not None
+    failed: list[BaseException] = []
+    torn_down: list[bool] = []
+
+    def call() -> None:
+        try:
+            w.call("remote_tasks:hold_memory_and_sleep", 512, 60)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            failed.append(exc)
+            torn_down.append(_torn_down(pid))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+
+    def holding() -> bool:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(line for line in f if line.startswith("VmRSS:"))
+        return int(rss.split()[1]) > 400 * 1024
+
+    assert wait_until(holding, 30.0)
+    if hold_reactor:
+        time.sleep(_ALARM_AFTER * 2)  # the caller's wait is a watched one by now
+        with reactor_held(pool):
+            os.kill(pid, signal.SIGKILL)
+            caller.join(30)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        caller.join(30)
+    assert not caller.is_alive()
+    (err,) = failed
+    return err, torn_down[0]
+
+
 @needs_thread_pidfds
 def test_a_killed_worker_is_told_before_its_teardown_ends() -> None:
     """A worker holding 512 MiB takes tens of ms to be torn down after a SIGKILL; its
@@ -108,37 +149,13 @@ def test_a_killed_worker_is_told_before_its_teardown_ends() -> None:
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
         process = _watched(w)
-        pid = w.pid
-        assert pid is not None
-        failed: list[BaseException] = []
-        torn_down: list[bool] = []
-
-        def call() -> None:
-            try:
-                w.call("remote_tasks:hold_memory_and_sleep", 512, 60)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                failed.append(exc)
-                torn_down.append(_torn_down(pid))
-
-        caller = threading.Thread(target=call)
-        caller.start()
-
-        def holding() -> bool:
-            with open(f"/proc/{pid}/status") as f:
-                rss = next(line for line in f if line.startswith("VmRSS:"))
-            return int(rss.split()[1]) > 400 * 1024
-
-        assert wait_until(holding, 30.0)
-        os.kill(pid, signal.SIGKILL)
-        caller.join(30)
-        assert not caller.is_alive()
-        (err,) = failed
+        err, torn_down = _kill_holding_512_mib(pool, w, hold_reactor=False)
         assert isinstance(err, WorkerCrashed), err
         assert (err.exitcode, err.signal) == (-signal.SIGKILL, "SIGKILL")
         assert process.exit_noticed, "the crash was seen at the EOF, not at the threads' end"
         # Told while the kernel was still freeing its 512 MiB: not a zombie yet (its EOF
         # would have come only after that, a moment before it became one).
-        assert torn_down == [False]
+        assert not torn_down
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL  # what the reaping says, the same
         assert process._thread_fds == []
@@ -365,36 +382,10 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
         w = pool.get_worker()
         process = _watched(w)
         assert wait_until(lambda: _alarms_armed(process), 5.0), process._alarm_fds
-        pid = w.pid
-        assert pid is not None
-        failed: list[BaseException] = []
-        torn_down: list[bool] = []
-
-        def call() -> None:
-            try:
-                w.call("remote_tasks:hold_memory_and_sleep", 512, 60)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                failed.append(exc)
-                torn_down.append(_torn_down(pid))
-
-        caller = threading.Thread(target=call)
-        caller.start()
-
-        def holding() -> bool:
-            with open(f"/proc/{pid}/status") as f:
-                rss = next(line for line in f if line.startswith("VmRSS:"))
-            return int(rss.split()[1]) > 400 * 1024
-
-        assert wait_until(holding, 30.0)
-        time.sleep(_ALARM_AFTER * 2)  # the caller's wait is a watched one by now
-        with reactor_held(pool):
-            os.kill(pid, signal.SIGKILL)
-            caller.join(30)
-        assert not caller.is_alive()
-        (err,) = failed
+        err, torn_down = _kill_holding_512_mib(pool, w, hold_reactor=True)
         assert isinstance(err, WorkerCrashed), err
         assert (err.exitcode, err.signal) == (-signal.SIGKILL, "SIGKILL")
-        assert torn_down == [False], "the crash was seen at the EOF, not at the threads' end"
+        assert not torn_down, "the crash was seen at the EOF, not at the threads' end"
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3
@@ -444,3 +435,24 @@ def test_a_wait_begun_before_the_alarms_were_set_picks_them_up() -> None:
             os.close(fd)
         ours.close()
         theirs.close()
+
+
+@needs_thread_pidfds
+def test_a_request_left_unread_is_told_after_the_dying_worker_let_go_of_it() -> None:
+    """Whether our request was read is asked after the death is known, maybe late: once the
+    teardown has released the worker's socket, the count of unread bytes is 0, and the reset
+    the kernel left pending on ours must tell it instead."""
+    config = comfy_env.PoolConfig(sys_path=[os.path.dirname(__file__)], max_restarts=100)
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:hold_memory_and_sleep", 256, 0)  # kept: a teardown of ms
+        process = _watched(w)
+        pid = w.pid
+        assert pid is not None and process.sock is not None
+        with reactor_held(pool):
+            os.kill(pid, signal.SIGKILL)
+            process.sock.sendall(encode_header(FrameType.PING, 0, 0))  # never read
+            assert wait_until(lambda: _torn_down(pid), 10.0)  # its socket is gone
+            process.noticed_status = -signal.SIGKILL  # what the notice would have read
+            assert process.request_unread()
+        assert w.call("comfy_env_worker.tasks:echo", 1) == 1  # the next generation serves

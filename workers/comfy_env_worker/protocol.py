@@ -314,7 +314,8 @@ class FrameReader:
             if not events:
                 if self._alarm_rechecks:
                     self._alarm_rechecks -= 1
-                    if self._ask_alarm(partial) or not self._alarm_rechecks:
+                    self._ask_alarm(partial)
+                    if not self._alarm_rechecks:
                         self._forget_suspects()
                     continue
                 if cap and (deadline is None or time.monotonic() < deadline):
@@ -331,12 +332,11 @@ class FrameReader:
                 self._alarm_suspects.append(fd)
                 self._alarm_rechecks = ALARM_RECHECKS
 
-    def _ask_alarm(self, partial: bool) -> bool:
+    def _ask_alarm(self, partial: bool) -> None:
         """Ask ``on_alarm`` whether the peer is gone; raise ``ChannelClosed`` if it is."""
         on_alarm = self._on_alarm
         if on_alarm is not None and on_alarm():
             raise ChannelClosed(partial=partial)
-        return False
 
     def _forget_suspects(self) -> None:
         """Alarms that rang without a death, rechecked enough: no longer watched."""
@@ -476,12 +476,11 @@ class FrameReader:
 
     def readable_now(self) -> bool:
         """Whether bytes (or EOF) are waiting, without blocking."""
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._sock.fileno(), select.POLLIN)
-        return bool(self._poller.poll(0))
+        poller = self._poller or self._sock_poller()
+        return bool(poller.poll(0))
 
     def _sock_poller(self) -> select.poll:
+        """A poll object of the socket alone, made once."""
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self._sock.fileno(), select.POLLIN)
@@ -496,10 +495,7 @@ class FrameReader:
         if self._alarm_after:
             self._await_watched(deadline, partial)
             return
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._sock.fileno(), select.POLLIN)
-        if not self._poller.poll(remaining * 1000.0 + 1.0):
+        if not self._sock_poller().poll(remaining * 1000.0 + 1.0):
             raise TimeoutError("deadline passed")
 
     def _fill(self, deadline: Optional[float]) -> None:
@@ -534,7 +530,7 @@ class FrameReader:
                 self._wait_readable(deadline)
             try:
                 n = self._sock.recv_into(self._scratch_view)
-            except BlockingIOError:  # only with alarms (set_alarms): a long wait
+            except BlockingIOError:  # only with a read timeout (set_read_timeout): a long wait
                 n = self._recv_watched(self._scratch_view, deadline, False)
             if self._spin_since:
                 self._waited()
