@@ -444,8 +444,8 @@ def exiting_status(pid: int, stat_fd: int | None = None) -> int | None:
     is trusted only from a zombie: an exit that has only just begun may not have stored its
     status yet. The pid is ours and unreaped, so it names no other process.
 
-    ``stat_fd``: that file, opened beforehand (``WorkerProcess._stat_fd`` for the reactor,
-    ``_alarm_stat_fd`` for a caller); read again from its start, it is produced afresh.
+    ``stat_fd``: that file, opened beforehand (``WorkerProcess._stat_fd``); read again from
+    its start (``pread``: any thread), it is produced afresh.
     Opening it is most of the cost on a crash's path (40-60 us of a cold thread, against 5 us
     for the read), so it is opened while the worker is well."""
     try:
@@ -539,20 +539,18 @@ class WorkerProcess:
         self._cancel_lock = threading.Lock()  # a descriptor is never closed under a writer
         self._pidfd: int | None = None
         # Pidfds of the worker's named threads, whose end is the first sign of its death (see
-        # ``_watchdog``); reactor thread only, like ``_pidfd``.
+        # ``_watchdog``), watched by the reactor and by a caller waiting for a reply (the
+        # channel's reader). Closed with the channel (``dispose``: no caller reads any more);
+        # the reactor only stops watching them (``_watched_fds``, reactor thread only).
         self._thread_fds: list[int] = []
+        self._watched_fds: set[int] = set()
         self._thread_lookups = 0
-        # ``/proc/<pid>/stat``, held open while the named threads are watched: the notice reads
-        # it again instead of opening it on the crash's path (``exiting_status``).
+        # ``/proc/<pid>/stat``, opened with the named threads' pidfds and closed with them: a
+        # notice reads it again instead of opening it on the crash's path (``exiting_status``).
         self._stat_fd: int | None = None
         self._pidfd_fired = False  # (``_on_pidfd``): the reaping is scheduled
         self._exit_watch_paused = False  # the notice took the pidfd off the reactor a moment
         self._watch_quiet = False  # the death is known: no reader of it wakes the reactor
-        # Pidfds of the same threads for the channel's reader (``FrameReader.set_alarms``):
-        # a caller waiting for a reply wakes itself when one ends. Its own descriptors, not
-        # the reactor's: those may be closed at any moment; these only by ``dispose``.
-        self._alarm_fds: list[int] = []
-        self._alarm_stat_fd: int | None = None  # its ``/proc/<pid>/stat`` (``exiting_status``)
         # The exit status read when a named thread's end, with the process exiting, shut the
         # channel down (the kernel's final word: the caller need not read it); None until then.
         self.noticed_status: int | None = None
@@ -647,7 +645,7 @@ class WorkerProcess:
         self.reader = FrameReader(parent_sock, self.config.max_frame_bytes)
         if thread_watch_supported():
             # Before any read: a ``recv`` keeps the timeout it began with, and the first call
-            # may begin before the named threads are found (``_arm_reader_alarms``).
+            # may begin before the named threads are found (``_watch_threads``).
             try:
                 self.reader.set_read_timeout(_ALARM_AFTER)
             except OSError:
@@ -1227,7 +1225,7 @@ class WorkerProcess:
         sock = self.sock
         if not self.exit_noticed or sock is None:
             return False
-        import fcntl  # (loaded by ``_arm_reader_alarms`` already, off the crash path)
+        import fcntl  # (loaded by ``_watch_threads`` already, off the crash path)
         import termios
 
         try:
@@ -1334,41 +1332,31 @@ class WorkerProcess:
             delay = self._THREAD_LOOKUP_DELAY * 2 ** (self._thread_lookups - 1)
             self.reactor.call_later(delay, self._watch_threads)
             return
-        for tid in tids:
-            fd = thread_pidfd(self.pid, tid)
-            if fd is not None:
-                self._thread_fds.append(fd)
-                self.reactor.add_reader(fd, functools.partial(self._on_thread_exit, fd))
-        if self._thread_fds:
-            try:
-                self._stat_fd = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY)
-            except OSError:
-                self._stat_fd = None  # read by path then (``exiting_status``)
-            self._arm_reader_alarms(tids)
-
-    def _arm_reader_alarms(self, tids: list[int]) -> None:
-        """Reactor thread: give the channel's reader pidfds of its own of the named threads,
-        so that a caller whose wait for a reply outlasts ``_ALARM_AFTER`` wakes itself when
-        one ends. The reactor's notice (``_on_thread_exit``) must first be scheduled, take
-        the GIL and shut the channel down; on a 2-CPU machine it was often queued behind the
-        dying worker's teardown, on the very CPU that teardown ran on, for its whole length
-        (0.5 ms bare), while the caller's own CPU was free."""
-        with self._sock_lock:
-            reader, pid = self.reader, self.pid
-            if reader is None or pid is None or self._disposed or self._alarm_fds:
+        with self._sock_lock:  # (``dispose`` closes them: never one opened after it)
+            pid, reader = self.pid, self.reader
+            if self._disposed or self._thread_fds or pid is None:
                 return
-            if not reader.read_timeout:
-                return  # the socket refused it (see ``launch``): the reactor watches alone
             for tid in tids:
                 fd = thread_pidfd(pid, tid)
                 if fd is not None:
-                    self._alarm_fds.append(fd)
-            if self._alarm_fds:
-                try:
-                    self._alarm_stat_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-                except OSError:
-                    self._alarm_stat_fd = None
-                reader.set_alarms(self._alarm_fds, self._reader_alarm)
+                    self._thread_fds.append(fd)
+            if not self._thread_fds:
+                return
+            try:
+                self._stat_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+            except OSError:
+                self._stat_fd = None  # read by path then (``exiting_status``)
+            fds = list(self._thread_fds)
+            if reader is not None and reader.read_timeout:
+                # A caller whose wait for a reply outlasts ``_ALARM_AFTER`` watches them too
+                # (``_reader_alarm``): the reactor's notice must first be scheduled, take the
+                # GIL and shut the channel down, and on a 2-CPU machine it was often queued
+                # behind the dying worker's teardown, on the very CPU that teardown ran on,
+                # for its whole length (0.5 ms bare), while the caller's own CPU was free.
+                reader.set_alarms(fds, self._reader_alarm)
+        for fd in fds:
+            self._watched_fds.add(fd)
+            self.reactor.add_reader(fd, functools.partial(self._on_thread_exit, fd))
         # Loaded here, off every call's path, not on the first crash's (``request_unread``:
         # 0.5 ms of a cold thread for two extension modules).
         import fcntl  # noqa: F401
@@ -1382,25 +1370,22 @@ class WorkerProcess:
         popen = self.popen
         if popen is None or os.getpid() != self._owner_pid:
             return False
-        rc = exiting_status(popen.pid, self._alarm_stat_fd)
+        rc = exiting_status(popen.pid, self._stat_fd)  # (closed only by ``dispose``)
         if rc is None:
             return False
         self.noticed_status = rc
         return True
 
     def _unwatch_threads(self) -> None:
-        """Reactor thread: stop watching the named threads (their pidfds closed)."""
-        for fd in list(self._thread_fds):
+        """Reactor thread: stop watching the named threads (their pidfds stay open until
+        ``dispose``: a caller may be polling them)."""
+        for fd in list(self._watched_fds):
             self._unwatch_thread(fd)
-        if self._stat_fd is not None:
-            os.close(self._stat_fd)
-            self._stat_fd = None
 
     def _unwatch_thread(self, fd: int) -> None:
-        if fd in self._thread_fds:
-            self._thread_fds.remove(fd)
+        if fd in self._watched_fds:
+            self._watched_fds.discard(fd)
             self.reactor.remove_reader(fd)
-            os.close(fd)
 
     def _on_thread_exit(self, fd: int) -> None:
         """Reactor thread: a named thread ended. If the process is exiting (its status is
@@ -1409,7 +1394,7 @@ class WorkerProcess:
         holding a GiB); its crash report then reads the same status (``status_at_eof``).
         Anything else (an ``exec``, the thread ending alone, a core dump in progress) is left
         to the exit and the EOF, as without this."""
-        if fd not in self._thread_fds or self._watch_quiet:
+        if fd not in self._watched_fds or self._watch_quiet:
             return  # no longer watched (a stale wake-up)
         self._notice_exit(0)  # first: a caller may be waiting; the descriptors can wait
         if self.exit_noticed or self._dying:
@@ -1451,22 +1436,15 @@ class WorkerProcess:
             return
         self._watch_quiet = True
         reactor = self.reactor
-        for fd in self._thread_fds:
-            reactor.remove_reader(fd)
+        self._unwatch_threads()
         if self._pidfd is not None and not self._pidfd_fired:
             reactor.remove_reader(self._pidfd)
             self._exit_watch_paused = True
         reactor.call_later(_EXIT_REPORT_DELAY, self._after_notice)
 
     def _after_notice(self) -> None:
-        """Reactor thread, a moment after the notice: close the threads' descriptors and
-        watch the exit again (already there, usually: it is reaped at once)."""
-        fds, self._thread_fds = self._thread_fds, []
-        for fd in fds:
-            os.close(fd)  # (removed from the selector by the notice)
-        if self._stat_fd is not None:
-            os.close(self._stat_fd)
-            self._stat_fd = None
+        """Reactor thread, a moment after the notice: watch the exit again (already there,
+        usually: it is reaped at once)."""
         if self._exit_watch_paused:
             self._exit_watch_paused = False
             if self._pidfd is not None:  # (None: ``force_close`` reaped it meanwhile)
@@ -1692,14 +1670,29 @@ class WorkerProcess:
             self._disposed = True
             if self.sock is not None:
                 self.sock.close()
-            alarms, self._alarm_fds = self._alarm_fds, []
-            if self._alarm_stat_fd is not None:
-                alarms.append(self._alarm_stat_fd)
-                self._alarm_stat_fd = None
-        for fd in alarms:
-            os.close(fd)
+            fds, self._thread_fds = self._thread_fds, []
+            if self._stat_fd is not None:
+                fds.append(self._stat_fd)
+                self._stat_fd = None
+        if fds:
+            reactor = self.reactor
+            if reactor.running and not reactor.in_reactor_thread():
+                # Unwatched (if still watched) and closed on the reactor thread, which owns
+                # the selector: never a descriptor number closed while still registered.
+                reactor.call_soon(functools.partial(self._close_thread_fds, fds))
+            else:
+                self._close_thread_fds(fds)
         self._close_cancel_pipe()
         self._release_shm()
+
+    def _close_thread_fds(self, fds: list[int]) -> None:
+        """Reactor thread (or none running): stop watching ``fds`` and close them."""
+        for fd in fds:
+            if fd in self._watched_fds:
+                self._watched_fds.discard(fd)
+                if self.reactor.running:
+                    self.reactor.remove_reader(fd)
+            os.close(fd)
 
     def _close_cancel_pipe(self) -> None:
         with self._cancel_lock:
@@ -1753,14 +1746,10 @@ class WorkerProcess:
             os.close(self._pidfd)
             self._pidfd = None
         fds, self._thread_fds = self._thread_fds, []
+        self._watched_fds.clear()  # (the reactor thread does not exist here)
         if self._stat_fd is not None:
             fds.append(self._stat_fd)
             self._stat_fd = None
-        fds += self._alarm_fds
-        self._alarm_fds = []
-        if self._alarm_stat_fd is not None:
-            fds.append(self._alarm_stat_fd)
-            self._alarm_stat_fd = None
         for fd in fds:
             os.close(fd)
 

@@ -63,7 +63,7 @@ def _watched(w: comfy_env.Worker) -> WorkerProcess:
     """Start ``w``'s worker and wait until the host watches both its named threads."""
     w.call("comfy_env_worker.tasks:echo", 0)
     process = _process(w)
-    assert wait_until(lambda: len(process._thread_fds) == 2, 5.0), process._thread_fds
+    assert wait_until(lambda: len(process._watched_fds) == 2, 5.0), process._watched_fds
     return process
 
 
@@ -158,7 +158,7 @@ def test_a_killed_worker_is_told_before_its_teardown_ends() -> None:
         assert not torn_down
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL  # what the reaping says, the same
-        assert process._thread_fds == []
+        assert process._watched_fds == set()
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3  # the next generation serves
 
 
@@ -172,9 +172,9 @@ def test_a_named_thread_ending_while_the_worker_lives_changes_nothing(
     process = _watched(w)
     reactor = pool._reactor
     assert reactor is not None
-    fd = process._thread_fds[0]
+    fd = sorted(process._watched_fds)[0]
     reactor.run_sync(lambda: process._on_thread_exit(fd))
-    assert process._thread_fds and fd not in process._thread_fds  # the other stays watched
+    assert process._watched_fds and fd not in process._watched_fds  # the other stays watched
     # Its rechecks (the main thread might just not have begun to exit) end without a word.
     checks = process._EXIT_RECHECKS * process._EXIT_RECHECK_DELAY
     threading.Event().wait(checks + 0.05)
@@ -248,10 +248,12 @@ def test_a_thread_end_and_the_exit_in_one_wake_up_leave_no_watch_behind() -> Non
         assert process.returncode == -signal.SIGKILL
         assert process.exit_noticed, "the exit came alone: nothing was tested"
         assert wait_until(lambda: not _watches_of(pool, process), 5.0), _watches_of(pool, process)
-        assert process._thread_fds == [] and process._stat_fd is None
+        assert process._watched_fds == set()
         for value in range(3):  # the next generations start, are watched, and serve
             assert w.call("comfy_env_worker.tasks:echo", value) == value
         assert w.generation == 2
+        # Closed with the channel (the retired worker's ``dispose``).
+        assert wait_until(lambda: not process._thread_fds and process._stat_fd is None, 5.0)
 
 
 # ---- the caller's own alarms (FrameReader.set_alarms) ----
@@ -381,7 +383,7 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
         process = _watched(w)
-        assert wait_until(lambda: _alarms_armed(process), 5.0), process._alarm_fds
+        assert wait_until(lambda: _alarms_armed(process), 5.0), process._thread_fds
         err, torn_down = _kill_holding_512_mib(pool, w, hold_reactor=True)
         assert isinstance(err, WorkerCrashed), err
         assert (err.exitcode, err.signal) == (-signal.SIGKILL, "SIGKILL")
@@ -389,7 +391,7 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3
-    assert process._alarm_fds == [] and process._alarm_stat_fd is None  # closed by dispose
+    assert process._thread_fds == [] and process._stat_fd is None  # closed by dispose
 
 
 @needs_thread_pidfds
@@ -405,8 +407,8 @@ def test_a_channel_that_refuses_the_read_timeout_leaves_the_watch_to_the_reactor
     monkeypatch.setattr(FrameReader, "set_read_timeout", refuse)
     w = pool.get_worker()
     process = _watched(w)
-    assert process._alarm_fds == [] and process._alarm_stat_fd is None
     assert process.reader is not None and process.reader.read_timeout == 0
+    assert process.reader.alarm_fds == []  # the reactor watches alone
     assert w.call("comfy_env_worker.tasks:echo", 5) == 5
 
 
