@@ -374,8 +374,9 @@ class Pool:
         process = slot.process
         if type(state) is not lc.Idle or process is None or process.generation != state.generation:
             return
+        now = self.clock()  # one clock read for the ping check and ``CallStarted``
         ping_after = self.settings.ping_after_idle
-        if ping_after is not None and lc.needs_ping(state, self.clock(), ping_after):
+        if ping_after is not None and lc.needs_ping(state, now, ping_after):
             return
         if deadline is not None and time.monotonic() >= deadline:
             return
@@ -384,7 +385,7 @@ class Pool:
         if process.idle_channel_state() != "quiet":
             return
         call_id = next(self.call_ids)
-        if not entry.start_call_locked(slot, state.generation, call_id, self.clock()):
+        if not entry.start_call_locked(slot, state.generation, call_id, now):
             return  # cannot happen (Idle of this generation); the general path decides
         ticket.generation = state.generation
         ticket.call_id = call_id

@@ -45,6 +45,7 @@ from .protocol import (
     FLAG_OOB,
     HEADER,
     HEADER_SIZE,
+    MAGIC,
     PROTOCOL_VERSION,
     SENTINEL_THREAD_NAME,
     WATCHDOG_THREAD_NAME,
@@ -218,8 +219,12 @@ class Worker:
         another thread goes before the reply (in band) or after the call (to the log pipe),
         never after the reply on the channel where no caller would read it."""
         outbox = self.outbox
+        header = HEADER.pack(MAGIC, ftype, 0, len(payload), call_id)  # (send_frame, inline)
         with outbox.lock:
-            send_frame(self.sock, ftype, call_id, payload)
+            if len(payload) <= 65536:
+                self.sock.sendall(header + payload)
+            else:
+                send_parts(self.sock, [header, payload])
             outbox.in_call = False
 
     def handshake(self) -> None:
@@ -269,9 +274,10 @@ class Worker:
 
     def serve(self) -> None:
         read = self.reader.read
+        call = FrameType.CALL
         while True:
             ftype, flags, call_id, payload = read()
-            if ftype == FrameType.CALL:
+            if ftype == call:
                 try:
                     self.run_call(call_id, flags, payload)
                 except control.Cancelled as exc:
@@ -326,7 +332,10 @@ class Worker:
                 calls.end()
             del args, kwargs
             try:
-                data, buffers = shm.encode(result, self.oob_min, _dumps, (result,))
+                if type(result) in shm.SCALARS:  # the common small result: nothing to scan
+                    data, buffers = _dumps(result, protocol=_PICKLE_PROTOCOL), shm.NO_BUFFERS
+                else:
+                    data, buffers = shm.encode(result, self.oob_min, _dumps, (result,))
             except Exception:  # noqa: BLE001 - cloudpickle fallback, or a clear TypeError
                 data, buffers = _dumps_result(result), []
             del result

@@ -242,8 +242,9 @@ def _has_large_bytes(values: Sequence[Any], threshold: int) -> bool:
 
 # Values that can never hold an out-of-band buffer: calls whose arguments (or results) are all
 # of these skip the buffer callback entirely (the small-call hot path).
-_SCALARS = frozenset((int, float, bool, type(None), str, complex))
-_NO_BUFFERS: List[memoryview] = []
+# Types that pickle with nothing out of band (``encode``'s shortcut; the worker's too).
+SCALARS = frozenset((int, float, bool, type(None), str, complex))
+NO_BUFFERS: List[memoryview] = []  # never appended to
 
 
 def encode(
@@ -264,10 +265,10 @@ def encode(
     """
     if scan is not None:
         for value in scan:
-            if type(value) not in _SCALARS:
+            if type(value) not in SCALARS:
                 break
         else:
-            return dumps(obj, protocol=5), _NO_BUFFERS
+            return dumps(obj, protocol=5), NO_BUFFERS
     buffers: List[memoryview] = []
 
     def callback(pb: pickle.PickleBuffer) -> bool:
