@@ -177,8 +177,10 @@ def comfyui_tarball(argv: list[str]) -> tuple[str | None, list[str]]:
         i = rest.index("--comfyui")
         chosen = rest[i + 1]
         del rest[i : i + 2]
-    chosen = chosen or os.environ.get("COMFY_ENV_COMFYUI_SRC") or os.path.join(
-        ROOT, "..", "shared", "comfyui", "ComfyUI-0.3.64-src.tar.gz"
+    chosen = (
+        chosen
+        or os.environ.get("COMFY_ENV_COMFYUI_SRC")
+        or os.path.join(ROOT, "..", "shared", "comfyui", "ComfyUI-0.3.64-src.tar.gz")
     )
     return (os.path.abspath(chosen) if os.path.isfile(chosen) else None), rest
 
@@ -186,8 +188,10 @@ def comfyui_tarball(argv: list[str]) -> tuple[str | None, list[str]]:
 def test_comfyui(argv: list[str]) -> int:
     tarball, rest = comfyui_tarball(argv)
     if tarball is None:
-        print("dev.py: test-comfyui skipped: no ComfyUI source tarball (pass --comfyui PATH or "
-              "set COMFY_ENV_COMFYUI_SRC)")
+        print(
+            "dev.py: test-comfyui skipped: no ComfyUI source tarball (pass --comfyui PATH or "
+            "set COMFY_ENV_COMFYUI_SRC)"
+        )
         return 0
     src, py = prepare_comfyui(tarball)
     env = dict(os.environ)

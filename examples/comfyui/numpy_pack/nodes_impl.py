@@ -54,8 +54,13 @@ class MaskAndLatent:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"mask": ("MASK",), "latent": ("LATENT",),
-                             "add": ("FLOAT", {"default": 1.0, "min": -10, "max": 10})}}
+        return {
+            "required": {
+                "mask": ("MASK",),
+                "latent": ("LATENT",),
+                "add": ("FLOAT", {"default": 1.0, "min": -10, "max": 10}),
+            }
+        }
 
     def run(self, mask, latent, add):
         out = dict(latent)
@@ -107,8 +112,12 @@ class SlowSteps:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"steps": ("INT", {"default": 5, "min": 1, "max": 10000}),
-                             "delay": ("FLOAT", {"default": 0.05, "min": 0, "max": 10})}}
+        return {
+            "required": {
+                "steps": ("INT", {"default": 5, "min": 1, "max": 10000}),
+                "delay": ("FLOAT", {"default": 0.05, "min": 0, "max": 10}),
+            }
+        }
 
     def run(self, steps, delay):
         PromptServer.instance.send_sync("comfy_env.example", {"steps": steps, "pid": os.getpid()})
@@ -172,8 +181,10 @@ class UseKernel:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"kernel": ("CE_KERNEL",), "image": ("IMAGE",)},
-                "optional": {"crash": ("BOOLEAN", {"default": False})}}
+        return {
+            "required": {"kernel": ("CE_KERNEL",), "image": ("IMAGE",)},
+            "optional": {"crash": ("BOOLEAN", {"default": False})},
+        }
 
     def run(self, kernel, image, crash=False):
         if crash:
@@ -208,9 +219,13 @@ class LoadBigModel:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"megabytes": ("INT", {"default": 64, "min": 1, "max": 4096})},
-                "optional": {"crash_on_release": ("BOOLEAN", {"default": False}),
-                             "tag": ("INT", {"default": 0})}}
+        return {
+            "required": {"megabytes": ("INT", {"default": 64, "min": 1, "max": 4096})},
+            "optional": {
+                "crash_on_release": ("BOOLEAN", {"default": False}),
+                "tag": ("INT", {"default": 0}),
+            },
+        }
 
     def load(self, megabytes, crash_on_release=False, tag=0):
         LoadBigModel.LOADS[0] += 1
@@ -228,17 +243,25 @@ class UseBigModel:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("CE_BIG_MODEL",)},
-                "optional": {"model2": ("CE_BIG_MODEL",), "model3": ("CE_BIG_MODEL",),
-                             "grow_megabytes": ("INT", {"default": 0, "min": 0})}}
+        return {
+            "required": {"model": ("CE_BIG_MODEL",)},
+            "optional": {
+                "model2": ("CE_BIG_MODEL",),
+                "model3": ("CE_BIG_MODEL",),
+                "grow_megabytes": ("INT", {"default": 0, "min": 0}),
+            },
+        }
 
     def run(self, model, model2=None, model3=None, grow_megabytes=0):
         if grow_megabytes:
             model.extra.append(np.ones(grow_megabytes * 1024 * 1024 // 8, dtype=np.float64))
         models = [m for m in (model, model2, model3) if m is not None]
-        report = {"pid": os.getpid(), "loads": LoadBigModel.LOADS[0],
-                  "megabytes": [m.weights.nbytes // (1024 * 1024) for m in models],
-                  "sum": float(sum(float(m.weights[:8].sum()) for m in models))}
+        report = {
+            "pid": os.getpid(),
+            "loads": LoadBigModel.LOADS[0],
+            "megabytes": [m.weights.nbytes // (1024 * 1024) for m in models],
+            "sum": float(sum(float(m.weights[:8].sum()) for m in models)),
+        }
         return {"ui": {"report": [report]}}
 
 
@@ -251,8 +274,9 @@ class SleepStamp:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"seconds": ("FLOAT", {"default": 1.0}),
-                             "tag": ("STRING", {"default": ""})}}
+        return {
+            "required": {"seconds": ("FLOAT", {"default": 1.0}), "tag": ("STRING", {"default": ""})}
+        }
 
     def run(self, seconds, tag):
         start = time.time()
@@ -270,8 +294,12 @@ def _png(rgb):
         return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
 
 
 class SaveImagePNG:
@@ -285,14 +313,19 @@ class SaveImagePNG:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"images": ("IMAGE",),
-                             "filename_prefix": ("STRING", {"default": "comfy_env"})},
-                "hidden": {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"}}
+        return {
+            "required": {
+                "images": ("IMAGE",),
+                "filename_prefix": ("STRING", {"default": "comfy_env"}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"},
+        }
 
     def save(self, images, filename_prefix, unique_id=None, prompt=None):
         out_dir = folder_paths.get_output_directory()
         folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(
-            filename_prefix, out_dir, images.shape[2], images.shape[1])
+            filename_prefix, out_dir, images.shape[2], images.shape[1]
+        )
         results = []
         for image in images:
             rgb = (np.clip(image, 0.0, 1.0) * 255.0).round().astype(np.uint8)
@@ -301,8 +334,9 @@ class SaveImagePNG:
                 fh.write(_png(rgb))
             results.append({"filename": filename, "subfolder": subfolder, "type": "output"})
             counter += 1
-        return {"ui": {"images": results, "node": [str(unique_id)],
-                       "prompt_nodes": [len(prompt or {})]}}
+        return {
+            "ui": {"images": results, "node": [str(unique_id)], "prompt_nodes": [len(prompt or {})]}
+        }
 
 
 class Lazy:
@@ -314,10 +348,14 @@ class Lazy:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"use_b": ("BOOLEAN", {"default": False}),
-                             "a": ("INT", {"default": 1, "lazy": True}),
-                             "b": ("INT", {"default": 2, "lazy": True}),
-                             "limit": ("INT", {"default": 100})}}
+        return {
+            "required": {
+                "use_b": ("BOOLEAN", {"default": False}),
+                "a": ("INT", {"default": 1, "lazy": True}),
+                "b": ("INT", {"default": 2, "lazy": True}),
+                "limit": ("INT", {"default": 100}),
+            }
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, limit):
@@ -347,20 +385,32 @@ class Digest:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {},
-                "optional": {"image": ("IMAGE",), "mask": ("MASK",), "latent": ("LATENT",),
-                             "text": ("STRING", {"forceInput": True}),
-                             "text2": ("STRING", {"forceInput": True}),
-                             "number": ("INT", {"forceInput": True})}}
+        return {
+            "required": {},
+            "optional": {
+                "image": ("IMAGE",),
+                "mask": ("MASK",),
+                "latent": ("LATENT",),
+                "text": ("STRING", {"forceInput": True}),
+                "text2": ("STRING", {"forceInput": True}),
+                "number": ("INT", {"forceInput": True}),
+            },
+        }
 
     def run(self, image=None, mask=None, latent=None, text=None, text2=None, number=None):
         report = {}
-        for name, value in (("image", image), ("mask", mask),
-                            ("latent", None if latent is None else latent["samples"])):
+        for name, value in (
+            ("image", image),
+            ("mask", mask),
+            ("latent", None if latent is None else latent["samples"]),
+        ):
             if value is not None:
-                report[name] = {"type": type(value).__module__, "dtype": str(value.dtype),
-                                "shape": list(value.shape),
-                                "values": value.reshape(-1).tolist()}
+                report[name] = {
+                    "type": type(value).__module__,
+                    "dtype": str(value.dtype),
+                    "shape": list(value.shape),
+                    "values": value.reshape(-1).tolist(),
+                }
         for name, value in (("text", text), ("text2", text2), ("number", number)):
             if value is not None:
                 report[name] = value

@@ -40,8 +40,9 @@ class TorchSleepStamp:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"seconds": ("FLOAT", {"default": 1.0}),
-                             "tag": ("STRING", {"default": ""})}}
+        return {
+            "required": {"seconds": ("FLOAT", {"default": 1.0}), "tag": ("STRING", {"default": ""})}
+        }
 
     def run(self, seconds, tag):
         start = time.time()
