@@ -30,8 +30,9 @@ The reactor also watches the worker's two named threads (``_watchdog``: thread p
 kernel has freed its memory; its other threads end first. When a named thread has ended and
 the main thread is exiting, the reactor shuts the channel down (``_on_thread_exit``), so the
 caller's read ends at once; the status it read goes to the crash report (``noticed_status``).
-A caller whose wait for a reply has lasted ``_ALARM_AFTER`` watches the same threads itself,
-on pidfds of its own (``_reader_alarm``): it need not wait for the reactor to be scheduled.
+A caller whose wait for a reply has lasted ``_ALARM_AFTER`` watches the same pidfds itself
+(``_reader_alarm``): it need not wait for the reactor to be scheduled. They are closed with
+the channel (``dispose``); the reactor only stops watching them.
 Once the death is known the reactor goes quiet until the caller is done (``_quiet``).
 Our request still unread on the worker's side then stands for the reset its exit would give
 (``request_unread``: the call never ran).
@@ -1688,11 +1689,10 @@ class WorkerProcess:
     def _close_thread_fds(self, fds: list[int]) -> None:
         """Reactor thread (or none running): stop watching ``fds`` and close them."""
         for fd in fds:
-            if fd in self._watched_fds:
-                self._watched_fds.discard(fd)
-                if self.reactor.running:
-                    self.reactor.remove_reader(fd)
+            if self.reactor.running:
+                self._unwatch_thread(fd)
             os.close(fd)
+        self._watched_fds.difference_update(fds)
 
     def _close_cancel_pipe(self) -> None:
         with self._cancel_lock:

@@ -7,8 +7,8 @@ its descriptors closed: about 1 ms for a bare interpreter here, 15-18 ms for a w
 SIGKILL. Every worker names two threads (``comfy_env_worker.protocol``): its watchdog, and a
 sentinel that only waits, so that one of the two is not the last to exit (with the main
 thread and the watchdog alone, the watchdog often is). A pidfd of a *thread* (Linux 6.9+,
-``PIDFD_THREAD``) becomes readable when that thread has exited. Two watch them, each on
-pidfds of its own:
+``PIDFD_THREAD``) becomes readable when that thread has exited. Two watch the same pidfds
+(one per thread, closed with the channel):
 
 * the reactor (``WorkerProcess._on_thread_exit``): when one fires while the worker's main
   thread is exiting (its ``PF_EXITING`` flag, with the exit status stored), it shuts the
@@ -25,7 +25,7 @@ Data flow::
     handshake done (caller)   reactor.call_later(lookup delay, _watch_threads)
     reactor                   named_threads(pid) -> tids, thread_pidfd(pid, tid) -> fds,
                               looked up again while the threads have not named themselves;
-                              a second pidfd per thread for the channel's reader
+                              the same fds handed to the channel's reader (``set_alarms``)
     a named thread ends       reactor: fd readable -> exiting_status(pid) known? -> channel
                               shut down; a caller in a long wait: alarm -> the same check
     caller                    EOF -> crash_error -> status_at_eof (the same status) as before

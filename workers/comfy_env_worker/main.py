@@ -45,7 +45,6 @@ from .protocol import (
     FLAG_OOB,
     HEADER,
     HEADER_SIZE,
-    MAGIC,
     PROTOCOL_VERSION,
     SENTINEL_THREAD_NAME,
     WATCHDOG_THREAD_NAME,
@@ -219,12 +218,8 @@ class Worker:
         another thread goes before the reply (in band) or after the call (to the log pipe),
         never after the reply on the channel where no caller would read it."""
         outbox = self.outbox
-        header = HEADER.pack(MAGIC, ftype, 0, len(payload), call_id)  # (send_frame, inline)
         with outbox.lock:
-            if len(payload) <= 65536:
-                self.sock.sendall(header + payload)
-            else:
-                send_parts(self.sock, [header, payload])
+            send_frame(self.sock, ftype, call_id, payload)
             outbox.in_call = False
 
     def handshake(self) -> None:
