@@ -182,7 +182,8 @@ class MinimalHost:
         if worker.call(ECHO_TARGET, 12345) != 12345:
             raise RuntimeError("comfy_env did not echo its argument")
         process = pool._entries[worker.env].slots[0].process
-        self.sock = process.sock
+        self.sock = process.sock  # the requests half of the channel
+        self.replies = process.reply_sock
         self.pid: int = worker.pid
         self._call_id = 1 << 40  # far from the pool's own call ids
         self._buf = bytearray(1 << 16)
@@ -197,7 +198,7 @@ class MinimalHost:
         got = 0
         while got < HEADER_SIZE or got < HEADER_SIZE + HEADER.unpack_from(self._buf)[3]:
             try:
-                n = self.sock.recv_into(self._view[got:])
+                n = self.replies.recv_into(self._view[got:])
             except BlockingIOError:  # (the channel's receive timeout: a stalled machine)
                 continue
             if not n:

@@ -265,7 +265,7 @@ def _warm_process(
     state, process = slot.state, slot.process
     if not isinstance(state, lc.Idle) or not isinstance(process, WorkerProcess):
         return None  # no verified worker, or one of a backend without an fd channel
-    if process.sock is None:
+    if process.reply_sock is None:
         return None
     if len(body) > _SMALL or entry.dropped_refs or ticket.wanted is not None:
         return None
@@ -402,8 +402,8 @@ async def _warm_call(
             raise CallCancelled("the call was cancelled", env=entry.spec.key)
         if not started:
             return False, None
-    sock = process.sock
-    assert sock is not None
+    replies = process.reply_sock
+    assert replies is not None
     block = None
     try:
         # Loans given back ride in front; buffers go into a pooled shared-memory block.
@@ -423,7 +423,7 @@ async def _warm_call(
     cancels = 0
     frames = process.reader
     assert frames is not None
-    fd = sock.fileno()
+    fd = replies.fileno()
     timer = None
     registered = False
     loop: asyncio.AbstractEventLoop | None = None

@@ -8,7 +8,8 @@ Launch (``launch``)::
     runtime dir (per pool)          comfy_env_worker + cloudpickle, hard links into a runtime
                                     store shared by this user's hosts (``RuntimeDir``); the
                                     ONLY path the host adds to the child's sys.path
-    socketpair                      host end stays here; child end inherited as fd N
+    two socketpairs                 requests (host writes) and replies (host reads): host
+                                    ends stay here; child ends inherited as fds N and M
     Popen(interpreter -c BOOT ...)  own session (own process group, no terminal Ctrl-C),
                                     stdin=/dev/null, stdout/stderr pipes, cleaned environment
     GO (one byte on the channel)    once the runtime dir is filled (the first spawn fills it
@@ -16,9 +17,11 @@ Launch (``launch``)::
                                     imports anything from the dir
 
 ``Popen`` runs on the reactor thread (see ``_reactor``) so the worker's parent-death signal is
-tied to a thread that lives as long as the pool. Immediately after, the host closes its copy
-of the child's end: from then on the worker dying is an EOF on the host end, which is how a
-worker that exits during start-up is reported at once rather than after a timeout.
+tied to a thread that lives as long as the pool. Immediately after, the host closes its copies
+of the child's ends: from then on the worker dying is an EOF on the host's reply end, which is
+how a worker that exits during start-up is reported at once rather than after a timeout.
+The channel is one socketpair per direction, so that nobody asleep reading one is woken when
+the peer reads what it wrote on the other (see ``launch``).
 
 Watching: the reactor watches a pidfd (exit, reaped at once so no zombie lingers) and the
 stdout, stderr and log pipes (kept as a tail of recent lines for crash reports and forwarded
@@ -518,7 +521,11 @@ class WorkerProcess:
         self._output_lock = threading.Lock()
         self.retire_reason: RetireReason | None = None  # set by the pool's gate
         self.popen: subprocess.Popen[bytes] | None = None
+        # The channel: two socketpairs, one per direction (see ``launch``). ``sock`` is the
+        # host's end of the requests (it only writes there), ``reply_sock`` its end of the
+        # replies (``reader`` reads it).
         self.sock: socket.socket | None = None
+        self.reply_sock: socket.socket | None = None
         self.reader: FrameReader | None = None
         self.pid: int | None = None  # the interpreter's own pid, from its hello
         self.hello: dict[str, Any] = {}
@@ -613,9 +620,22 @@ class WorkerProcess:
         refuse it (the pool refuses once it is closing); ``after_launch`` runs right after, on
         the same thread, so the pool registers the process before anything can stop the
         reactor."""
+        # One socketpair per direction, never one for both: a Unix stream socket wakes every
+        # thread asleep on it when the bytes it *sent* are read (the "write space" wake-up,
+        # whatever the sleeper waits for), so on one socket each call woke its caller, asleep
+        # in ``recv`` for the reply, the moment the worker read the request, and the worker
+        # likewise when the caller read the reply: about one context switch more per call on
+        # one CPU, two cross-CPU wake-ups more across. Measured: 3.0-3.1 switches a call on a
+        # shared socket against 2.0 on split ones (benchmarks/RESULTS.md, tenth round).
         try:
             parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:  # out of descriptors (EMFILE/ENFILE): nothing to release
+            raise self._no_channel(exc) from exc
+        try:
+            reply_sock, child_reply_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:
+            parent_sock.close()
+            child_sock.close()
             raise self._no_channel(exc) from exc
         # stdout, stderr and the log pipe (records between calls, see comfy_env_worker.logs).
         # The host keeps their write ends open until it has reaped the worker: a dying
@@ -631,8 +651,8 @@ class WorkerProcess:
         except OSError as exc:
             for fd in pipes:
                 os.close(fd)
-            parent_sock.close()
-            child_sock.close()
+            for end in (parent_sock, child_sock, reply_sock, child_reply_sock):
+                end.close()
             raise self._no_channel(exc) from exc
         out_read, out_write, err_read, err_write, log_read, log_write = pipes
         self._stdout = os.fdopen(out_read, "rb", buffering=0)
@@ -643,7 +663,8 @@ class WorkerProcess:
         cancel_read, self._cancel_fd = os.pipe()
         os.set_blocking(self._cancel_fd, False)
         self.sock = parent_sock
-        self.reader = FrameReader(parent_sock, self.config.max_frame_bytes)
+        self.reply_sock = reply_sock
+        self.reader = FrameReader(reply_sock, self.config.max_frame_bytes)
         if thread_watch_supported():
             # Before any read: a ``recv`` keeps the timeout it began with, and the first call
             # may begin before the named threads are found (``_watch_threads``).
@@ -653,6 +674,7 @@ class WorkerProcess:
                 pass  # no caller alarms on this channel: the reactor watches alone
         try:
             child_fd = child_sock.fileno()
+            child_reply_fd = child_reply_sock.fileno()
             argv = [
                 self.spec.interpreter,
                 "-c",
@@ -662,6 +684,7 @@ class WorkerProcess:
                 str(os.getpid()),
                 str(log_write),
                 str(cancel_read),
+                str(child_reply_fd),
             ]
 
             def popen() -> subprocess.Popen[bytes]:
@@ -678,7 +701,7 @@ class WorkerProcess:
                     stdin=subprocess.DEVNULL,
                     stdout=out_write,
                     stderr=err_write,
-                    pass_fds=(child_fd, log_write, cancel_read),
+                    pass_fds=(child_fd, log_write, cancel_read, child_reply_fd),
                     close_fds=True,
                     start_new_session=True,
                     env=worker_environment(self.config, self.worker_id),
@@ -706,7 +729,8 @@ class WorkerProcess:
                 self._close_pipes()
             raise
         finally:
-            child_sock.close()  # the worker holds the only other end now
+            child_sock.close()  # the worker holds the only other ends now
+            child_reply_sock.close()
             os.close(cancel_read)
 
     def _no_channel(self, exc: OSError) -> WorkerStartError:
@@ -1213,18 +1237,19 @@ class WorkerProcess:
         return self.noticed_status is not None
 
     def request_unread(self) -> bool:
-        """After an EOF the host made itself (``exit_noticed``: the reactor shut the channel
-        down, or the caller's read ended, when the worker's threads ended): whether the dying
-        worker left bytes we sent unread, which its own exit would have told as a reset (the
-        call never ran, and may run on a fresh worker).
+        """After an EOF on the replies: whether the worker is gone with bytes we sent it still
+        unread (the call never ran, and may run on a fresh worker). Its exit tells that as a
+        reset, but on the *requests* socket, not on the replies we read: the reply end of a
+        dead worker reads a plain EOF. So the requests socket is asked.
 
         ``SIOCOUTQ``: what we sent that the worker has not read yet, while its socket lives.
-        Once the teardown has released it (0.5 ms after the kill for a bare worker: this
+        Once its exit has released that socket (0.5 ms after the kill for a bare worker: this
         thread may look later), our unread bytes are dropped and the count is 0, but the
         kernel has left the reset pending on our socket (``SO_ERROR``: ``ECONNRESET`` only if
-        bytes were unread); it is read second, so one of the two always tells."""
+        bytes were unread; set before the bytes are dropped); it is read second, so one of the
+        two always tells."""
         sock = self.sock
-        if not self.exit_noticed or sock is None:
+        if sock is None:
             return False
         import fcntl  # (loaded by ``_watch_threads`` already, off the crash path)
         import termios
@@ -1453,14 +1478,17 @@ class WorkerProcess:
 
     def _shut_channel(self) -> None:
         """Shut the channel down (any thread), which wakes a thread blocked reading it with
-        EOF; never after ``dispose`` closed it."""
+        EOF (the replies), and makes the worker read EOF and our writes fail (the requests);
+        never after ``dispose`` closed it."""
         with self._sock_lock:
-            if self.sock is None or self._disposed:
+            if self._disposed:
                 return
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for end in (self.reply_sock, self.sock):
+                if end is not None:
+                    try:
+                        end.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
     def _poll_exit(self) -> None:  # pragma: no cover - fallback without pidfd
         assert self.popen is not None
@@ -1611,13 +1639,13 @@ class WorkerProcess:
         wrote something nobody asked for (a stray thread, garbage): such a worker must not get
         the call, or its bytes would be taken for the reply."""
         reader = self.reader
-        assert reader is not None and self.sock is not None
+        assert reader is not None and self.reply_sock is not None
         if reader.buffered:
             return "dirty"
         if not reader.readable_now():
             return "quiet"
         try:
-            peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            peek = self.reply_sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
             return "quiet"
         except OSError:
@@ -1669,8 +1697,7 @@ class WorkerProcess:
             if self._disposed:
                 return
             self._disposed = True
-            if self.sock is not None:
-                self.sock.close()
+            self._close_channel()
             fds, self._thread_fds = self._thread_fds, []
             if self._stat_fd is not None:
                 fds.append(self._stat_fd)
@@ -1726,12 +1753,18 @@ class WorkerProcess:
         if due and self.pid is not None and self.blocks is not None:
             shm.unlink_blocks(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
 
+    def _close_channel(self) -> None:
+        """Close both of the host's channel sockets (kept as closed objects: ``fileno()``
+        reads -1)."""
+        for end in (self.sock, self.reply_sock):
+            if end is not None:
+                end.close()
+
     def abandon_in_forked_child(self) -> None:
         """In a forked child: close this process's inherited descriptors; never signal it."""
         self._disposed = True
         self._kill_requested = True
-        if self.sock is not None:
-            self.sock.close()
+        self._close_channel()
         self._close_cancel_pipe()
         for _stream, pipe in self._streams():
             if pipe is not None:

@@ -140,7 +140,12 @@ def do_fault(how: str, where: str, marker: str) -> None:
         from comfy_env_worker import main
 
         assert main.CHANNEL is not None
+        # Both halves of the channel (a socketpair each way), as a worker closing "its
+        # channel" would.
+        requests = main.WORKER.requests if main.WORKER is not None else None
         os.close(main.CHANNEL.fileno())
+        if requests is not None and requests is not main.CHANNEL:
+            os.close(requests.fileno())
     elif how == "garbage-header":
         _send_raw(b"\x00\x01 this is not a comfy-env frame header \xff\xfe")
     elif how == "oversized-length":

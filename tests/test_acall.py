@@ -333,8 +333,8 @@ def test_an_acall_never_goes_to_a_worker_that_wrote_on_its_idle_channel(
     async def main() -> int:
         await w.acall("remote_tasks:write_garbage_later", 0.05)
         process = w._entry.slots[0].process
-        assert process is not None and process.sock is not None
-        sock = process.sock
+        assert process is not None and process.reply_sock is not None
+        sock = process.reply_sock
         assert wait_until(lambda: bool(select.select([sock], [], [], 0)[0]), 5.0)
         result: int = await w.acall("remote_tasks:add", 2, 3)
         return result

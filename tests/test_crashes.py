@@ -323,10 +323,10 @@ def test_unknown_request_gets_an_error_reply_not_silence(pool: comfy_env.Pool) -
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
     process = w._entry.slots[0].process
-    assert process is not None and process.sock is not None
+    assert process is not None and process.sock is not None and process.reply_sock is not None
     # White box: speak to the idle worker directly with a frame type it does not know.
     process.sock.sendall(encode_header(99, 12345, 0))
-    reader = FrameReader(process.sock)
+    reader = FrameReader(process.reply_sock)
     ftype, _flags, call_id, payload = reader.read(time.monotonic() + 5)
     assert (ftype, call_id) == (10, 12345)  # FrameType.ERROR, same call id
     assert b"does not accept frame type 99" in payload
@@ -386,7 +386,8 @@ def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
         targets = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds}
         assert not any("held-open" in t for t in targets.values())
         sockets = [t for t in targets.values() if t.startswith("socket:")]
-        assert len(sockets) == 1, targets  # its own channel, not the other worker's
+        # Its own channel (a socketpair each way), not the other worker's.
+        assert len(sockets) == 2, targets
         host_pipe = os.readlink(f"/proc/self/fd/{read_end}")
         assert host_pipe not in targets.values()
         assert targets[0] == "/dev/null"
@@ -435,7 +436,9 @@ def test_a_retired_worker_whose_release_is_due_is_released_at_once_when_needed(
     finally:
         pool.close()
     assert crashed._disposed
-    assert crashed.sock is not None and crashed.sock.fileno() == -1  # its channel is closed
+    # Its channel is closed, both halves.
+    assert crashed.sock is not None and crashed.sock.fileno() == -1
+    assert crashed.reply_sock is not None and crashed.reply_sock.fileno() == -1
 
 
 def test_the_reactor_runs_what_it_schedules_itself_without_waking_itself() -> None:

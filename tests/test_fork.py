@@ -23,8 +23,9 @@ def _channel_inodes(pool: comfy_env.Pool) -> set[str]:
     for entry in pool._entries.values():
         for slot in entry.slots:
             proc = slot.process
-            if proc is not None and proc.sock is not None and proc.sock.fileno() >= 0:
-                out.add(os.readlink(f"/proc/self/fd/{proc.sock.fileno()}"))
+            for end in (proc.sock, proc.reply_sock) if proc is not None else ():
+                if end is not None and end.fileno() >= 0:
+                    out.add(os.readlink(f"/proc/self/fd/{end.fileno()}"))
     return out
 
 

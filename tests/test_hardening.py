@@ -743,7 +743,7 @@ def test_a_fake_interpreter_announcing_a_huge_hello_is_refused_at_once(tmp_path:
         f"#!{sys.executable}\n"
         "import os, struct, sys, time\n"
         "from comfy_env_worker.protocol import HEADER, MAGIC, FrameType\n"
-        "fd = int(sys.argv[4])\n"
+        "fd = int(sys.argv[8])  # the replies half of the channel\n"
         "os.write(fd, HEADER.pack(MAGIC, FrameType.HELLO, 0, 2 << 30, 0) + b'x' * 100)\n"
         "time.sleep(30)\n"
     )

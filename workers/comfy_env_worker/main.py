@@ -178,13 +178,22 @@ def _dumps_result(result: Any) -> bytes:
 class Worker:
     """One channel, one call at a time."""
 
-    def __init__(self, sock: _socket.socket, log_fd: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        sock: _socket.socket,
+        log_fd: Optional[int] = None,
+        requests: Optional[_socket.socket] = None,
+    ) -> None:
+        # ``sock`` is where frames go out (replies, events, log records); ``requests``, where
+        # they come in: the other socketpair of a local worker's channel (one per direction,
+        # see comfy_env._process), or None: ``sock`` both ways (the Ray actor's).
         self.sock = sock
+        self.requests = sock if requests is None else requests
         # Every write on the channel goes through the outbox's lock (log records from other
         # threads share the channel during a call).
         self.outbox = logs.Outbox(sock, log_fd)
         self.log_level = "INFO"
-        self.reader = FrameReader(sock, DEFAULT_MAX_FRAME_BYTES)
+        self.reader = FrameReader(self.requests, DEFAULT_MAX_FRAME_BYTES)
         self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
         self.threshold = shm.MIN_BLOCK
         self.oob_min = shm.MIN_BLOCK
@@ -574,7 +583,7 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
     pinned reply blocks on time (a timer, not a check on the next call); read CANCEL frames
     from the cancel pipe and run what call control has due (interrupt, progress flush)."""
     poll_hup = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
-    fd = worker.sock.fileno()
+    fd = worker.requests.fileno()  # the host's requests end: hung up when the host is gone
     calls = worker.control
 
     def watch() -> None:
@@ -634,28 +643,35 @@ _launched_via_wrapper = False
 # Seconds after the handshake at which the watchdog arms PR_SET_PDEATHSIG (see ``watch``).
 _ARM_PDEATHSIG_AFTER = 0.1
 
-# The worker's channel socket once ``main`` runs; tests and fault-injection tasks use it to
-# write raw bytes at the host. Nothing in the serve loop reads this global.
+# The socket the worker writes its frames on once ``main`` runs (the replies half of the
+# channel); tests and fault-injection tasks use it to write raw bytes at the host. Nothing in
+# the serve loop reads this global.
 CHANNEL: Optional[_socket.socket] = None
 WORKER: Optional[Worker] = None
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point: ``main([channel fd, host pid])``."""
+    """Entry point: ``main([requests fd, host pid, log fd, cancel fd, replies fd])`` (without
+    a replies fd, the requests socket carries both directions)."""
     global _launched_via_wrapper, CHANNEL
     args = list(sys.argv[1:] if argv is None else argv)
     fd = int(args[0])
     host_pid = int(args[1]) if len(args) > 1 else 0
     log_fd = int(args[2]) if len(args) > 2 else None
     cancel_fd = int(args[3]) if len(args) > 3 else None
+    reply_fd = int(args[4]) if len(args) > 4 else None
     _launched_via_wrapper = bool(host_pid) and os.getppid() != host_pid
     faulthandler.enable(all_threads=False)
     if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
         os._exit(0)  # the host died before we started
     # The C socket type: the ``socket`` module (its enums, ``selectors``) costs a worker
     # 2-3 ms at start-up, and the channel needs none of it.
-    sock = _socket.socket(fileno=fd)
+    requests = _socket.socket(fileno=fd)
     os.set_inheritable(fd, False)  # our own children must not hold the channel open
+    sock = requests
+    if reply_fd is not None:
+        sock = _socket.socket(fileno=reply_fd)
+        os.set_inheritable(reply_fd, False)
     CHANNEL = sock
     # Ctrl-C in the host's terminal is the host's business; we run in our own session, but a
     # host may still forward SIGINT deliberately, which then interrupts the call as usual.
@@ -663,7 +679,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.set_inheritable(log_fd, False)
     if cancel_fd is not None:
         os.set_inheritable(cancel_fd, False)
-    os._exit(serve(Worker(sock, log_fd), host_pid, cancel_fd))
+    os._exit(serve(Worker(sock, log_fd, requests), host_pid, cancel_fd))
 
 
 def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
