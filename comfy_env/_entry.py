@@ -327,11 +327,17 @@ def lease_at_once_locked(entry: EnvEntry, ticket: Ticket) -> Slot | None:
         return None
     slot = free_slot(entry, ticket.wanted)
     if slot is not None:
-        slot.leased = True
-        ticket.slot = slot
-        ticket.stage = "in_flight"
-        entry.in_flight += 1
+        lease_locked(entry, ticket, slot)
     return slot
+
+
+def lease_locked(entry: EnvEntry, ticket: Ticket, slot: Slot) -> None:
+    """Give ``slot`` (free, no waiter before ``ticket``; lock held) to ``ticket``: the call is
+    counted in flight."""
+    slot.leased = True
+    ticket.slot = slot
+    ticket.stage = "in_flight"
+    entry.in_flight += 1
 
 
 def queue_locked(entry: EnvEntry, ticket: Ticket) -> None:

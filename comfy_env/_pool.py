@@ -81,7 +81,9 @@ from ._entry import (
     EnvEntry,
     Slot,
     Ticket,
+    free_slot,
     lease_at_once_locked,
+    lease_locked,
     outcome_of,
     queue_locked,
     release_locked,
@@ -370,24 +372,47 @@ class Pool:
     ) -> None:
         """The eager start of ``_acquire`` (lock held): apply ``CallStarted`` if the slot's
         idle worker can take the call as it is; else leave everything to ``_exchange``."""
+        ready = self._ready_locked(slot, deadline)
+        if ready is not None:
+            self._start_ready_locked(entry, slot, ticket, ready)
+
+    def _ready_locked(
+        self, slot: Slot, deadline: float | None
+    ) -> tuple[WorkerGeneration, int, float] | None:
+        """Whether the slot's worker can take a call as it is (lock held): verified and idle,
+        no ping due, the deadline not passed, its channel quiet. Returns its process, its
+        generation and the time read for the ping check (``CallStarted`` uses it too), or
+        None: the general checks of ``_start`` decide (and explain) instead."""
         state = slot.state
         process = slot.process
         if type(state) is not lc.Idle or process is None or process.generation != state.generation:
-            return
+            return None
         now = self.clock()  # one clock read for the ping check and ``CallStarted``
         ping_after = self.settings.ping_after_idle
         if ping_after is not None and lc.needs_ping(state, now, ping_after):
-            return
+            return None
         if deadline is not None and time.monotonic() >= deadline:
-            return
+            return None
         # One poll(2) under the lock: the idle channel must be quiet (``_exchange`` retires a
         # worker that hung up or wrote unasked, and explains it).
         if process.idle_channel_state() != "quiet":
-            return
+            return None
+        return process, state.generation, now
+
+    def _start_ready_locked(
+        self,
+        entry: EnvEntry,
+        slot: Slot,
+        ticket: Ticket,
+        ready: tuple[WorkerGeneration, int, float],
+    ) -> None:
+        """``CallStarted`` for ``ticket`` on the slot ``_ready_locked`` found ready (lock
+        held); ``ticket.started`` names the process the call goes to."""
+        process, generation, now = ready
         call_id = next(self.call_ids)
-        if not entry.start_call_locked(slot, state.generation, call_id, now):
-            return  # cannot happen (Idle of this generation); the general path decides
-        ticket.generation = state.generation
+        if not entry.start_call_locked(slot, generation, call_id, now):
+            return  # cannot happen (Idle of this generation); ``_exchange`` starts it
+        ticket.generation = generation
         ticket.call_id = call_id
         ticket.ran_on = slot
         ticket.started = process
@@ -491,12 +516,61 @@ class Pool:
         on_event: EventCallback | None = None,
     ) -> Any:
         if ticket is None:
+            if bound is None and on_event is None and timeout is None and type(target) is str:
+                result = self._call_plain(entry, target, args, kwargs)
+                if result is not _GENERAL:
+                    return result
             ticket = Ticket()
         body, buffers, by_value, deadline = self.prepare(
             entry, target, args, kwargs, timeout, ticket, bound
         )
         ticket.on_event = on_event
         return self.call_prepared(entry, ticket, target, body, buffers, by_value, deadline)
+
+    def _call_plain(
+        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The common call, prepared and started in one step: a target string, scalar
+        arguments, an idle worker ready to take it and nobody waiting before it. What
+        ``prepare`` and ``_acquire`` do for it, without their branches for anything else
+        (RemoteRefs, out-of-band buffers, by-value code, queueing, cancellation).
+
+        Returns ``_GENERAL``, having counted, leased and sent nothing, when the call or the
+        env asks for more: the general path then runs it from the start and decides (and
+        explains) everything itself. Once started, the call runs through ``run_leased`` like
+        any other."""
+        if self._closed or not _all_scalars(args, kwargs):
+            return _GENERAL
+        config = self.settings
+        body, _, _ = encode_call(target, args, kwargs, self._oob_threshold, True)
+        if len(body) + HEADER_SIZE > config.max_frame_bytes:
+            return _GENERAL  # (``prepare`` says why)
+        timeout = config.call_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ticket = Ticket()
+        with entry.lock:
+            if (
+                self._closed
+                or entry.waiters
+                or entry.dropped_refs
+                or isinstance(entry.env_state, lc.EnvAbandoned)
+            ):
+                return _GENERAL
+            slot = free_slot(entry)
+            if slot is None:
+                return _GENERAL
+            ready = self._ready_locked(slot, deadline)
+            if ready is None:
+                return _GENERAL
+            entry.submitted += 1
+            lease_locked(entry, ticket, slot)
+            self._start_ready_locked(entry, slot, ticket, ready)
+        CALLS_IN_FLIGHT.append(ticket)  # as in ``call_prepared``
+        try:
+            return self.run_leased(entry, slot, ticket, target, body, [], False, deadline)
+        finally:
+            if CALLS_IN_FLIGHT:
+                CALLS_IN_FLIGHT.pop()
 
     def call_prepared(
         self,
@@ -1166,6 +1240,11 @@ class Pool:
             live_pool_snapshots
         ).publish()  # without this pool (the file goes with the last pool)
         self._events.close()
+
+
+# ``_call_plain``'s answer when the general path must run the call (never a call's result:
+# nothing unpickled is this object).
+_GENERAL: Any = object()
 
 
 def _all_scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

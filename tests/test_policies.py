@@ -393,3 +393,30 @@ def test_a_released_ref_raises_a_comfy_env_error_in_the_host_at_once(
     # Nested deeper than the host looks, the worker's report maps to the same error.
     with pytest.raises(comfy_env.RefReleasedError):
         w.call("comfy_env_worker.tasks:echo", [[{"r": ref}]])
+
+
+def test_every_call_is_counted_once_whichever_path_runs_it(config: comfy_env.PoolConfig) -> None:
+    # ``Pool.call`` first tries the plain path (a target string, scalar arguments, an idle
+    # worker ready); anything else goes to the general path, which must find nothing counted,
+    # leased or sent. Each kind of hand-over below, then the plain call itself.
+    clock = FakeClock()
+    with comfy_env.Pool(config.model_copy(update={"ping_after_idle": 60.0}), clock=clock) as pool:
+        w = pool.get_worker()
+        assert w.call("remote_tasks:add", 1, 1) == 2  # no worker yet: spawned by the general path
+        assert w.call("remote_tasks:add", 2, b=3) == 5  # plain, keyword arguments too
+        assert w.call("remote_tasks:add", [1], [2]) == [1, 2]  # not all scalars
+        clock.now += 61
+        assert w.call("remote_tasks:add", 3) == 3  # a ping is due first
+        assert w.stats().pings == 1
+        ref = w.call_ref("remote_tasks:add", 4)
+        del ref  # dropped, not released: the next call releases it first
+        gc.collect()
+        assert w._entry.dropped_refs
+        assert w.call("remote_tasks:add", 5) == 5
+        assert not w._entry.dropped_refs
+        with pytest.raises(ValueError, match="not of the form"):
+            w.call("no colon here", 1)  # refused before anything is counted
+        stats = w.stats()
+        assert (stats.submitted, stats.ok, stats.in_flight, stats.queued) == (6, 6, 0, 0)
+        assert (stats.failed, stats.raised, stats.crashed) == (0, 0, 0)
+        assert w.generation == 1
