@@ -10,7 +10,7 @@ Each *arm* is a long-lived child process that answers ``pin``/``run`` lines on s
     ``comfy_env`` imported from ``PATH`` (put first on ``PYTHONPATH``, ahead of the editable
     install), a warm ``Pool`` with one worker; ``run N`` times ``N`` calls of
     ``comfy_env_worker.tasks:echo``.
-``raw:pipe`` / ``raw:sock``
+``raw:pipe`` / ``raw:sock`` / ``raw:sock2``
     The raw length-prefixed pickle ping-pong of ``benchlib.RawChild``.
 
 Per round every arm runs one batch, in an order shuffled per round (seeded). A batch reports

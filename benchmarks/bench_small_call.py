@@ -9,7 +9,11 @@ process and back, after every worker is started and warmed up:
     Reference floor. A child ``python -c`` (this interpreter) joined by two ``os.pipe()``; each
     message is an 8-byte length plus a protocol-5 pickle; the child loads and re-dumps it.
 ``raw socketpair``
-    The same over one ``AF_UNIX`` socketpair (the transport comfy_env itself uses).
+    The same over one ``AF_UNIX`` socketpair, both directions.
+``raw socketpairs``
+    The same over two socketpairs, one per direction: comfy_env's own transport. (On one
+    socketpair a side asleep in ``recv`` is woken whenever the peer reads what it sent: about
+    one context switch more a call on one CPU.)
 ``raw socketpair, polling``
     The socketpair with both ends polling for up to 100 us before they block, under the same
     rule as comfy_env's default ``PoolConfig.spin_wait`` (not while both are pinned to one
@@ -20,7 +24,7 @@ process and back, after every worker is started and warmed up:
     frame straight on the worker's channel and reads the REPLY_OK (blocking ``recv``, no
     polling), with none of the pool's work (no gate, lease, deadline, stats, idle-channel
     check, log frames). What any host-side trim can reach with this worker and transport; the
-    gap to the raw socketpair is the worker's own work.
+    gap to the raw socketpairs is the worker's own work.
 ``comfy_env``
     ``pool.get_worker(None).call("comfy_env_worker.tasks:echo", x)``: the real protocol, target
     lookup and the pool's bookkeeping.
@@ -87,11 +91,12 @@ from benchlib import (
 
 RAW_PIPE = "raw pipe"
 RAW_SOCKETPAIR = "raw socketpair"
+RAW_SOCKETPAIRS = "raw socketpairs"
 RAW_SOCKETPAIR_POLLING = "raw socketpair, polling"
 MINIMAL_HOST = "minimal host, comfy_env worker"
 COMFY_ENV = "comfy_env"
 COMFY_ENV_ACALL = "comfy_env acall"
-REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR, RAW_SOCKETPAIR_POLLING, MINIMAL_HOST)
+REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR, RAW_SOCKETPAIRS, RAW_SOCKETPAIR_POLLING, MINIMAL_HOST)
 PEERS = (
     "ProcessPoolExecutor",
     "multiprocessing.Pool",
@@ -220,8 +225,11 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     stack.callback(raw_sock.close)
     raw_poll = RawChild("sockpoll")
     stack.callback(raw_poll.close)
+    raw_socks = RawChild("sock2")
+    stack.callback(raw_socks.close)
     methods.append(_local(RAW_PIPE, raw_pipe.call, [raw_pipe.pid]))
     methods.append(_local(RAW_SOCKETPAIR, raw_sock.call, [raw_sock.pid]))
+    methods.append(_local(RAW_SOCKETPAIRS, raw_socks.call, [raw_socks.pid]))
     methods.append(_local(RAW_SOCKETPAIR_POLLING, raw_poll.call, [raw_poll.pid]))
 
     minimal_pool = comfy_env.Pool(comfy_env.PoolConfig())
@@ -431,8 +439,10 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
             ]
         section.lines += [
             "",
-            f"comfy_env vs its own transport (raw socketpair): "
-            f"{fmt_x(ratio(ce, results[RAW_SOCKETPAIR].median))}; raw socketpair vs raw pipe: "
+            f"comfy_env vs its own transport (raw socketpairs, one per direction): "
+            f"{fmt_x(ratio(ce, results[RAW_SOCKETPAIRS].median))}; raw socketpairs vs raw pipe: "
+            f"{fmt_x(ratio(results[RAW_SOCKETPAIRS].median, results[RAW_PIPE].median))}; "
+            f"one raw socketpair vs raw pipe: "
             f"{fmt_x(ratio(results[RAW_SOCKETPAIR].median, results[RAW_PIPE].median))}; "
             f"comfy_env vs the polling raw socketpair (both ends poll as comfy_env does): "
             f"{fmt_x(ratio(ce, results[RAW_SOCKETPAIR_POLLING].median))}.",
@@ -442,7 +452,7 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
             line = (
                 f"A minimal host on comfy_env's own worker: "
                 f"{fmt_x(ratio(floor, results[RAW_PIPE].median))} the raw pipe "
-                f"({fmt_x(ratio(floor, results[RAW_SOCKETPAIR].median))} the raw socketpair); "
+                f"({fmt_x(ratio(floor, results[RAW_SOCKETPAIRS].median))} the raw socketpairs); "
                 f"comfy_env is {fmt_x(ratio(ce, floor))} it."
             )
             if label == "same CPU":

@@ -398,6 +398,9 @@ if mode in ("sock", "sockpoll"):
     if mode == "sockpoll":
         recv_into = polling(s, os.getppid(), float(sys.argv[4]))
     send = s.sendall
+elif mode == "sock2":
+    recv_into = socket.socket(fileno=rfd).recv_into
+    send = socket.socket(fileno=wfd).sendall
 else:
     def recv_into(m):
         return os.readv(rfd, [m])
@@ -430,14 +433,23 @@ class RawChild:
     The reference floor: a ``python -c`` child of this interpreter, an 8-byte length plus a
     protocol-5 pickle per message, one ``write`` per message, preallocated receive buffers.
     ``sockpoll``: the socketpair with both ends polling before they block, as comfy_env does
-    (``RAW_POLL_SECONDS``): the reference for what comfy_env's own work costs across CPUs."""
+    (``RAW_POLL_SECONDS``): the reference for what comfy_env's own work costs across CPUs.
+    ``sock2``: one socketpair per direction, comfy_env's own transport (on one socketpair
+    both ways, a side asleep in ``recv`` is woken when the peer reads what it sent)."""
 
     def __init__(self, mode: str) -> None:
         self._buf = bytearray(1 << 16)
         self._mv = memoryview(self._buf)
         self._sock: socket.socket | None = None
+        self._replies: socket.socket | None = None
         self._fds: list[int] = []
-        if mode in ("sock", "sockpoll"):
+        if mode == "sock2":
+            self._sock, child_in = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._replies, child_out = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fds = (child_in.fileno(), child_out.fileno())
+            close_after = [child_in, child_out]
+            self._recv_into = self._replies.recv_into
+        elif mode in ("sock", "sockpoll"):
             self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fds = (child.fileno(), child.fileno())
             close_after = [child]
@@ -467,7 +479,7 @@ class RawChild:
         finally:
             for s in close_after:
                 s.close()
-            if mode not in ("sock", "sockpoll"):
+            if mode not in ("sock", "sockpoll", "sock2"):
                 os.close(p2c_r)
                 os.close(c2p_w)
         if mode == "sockpoll":
@@ -509,9 +521,10 @@ class RawChild:
 
     def close(self) -> None:
         """EOF makes the child exit; kill it if it does not within a second."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for sock in (self._sock, self._replies):
+            if sock is not None:
+                sock.close()
+        self._sock = self._replies = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
