@@ -1116,11 +1116,10 @@ class Pool:
                 self._timeout_error(entry, slot, process, call_id, label), None
             )
         except (ChannelClosed, ConnectionError, OSError) as exc:
-            # A Unix socket whose owner exits with unread data resets its peer instead of
-            # giving EOF: the worker died before it read the whole request, so the call never
-            # ran and may run on a fresh worker. Any reply bytes mean it did run. An EOF the
-            # host made itself, seeing the worker's threads end, says the same when our bytes
-            # are still unread (``request_unread``).
+            # The worker died before it read the whole request: the call never ran and may
+            # run on a fresh worker. Its exit resets the requests socket (a reply end only
+            # reads EOF), so ``request_unread`` asks there; a reset read here directly is a
+            # backend whose one socket carries both ways. Any reply bytes mean it did run.
             if isinstance(exc, ConnectionResetError) or process.request_unread():
                 entry.apply(slot, lc.ChannelClosed(process.generation))
                 reason = retire_reason(slot, process.generation)

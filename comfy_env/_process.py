@@ -37,8 +37,9 @@ A caller whose wait for a reply has lasted ``_ALARM_AFTER`` watches the same pid
 (``_reader_alarm``): it need not wait for the reactor to be scheduled. They are closed with
 the channel (``dispose``); the reactor only stops watching them.
 Once the death is known the reactor goes quiet until the caller is done (``_quiet``).
-Our request still unread on the worker's side then stands for the reset its exit would give
-(``request_unread``: the call never ran).
+After any EOF on the replies, our request still unread on the worker's side of the requests
+socketpair (or the reset its exit left there) tells that the call never ran
+(``request_unread``).
 A caller whose call the exit failed reads the exit status and the last words itself
 (``status_at_eof``: the kernel has the status before the worker can be reaped; nothing is
 reaped there), or reaps and drains when the exit is there (``collect_exit``), or waits for
