@@ -9,11 +9,14 @@ other. Real workers; the last test counts context switches (kernel events, not t
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import socket
 from collections.abc import Iterator
 
 import pytest
+from conftest import wait_until
 
 import comfy_env
 from comfy_env._process import WorkerProcess
@@ -107,3 +110,31 @@ def test_a_call_on_one_cpu_costs_two_context_switches(pool: comfy_env.Pool, one_
         w.call(ECHO, i)
     per_call = (_switches(os.getpid()) + _switches(w.pid) - before) / calls
     assert per_call < 2.5, per_call
+
+
+def test_a_failure_to_make_the_second_socketpair_leaks_nothing(
+    pool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Out of descriptors between the two socketpairs of a launch: a typed start error, the
+    # first pair closed again (the leak guard counts descriptors), and the next spawn works.
+    w = pool.get_worker()
+    assert w.call(ECHO, 1) == 1
+    pid = w.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: w.stats().state != "idle", 10.0)
+    real = socket.socketpair
+    made: list[int] = []
+
+    def second_fails(*args: object, **kwargs: object) -> tuple[socket.socket, socket.socket]:
+        made.append(1)
+        if len(made) == 2:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "socketpair", second_fails)
+    with pytest.raises(comfy_env.WorkerStartError, match="out of file descriptors"):
+        w.call(ECHO, 2)
+    monkeypatch.setattr(socket, "socketpair", real)
+    assert len(made) == 2
+    assert w.call(ECHO, 3) == 3
