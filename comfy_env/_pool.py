@@ -141,7 +141,7 @@ _log = logging.getLogger("comfy_env")
 # Seconds from a pool's first fork to its start-up sweep (see ``_track``): past the moment the
 # launching caller blocks on the worker's hello, well before the hello can arrive.
 _SWEEP_DELAY = 0.005
-# Seconds from a worker's retirement to the release of its socket and shared memory (see
+# Seconds from a worker's retirement to the release of its sockets and shared memory (see
 # _dispose_later).
 _DISPOSE_DELAY = 0.005
 
@@ -464,7 +464,7 @@ class Pool:
         self._status_changed()
 
     def _dispose_later(self, process: WorkerGeneration) -> None:
-        """Release a retired worker's socket and shared memory on the reactor thread, off the
+        """Release a retired worker's sockets and shared memory on the reactor thread, off the
         caller's path (a crash report should not wait for unlinking blocks), and a moment
         later: at once, the reactor's work (Python between system calls) took the GIL from
         the caller still raising its crash report at each of its calls (measured: 0.1-0.37 ms

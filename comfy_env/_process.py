@@ -52,9 +52,9 @@ HELLO arrives, while its interpreter starts; then CONFIG and the canary go out t
 
 Stopping: ``kill`` signals the whole process group (a launcher wrapper such as ``pixi run`` and
 its interpreter alike), SIGTERM then SIGKILL after the grace period, or SIGKILL at once; it also
-shuts the channel down so a thread blocked reading it wakes with EOF. Closing the channel
-socket itself is ``dispose``, which the pool calls only when no caller holds the socket, so a
-descriptor number is never closed under a thread that still reads it.
+shuts the channel down so a thread blocked reading it wakes with EOF. Closing the channel's
+sockets is ``dispose``, which the pool calls only when no caller holds them, so a descriptor
+number is never closed under a thread that still reads it.
 """
 
 from __future__ import annotations
@@ -563,7 +563,7 @@ class WorkerProcess:
         # The exit status read when a named thread's end, with the process exiting, shut the
         # channel down (the kernel's final word: the caller need not read it); None until then.
         self.noticed_status: int | None = None
-        # ``dispose`` closes the socket under it, and a shutdown from another thread
+        # ``dispose`` closes the sockets under it, and a shutdown from another thread
         # (``_shut_channel``) runs under it: a descriptor number is never shut after its close.
         self._sock_lock = threading.Lock()
         self._escalation: Any = None
@@ -1692,7 +1692,7 @@ class WorkerProcess:
         self.output_done.wait(timeout)
 
     def dispose(self) -> None:
-        """Close the host's channel socket and release its shared memory. Only when no thread
+        """Close the host's channel sockets and release its shared memory. Only when no thread
         uses them any more."""
         with self._sock_lock:
             if self._disposed:

@@ -9,10 +9,12 @@ Data flow (one worker process, one channel)::
     host  --CALL(id)-> worker        target, args, kwargs (pickle 5; cloudpickle by value)
     host  <-REPLY_OK(id) or REPLY_ERR(id)
 
-The main thread owns the channel: it blocks in ``recv`` between calls, so the host closing its
-end (or dying) is an EOF here and the worker exits. While a call runs, the main thread is busy,
-so a small watchdog thread polls the channel for hang-up (``POLLRDHUP``, without reading) and
-exits the process if the host goes away. The same thread reads CANCEL frames from the cancel
+The channel is two socketpairs: requests come in on one, replies (and events, log records) go
+out on the other, so neither side is woken when the other reads what it sent. The main thread
+owns it: it blocks in ``recv`` on the requests between calls, so the host closing its end (or
+dying) is an EOF here and the worker exits. While a call runs, the main thread is busy, so a
+small watchdog thread polls the requests socket for hang-up (``POLLRDHUP``, without reading)
+and exits the process if the host goes away. The same thread reads CANCEL frames from the cancel
 pipe (a second host -> worker descriptor, so the channel keeps one reader) and runs what call
 control has due: see ``control`` for cancellation, progress and events. ``PR_SET_PDEATHSIG`` is
 the second line of defence on Linux. Together they close the race "host killed while the worker
