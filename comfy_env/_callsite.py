@@ -4,11 +4,14 @@ Data flow (who holds what; arrows are calls)::
 
     Worker (_worker) ----------.            RemoteRef (_refs)
       call/run/submit/arun_ref  |             call_method/release -> site.call(bound=...)
+      (call/run: call_plain     |
+       first, else call)        |
       acall/arun -> _acall.arun |
                                 v
     CallSite (this Protocol; implemented by _pool.Pool)
       prepare -> [lease] -> run_leased -> settle         the sync call path
       call_prepared / call                               the same, in one step
+      call_plain                                         the common call in a straight line
       start_locked, leave_queue, settle, crash_error     pieces the asyncio path reuses
       cancel                                             from any thread
       config, clock, call_ids, closed, closed_error      what those read
@@ -38,6 +41,10 @@ if TYPE_CHECKING:
 # buffers, whether the callable travels by value, and the deadline (monotonic) or None.
 Prepared = tuple[bytes, list[memoryview], bool, float | None]
 
+# ``call_plain``'s answer when the call must go the general way (``call``): never a call's
+# result, since nothing unpickled is this object.
+GENERAL_PATH: Any = object()
+
 
 class CallSite(Protocol):
     """What a handle may ask of its pool (see the module docstring); not for users."""
@@ -54,6 +61,13 @@ class CallSite(Protocol):
     def closed(self) -> bool: ...
 
     def closed_error(self) -> PoolClosedError: ...
+
+    def call_plain(
+        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The common call (scalar arguments, an idle worker ready, nobody waiting) in one
+        step, or ``GENERAL_PATH`` with nothing counted, leased or sent."""
+        ...
 
     def call(
         self,

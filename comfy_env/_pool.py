@@ -76,14 +76,13 @@ from . import _lifecycle as lc
 from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._call import EventCallback, event_handler
+from ._callsite import GENERAL_PATH
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
 from ._entry import (
     EnvEntry,
     Slot,
     Ticket,
-    free_slot,
     lease_at_once_locked,
-    lease_locked,
     outcome_of,
     queue_locked,
     release_locked,
@@ -371,21 +370,40 @@ class Pool:
         self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
     ) -> None:
         """The eager start of ``_acquire`` (lock held): apply ``CallStarted`` if the slot's
-        idle worker can take the call as it is; else leave everything to ``_exchange``."""
-        ready = self._ready_locked(slot, deadline)
-        if ready is not None:
-            self._start_ready_locked(entry, slot, ticket, ready)
+        idle worker can take the call as it is; else leave everything to ``_exchange``.
+        ``ticket.started`` names the process the call goes to."""
+        ticket.started = self._start_idle_locked(entry, slot, ticket, deadline)
 
-    def _ready_locked(
-        self, slot: Slot, deadline: float | None
-    ) -> tuple[WorkerGeneration, int, float] | None:
-        """Whether the slot's worker can take a call as it is (lock held): verified and idle,
-        no ping due, the deadline not passed, its channel quiet. Returns its process, its
-        generation and the time read for the ping check (``CallStarted`` uses it too), or
-        None: the general checks of ``_start`` decide (and explain) instead."""
+    def _start_idle_locked(
+        self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
+    ) -> WorkerGeneration | None:
+        """``CallStarted`` for ``ticket`` (its slot leased) if the slot's worker can take a call
+        as it is (lock held; ``_ready_locked``). Returns the process the call goes to, or None
+        with nothing changed: the general checks of ``_start`` decide (and explain) instead."""
         state = slot.state
         process = slot.process
-        if type(state) is not lc.Idle or process is None or process.generation != state.generation:
+        if type(state) is not lc.Idle or process is None:
+            return None
+        now = self._ready_locked(state, process, deadline)
+        if now is None:
+            return None
+        generation = state.generation
+        call_id = next(self.call_ids)
+        if not entry.start_call_locked(slot, generation, call_id, now):
+            return None  # cannot happen (Idle of this generation); ``_exchange`` starts it
+        ticket.generation = generation
+        ticket.call_id = call_id
+        ticket.ran_on = slot
+        return process
+
+    def _ready_locked(
+        self, state: lc.Idle, process: WorkerGeneration, deadline: float | None
+    ) -> float | None:
+        """Whether the worker ``process``, idle in ``state``, can take a call as it is (lock
+        held): verified in that generation, no ping due, the deadline not passed, its channel
+        quiet. Returns the time read for the ping check (``CallStarted`` uses it too), or
+        None: the general checks of ``_start`` decide (and explain) instead."""
+        if process.generation != state.generation:
             return None
         now = self.clock()  # one clock read for the ping check and ``CallStarted``
         ping_after = self.settings.ping_after_idle
@@ -397,25 +415,7 @@ class Pool:
         # worker that hung up or wrote unasked, and explains it).
         if process.idle_channel_state() != "quiet":
             return None
-        return process, state.generation, now
-
-    def _start_ready_locked(
-        self,
-        entry: EnvEntry,
-        slot: Slot,
-        ticket: Ticket,
-        ready: tuple[WorkerGeneration, int, float],
-    ) -> None:
-        """``CallStarted`` for ``ticket`` on the slot ``_ready_locked`` found ready (lock
-        held); ``ticket.started`` names the process the call goes to."""
-        process, generation, now = ready
-        call_id = next(self.call_ids)
-        if not entry.start_call_locked(slot, generation, call_id, now):
-            return  # cannot happen (Idle of this generation); ``_exchange`` starts it
-        ticket.generation = generation
-        ticket.call_id = call_id
-        ticket.ran_on = slot
-        ticket.started = process
+        return now
 
     def leave_queue(self, entry: EnvEntry, ticket: Ticket) -> None:
         """Called by a waiter that gives up; if a slot was handed over meanwhile, pass it on."""
@@ -516,10 +516,6 @@ class Pool:
         on_event: EventCallback | None = None,
     ) -> Any:
         if ticket is None:
-            if bound is None and on_event is None and timeout is None and type(target) is str:
-                result = self._call_plain(entry, target, args, kwargs)
-                if result is not _GENERAL:
-                    return result
             ticket = Ticket()
         body, buffers, by_value, deadline = self.prepare(
             entry, target, args, kwargs, timeout, ticket, bound
@@ -527,24 +523,26 @@ class Pool:
         ticket.on_event = on_event
         return self.call_prepared(entry, ticket, target, body, buffers, by_value, deadline)
 
-    def _call_plain(
+    def call_plain(
         self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """The common call, prepared and started in one step: a target string, scalar
-        arguments, an idle worker ready to take it and nobody waiting before it. What
-        ``prepare`` and ``_acquire`` do for it, without their branches for anything else
-        (RemoteRefs, out-of-band buffers, by-value code, queueing, cancellation).
+        """The common call in one straight line: a target string, scalar arguments, an idle
+        worker ready to take it and nobody waiting before it. What ``prepare``, ``_acquire``
+        and ``run_leased`` do for it, without their branches for anything else (RemoteRefs,
+        out-of-band buffers, by-value code, queueing, spawning, retries, errors).
 
-        Returns ``_GENERAL``, having counted, leased and sent nothing, when the call or the
+        Returns ``GENERAL_PATH``, having counted, leased and sent nothing, when the call or the
         env asks for more: the general path then runs it from the start and decides (and
-        explains) everything itself. Once started, the call runs through ``run_leased`` like
-        any other."""
+        explains) everything itself. Once the call started, anything but a plain reply (its
+        send or read raised, a log or event frame, an error reply, out-of-band buffers) goes
+        on in ``run_leased`` from where it is (``resume``), so every failure is answered by
+        the general path's one set of rules."""
         if self._closed or not _all_scalars(args, kwargs):
-            return _GENERAL
+            return GENERAL_PATH
         config = self.settings
         body, _, _ = encode_call(target, args, kwargs, self._oob_threshold, True)
         if len(body) + HEADER_SIZE > config.max_frame_bytes:
-            return _GENERAL  # (``prepare`` says why)
+            return GENERAL_PATH  # (``prepare`` says why)
         timeout = config.call_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = Ticket()
@@ -555,19 +553,57 @@ class Pool:
                 or entry.dropped_refs
                 or isinstance(entry.env_state, lc.EnvAbandoned)
             ):
-                return _GENERAL
-            slot = free_slot(entry)
-            if slot is None:
-                return _GENERAL
-            ready = self._ready_locked(slot, deadline)
-            if ready is None:
-                return _GENERAL
-            entry.submitted += 1
-            lease_locked(entry, ticket, slot)
-            self._start_ready_locked(entry, slot, ticket, ready)
+                return GENERAL_PATH
+            for slot in entry.slots:  # ``free_slot``'s first choice: an idle worker, not held
+                state = slot.state
+                if type(state) is lc.Idle and not slot.leased:
+                    break
+            else:
+                return GENERAL_PATH
+            process = slot.process
+            now = None if process is None else self._ready_locked(state, process, deadline)
+            if process is None or now is None:
+                return GENERAL_PATH
+            call_id = next(self.call_ids)
+            entry.start_plain_locked(ticket, slot, state, call_id, now)
         CALLS_IN_FLIGHT.append(ticket)  # as in ``call_prepared``
         try:
-            return self.run_leased(entry, slot, ticket, target, body, [], False, deadline)
+            resume: Resume | None = None
+            try:
+                process.send_request(call_id, body, [], deadline)
+            except BaseException as exc:  # noqa: BLE001 - answered by ``_send``
+                resume = (_SEND_FAILED, exc)
+            else:
+                try:
+                    frame = process.reader.read(deadline)  # type: ignore[union-attr]
+                except BaseException as exc:  # noqa: BLE001 - answered by ``_receive``
+                    resume = (_READ_FAILED, exc)
+                else:
+                    if frame[0] != _REPLY_OK or frame[1] or frame[2] != call_id:
+                        resume = (_READ, frame)
+            if resume is not None:
+                ticket.started = process
+                return self.run_leased(
+                    entry, slot, ticket, target, body, [], False, deadline, resume
+                )
+            # A plain reply: decode, then settle as ``run_leased`` would.
+            replied_at = self.clock()
+            outcome = "raised"
+            try:
+                result = decode_reply(_REPLY_OK, frame[3], target)
+                outcome = "ok"
+            except KeyboardInterrupt:
+                outcome = "cancelled"
+                raise
+            finally:
+                if outcome != "ok":
+                    self.settle(entry, ticket, outcome, replied_at)
+            with entry.lock:
+                retired = entry.end_plain_locked(ticket, replied_at)
+            if retired is not None:
+                self._dispose_later(retired)
+            self._status_changed()
+            return result
         finally:
             if CALLS_IN_FLIGHT:
                 CALLS_IN_FLIGHT.pop()
@@ -647,15 +683,17 @@ class Pool:
         buffers: list[memoryview],
         by_value: bool,
         deadline: float | None,
+        resume: Resume | None = None,
     ) -> Any:
         """The rest of a call once it holds ``slot`` (None: acquiring failed and raised in
-        the caller, who still must settle): exchange, decode, settle, count once."""
+        the caller, who still must settle): exchange, decode, settle, count once. ``resume``:
+        see ``_exchange``."""
         outcome = "failed"
         replied_at: float | None = None
         try:
             assert slot is not None
             ftype, reply, reply_buffers, replied_at = self._exchange(
-                entry, slot, ticket, target, body, buffers, by_value, deadline
+                entry, slot, ticket, target, body, buffers, by_value, deadline, resume
             )
             del buffers
             if ticket.interrupted:
@@ -701,14 +739,17 @@ class Pool:
         buffers: list[memoryview],
         by_value: bool,
         deadline: float | None,
+        resume: Resume | None = None,
     ) -> tuple[int, Payload | memoryview, list[Any] | None, float]:
         """Send the call to the leased slot's worker (spawning one if needed) and read the reply.
 
         Returns the reply's type, body and out-of-band buffers (private copies; the worker has
         been told it may reuse its blocks) and the time of the reply (``Replied``, which
-        ``settle`` applies)."""
+        ``settle`` applies). ``resume``: how far the plain call's own exchange went on the
+        worker it started (``call_plain``); the rest goes as if this loop had done it."""
         started = ticket.started
         ticket.started = None
+        assert resume is None or started is not None
         while True:
             if started is not None:
                 # Started in ``_acquire``'s lock section (the common call): checked there.
@@ -722,12 +763,28 @@ class Pool:
                 generation = process.generation
             if ticket.on_event is not None:
                 ticket.sink = event_handler(ticket.on_event, call_id, generation)
-            sent, block = self._send(entry, slot, process, call_id, target, body, buffers, deadline)
-            if not sent:
-                continue  # EPIPE before a byte went out: it died idle; nothing was sent
+            # The plain call's own exchange went as far as ``resume`` says (first round only).
+            resumed, resume = resume, None
+            if resumed is None or resumed[0] == _SEND_FAILED:
+                sent, block = self._send(
+                    entry,
+                    slot,
+                    process,
+                    call_id,
+                    target,
+                    body,
+                    buffers,
+                    deadline,
+                    None if resumed is None else resumed[1],
+                )
+                resumed = None
+                if not sent:
+                    continue  # EPIPE before a byte went out: it died idle; nothing was sent
+            else:
+                block = None
             try:
                 ftype, flags, reply = self._receive(
-                    entry, slot, process, ticket, call_id, target, deadline
+                    entry, slot, process, ticket, call_id, target, deadline, resumed
                 )
             except NotDelivered:
                 continue  # it died with our request unread: the call never ran
@@ -1069,11 +1126,17 @@ class Pool:
         body: bytes,
         buffers: list[memoryview],
         deadline: float | None,
+        failed: BaseException | None = None,
     ) -> tuple[bool, Block | None]:
         """Send the CALL frame. Returns (False, None) if the worker was already gone before any
         byte went out (safe to run the call elsewhere), else (True, the request's shared-memory
-        block). Raises the call's error once part of it was sent."""
+        block). Raises the call's error once part of it was sent.
+
+        ``failed``: what the plain call's own send raised (``call_plain``), answered here as
+        if this send had raised it."""
         try:
+            if failed is not None:
+                raise failed
             block = process.send_request(call_id, body, buffers, deadline)
         except (BrokenPipeError, ConnectionResetError):
             entry.apply(slot, lc.ChannelClosed(process.generation))
@@ -1100,11 +1163,20 @@ class Pool:
         call_id: int,
         target: str | Callable[..., Any],
         deadline: float | None,
+        resumed: Resume | None = None,
     ) -> tuple[int, int, Payload]:
+        """Read the call's reply (its LOG and EVENT frames handled on the way). ``resumed``:
+        the frame the plain call already read, or what its read raised (``call_plain``),
+        taken here as this read's."""
         reader = process.reader
         assert reader is not None
         try:
-            ftype, flags, reply_id, reply = reader.read(deadline)
+            if resumed is None:
+                ftype, flags, reply_id, reply = reader.read(deadline)
+            elif resumed[0] == _READ:
+                ftype, flags, reply_id, reply = resumed[1]
+            else:
+                raise resumed[1]
             if ftype == FrameType.LOG or ftype == FrameType.EVENT:
                 # What the call logged or reported: handle it, then read on to the reply.
                 ftype, flags, reply_id, reply = process.read_frame(
@@ -1241,9 +1313,12 @@ class Pool:
         self._events.close()
 
 
-# ``_call_plain``'s answer when the general path must run the call (never a call's result:
-# nothing unpickled is this object).
-_GENERAL: Any = object()
+# How far the plain call's own exchange went when it handed the call to the general path
+# (``_exchange``'s ``resume``): its send raised (the exception), its read raised (the
+# exception), or it read a frame that is not a plain reply (the frame).
+_SEND_FAILED, _READ_FAILED, _READ = 1, 2, 3
+Resume = tuple[int, Any]
+_REPLY_OK = int(FrameType.REPLY_OK)  # (a plain int: no enum lookup on every call's path)
 
 
 def _all_scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

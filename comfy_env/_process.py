@@ -1641,10 +1641,10 @@ class WorkerProcess:
         the call, or its bytes would be taken for the reply."""
         reader = self.reader
         assert reader is not None and self.reply_sock is not None
+        if reader.quiet():
+            return "quiet"
         if reader.buffered:
             return "dirty"
-        if not reader.readable_now():
-            return "quiet"
         try:
             peek = self.reply_sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle as lc
+from ._callsite import GENERAL_PATH
 from ._entry import Ticket
 from ._refs import call_ref
 
@@ -87,6 +88,10 @@ class Worker:
         (by reference when importable by name, else by value with cloudpickle, which needs the
         same Python major.minor in the env). Uses ``PoolConfig.call_timeout``.
         """
+        if type(target) is str:  # the common call first, in a straight line
+            result = self._pool.call_plain(self._entry, target, args, kwargs)
+            if result is not GENERAL_PATH:
+                return result
         return self._pool.call(self._entry, target, args, kwargs, None)
 
     def run(
@@ -104,9 +109,12 @@ class Worker:
         in order, before the result is returned. Ctrl-C while waiting asks the worker to stop
         the call (killed after ``PoolConfig.cancel_grace``), then raises ``KeyboardInterrupt``.
         """
-        return self._pool.call(
-            self._entry, target, tuple(args), dict(kwargs or {}), timeout, on_event=on_event
-        )
+        args, kwargs = tuple(args), dict(kwargs or {})
+        if timeout is None and on_event is None and type(target) is str:
+            result = self._pool.call_plain(self._entry, target, args, kwargs)
+            if result is not GENERAL_PATH:
+                return result
+        return self._pool.call(self._entry, target, args, kwargs, timeout, on_event=on_event)
 
     def submit(
         self,

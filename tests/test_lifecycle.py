@@ -656,8 +656,9 @@ def test_only_the_gate_assigns_a_slot_state_by_ast() -> None:
 
 
 def test_the_gate_stores_only_what_the_lifecycle_module_computed() -> None:
-    # ``_store`` is called by the gate's three methods only, each with the value a pure
-    # function of _lifecycle returned: ``step``'s new state, or a per-call shortcut's.
+    # ``_store`` is called by the gate's methods only, each with the value a pure function of
+    # _lifecycle returned: ``step``'s new state, or a per-call shortcut's (the plain call's
+    # start and end do their pair's transition themselves, with the same functions).
     tree = ast.parse((PACKAGE / "_entry.py").read_text(encoding="utf-8"))
     stores: list[tuple[str, str]] = []
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
@@ -671,13 +672,17 @@ def test_the_gate_stores_only_what_the_lifecycle_module_computed() -> None:
                     stores.append((fn.name, ast.unparse(node.args[1])))
     assert sorted(stores) == [
         ("apply_locked", "result.state"),
+        ("end_plain_locked", "idle"),
         ("replied_locked", "idle"),
         ("start_call_locked", "started"),
+        ("start_plain_locked", "started"),
     ]
     source = (PACKAGE / "_entry.py").read_text(encoding="utf-8")
     assert "result = lc.step(slot.state, event)" in source
     assert "started = lc.call_started(slot.state, generation, call_id, at)" in source
     assert "idle = lc.call_replied(slot.state, generation, call_id, at)" in source
+    assert "started = lc.call_started(idle, idle.generation, call_id, at)" in source
+    assert "idle = lc.call_replied(slot.state, ticket.generation, ticket.call_id, at)" in source
     other = [p.name for p in PACKAGE.glob("*.py") if p.name != "_entry.py"]
     assert not [name for name in other if "._store(" in (PACKAGE / name).read_text("utf-8")]
 

@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -396,7 +397,7 @@ def test_a_released_ref_raises_a_comfy_env_error_in_the_host_at_once(
 
 
 def test_every_call_is_counted_once_whichever_path_runs_it(config: comfy_env.PoolConfig) -> None:
-    # ``Pool.call`` first tries the plain path (a target string, scalar arguments, an idle
+    # ``Worker.call`` first tries the plain path (a target string, scalar arguments, an idle
     # worker ready); anything else goes to the general path, which must find nothing counted,
     # leased or sent. Each kind of hand-over below, then the plain call itself.
     clock = FakeClock()
@@ -420,3 +421,77 @@ def test_every_call_is_counted_once_whichever_path_runs_it(config: comfy_env.Poo
         assert (stats.submitted, stats.ok, stats.in_flight, stats.queued) == (6, 6, 0, 0)
         assert (stats.failed, stats.raised, stats.crashed) == (0, 0, 0)
         assert w.generation == 1
+
+
+def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
+    config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The plain path sends and reads a started call inline; anything but a plain reply goes
+    # on in ``run_leased`` from where it stopped (``resume``): an error reply, a log frame, a
+    # read that failed (a crash, a deadline), a send that failed (the worker went between
+    # the idle check and the send). Each must end as the general path ends it, counted once.
+    from comfy_env import _pool
+    from comfy_env._process import WorkerProcess
+
+    resumed: list[int | None] = []
+    run_leased = _pool.Pool.run_leased
+
+    def spy(self: _pool.Pool, *args: object) -> object:
+        resume = args[8] if len(args) > 8 else None
+        resumed.append(None if resume is None else resume[0])  # type: ignore[index]
+        return run_leased(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_pool.Pool, "run_leased", spy)
+    with caplog.at_level(logging.WARNING, logger="comfy_env.worker"):
+        with comfy_env.Pool(config.model_copy(update={"call_timeout": 3.0})) as pool:
+            w = pool.get_worker()
+            assert w.call("remote_tasks:add", 1, 1) == 2  # spawned: the general path
+            assert w.call("remote_tasks:add", 2, 2) == 4  # a plain reply: never handed over
+            assert resumed == [None]
+            resumed.clear()
+
+            with pytest.raises(remote_tasks.CustomError):
+                w.call("remote_tasks:raise_custom", 7)  # an error reply
+            assert resumed == [_pool._READ] and w.generation == 1
+
+            resumed.clear()
+            assert w.call("remote_tasks:log_things", 1) == 1  # log frames before the reply
+            assert resumed == [_pool._READ]
+            assert "careful: warning" in caplog.messages
+
+            resumed.clear()
+            with pytest.raises(WorkerCrashed):
+                w.call("remote_tasks:kill_self", int(signal.SIGKILL))  # its read hit EOF
+            assert resumed == [_pool._READ_FAILED]
+
+            assert w.call("remote_tasks:add", 0, 0) == 0  # generation 2
+            resumed.clear()
+            with pytest.raises(comfy_env.CallTimeout):
+                w.call("comfy_env_worker.tasks:sleep", 30.0)  # its read hit the deadline
+            assert resumed == [_pool._READ_FAILED]
+
+            # The worker goes between the idle check and the send: our write half is shut
+            # right after the check said quiet, so the send fails before a byte went out
+            # and the call runs on a fresh worker (it never ran: not a replay).
+            assert w.call("remote_tasks:add", 3, 3) == 6  # generation 3
+            checked = WorkerProcess.idle_channel_state
+
+            def quiet_then_gone(process: WorkerProcess) -> str:
+                answer = checked(process)
+                assert process.sock is not None
+                process.sock.shutdown(socket.SHUT_WR)
+                monkeypatch.setattr(WorkerProcess, "idle_channel_state", checked)
+                return answer
+
+            monkeypatch.setattr(WorkerProcess, "idle_channel_state", quiet_then_gone)
+            resumed.clear()
+            assert w.call("remote_tasks:add", 4, 4) == 8
+            assert resumed == [_pool._SEND_FAILED]
+            assert w.generation == 4
+
+            stats = w.stats()
+            counted = (
+                stats.ok + stats.raised + stats.crashed + stats.timed_out + stats.cancelled
+            ) + stats.failed
+            assert (stats.submitted, counted, stats.in_flight) == (9, 9, 0)
+            assert (stats.ok, stats.raised, stats.crashed, stats.timed_out) == (6, 1, 1, 1)

@@ -479,6 +479,11 @@ class FrameReader:
         poller = self._poller or self._sock_poller()
         return bool(poller.poll(0))
 
+    def quiet(self) -> bool:
+        """Nothing buffered and nothing (not even EOF) waiting: ``buffered`` and
+        ``readable_now`` in one call (the host asks before every call)."""
+        return not self._buf and not (self._poller or self._sock_poller()).poll(0)
+
     def _sock_poller(self) -> select.poll:
         """A poll object of the socket alone, made once."""
         if self._poller is None:
