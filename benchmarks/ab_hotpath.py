@@ -18,8 +18,9 @@ wall us/call and the on-CPU us/call of the caller process (all threads) and of i
 from ``/proc/<pid>/task/*/schedstat``. Placements: caller and worker on CPU 0 ("same"), caller
 on 0 and worker on 1 ("across"), both free to run on every CPU of this process ("free", where
 the scheduler puts them). Medians over rounds with min-max. Each arm is one process for the
-whole run: on this VM a process sometimes runs 1.5x slower for its whole life (its placement),
-so compare arms over several runs (seeds), not one.
+whole run unless ``--fresh``: on this VM a pair of processes sometimes runs 1.5x slower for its
+whole life (its address layout; see RESULTS.md, eleventh round), so compare arms over several
+runs (seeds), or with ``--fresh``, which starts every arm anew each round.
 
 ``python benchmarks/ab_hotpath.py --arm tree:/tmp/pure --arm tree:/tmp/mypyc --arm raw:pipe
 --rounds 9 --calls 3000 [--placements same,across,free] [--json PATH]``
@@ -128,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--placements", default="same,across", help="same, across and/or free")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="new arm processes (caller and worker) every round: each round then samples a new "
+        "address layout, which on one CPU moves a pair's speed by up to 1.5x for its whole life",
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -145,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             for arm in arms:
                 arm.pin(caller, workers)
             samples: dict[str, list[tuple[float, float, float]]] = {a.spec: [] for a in arms}
-            for _ in range(args.rounds):
+            for round_ in range(args.rounds):
+                if args.fresh and round_:
+                    for i, arm in enumerate(arms):
+                        arm.close()
+                        arms[i] = Arm(arm.spec)
+                        arms[i].pin(caller, workers)
                 order = list(arms)
                 rng.shuffle(order)
                 for arm in order:

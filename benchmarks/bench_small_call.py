@@ -29,8 +29,8 @@ process and back, after every worker is started and warmed up:
     ``pool.get_worker(None).call("comfy_env_worker.tasks:echo", x)``: the real protocol, target
     lookup and the pool's bookkeeping.
 ``comfy_env acall``
-    ``await worker.acall(...)`` of the same worker, awaited one after another in a coroutine on
-    an asyncio loop this process keeps (the loop's turns are inside the timed region).
+    ``await worker.acall(...)``, awaited one after another in a coroutine on an asyncio loop
+    this process keeps (the loop's turns are inside the timed region), on a pool of its own.
 peers
     ``ProcessPoolExecutor(max_workers=1)``, ``multiprocessing.Pool(1).apply``, loky's reusable
     executor, ``pebble.ProcessPool``, ``anyio.to_process.run_sync`` (awaited in anyio's own
@@ -49,6 +49,13 @@ Fairness
   context switch), then callers on one CPU and workers on another ("different CPUs", every hop
   a cross-CPU wake-up). A warm-up batch follows each change of placement. Idle drivers of
   other methods are pinned too but sleep in ``read``.
+* A new worker every round for the methods whose caller is this process (the raw references,
+  the minimal host, comfy_env and its ``acall``, each on a pool of its own): a fresh process
+  (started, pinned and warmed up untimed before its batch). On this VM the speed of a
+  caller-worker pair on one CPU depends on where the two processes' code and data landed
+  (address-space randomisation: up to 1.5x for a pair's whole life, RESULTS.md, eleventh
+  round), so one pair per method would make a run's ratios one draw of that luck; a new pair
+  per round makes the median a median over layouts. The peers' drivers keep their workers.
 * The raw references echo the bare object; every other method pays for its own envelope. That
   overhead is exactly what the comparison exposes.
 
@@ -121,6 +128,14 @@ class Method:
     # On-CPU us/call of the caller process and of the worker in the last batch (local
     # methods only: from the kernel's schedstat, see ``cpu_ns``).
     cpu: tuple[float, float] | None = None
+    # Local methods: replace the worker process with a new one, pinned as the old one was
+    # (a new address layout each round; see the module docstring, "Fairness").
+    renew: Callable[[], None] | None = None
+
+
+# A local method's worker side, as its ``start`` makes it: the call, the worker's pids, and
+# how to stop it.
+Started = tuple[Callable[[int], Any], list[int], Callable[[], None]]
 
 
 def cpu_ns(pid: int) -> int:
@@ -138,10 +153,16 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def _local(name: str, call: Callable[[int], Any], worker_pids: list[int]) -> Method:
+def _local(name: str, start: Callable[[], Started], stack: ExitStack) -> Method:
+    """A method whose caller is this process: ``start`` makes its worker side (again for
+    every round after the first, see ``Method.renew``)."""
     me = os.getpid()
+    current: list[Started] = [start()]
+    stack.callback(lambda: current[0][2]())
+    placement: list[tuple[set[int], set[int]]] = []
 
     def batch(n: int) -> float:
+        call, worker_pids, _ = current[0]
         h0 = cpu_ns(me)
         w0 = sum(cpu_ns(pid) for pid in worker_pids)
         t0 = time.perf_counter_ns()
@@ -153,12 +174,37 @@ def _local(name: str, call: Callable[[int], Any], worker_pids: list[int]) -> Met
         return (t1 - t0) / n / 1000.0
 
     def pin(caller: set[int], workers: set[int]) -> None:
+        placement[:] = [(caller, workers)]
         pin_self(caller)
-        for pid in worker_pids:
+        for pid in current[0][1]:
             pin_process(pid, workers)
 
-    method = Method(name, batch, pin)
+    def renew() -> None:
+        current[0][2]()
+        current[0] = start()
+        if placement:
+            pin(*placement[0])
+
+    method = Method(name, batch, pin, renew=renew)
     return method
+
+
+def _raw(mode: str) -> Callable[[], Started]:
+    def start() -> Started:
+        child = RawChild(mode)
+        return child.call, [child.pid], child.close
+
+    return start
+
+
+def _comfy_env_worker(pool: Any) -> Any:
+    """A warm worker of ``pool`` (the current interpreter), checked."""
+    worker = pool.get_worker(None)
+    if worker.call(ECHO_TARGET, 12345) != 12345:
+        raise RuntimeError("comfy_env did not echo its argument")
+    if worker.pid is None:
+        raise RuntimeError("comfy_env worker has no pid after its first call")
+    return worker
 
 
 def _remote(ctx: Context, name: str) -> Method | None:
@@ -216,60 +262,61 @@ class MinimalHost:
 
 
 def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
-    import comfy_env
-
-    methods: list[Method] = []
-    raw_pipe = RawChild("pipe")
-    stack.callback(raw_pipe.close)
-    raw_sock = RawChild("sock")
-    stack.callback(raw_sock.close)
-    raw_poll = RawChild("sockpoll")
-    stack.callback(raw_poll.close)
-    raw_socks = RawChild("sock2")
-    stack.callback(raw_socks.close)
-    methods.append(_local(RAW_PIPE, raw_pipe.call, [raw_pipe.pid]))
-    methods.append(_local(RAW_SOCKETPAIR, raw_sock.call, [raw_sock.pid]))
-    methods.append(_local(RAW_SOCKETPAIRS, raw_socks.call, [raw_socks.pid]))
-    methods.append(_local(RAW_SOCKETPAIR_POLLING, raw_poll.call, [raw_poll.pid]))
-
-    minimal_pool = comfy_env.Pool(comfy_env.PoolConfig())
-    stack.callback(minimal_pool.close)
-    minimal = MinimalHost(minimal_pool)
-    methods.append(_local(MINIMAL_HOST, minimal.call, [minimal.pid]))
-
-    pool = comfy_env.Pool(comfy_env.PoolConfig())
-    stack.callback(pool.close)
-    worker = pool.get_worker(None)
-    if worker.call(ECHO_TARGET, 12345) != 12345:
-        raise RuntimeError("comfy_env did not echo its argument")
-    if worker.pid is None:
-        raise RuntimeError("comfy_env worker has no pid after its first call")
-
-    def ce_call(x: int) -> Any:
-        return worker.call(ECHO_TARGET, x)
-
-    methods.append(_local(COMFY_ENV, ce_call, [worker.pid]))
-
     import asyncio
 
+    import comfy_env
+
+    methods = [
+        _local(RAW_PIPE, _raw("pipe"), stack),
+        _local(RAW_SOCKETPAIR, _raw("sock"), stack),
+        _local(RAW_SOCKETPAIRS, _raw("sock2"), stack),
+        _local(RAW_SOCKETPAIR_POLLING, _raw("sockpoll"), stack),
+    ]
+
+    def minimal_host() -> Started:
+        pool = comfy_env.Pool(comfy_env.PoolConfig())
+        minimal = MinimalHost(pool)
+        return minimal.call, [minimal.pid], pool.close
+
+    methods.append(_local(MINIMAL_HOST, minimal_host, stack))
+
+    def comfy_env_call() -> Started:
+        pool = comfy_env.Pool(comfy_env.PoolConfig())
+        worker = _comfy_env_worker(pool)
+        return (lambda x: worker.call(ECHO_TARGET, x)), [worker.pid], pool.close
+
+    methods.append(_local(COMFY_ENV, comfy_env_call, stack))
+
+    # ``acall``: the same calls awaited one after another in a coroutine on an asyncio loop
+    # this process keeps (its turns are inside the timed region), on a pool of its own.
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
+    acall_worker: list[Any] = []
 
-    me, worker_pid = os.getpid(), worker.pid
+    def acall_pool() -> Started:
+        pool = comfy_env.Pool(comfy_env.PoolConfig())
+        worker = _comfy_env_worker(pool)
+        acall_worker[:] = [worker]
+        return (lambda x: worker.call(ECHO_TARGET, x)), [worker.pid], pool.close
+
+    acall = _local(COMFY_ENV_ACALL, acall_pool, stack)
+    me = os.getpid()
 
     def acall_batch(n: int) -> float:
+        worker = acall_worker[0]
+
         async def batch() -> float:
             t0 = time.perf_counter_ns()
             for i in range(n):
                 await worker.acall(ECHO_TARGET, i)
             return (time.perf_counter_ns() - t0) / n / 1000.0
 
-        h0, w0 = cpu_ns(me), cpu_ns(worker_pid)
+        h0, w0 = cpu_ns(me), cpu_ns(worker.pid)
         us = loop.run_until_complete(batch())
-        acall.cpu = ((cpu_ns(me) - h0) / n / 1000.0, (cpu_ns(worker_pid) - w0) / n / 1000.0)
+        acall.cpu = ((cpu_ns(me) - h0) / n / 1000.0, (cpu_ns(worker.pid) - w0) / n / 1000.0)
         return us
 
-    acall = Method(COMFY_ENV_ACALL, acall_batch, _local(COMFY_ENV_ACALL, ce_call, [worker_pid]).pin)
+    acall.batch = acall_batch
     methods.append(acall)
     for name in PEERS:
         method = _remote(ctx, name)
@@ -291,6 +338,19 @@ def calibrate(methods: list[Method], ctx: Context, max_batch: int) -> None:
         m.n = int(min(max_batch, max(5, target * 1e6 / max(us, 1.0))))
 
 
+def warm_up(m: Method, ctx: Context) -> None:
+    """Untimed calls after a change of placement or worker, for long enough that both ends
+    have looked at where they may run (``FrameReader.spin_wait``: every ``SPIN_RECHECK``
+    seconds at most) and poll, or not, as they will for the rest of the run. Without it a
+    pair just pinned to one CPU went on polling for up to 50 ms of its first batch."""
+    from comfy_env_worker.protocol import SPIN_RECHECK
+
+    end = time.monotonic() + (0.0 if ctx.quick else 2 * SPIN_RECHECK)
+    m.batch(max(5, m.n // 4))
+    while time.monotonic() < end:
+        m.batch(max(5, m.n // 4))
+
+
 def run_placement(
     ctx: Context,
     methods: list[Method],
@@ -308,16 +368,19 @@ def run_placement(
     live = list(methods)
     for m in list(live):
         try:
-            m.batch(max(5, m.n // 4))  # warm-up on the new placement
+            warm_up(m, ctx)  # on the new placement
         except RemoteError as exc:
             failed[m.name] = str(exc)
             ctx.drop_remote(m.name, str(exc))
             live.remove(m)
-    for _ in range(rounds):
+    for round_ in range(rounds):
         order = list(live)
         rng.shuffle(order)
         for m in order:
             try:
+                if round_ and m.renew is not None:
+                    m.renew()  # a new worker (and layout) for this round, pinned as before
+                    warm_up(m, ctx)
                 results[m.name].add(m.batch(m.n))
                 if m.cpu is not None:
                     host_cpu[m.name].add(m.cpu[0])
