@@ -441,34 +441,42 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
         resumed.append(None if resume is None else resume[0])  # type: ignore[index]
         return run_leased(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_pool.Pool, "run_leased", spy)
+    # The hand-over is watched on the pure modules; a compiled Pool's methods cannot be
+    # replaced, so there the outcomes alone are checked.
+    pure = (_pool.__file__ or "").endswith(".py")
+    if pure:
+        monkeypatch.setattr(_pool.Pool, "run_leased", spy)
+
+    def kinds(*expected: int | None) -> list[int | None]:
+        return list(expected) if pure else []
+
     with caplog.at_level(logging.WARNING, logger="comfy_env.worker"):
         with comfy_env.Pool(config.model_copy(update={"call_timeout": 3.0})) as pool:
             w = pool.get_worker()
             assert w.call("remote_tasks:add", 1, 1) == 2  # spawned: the general path
             assert w.call("remote_tasks:add", 2, 2) == 4  # a plain reply: never handed over
-            assert resumed == [None]
+            assert resumed == kinds(None)
             resumed.clear()
 
             with pytest.raises(remote_tasks.CustomError):
                 w.call("remote_tasks:raise_custom", 7)  # an error reply
-            assert resumed == [_pool._READ] and w.generation == 1
+            assert resumed == kinds(_pool._READ) and w.generation == 1
 
             resumed.clear()
             assert w.call("remote_tasks:log_things", 1) == 1  # log frames before the reply
-            assert resumed == [_pool._READ]
+            assert resumed == kinds(_pool._READ)
             assert "careful: warning" in caplog.messages
 
             resumed.clear()
             with pytest.raises(WorkerCrashed):
                 w.call("remote_tasks:kill_self", int(signal.SIGKILL))  # its read hit EOF
-            assert resumed == [_pool._READ_FAILED]
+            assert resumed == kinds(_pool._READ_FAILED)
 
             assert w.call("remote_tasks:add", 0, 0) == 0  # generation 2
             resumed.clear()
             with pytest.raises(comfy_env.CallTimeout):
                 w.call("comfy_env_worker.tasks:sleep", 30.0)  # its read hit the deadline
-            assert resumed == [_pool._READ_FAILED]
+            assert resumed == kinds(_pool._READ_FAILED)
 
             # The worker goes between the idle check and the send: our write half is shut
             # right after the check said quiet, so the send fails before a byte went out
@@ -486,7 +494,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
             monkeypatch.setattr(WorkerProcess, "idle_channel_state", quiet_then_gone)
             resumed.clear()
             assert w.call("remote_tasks:add", 4, 4) == 8
-            assert resumed == [_pool._SEND_FAILED]
+            assert resumed == kinds(_pool._SEND_FAILED)
             assert w.generation == 4
 
             stats = w.stats()
