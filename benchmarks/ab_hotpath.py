@@ -10,6 +10,8 @@ Each *arm* is a long-lived child process that answers ``pin``/``run`` lines on s
     ``comfy_env`` imported from ``PATH`` (put first on ``PYTHONPATH``, ahead of the editable
     install), a warm ``Pool`` with one worker; ``run N`` times ``N`` calls of
     ``comfy_env_worker.tasks:echo``.
+``atree:PATH``
+    The same, ``run N`` awaiting ``N`` ``acall``s one after another in one coroutine.
 ``raw:pipe`` / ``raw:sock`` / ``raw:sock2``
     The raw length-prefixed pickle ping-pong of ``benchlib.RawChild``.
 
@@ -48,7 +50,7 @@ import benchlib
 from bench_small_call import cpu_ns
 arm = sys.argv[1]
 me = os.getpid()
-if arm.startswith("tree:"):
+if arm.startswith(("tree:", "atree:")):
     import comfy_env
     pool = comfy_env.Pool()
     worker = pool.get_worker(None)
@@ -58,14 +60,25 @@ if arm.startswith("tree:"):
     origin = os.path.dirname(_p.__file__)
     compiled = [n for n in os.listdir(origin) if n.endswith(".so")]
     wpids = [p for p in benchlib.descendants(me)]
-    def one(i):
-        return call("comfy_env_worker.tasks:echo", i)
+    def batch(n):
+        for i in range(n):
+            call("comfy_env_worker.tasks:echo", i)
+    if arm.startswith("atree:"):
+        import asyncio
+        loop = asyncio.new_event_loop()
+        async def calls(n):
+            for i in range(n):
+                await worker.acall("comfy_env_worker.tasks:echo", i)
+        def batch(n):
+            loop.run_until_complete(calls(n))
     info = f"{origin} compiled={sorted(compiled)}"
 else:
     raw = benchlib.RawChild(arm.split(":", 1)[1])
     raw.call(0)
     wpids = [raw.pid]
-    one = raw.call
+    def batch(n):
+        for i in range(n):
+            raw.call(i)
     info = arm
 print("ready " + info, flush=True)
 for line in sys.stdin:
@@ -76,26 +89,28 @@ for line in sys.stdin:
         benchlib.pin_self(caller)
         for p in wpids:
             benchlib.pin_process(p, workers)
-        for i in range(200):
-            one(i)
+        # Past the readers' look at where both ends may run (every 50 ms at most): a pair
+        # just pinned to one CPU polls until then.
+        end = time.monotonic() + 0.12
+        while time.monotonic() < end:
+            batch(200)
         print("ok", flush=True)
     elif cmd[0] == "run":
         n = int(cmd[1])
         h0 = cpu_ns(me)
         w0 = sum(cpu_ns(p) for p in wpids)
         t0 = time.perf_counter_ns()
-        for i in range(n):
-            one(i)
+        batch(n)
         t1 = time.perf_counter_ns()
         h1 = cpu_ns(me)
         w1 = sum(cpu_ns(p) for p in wpids)
         print(f"{(t1 - t0) / n / 1e3} {(h1 - h0) / n / 1e3} {(w1 - w0) / n / 1e3}", flush=True)
     elif cmd[0] == "quit":
         break
-if not arm.startswith("tree:"):
-    raw.close()
-else:
+if arm.startswith(("tree:", "atree:")):
     pool.close()
+else:
+    raw.close()
 """
 
 

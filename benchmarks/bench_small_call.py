@@ -29,8 +29,8 @@ process and back, after every worker is started and warmed up:
     ``pool.get_worker(None).call("comfy_env_worker.tasks:echo", x)``: the real protocol, target
     lookup and the pool's bookkeeping.
 ``comfy_env acall``
-    ``await worker.acall(...)``, awaited one after another in a coroutine on an asyncio loop
-    this process keeps (the loop's turns are inside the timed region), on a pool of its own.
+    ``await worker.acall(...)`` of comfy_env's worker, awaited one after another in a coroutine
+    on an asyncio loop this process keeps (the loop's turns are inside the timed region).
 peers
     ``ProcessPoolExecutor(max_workers=1)``, ``multiprocessing.Pool(1).apply``, loky's reusable
     executor, ``pebble.ProcessPool``, ``anyio.to_process.run_sync`` (awaited in anyio's own
@@ -50,8 +50,8 @@ Fairness
   a cross-CPU wake-up). A warm-up batch follows each change of placement. Idle drivers of
   other methods are pinned too but sleep in ``read``.
 * A new worker every round for the methods whose caller is this process (the raw references,
-  the minimal host, comfy_env and its ``acall``, each on a pool of its own): a fresh process
-  (started, pinned and warmed up untimed before its batch). On this VM the speed of a
+  the minimal host, comfy_env; ``acall`` uses comfy_env's): a fresh process (started, pinned
+  and warmed up untimed before its batch). On this VM the speed of a
   caller-worker pair on one CPU depends on where the two processes' code and data landed
   (address-space randomisation: up to 1.5x for a pair's whole life, RESULTS.md, eleventh
   round), so one pair per method would make a run's ratios one draw of that luck; a new pair
@@ -280,30 +280,27 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
 
     methods.append(_local(MINIMAL_HOST, minimal_host, stack))
 
+    # ``acall`` runs on comfy_env's current worker, made anew with it each round: the two
+    # are compared on one pair (their ratio is issue 12's target), never across layouts.
+    ce_worker: list[Any] = []
+
     def comfy_env_call() -> Started:
         pool = comfy_env.Pool(comfy_env.PoolConfig())
         worker = _comfy_env_worker(pool)
+        ce_worker[:] = [worker]
         return (lambda x: worker.call(ECHO_TARGET, x)), [worker.pid], pool.close
 
-    methods.append(_local(COMFY_ENV, comfy_env_call, stack))
+    ce = _local(COMFY_ENV, comfy_env_call, stack)
+    methods.append(ce)
 
-    # ``acall``: the same calls awaited one after another in a coroutine on an asyncio loop
-    # this process keeps (its turns are inside the timed region), on a pool of its own.
+    # The same calls awaited one after another in a coroutine on an asyncio loop this
+    # process keeps (its turns are inside the timed region).
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
-    acall_worker: list[Any] = []
-
-    def acall_pool() -> Started:
-        pool = comfy_env.Pool(comfy_env.PoolConfig())
-        worker = _comfy_env_worker(pool)
-        acall_worker[:] = [worker]
-        return (lambda x: worker.call(ECHO_TARGET, x)), [worker.pid], pool.close
-
-    acall = _local(COMFY_ENV_ACALL, acall_pool, stack)
     me = os.getpid()
 
     def acall_batch(n: int) -> float:
-        worker = acall_worker[0]
+        worker = ce_worker[0]
 
         async def batch() -> float:
             t0 = time.perf_counter_ns()
@@ -316,7 +313,7 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
         acall.cpu = ((cpu_ns(me) - h0) / n / 1000.0, (cpu_ns(worker.pid) - w0) / n / 1000.0)
         return us
 
-    acall.batch = acall_batch
+    acall = Method(COMFY_ENV_ACALL, acall_batch, ce.pin)
     methods.append(acall)
     for name in PEERS:
         method = _remote(ctx, name)
@@ -432,7 +429,7 @@ def table(results: dict[str, Series], unavailable: dict[str, str]) -> list[str]:
 
 def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -> Section:
     section = Section("small_call", "1. Warm small call, f(x) = x")
-    rounds = rounds or (2 if ctx.quick else 7)
+    rounds = rounds or (2 if ctx.quick else 9)
     max_batch = max_batch or (50 if ctx.quick else 2000)
     original = os.sched_getaffinity(0)
     usable = sorted(original)

@@ -95,6 +95,7 @@ from ._failures import abandoned_error, not_the_reply, protocol_error
 from ._process import WorkerProcess, python_mismatch
 
 if TYPE_CHECKING:
+    from ._backend import WorkerGeneration
     from ._callsite import CallSite
     from ._entry import EnvEntry, Slot
 
@@ -116,30 +117,47 @@ async def arun(
     timeout: float | None,
     on_event: EventCallback | None,
 ) -> Any:
-    ticket = Ticket()
-    body, buffers, by_value, deadline = pool.prepare(
-        entry, target, args, kwargs, timeout, ticket, None
-    )
-    ticket.on_event = on_event
+    # The common call (scalar arguments, an idle worker ready, nobody waiting) is prepared,
+    # leased and started in one step, as the sync call's (``CallSite.start_plain``).
+    plain = None
+    if timeout is None and on_event is None and type(target) is str:
+        plain = pool.start_plain(entry, target, args, kwargs)
+    started: WorkerGeneration | None
+    if plain is not None:
+        ticket, started, body, deadline = plain
+        buffers: list[memoryview] = []
+        by_value = False
+    else:
+        ticket = Ticket()
+        body, buffers, by_value, deadline = pool.prepare(
+            entry, target, args, kwargs, timeout, ticket, None
+        )
+        ticket.on_event = on_event
     CALLS_IN_FLIGHT.append(ticket)  # a sync caller's reader must not poll meanwhile
     try:
-        # A small in-band call by reference may start in the lease's own lock section, as the
-        # sync call does (``Pool.start_locked``): one lock round instead of two.
-        eager = not by_value and not buffers and len(body) <= _SMALL
-        try:
-            slot = _lease_now(pool, entry, ticket, deadline if eager else _NOT_EAGER)
-            if slot is None:
-                slot = await _queued(pool, entry, ticket, deadline)
-        except BaseException as exc:
-            cancelled = isinstance(exc, asyncio.CancelledError)
-            pool.settle(entry, ticket, "cancelled" if cancelled else outcome_of(exc), None)
-            raise
-        process = started = ticket.started
+        if plain is not None:
+            slot: Slot | None = ticket.slot
+        else:
+            # A small in-band call by reference may start in the lease's own lock section, as
+            # the sync call does (``Pool.start_locked``): one lock round instead of two.
+            eager = not by_value and not buffers and len(body) <= _SMALL
+            try:
+                slot = _lease_now(pool, entry, ticket, deadline if eager else _NOT_EAGER)
+                if slot is None:
+                    slot = await _queued(pool, entry, ticket, deadline)
+            except BaseException as exc:
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                pool.settle(entry, ticket, "cancelled" if cancelled else outcome_of(exc), None)
+                raise
+            started, ticket.started = ticket.started, None  # (CallStarted in _lease_now)
+        assert slot is not None
+        process: WorkerProcess | None
         if started is not None and not isinstance(started, WorkerProcess):
             # No descriptor for the loop (a Ray actor): the thread runs the started call.
+            ticket.started = started
             process = None
         elif started is not None:
-            ticket.started = None  # checked and started (CallStarted) in _lease_now
+            process = started
         else:
             process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
         if process is not None:
@@ -590,7 +608,10 @@ async def _warm_call(
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
-        pool.settle(entry, ticket, outcome, replied_at)
+        if outcome == "ok" and replied_at is not None:
+            pool.settle_ok(entry, ticket, replied_at)
+        else:
+            pool.settle(entry, ticket, outcome, replied_at)
 
 
 # How long an answer of ``_shares_one_cpu`` stands: the reader's own period (one answer per

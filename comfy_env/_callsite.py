@@ -11,7 +11,7 @@ Data flow (who holds what; arrows are calls)::
     CallSite (this Protocol; implemented by _pool.Pool)
       prepare -> [lease] -> run_leased -> settle         the sync call path
       call_prepared / call                               the same, in one step
-      call_plain                                         the common call in a straight line
+      start_plain, call_plain, settle_ok                 the common call in a straight line
       start_locked, leave_queue, settle, crash_error     pieces the asyncio path reuses
       cancel                                             from any thread
       config, clock, call_ids, closed, closed_error      what those read
@@ -62,11 +62,18 @@ class CallSite(Protocol):
 
     def closed_error(self) -> PoolClosedError: ...
 
+    def start_plain(
+        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Ticket, WorkerGeneration, bytes, float | None] | None:
+        """The common call (scalar arguments, an idle worker ready, nobody waiting) leased
+        and started in one step, nothing sent; or None with nothing counted or leased."""
+        ...
+
     def call_plain(
         self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """The common call (scalar arguments, an idle worker ready, nobody waiting) in one
-        step, or ``GENERAL_PATH`` with nothing counted, leased or sent."""
+        """``start_plain`` and the exchange in one straight line, or ``GENERAL_PATH`` with
+        nothing counted, leased or sent."""
         ...
 
     def call(
@@ -120,6 +127,8 @@ class CallSite(Protocol):
     ) -> None: ...
 
     def leave_queue(self, entry: EnvEntry, ticket: Ticket) -> None: ...
+
+    def settle_ok(self, entry: EnvEntry, ticket: Ticket, replied_at: float) -> None: ...
 
     def settle(
         self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None

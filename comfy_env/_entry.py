@@ -187,10 +187,10 @@ class EnvEntry:
         else:
             self.apply_locked(slot, lc.Replied(generation, call_id, at))
 
-    # The plain call's two steps (``Pool.call_plain``): each is one call of the gate on every
-    # small call's path, where each Python call costs (the tenth round's A/B: about 0.3 us
-    # each on one CPU), so they do in one what ``start_call_locked``, ``lease_locked``,
-    # ``replied_locked``, ``release_locked`` and ``Pool.settle`` do in several.
+    # The plain call's start and a replied call's end (``Pool.start_plain``, ``Pool.settle_ok``):
+    # each is one call of the gate on every small call's path, where each Python call costs
+    # (about 0.3 us on one CPU, eleventh round), so they do in one what ``start_call_locked``,
+    # ``lease_locked``, ``replied_locked``, ``release_locked`` and ``Pool.settle`` do in several.
 
     def start_plain_locked(
         self, ticket: Ticket, slot: Slot, idle: lc.Idle, call_id: int, at: float
@@ -210,10 +210,10 @@ class EnvEntry:
         self.submitted += 1
         self.in_flight += 1
 
-    def end_plain_locked(self, ticket: Ticket, at: float) -> WorkerGeneration | None:
-        """End the plain call that replied at ``at`` (lock held): ``Replied`` (as
-        ``replied_locked``), its slot released (as ``release_locked``, whose answer this is)
-        and the call counted ok (as ``Pool.settle``)."""
+    def settle_ok_locked(self, ticket: Ticket, at: float) -> WorkerGeneration | None:
+        """End a call that holds its slot and replied ok at ``at`` (lock held): ``Replied``
+        (as ``replied_locked``), the slot released (as ``release_locked``, whose answer this
+        is) and the call counted ok (as ``Pool.settle``)."""
         slot = ticket.slot
         assert slot is not None and ticket.stage == "in_flight"
         idle = lc.call_replied(slot.state, ticket.generation, ticket.call_id, at)

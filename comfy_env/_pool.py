@@ -463,6 +463,15 @@ class Pool:
             self._dispose_later(retired)
         self._status_changed()
 
+    def settle_ok(self, entry: EnvEntry, ticket: Ticket, replied_at: float) -> None:
+        """``settle(entry, ticket, "ok", replied_at)`` for a call that holds its slot and
+        replied ok (the plain call, a warm ``acall``), in one step of the gate."""
+        with entry.lock:
+            retired = entry.settle_ok_locked(ticket, replied_at)
+        if retired is not None:
+            self._dispose_later(retired)
+        self._status_changed()
+
     def _dispose_later(self, process: WorkerGeneration) -> None:
         """Release a retired worker's sockets and shared memory on the reactor thread, off the
         caller's path (a crash report should not wait for unlinking blocks), and a moment
@@ -523,26 +532,25 @@ class Pool:
         ticket.on_event = on_event
         return self.call_prepared(entry, ticket, target, body, buffers, by_value, deadline)
 
-    def call_plain(
+    def start_plain(
         self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The common call in one straight line: a target string, scalar arguments, an idle
-        worker ready to take it and nobody waiting before it. What ``prepare``, ``_acquire``
-        and ``run_leased`` do for it, without their branches for anything else (RemoteRefs,
-        out-of-band buffers, by-value code, queueing, spawning, retries, errors).
+    ) -> PlainStart | None:
+        """Prepare, lease and start the common call in one step: a target string, scalar
+        arguments, an idle worker ready to take it and nobody waiting before it. What
+        ``prepare`` and ``_acquire`` do for it, without their branches for anything else
+        (RemoteRefs, out-of-band buffers, by-value code, queueing, spawning).
 
-        Returns ``GENERAL_PATH``, having counted, leased and sent nothing, when the call or the
-        env asks for more: the general path then runs it from the start and decides (and
-        explains) everything itself. Once the call started, anything but a plain reply (its
-        send or read raised, a log or event frame, an error reply, out-of-band buffers) goes
-        on in ``run_leased`` from where it is (``resume``), so every failure is answered by
-        the general path's one set of rules."""
+        Returns the call's ticket (leased, counted, ``CallStarted`` applied), its worker, the
+        pickled call and its deadline, with nothing sent; or None, having counted, leased and
+        sent nothing, when the call or the env asks for more: the general path then runs it
+        from the start and decides (and explains) everything itself. ``call_plain`` and the
+        asyncio path (``_acall.arun``) go on from here."""
         if self._closed or not _all_scalars(args, kwargs):
-            return GENERAL_PATH
+            return None
         config = self.settings
         body, _, _ = encode_call(target, args, kwargs, self._oob_threshold, True)
         if len(body) + HEADER_SIZE > config.max_frame_bytes:
-            return GENERAL_PATH  # (``prepare`` says why)
+            return None  # (``prepare`` says why)
         timeout = config.call_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = Ticket()
@@ -553,19 +561,35 @@ class Pool:
                 or entry.dropped_refs
                 or isinstance(entry.env_state, lc.EnvAbandoned)
             ):
-                return GENERAL_PATH
+                return None
             for slot in entry.slots:  # ``free_slot``'s first choice: an idle worker, not held
                 state = slot.state
                 if type(state) is lc.Idle and not slot.leased:
                     break
             else:
-                return GENERAL_PATH
+                return None
             process = slot.process
             now = None if process is None else self._ready_locked(state, process, deadline)
             if process is None or now is None:
-                return GENERAL_PATH
-            call_id = next(self.call_ids)
-            entry.start_plain_locked(ticket, slot, state, call_id, now)
+                return None
+            entry.start_plain_locked(ticket, slot, state, next(self.call_ids), now)
+        return ticket, process, body, deadline
+
+    def call_plain(
+        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The common call in one straight line (``start_plain``), its exchange inline.
+
+        Returns ``GENERAL_PATH``, having counted, leased and sent nothing, when
+        ``start_plain`` declines. Once the call started, anything but a plain reply (its send
+        or read raised, a log or event frame, an error reply, out-of-band buffers) goes on in
+        ``run_leased`` from where it is (``resume``), so every failure is answered by the
+        general path's one set of rules."""
+        started = self.start_plain(entry, target, args, kwargs)
+        if started is None:
+            return GENERAL_PATH
+        ticket, process, body, deadline = started
+        slot, call_id = ticket.slot, ticket.call_id
         CALLS_IN_FLIGHT.append(ticket)  # as in ``call_prepared``
         try:
             resume: Resume | None = None
@@ -598,11 +622,7 @@ class Pool:
             finally:
                 if outcome != "ok":
                     self.settle(entry, ticket, outcome, replied_at)
-            with entry.lock:
-                retired = entry.end_plain_locked(ticket, replied_at)
-            if retired is not None:
-                self._dispose_later(retired)
-            self._status_changed()
+            self.settle_ok(entry, ticket, replied_at)
             return result
         finally:
             if CALLS_IN_FLIGHT:
@@ -1318,6 +1338,8 @@ class Pool:
 # exception), or it read a frame that is not a plain reply (the frame).
 _SEND_FAILED, _READ_FAILED, _READ = 1, 2, 3
 Resume = tuple[int, Any]
+# What ``start_plain`` hands on: the call's ticket, its worker, the pickled call, its deadline.
+PlainStart = tuple[Ticket, WorkerGeneration, bytes, "float | None"]
 _REPLY_OK = int(FrameType.REPLY_OK)  # (a plain int: no enum lookup on every call's path)
 
 

@@ -658,7 +658,8 @@ def test_only_the_gate_assigns_a_slot_state_by_ast() -> None:
 def test_the_gate_stores_only_what_the_lifecycle_module_computed() -> None:
     # ``_store`` is called by the gate's methods only, each with the value a pure function of
     # _lifecycle returned: ``step``'s new state, or a per-call shortcut's (the plain call's
-    # start and end do their pair's transition themselves, with the same functions).
+    # start and a replied call's end do their pair's transition themselves, with the same
+    # functions).
     tree = ast.parse((PACKAGE / "_entry.py").read_text(encoding="utf-8"))
     stores: list[tuple[str, str]] = []
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
@@ -672,8 +673,8 @@ def test_the_gate_stores_only_what_the_lifecycle_module_computed() -> None:
                     stores.append((fn.name, ast.unparse(node.args[1])))
     assert sorted(stores) == [
         ("apply_locked", "result.state"),
-        ("end_plain_locked", "idle"),
         ("replied_locked", "idle"),
+        ("settle_ok_locked", "idle"),
         ("start_call_locked", "started"),
         ("start_plain_locked", "started"),
     ]
