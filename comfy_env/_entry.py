@@ -187,10 +187,11 @@ class EnvEntry:
         else:
             self.apply_locked(slot, lc.Replied(generation, call_id, at))
 
-    # The plain call's start and a replied call's end (``Pool.start_plain``, ``Pool.settle_ok``):
-    # each is one call of the gate on every small call's path, where each Python call costs
-    # (about 0.3 us on one CPU, eleventh round), so they do in one what ``start_call_locked``,
-    # ``lease_locked``, ``replied_locked``, ``release_locked`` and ``Pool.settle`` do in several.
+    # The plain call's start and a replied call's end (``Pool.start_plain``, ``Pool.settle_ok``)
+    # are one call of the gate each on every small call's path, where each Python call costs
+    # about 0.2-0.3 us on one CPU (benchmarks/RESULTS.md, eleventh round): each does in one
+    # what ``start_call_locked``, ``lease_locked``, ``replied_locked``, ``release_locked`` and
+    # ``Pool.settle`` do in several.
 
     def start_plain_locked(
         self, ticket: Ticket, slot: Slot, idle: lc.Idle, call_id: int, at: float

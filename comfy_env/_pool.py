@@ -15,6 +15,13 @@ Data flow of one call (``Pool.call``)::
 
 The caller writes its request and reads its reply itself: no thread hand-off on the hot path.
 
+The common call (a target string, scalar arguments, an idle worker ready, nobody waiting)
+takes the same steps in a straight line (``Worker.call`` -> ``call_plain``): ``start_plain``
+encodes, leases and applies ``CallStarted`` in one lock section; the request and the reply go
+inline; ``settle_ok`` applies ``Replied``, releases and counts in another. It declines before
+anything is counted when the call needs more; once started, anything but a plain reply goes on
+in ``run_leased`` from where it stopped (``resume``), under the general path's rules.
+
 Where the rest lives (each module's docstring draws its part)::
 
     _entry      EnvEntry, Slot, Ticket, FIFO leasing, the gate (the only writer of state),
