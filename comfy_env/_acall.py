@@ -2,7 +2,10 @@
 
 Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
 
-    encode + deadline (starts now)         bad input raises here, as in ``Pool.call``
+    encode + deadline (starts now)         bad input raises here, as in ``Pool.call``; the
+                                           common call (scalar arguments, an idle worker
+                                           ready, nobody waiting) is encoded, leased and
+                                           started in one step (``CallSite.start_plain``)
     lease a slot, or queue the ticket      a queued call waits on an asyncio future that the
                                            thread releasing a slot resolves through
                                            ``call_soon_threadsafe``; no thread is held
@@ -23,7 +26,8 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
         loop.add_reader(channel)           only if the spin did not end the call: frames
                                            parsed as they arrive: LOG -> logging, EVENT ->
                                            on_event (on the loop), REPLY -> future
-        gate(Replied) via settle           the slot goes to the next waiter
+        gate(Replied) via settle           the slot goes to the next waiter (``settle_ok``
+                                           for an ok reply: one step of the gate)
     otherwise (a worker must start, a ping is due, a large in-band request, out-of-band
     buffers above _OOB_LOOP_MAX or that would stream inline (shared memory off or
     unavailable), RemoteRefs):

@@ -1346,7 +1346,7 @@ class Pool:
 _SEND_FAILED, _READ_FAILED, _READ = 1, 2, 3
 Resume = tuple[int, Any]
 # What ``start_plain`` hands on: the call's ticket, its worker, the pickled call, its deadline.
-PlainStart = tuple[Ticket, WorkerGeneration, bytes, "float | None"]
+PlainStart = tuple[Ticket, WorkerGeneration, bytes, float | None]
 _REPLY_OK = int(FrameType.REPLY_OK)  # (a plain int: no enum lookup on every call's path)
 
 
