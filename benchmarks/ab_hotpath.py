@@ -48,6 +48,7 @@ import os, sys, time
 sys.path.insert(0, sys.argv[2])
 import benchlib
 from bench_small_call import cpu_ns
+from comfy_env_worker.protocol import SPIN_RECHECK
 arm = sys.argv[1]
 me = os.getpid()
 if arm.startswith(("tree:", "atree:")):
@@ -89,9 +90,9 @@ for line in sys.stdin:
         benchlib.pin_self(caller)
         for p in wpids:
             benchlib.pin_process(p, workers)
-        # Past the readers' look at where both ends may run (every 50 ms at most): a pair
-        # just pinned to one CPU polls until then.
-        end = time.monotonic() + 0.12
+        # Past the readers' look at where both ends may run (every SPIN_RECHECK at most): a
+        # pair just pinned to one CPU polls until then (as bench_small_call.warm_up).
+        end = time.monotonic() + 2 * SPIN_RECHECK
         while time.monotonic() < end:
             batch(200)
         print("ok", flush=True)

@@ -77,7 +77,7 @@ from comfy_env_worker.protocol import (
     FrameType,
     Payload,
 )
-from comfy_env_worker.shm import Block
+from comfy_env_worker.shm import SCALARS, Block
 
 from . import _lifecycle as lc
 from . import _policies, _shutdown
@@ -1354,16 +1354,13 @@ def _all_scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether every argument is of an exact scalar type (int, str, None, ...): such a call
     holds no RemoteRef and nothing that could go out of band (bytes could)."""
     for value in args:
-        if type(value) not in _PLAIN:
+        if type(value) not in SCALARS:
             return False
     if kwargs:
         for value in kwargs.values():
-            if type(value) not in _PLAIN:
+            if type(value) not in SCALARS:
                 return False
     return True
-
-
-_PLAIN = frozenset((int, float, bool, type(None), str, complex))
 
 
 # ---- status snapshots (written by _status's publisher) -----------------------------------

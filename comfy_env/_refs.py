@@ -227,8 +227,5 @@ def bound_by_refs(
     return None if found is None else (found._slot, found.generation)
 
 
-_SCALARS = frozenset((int, float, bool, type(None), str, bytes))
-_PLAIN = frozenset((int, float, bool, type(None), str, complex))
-
-
+# Types that can hold no RemoteRef: ``bound_by_refs`` skips them at once.
 _SCALARS = frozenset((int, float, bool, type(None), str, bytes))

@@ -242,7 +242,8 @@ def _has_large_bytes(values: Sequence[Any], threshold: int) -> bool:
 
 # Values that can never hold an out-of-band buffer: calls whose arguments (or results) are all
 # of these skip the buffer callback entirely (the small-call hot path).
-# Types that pickle with nothing out of band (``encode``'s shortcut; the worker's too).
+# Types that pickle with nothing out of band and hold no RemoteRef (``encode``'s shortcut, the
+# worker's small result, the host's plain call: ``comfy_env._pool._all_scalars``).
 SCALARS = frozenset((int, float, bool, type(None), str, complex))
 NO_BUFFERS: List[memoryview] = []  # never appended to
 
