@@ -144,10 +144,12 @@ _HANDSHAKE_FRAME_BYTES = 1 << 20
 # Reply mappings one worker process may have lent out at a time (see ``open_reply``).
 MAX_LOANS = 64
 # Replies with less shared memory than this are copied out. Lending wins from here up, results
-# dropped or kept: a copy faults in fresh private pages, while mapping a block of tmpfs pages
-# that exist already faults them in 16 at a time. Measured (echo round trip, interleaved):
-# 3 MiB 1.04 ms lent vs 2.27 ms copied (2.56 vs 1.13 with 16 results kept), 1 MiB 0.71 vs
-# 0.79, 256 KiB 0.31 vs 0.34. (A ComfyUI 512x512 IMAGE is 3 MiB.)
+# dropped or kept: a copy faults in fresh private pages. Measured with a fresh mapping per loan
+# (echo round trip, interleaved): 3 MiB 1.04 ms lent vs 2.27 ms copied (2.56 vs 1.13 with 16
+# results kept), 1 MiB 0.71 vs 0.79, 256 KiB 0.31 vs 0.34. With loan roots (no mapping per
+# loan) 64-512 KiB showed no difference either way within this machine's noise, so small
+# replies still go back at once instead of pinning a 1 MiB block each. (A ComfyUI 512x512
+# IMAGE is 3 MiB.)
 LOAN_MIN = 256 << 10
 # Seconds a caller whose read saw the worker's EOF waits for the exit itself (collect_exit)
 # before it leaves the rest to the reactor; a closed channel means the exit is moments away.
@@ -946,20 +948,22 @@ class WorkerProcess:
     ) -> tuple[Payload | memoryview, list[Any] | None, list[str]]:
         """Split a reply into (body, out-of-band buffers, our blocks the worker retained).
 
-        Shared-memory buffers are *loaned*: they are views of a fresh mapping of the worker's
-        reply block, so the result is built on them without a copy. The worker keeps that
-        block pinned (out of its pool) until ``CONSUMED`` for the call arrives, which is sent
-        only once the last view of the mapping is gone (a finalizer queues the call id in
-        ``returned``; the next request carries it). A result therefore never aliases memory
-        the worker will reuse: a block the worker gives up after its TTL is unlinked, never
-        reused, and this mapping keeps its memory. Buffers the worker sent back in our own
-        argument block (``echo`` entries) are views of a fresh mapping of that block, which
-        stays out of our pool until they die (``_lend_own``, ``finish_request``). A forged or
-        malformed table raises ``FrameError``."""
+        Shared-memory buffers are *loaned*: they are views of a loan root (``shm.loan_root``:
+        a new exporter of the worker's reply block, over our cached mapping of it), so the
+        result is built on them without a copy, a system call or a page fault. The worker
+        keeps that block pinned (out of its pool) until ``CONSUMED`` for the call arrives,
+        which is sent only once the last view of the root is gone (a finalizer queues the
+        call id in ``returned``; the next request carries it). A result therefore never
+        aliases memory the worker will reuse: a block the worker gives up after its TTL is
+        unlinked, never reused, and the root keeps its mapping. Buffers the worker sent back
+        in our own argument block (``echo`` entries) are views of a loan root of that block,
+        which stays out of our pool until they die (``_lend_own``, ``finish_request``). A
+        forged or malformed table raises ``FrameError``."""
         if not flags & FLAG_OOB:
             return payload, None, []
         # Beyond MAX_LOANS live loans (a caller collecting many results) replies are copied
-        # out and returned at once: before Python 3.13 every mapping keeps a descriptor.
+        # out and returned at once: every loan pins a block of the worker's (and, where ctypes
+        # is missing, a fresh mapping that keeps a descriptor before Python 3.13).
         loaned: list[Any] | None = [] if self._loans[0] < MAX_LOANS else None
         echoed: list[tuple[shm.Block, Any]] = []
         try:

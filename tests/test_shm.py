@@ -24,6 +24,13 @@ def _worker_shm(w: comfy_env.Worker) -> dict[str, int]:
     return w.call("comfy_env_worker.tasks:shm_stats")  # type: ignore[no-any-return]
 
 
+def _is_loan(base: object) -> bool:
+    """A view of a loan root: shared memory lent to the result, not a private copy."""
+    import ctypes
+
+    return isinstance(base, memoryview) and isinstance(base.obj, ctypes.Array)
+
+
 def _host_process(w: comfy_env.Worker):  # type: ignore[no-untyped-def]
     process = w._entry.slots[0].process
     assert process is not None
@@ -145,11 +152,81 @@ def test_a_result_is_a_loaned_view_of_the_reply_block_with_no_copy(pool: comfy_e
     base = out
     while getattr(base, "base", None) is not None:
         base = base.base
-    assert isinstance(base, memoryview) and type(base.obj).__name__ == "mmap"
+    assert _is_loan(base)
     assert out.flags.writeable
     out[:] = 7.0  # the block is the caller's until the result dies
     assert float(w.call(remote_tasks.filled, 3.0, 2 * MiB).sum()) == 2 * MiB * 3.0
     assert float(out.sum()) == 2 * MiB * 7.0
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_a_loan_lasts_as_long_as_any_view_taken_from_the_result(pool: comfy_env.Pool) -> None:
+    # Slices and casts of a memoryview hold the memory's exporter, not the view they came
+    # from: a loan tied to anything but that exporter would end while these views still show
+    # the block, and the worker would write its next reply into them.
+    w = pool.get_worker()
+    out = w.call(remote_tasks.filled, 1.0, MiB)
+    raw = memoryview(out).cast("B")[8:40]
+    sub = out[100:200]
+    del out
+    assert _worker_shm(w)["pinned"] == 1
+    del sub
+    assert _worker_shm(w)["pinned"] == 1  # ``raw`` still shows the block
+    again = w.call(remote_tasks.filled, 2.0, MiB)  # the worker's next reply: another block
+    assert np.frombuffer(raw, dtype=np.float32).tolist() == [1.0] * 8
+    del raw, again
+    assert _worker_shm(w)["pinned"] == 0
+
+
+def test_an_echo_loan_lasts_as_long_as_any_view_taken_from_the_result(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    out = w.call("comfy_env_worker.tasks:echo", np.full(MiB, 1.0, dtype=np.float32))
+    process = _host_process(w)
+    raw = memoryview(out).cast("B")[:16]
+    del out
+    assert len(process._own_lent) == 1  # the argument block stays out of our pool
+    later = w.call("comfy_env_worker.tasks:echo", np.full(MiB, 2.0, dtype=np.float32))
+    assert np.frombuffer(raw, dtype=np.float32).tolist() == [1.0] * 4  # not overwritten
+    del later
+    del raw
+    assert process._own_lent == {}
+
+
+def test_a_lent_result_outlives_its_pool(config: comfy_env.PoolConfig) -> None:
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        echoed = w.call("comfy_env_worker.tasks:echo", np.full(MiB, 3.0, dtype=np.float32))
+        made = w.call(remote_tasks.filled, 4.0, 2 * MiB)
+        assert _is_loan(_owner_block(echoed)) and _is_loan(_owner_block(made))
+    # The pool unlinked every block and let its worker go; the results keep their memory.
+    assert float(echoed.sum()) == 3.0 * MiB and float(made.max()) == 4.0
+    echoed[:] = 0.0
+    assert float(echoed.max()) == 0.0
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_without_ctypes_a_fresh_mapping_stands_in_for_the_loan_root(
+    pool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    import comfy_env_worker.shm as wshm
+
+    monkeypatch.setitem(sys.modules, "ctypes", None)  # ``import ctypes`` raises ImportError
+    monkeypatch.setattr(wshm, "_root_types", {})
+    w = pool.get_worker()
+    out = w.call(remote_tasks.filled, 1.0, MiB)
+    echoed = w.call("comfy_env_worker.tasks:echo", np.full(MiB, 2.0, dtype=np.float32))
+    for result in (out, echoed):
+        base = _owner_block(result)
+        assert isinstance(base, memoryview) and type(base.obj).__name__ == "mmap"
+    raw = memoryview(out).cast("B")[:8]
+    del out, echoed, result, base
+    assert _worker_shm(w)["pinned"] == 1 and _host_process(w)._own_lent == {}
+    del raw
+    assert _worker_shm(w)["pinned"] == 0
 
 
 @pytest.mark.usefixtures("loans_for_all")
@@ -192,7 +269,7 @@ def test_beyond_the_loan_bound_results_are_private_copies(pool: comfy_env.Pool) 
     copy = kept[-1]
     while getattr(copy, "base", None) is not None:
         copy = copy.base
-    assert not (isinstance(copy, memoryview) and type(copy.obj).__name__ == "mmap")
+    assert not _is_loan(copy)
     kept.clear()
     assert _worker_shm(w)["pinned"] == 0
 
@@ -213,7 +290,7 @@ def test_an_echoed_array_comes_back_in_the_hosts_own_block_with_no_reply_block(
     arr = np.arange(2 * MiB, dtype=np.float32)
     out = w.call("comfy_env_worker.tasks:echo", arr)
     assert np.array_equal(out, arr) and out.flags.writeable
-    assert isinstance(_owner_block(out), memoryview)  # a view of our block, not a copy
+    assert _is_loan(_owner_block(out))  # a view of our block, not a copy
     stats = _worker_shm(w)
     assert (stats["blocks"], stats["pinned"]) == (before, 0)  # the worker made no reply block
     assert len(process._own_lent) == 1  # our argument block, lent to the result

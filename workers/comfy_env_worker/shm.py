@@ -26,9 +26,10 @@ frame.
   *retained* in its reply and the host gives the block up instead of reusing it (the worker's
   mapping keeps the memory alive).
 - Reply blocks (worker -> host) belong to the worker and stay *pinned* until the host sends
-  ``CONSUMED`` for that call id; the host copies the buffers out before it acks, so nothing the
-  caller keeps aliases memory the worker will reuse. A timer-driven TTL unlinks pinned blocks the
-  host never acks (it died).
+  ``CONSUMED`` for that call id. The host either copies the buffers out and acks at once, or
+  *lends* them: the result views the block through a loan root (``loan_root``), and the ack
+  goes out when the root's last view dies, so nothing the caller keeps aliases memory the
+  worker will reuse. A timer-driven TTL unlinks pinned blocks the host never acks (it died).
 - Echoed blocks: a result whose buffers all lie in the call's argument blocks goes back as
   ``("echo", name, offset, length)`` entries naming the host's own block (``echo_table``): no
   reply block, no copy. The host keeps that block out of its pool until the result's last view
@@ -510,6 +511,13 @@ class PeerMappings:
         self._check_name(name)
         return self._open(name)
 
+    def mapping(self, name: str) -> mmap.mmap:
+        """The cached mapping of the peer's block ``name``, made now if there is none."""
+        self._check_name(name)
+        with self._lock:
+            mm = self._maps.get(name)
+        return self._map(name) if mm is None else mm
+
     @staticmethod
     def _open(name: str) -> mmap.mmap:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
@@ -645,12 +653,40 @@ def echo_table(
     return table
 
 
-def _slice(mm: mmap.mmap, name: str, offset: int, length: int) -> memoryview:
+def _slice(mm: Any, name: str, offset: int, length: int) -> memoryview:
     if not (0 <= offset and 0 <= length and offset + length <= len(mm)):
         raise ValueError(
             "range %d+%d lies outside block %s of %d bytes" % (offset, length, name, len(mm))
         )
-    return memoryview(mm)[offset : offset + length]
+    view = memoryview(mm)
+    if view.format != "B":
+        view = view.cast("B")  # a loan root (ctypes) exports single chars
+    return view[offset : offset + length]
+
+
+_root_types: Dict[int, Any] = {}
+
+
+def loan_root(mm: mmap.mmap) -> Any:
+    """A new exporter of all of ``mm``'s memory: no copy, no new mapping, no system call.
+
+    A loan must last exactly as long as the views of it, and a weak reference to the object
+    whose buffer they share says when that is. A memoryview cannot be that object: its slices
+    and casts hold the *mapping*, not the view they came from. A ctypes array made with
+    ``from_buffer`` exports its own buffer (every view taken from it holds it) and keeps
+    ``mm`` alive (and, while views live, open: ``mm.close()`` raises ``BufferError``, which
+    every closer here expects). A fresh mapping of the block would do the same at the cost of
+    four system calls and a page fault for every page the caller then touches. Returns None
+    where ctypes is missing (the caller maps the block afresh)."""
+    size = len(mm)
+    array_type = _root_types.get(size)
+    if array_type is None:
+        try:
+            import ctypes
+        except ImportError:
+            return None
+        array_type = _root_types.setdefault(size, ctypes.c_char * size)  # size classes: few
+    return array_type.from_buffer(mm)
 
 
 def unpack(
@@ -665,16 +701,17 @@ def unpack(
     """Split an out-of-band payload. Returns (body, buffers for ``pickle.loads``, the block
     name each buffer came from (None: inline), names of our blocks the peer retained).
     ``copy_out`` copies shared-memory buffers into private memory. With ``loaned`` (a list),
-    shared-memory buffers are views of fresh mappings of the peer's blocks, one per block,
-    appended to ``loaned``: the caller lends them out and returns each block to the peer when
-    the last view of its mapping is gone (the host's loaned reply blocks). Mappings of blocks
-    the peer dropped are closed. A payload with fewer than ``loan_min`` shared-memory bytes is
-    copied out instead (a fresh mapping costs more than copying a small buffer). ``echo``
-    entries name blocks of ``own`` (our pool: the peer sent our argument memory back): with
-    ``loaned`` they are views of a fresh mapping of our block, appended with the block to
-    ``echoed`` (the caller keeps the block out of its pool until the mapping dies), else
-    copies (the block is appended with None). Raises ``ValueError`` on a malformed or forged
-    table."""
+    shared-memory buffers are views of a loan root (``loan_root``) of each peer block's cached
+    mapping, one root per block, appended to ``loaned``: the caller lends them out and returns
+    each block to the peer when the last view of its root is gone (the host's loaned reply
+    blocks). Mappings of blocks the peer dropped are closed (one a loan still shows stays
+    until the loan ends). A payload with fewer than ``loan_min`` shared-memory bytes is copied
+    out instead. ``echo`` entries name blocks of ``own`` (our pool: the peer sent our argument
+    memory back): with ``loaned`` they are views of a loan root of our block's mapping,
+    appended with the block to ``echoed`` (the caller keeps the block out of its pool until
+    the root dies), else copies (the block is appended with None). Without ctypes a fresh
+    mapping of the block stands in for the root. Raises ``ValueError`` on a malformed or
+    forged table."""
     view = memoryview(payload)
     if len(view) < 4:
         raise ValueError("out-of-band payload shorter than its header")
@@ -714,7 +751,9 @@ def unpack(
             if loaned is not None:
                 fresh = next((m for n, m in zip(loaned_names, loaned) if n == name), None)
                 if fresh is None:
-                    fresh = mappings.map_fresh(name)
+                    fresh = loan_root(mappings.mapping(name))
+                    if fresh is None:
+                        fresh = mappings.map_fresh(name)
                     loaned.append(fresh)
                     loaned_names.append(name)
                 buffers.append(_slice(fresh, name, offset, length))
@@ -741,7 +780,9 @@ def unpack(
             else:
                 fresh = next((m for b, m in echoed if b is block), None)
                 if fresh is None:
-                    fresh = PeerMappings._open(name)
+                    fresh = loan_root(block.mm)
+                    if fresh is None:
+                        fresh = PeerMappings._open(name)
                     echoed.append((block, fresh))
                 buffers.append(_slice(fresh, name, offset, length))
             sources.append(None)  # our own memory: nothing of the peer's to acknowledge
