@@ -22,6 +22,9 @@ method until the returned array is in the caller's hands:
     sizes.
 ``comfy_env``
     ``worker.call("comfy_env_worker.tasks:echo", a)``, whatever transport comfy_env uses now.
+``comfy_env (results kept)``
+    The same on a worker of its own (a second pool), every result kept alive until the size is
+    done.
 peers
     ``ProcessPoolExecutor``, loky and pebble (``submit``/``schedule(echo, a).result()``), and
     comfy-env 0.4.46's ``call_module(..., x=a)``, each in a driver under its own venv that holds
@@ -234,6 +237,13 @@ def run(ctx: Context) -> Section:
         stack.callback(pool.close)
         worker = pool.get_worker(None)
         worker.call(ECHO_TARGET, 0)
+        # The kept results get a worker (and a host-side process) of their own: on the shared
+        # worker their loans filled the per-worker loan bound (MAX_LOANS, 70 results kept at
+        # 1 MiB) and turned the dropped method's replies into copies halfway through the size.
+        kept_pool = comfy_env.Pool(comfy_env.PoolConfig())
+        stack.callback(kept_pool.close)
+        kept_worker = kept_pool.get_worker(None)
+        kept_worker.call(ECHO_TARGET, 0)
         remotes = {p: r for p in PEERS if (r := ctx.remote(p)) is not None}
         for mib, (rounds, calls) in plan.items():
             nbytes = mib * MiB
@@ -248,12 +258,15 @@ def run(ctx: Context) -> Section:
             def comfy(x: Any) -> Any:
                 return worker.call(ECHO_TARGET, x)
 
+            def comfy_kept(x: Any) -> Any:
+                return kept_worker.call(ECHO_TARGET, x)
+
             local: dict[str, Callable[[int], float]] = {
                 MEMCPY: functools.partial(_time_calls, memcpy, a),
                 COPY: functools.partial(_time_calls, np.copy, a),
                 STREAM: functools.partial(_time_calls, stream.call, a),
                 COMFY_ENV: functools.partial(_time_calls, comfy, a),
-                COMFY_KEPT: functools.partial(_time_kept, comfy, a, kept),
+                COMFY_KEPT: functools.partial(_time_kept, comfy_kept, a, kept),
             }
             methods: dict[str, Callable[[int], float]] = dict(local)
             for name, remote in list(remotes.items()):
