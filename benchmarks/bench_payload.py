@@ -3,7 +3,12 @@
 What is measured
 ----------------
 For each size (1, 16, 64, 256 MiB; 1 MiB in quick mode) the time from handing ``a`` to the
-method until the returned array is in the caller's hands:
+method until the returned array is in the caller's hands: returned, and one byte of each of
+its 4 KiB pages read (``bench_tasks.touch_pages``, every method alike, the peers' drivers
+too). A method that hands back memory whose pages are not mapped in yet (a fresh mapping,
+faulted in lazily) pays those page faults inside the timing, as a copy into fresh memory pays
+them while it copies (before the twelfth round nothing was read, which flattered such
+methods: comfy_env lent results through a fresh mapping per reply then):
 
 ``memcpy``
     Unit of cost: one in-process ``np.copyto(dst, a)`` into a preallocated, already-touched
@@ -57,6 +62,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
+from bench_tasks import touch_pages
 from benchlib import (
     Context,
     MiB,
@@ -198,6 +204,7 @@ def _time_calls(call: Callable[[Any], Any], a: Any, n: int) -> float:
     for _ in range(n):
         t0 = time.perf_counter_ns()
         b = call(a)
+        touch_pages(b)  # the result in the caller's hands: its pages mapped in
         total += time.perf_counter_ns() - t0
         if b.nbytes != a.nbytes or b.dtype != a.dtype:
             raise RuntimeError("a method returned a different array")
@@ -213,6 +220,7 @@ def _time_kept(call: Callable[[Any], Any], a: Any, kept: list[Any], n: int) -> f
     for _ in range(n):
         t0 = time.perf_counter_ns()
         b = call(a)
+        touch_pages(b)  # the result in the caller's hands: its pages mapped in
         total += time.perf_counter_ns() - t0
         if b.nbytes != a.nbytes or b.dtype != a.dtype:
             raise RuntimeError("a method returned a different array")
