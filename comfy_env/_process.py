@@ -1099,13 +1099,14 @@ class WorkerProcess:
             blocks.give_up(block)  # the result's mapping keeps its memory
         elif not lent:
             blocks.release(block)
-        elif block.size >= shm.SPARE_MIN_BYTES and not blocks.has_idle(block.size):
+        elif blocks.wants_spare(block.size):
             self._spare_soon(block.size)
 
     def _spare_soon(self, size: int) -> None:
-        """A result holds our last idle argument block of its size: fault in a spare on a
-        helper thread, so that the next request of that size (results kept) finds one ready
-        instead of faulting fresh pages on its path (about 175 ms per 256 MiB)."""
+        """A result holds our last idle argument block of its size (``shm.BlockPool.
+        wants_spare``): fault in a spare on a helper thread, so that the next request of that
+        size (results kept) finds one ready instead of faulting fresh pages on its path (about
+        175 ms per 256 MiB)."""
         blocks = self.blocks
         assert blocks is not None
         with self._loans_lock:

@@ -347,6 +347,98 @@ def test_kept_echo_results_get_a_spare_block_made_off_the_call_path(
     del first, second
 
 
+@pytest.mark.usefixtures("loans_for_all")
+def test_kept_small_results_get_spare_reply_blocks_from_the_second_call_on(
+    pool: comfy_env.Pool,
+) -> None:
+    # 2 MiB results (a size class under SPARE_MIN_BYTES): a caller that keeps them needs a
+    # fresh reply block every call; from the second one on, the worker faults in a spare
+    # after replying, so the next call of that size takes it instead of making one.
+    w = pool.get_worker()
+    n = MiB // 2  # float32: 2 MiB
+    base = _worker_shm(w)
+    kept = [w.call(remote_tasks.filled, 1.0, n)]
+    first = _worker_shm(w)
+    assert (first["blocks"], first["idle_blocks"]) == (base["blocks"] + 1, base["idle_blocks"])
+    kept.append(w.call(remote_tasks.filled, 2.0, n))  # a fresh block with the first pinned
+    assert _wait(lambda: _worker_shm(w)["idle_blocks"] == base["idle_blocks"] + 1, 10.0)
+    made = _worker_shm(w)["blocks"]
+    kept.append(w.call(remote_tasks.filled, 3.0, n))  # takes the spare (and asks for another)
+    assert _wait(lambda: _worker_shm(w)["idle_blocks"] == base["idle_blocks"] + 1, 10.0)
+    assert _worker_shm(w)["blocks"] == made + 1  # the one spare made after the third reply
+    assert [float(k[0]) for k in kept] == [1.0, 2.0, 3.0]
+    kept.clear()
+
+
+@pytest.mark.usefixtures("loans_for_all")
+def test_dropped_results_and_the_canary_make_no_spare_blocks(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    after_canary = _worker_shm(w)
+    for value in (1.0, 2.0, 3.0, 4.0):
+        out = w.call(remote_tasks.filled, value, MiB // 2)
+        assert float(out[0]) == value
+        del out  # dropped: the next request returns its block
+    time.sleep(0.2)  # a spare, had one been asked for, is made by now
+    stats = _worker_shm(w)
+    assert stats["blocks"] == after_canary["blocks"] + 1  # one 2 MiB block, reused throughout
+    # The canary left its own block and no spare of its size.
+    assert after_canary["blocks"] - after_canary["idle_blocks"] == 0
+    assert after_canary["blocks"] <= 1
+
+
+def test_kept_small_echo_results_get_spare_argument_blocks_from_the_second_call_on(
+    pool: comfy_env.Pool,
+) -> None:
+    w = pool.get_worker()
+    n = MiB // 2  # float32: 2 MiB, a size class under SPARE_MIN_BYTES
+    kept = [w.call("comfy_env_worker.tasks:echo", np.full(n, 1.0, dtype=np.float32))]
+    process = _host_process(w)
+    size = next(b.size for b in process.blocks.live.values() if b.name in process._own_lent)
+    assert not process.blocks.has_idle(size)  # the first lent block: no spare asked for
+    kept.append(w.call("comfy_env_worker.tasks:echo", np.full(n, 2.0, dtype=np.float32)))
+    assert _wait(lambda: process.blocks.has_idle(size), 10.0)  # the second: a spare
+    ready = set(process.blocks.live)
+    kept.append(w.call("comfy_env_worker.tasks:echo", np.full(n, 3.0, dtype=np.float32)))
+    assert set(process._own_lent) <= ready  # the third request took the spare
+    assert [float(k.max()) for k in kept] == [1.0, 2.0, 3.0]
+    kept.clear()
+
+
+def test_a_spare_that_comes_too_late_stops_spares_of_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Calls that come back to back need a block before the spare is ready: the spare only
+    # contends with the block the call makes itself. Once that happened for a small size, the
+    # pool makes no more spares of it (big sizes keep theirs: a fresh one costs far more).
+    import threading
+
+    import comfy_env_worker.shm as wshm
+
+    gate = threading.Event()
+    monkeypatch.setattr(wshm, "prefault", lambda mm: gate.wait(10.0))
+    pool = wshm.BlockPool(f"{wshm.NAME_PREFIX}late-{os.getpid()}-", 1 << 30)
+    try:
+        size = wshm.size_class(2 * MiB)
+        held = [pool.acquire(size)]
+        assert not pool.wants_spare(size)  # the first block of its size: no spare
+        held.append(pool.acquire(size))
+        assert pool.wants_spare(size)  # a second one in use, none idle: results kept
+        maker = threading.Thread(target=pool.add_spare, args=(size,))
+        maker.start()
+        assert _wait(lambda: pool._making.get(size) == 1, 5.0)
+        held.append(pool.acquire(size))  # needed now, while the spare is still being made
+        assert not pool.wants_spare(size)
+        gate.set()
+        maker.join(10.0)
+        assert pool.has_idle(size)  # the late spare is kept for whoever comes next
+        big = wshm.SPARE_MIN_BYTES
+        held.append(pool.acquire(big))
+        assert pool.wants_spare(big)
+    finally:
+        gate.set()
+        pool.destroy_all()
+
+
 def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config.model_copy(update={"shm_pinned_ttl": 0.3})) as pool:
         w = pool.get_worker()

@@ -432,18 +432,13 @@ class Worker:
         with self.outbox.lock:
             send_parts(self.sock, [header, *parts])
             self.outbox.in_call = False
-        if (
-            block is not None
-            and pool is not None
-            and block.size >= shm.SPARE_MIN_BYTES
-            and not pool.has_idle(block.size)
-        ):
+        if block is not None and pool is not None and pool.wants_spare(block.size):
             self.spare_soon(block.size)
 
     def spare_soon(self, size: int) -> None:
-        """The reply took the last idle block of its size (the host keeps the result, which is
-        a loan of that block): fault in a spare on a helper thread, after the reply went out,
-        so the next call of that size finds one ready."""
+        """The reply took the last idle block of its size (the host may keep the result, which
+        is a loan of that block; ``BlockPool.wants_spare``): fault in a spare on a helper
+        thread, after the reply went out, so the next call of that size finds one ready."""
         with self.pin_lock:
             if size in self.spares_pending:
                 return

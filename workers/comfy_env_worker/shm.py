@@ -55,7 +55,7 @@ import sys
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+    from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ce-"
@@ -325,20 +325,60 @@ class Block:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
-# Reply blocks at least this big get a pre-faulted spare when a reply takes the last idle one
-# (smaller ones fault in quickly enough; an idle worker keeps no spare of the canary's size).
+# Blocks of at least this size class get a pre-faulted spare as soon as a message takes the
+# last idle one: the next message of that size would fault fresh pages on its path (about
+# 175 ms per 256 MiB). Smaller ones get a spare once a second block of their size is in use
+# with none idle (``BlockPool.wants_spare``): the caller keeps its results, each holding its
+# block, so every call of that size needs a fresh one (a 3 MiB result then costs about 2 ms
+# more a call on this machine kind, twice a call's whole round trip). Never for the first
+# block of a size: not for the canary's, nor for a caller that drops its results.
 SPARE_MIN_BYTES = 8 << 20
 
 
 # ``mmap.madvise`` holds the GIL: populating 256 MiB in one call stalls every other thread of
 # the process for 60-90 ms (measured here), the host's caller thread included when the host
-# makes a spare. In steps of this size the other threads run between steps.
+# makes a spare. ``prefault`` therefore calls libc's madvise through ctypes, without the GIL;
+# where it cannot, it advises in steps of this size, and the other threads run between steps.
 _PREFAULT_STEP = 4 << 20
+
+
+_madvise: Any = None  # libc's madvise through ctypes, once looked up (False: unavailable)
+
+
+def _populate_without_gil(mm: mmap.mmap) -> bool:
+    """``madvise(MADV_POPULATE_WRITE)`` over all of ``mm`` through ctypes, which lets go of
+    the GIL for the call: the process's other threads (the caller's, the serve loop) run
+    while the kernel faults the pages in. False where ctypes, libc's madvise or the advice
+    (Linux 5.14+) is missing."""
+    global _madvise
+    if _madvise is False:
+        return False
+    try:
+        import ctypes
+
+        if _madvise is None:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        root = loan_root(mm)
+        if root is None:
+            return False
+        try:
+            return bool(_madvise(ctypes.addressof(root), len(mm), _MADV_POPULATE_WRITE) == 0)
+        finally:
+            del root
+    except (ImportError, AttributeError, OSError, TypeError):
+        _madvise = False
+        return False
 
 
 def prefault(mm: mmap.mmap) -> None:
     """Fault every page of ``mm`` in (writable) now: with ``madvise(MADV_POPULATE_WRITE)``
-    where the kernel has it, a few MiB per call, else by touching each page."""
+    where the kernel has it (through ctypes, without the GIL; else a few MiB per call, the
+    GIL held for each), else by touching each page."""
+    if _populate_without_gil(mm):
+        return
     size = len(mm)
     try:
         for start in range(0, size, _PREFAULT_STEP):
@@ -367,6 +407,11 @@ class BlockPool:
         self._clock = 0
         self.dropped: List[str] = []  # destroyed since the peer last heard, so it can unmap
         self._closed = False  # after destroy_all: a late spare is destroyed, never kept
+        self._making: Dict[int, int] = {}  # size class -> spares being made right now
+        # Size classes under SPARE_MIN_BYTES whose spare was once too late (a message needing a
+        # block of that size had to make its own while the spare was still being made): calls
+        # that come back to back only contend with their spares, so they get none any more.
+        self._late: Set[int] = set()
 
     def acquire(self, nbytes: int) -> Block:
         size = size_class(nbytes)
@@ -377,6 +422,8 @@ class BlockPool:
                 self._idle_bytes -= size
                 self._idle_since.pop(block.name, None)
                 return block
+            if self._making.get(size) and size < SPARE_MIN_BYTES:
+                self._late.add(size)
             self._seq += 1
             name = "%s%d" % (self._prefix, self._seq)
         block = Block(name, size)
@@ -426,6 +473,19 @@ class BlockPool:
         with self._lock:
             return bool(self._free.get(size_class(nbytes)))
 
+    def wants_spare(self, size: int) -> bool:
+        """Whether a message that just took a block of size class ``size`` (and keeps it past
+        this call: a pinned reply, a lent argument) should have a spare made for the next one
+        (see ``SPARE_MIN_BYTES``)."""
+        with self._lock:
+            if self._free.get(size) or self._closed:
+                return False
+            if size >= SPARE_MIN_BYTES:
+                return True
+            if size in self._late:
+                return False
+            return sum(1 for block in self.live.values() if block.size == size) > 1
+
     def add_spare(self, nbytes: int) -> None:
         """Create a block of ``nbytes``' size class with its pages already faulted in and
         keep it idle, so that the next call needing one does not fault fresh pages on its
@@ -436,8 +496,13 @@ class BlockPool:
                 return
             self._seq += 1
             name = "%s%d" % (self._prefix, self._seq)
-        block = Block(name, size)
-        prefault(block.mm)
+            self._making[size] = self._making.get(size, 0) + 1
+        try:
+            block = Block(name, size)
+            prefault(block.mm)
+        finally:
+            with self._lock:
+                self._making[size] -= 1
         with self._lock:
             closed = self._closed
             if not closed:
