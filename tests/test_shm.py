@@ -409,7 +409,8 @@ def test_a_spare_that_comes_too_late_stops_spares_of_its_size(
 ) -> None:
     # Calls that come back to back need a block before the spare is ready: the spare only
     # contends with the block the call makes itself. Once that happened for a small size, the
-    # pool makes no more spares of it (big sizes keep theirs: a fresh one costs far more).
+    # pool makes no more spares of it until a block of that size is given back (big sizes keep
+    # theirs: a fresh one costs far more).
     import threading
 
     import comfy_env_worker.shm as wshm
@@ -431,6 +432,11 @@ def test_a_spare_that_comes_too_late_stops_spares_of_its_size(
         gate.set()
         maker.join(10.0)
         assert pool.has_idle(size)  # the late spare is kept for whoever comes next
+        held.append(pool.acquire(size))
+        assert not pool.wants_spare(size)  # still too late: the caller keeps everything
+        pool.release(held.pop(0))  # a result let go: another phase may want spares again
+        held.append(pool.acquire(size))
+        assert pool.wants_spare(size)
         big = wshm.SPARE_MIN_BYTES
         held.append(pool.acquire(big))
         assert pool.wants_spare(big)

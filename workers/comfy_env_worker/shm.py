@@ -410,7 +410,8 @@ class BlockPool:
         self._making: Dict[int, int] = {}  # size class -> spares being made right now
         # Size classes under SPARE_MIN_BYTES whose spare was once too late (a message needing a
         # block of that size had to make its own while the spare was still being made): calls
-        # that come back to back only contend with their spares, so they get none any more.
+        # that come back to back only contend with their spares, so they get none until a
+        # block of that size is given back (the caller let go of results: another phase).
         self._late: Set[int] = set()
 
     def acquire(self, nbytes: int) -> Block:
@@ -431,13 +432,17 @@ class BlockPool:
             self.live[name] = block
         return block
 
-    def release(self, block: Block) -> None:
+    def release(self, block: Block, spare: bool = False) -> None:
         """Keep ``block`` idle for reuse. Over the idle bound, the blocks idle the longest are
-        given up first (whatever their size), so the sizes in use now stay cached."""
+        given up first (whatever their size), so the sizes in use now stay cached. A block
+        given back (not a new ``spare``) means the caller lets go of results: spares of its
+        size may come again after one came too late."""
         victims: List[Block] = []
         with self._lock:
             if block.name not in self.live:
                 return
+            if not spare:
+                self._late.discard(block.size)
             if block.size > self._max_idle:
                 victims.append(block)
             else:
@@ -510,7 +515,7 @@ class BlockPool:
         if closed:  # destroy_all ran meanwhile (the pool is closing): nothing may outlive it
             block.destroy()
             return
-        self.release(block)
+        self.release(block, spare=True)
 
     def get(self, name: str) -> Optional[Block]:
         """Our live block ``name``, or None."""
