@@ -996,21 +996,21 @@ class WorkerProcess:
                 self.shm_state = "on"
             else:  # the worker could not create a reply block: it streamed them inline
                 self._shm_unavailable("the worker cannot create a block")
-        for block, mapping in echoed:
-            if mapping is not None:
-                self._lend_own(block, mapping)
+        for block, root in echoed:
+            if root is not None:
+                self._lend_own(block, root)
         if loaned:
             self._lend(call_id, loaned)
         elif any(source is not None for source in sources):
             self._send_consumed(call_id)  # copied out (few bytes, or too many loans)
         return body, buffers, retained
 
-    def _lend(self, call_id: int, mappings: list[Any]) -> None:
-        """Queue ``CONSUMED(call_id)`` for when every mapping of the reply has died."""
-        left = [len(mappings)]
+    def _lend(self, call_id: int, roots: list[Any]) -> None:
+        """Queue ``CONSUMED(call_id)`` for when every loan root of the reply has died."""
+        left = [len(roots)]
         lock, loans, returned = self._loans_lock, self._loans, self.returned
         with lock:
-            loans[0] += len(mappings)
+            loans[0] += len(roots)
 
         def gone() -> None:  # any thread, at any time (garbage collection)
             with lock:
@@ -1020,13 +1020,13 @@ class WorkerProcess:
             if last:
                 returned.append(call_id)
 
-        for mm in mappings:
-            weakref.finalize(mm, gone)
+        for root in roots:
+            weakref.finalize(root, gone)
 
-    def _lend_own(self, block: shm.Block, mapping: Any) -> None:
-        """The result views our own argument block ``block`` (through ``mapping``, fresh):
-        keep the block out of our pool until the mapping dies, so that no later request
-        writes into memory a result still shows."""
+    def _lend_own(self, block: shm.Block, root: Any) -> None:
+        """The result views our own argument block ``block`` (through the loan root ``root``):
+        keep the block out of our pool until the root dies, so that no later request writes
+        into memory a result still shows."""
         lock, loans, lent, pool = self._loans_lock, self._loans, self._own_lent, self.blocks
         name = block.name
         with lock:
@@ -1046,7 +1046,7 @@ class WorkerProcess:
             if pool is not None:
                 pool.release(block)  # a no-op once the block was given up
 
-        weakref.finalize(mapping, gone)
+        weakref.finalize(root, gone)
 
     def take_returns(self) -> bytes:
         """CONSUMED frames of the loans returned so far (lease holder only)."""

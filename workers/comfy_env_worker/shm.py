@@ -563,12 +563,7 @@ class PeerMappings:
             raise ValueError("block name %r is not one of the peer's blocks" % (name,))
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
-        self._check_name(name)
-        with self._lock:
-            mm = self._maps.get(name)
-        if mm is None:
-            mm = self._map(name)
-        return _slice(mm, name, offset, length)
+        return _slice(self.mapping(name), name, offset, length)
 
     def cached(self, name: str) -> Optional[mmap.mmap]:
         """The cached mapping of the peer's block ``name``, if there is one."""
@@ -763,10 +758,10 @@ def unpack(
     payload: Any,
     mappings: Optional[PeerMappings],
     copy_out: bool,
-    loaned: Optional[List[mmap.mmap]] = None,
+    loaned: Optional[List[Any]] = None,
     loan_min: int = 0,
     own: Optional[BlockPool] = None,
-    echoed: Optional[List[Tuple[Block, Optional[mmap.mmap]]]] = None,
+    echoed: Optional[List[Tuple[Block, Optional[Any]]]] = None,
 ) -> Tuple[memoryview, List[Any], List[Optional[str]], List[str]]:
     """Split an out-of-band payload. Returns (body, buffers for ``pickle.loads``, the block
     name each buffer came from (None: inline), names of our blocks the peer retained).
@@ -819,14 +814,14 @@ def unpack(
                 raise ValueError("a shared-memory buffer arrived but shared memory is off")
             _, name, offset, length = entry
             if loaned is not None:
-                fresh = next((m for n, m in zip(loaned_names, loaned) if n == name), None)
-                if fresh is None:
-                    fresh = loan_root(mappings.mapping(name))
-                    if fresh is None:
-                        fresh = mappings.map_fresh(name)
-                    loaned.append(fresh)
+                root = next((r for n, r in zip(loaned_names, loaned) if n == name), None)
+                if root is None:
+                    root = loan_root(mappings.mapping(name))
+                    if root is None:
+                        root = mappings.map_fresh(name)
+                    loaned.append(root)
                     loaned_names.append(name)
-                buffers.append(_slice(fresh, name, offset, length))
+                buffers.append(_slice(root, name, offset, length))
                 sources.append(name)
                 continue
             buf = mappings.view(name, offset, length)
@@ -848,13 +843,13 @@ def unpack(
                 if not any(b is block for b, _ in echoed):
                     echoed.append((block, None))
             else:
-                fresh = next((m for b, m in echoed if b is block), None)
-                if fresh is None:
-                    fresh = loan_root(block.mm)
-                    if fresh is None:
-                        fresh = PeerMappings._open(name)
-                    echoed.append((block, fresh))
-                buffers.append(_slice(fresh, name, offset, length))
+                root = next((r for b, r in echoed if b is block), None)
+                if root is None:
+                    root = loan_root(block.mm)
+                    if root is None:
+                        root = PeerMappings._open(name)
+                    echoed.append((block, root))
+                buffers.append(_slice(root, name, offset, length))
             sources.append(None)  # our own memory: nothing of the peer's to acknowledge
         else:
             raise ValueError("unknown out-of-band entry %r" % (entry[0],))
