@@ -83,6 +83,7 @@ from typing import Any
 import comfy_env_worker
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
+    CANARY_TARGET,
     FLAG_OOB,
     HEADER_SIZE,
     PROTOCOL_VERSION,
@@ -137,7 +138,6 @@ _STRIPPED_ENV = (
     "PYTHONUSERBASE",
 )
 
-CANARY_TARGET = "comfy_env_worker.tasks:echo"
 HOST_ID_VAR = "COMFY_ENV_HOST_ID"
 WORKER_ID_VAR = "COMFY_ENV_WORKER_ID"
 _HANDSHAKE_FRAME_BYTES = 1 << 20

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
+    CANARY_TARGET,
     FLAG_OOB,
     HEADER_SIZE,
     ChannelClosed,
@@ -91,7 +92,6 @@ _log = logging.getLogger("comfy_env")
 
 # None of: exit codes, signal grace, shared memory, fork, fd channel, descendants.
 RAY_CAPABILITIES: frozenset[str] = frozenset()
-CANARY_TARGET = "comfy_env_worker.tasks:echo"
 # While a call runs, side frames (logs, progress) are fetched this often; the wait grows from
 # the first to the last value, so a short call pays no drain at all.
 POLL_INTERVALS = (0.02, 0.05, 0.1, 0.2)

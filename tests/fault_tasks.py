@@ -435,13 +435,13 @@ def boot(argv: list[str]) -> None:
     if armed:
         worker_cls: Any = worker_main.Worker
         if where == "start-before-hello":
-            handshake = worker_cls.handshake
+            send_hello = worker_cls.send_hello
 
-            def faulty_handshake(self: Any) -> None:
+            def faulty_send_hello(self: Any) -> None:
                 do_fault(how, where, marker)
-                handshake(self)
+                send_hello(self)
 
-            worker_cls.handshake = faulty_handshake
+            worker_cls.send_hello = faulty_send_hello
         elif where == "start-after-hello":
             apply_config = worker_cls.apply_config
 

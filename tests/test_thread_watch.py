@@ -92,6 +92,33 @@ def test_a_worker_names_its_watchdog_and_sentinel_threads(pool: comfy_env.Pool) 
     assert len(_watchdog.named_threads(pid)) == 2
 
 
+def test_a_worker_starts_its_threads_while_the_host_answers_its_hello(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Off the first call's path: the watchdog and the sentinel start between HELLO and CONFIG,
+    # not after READY, where they took the GIL in turns with the canary. The host holds
+    # CONFIG back until it sees both threads (or gives up): they must not need CONFIG.
+    import psutil
+
+    from comfy_env import _process as process_module
+
+    make_config = process_module.worker_config
+    seen_before_config: list[bool] = []
+
+    def config_once_threads_run(*args: Any, **kwargs: Any) -> Any:
+        [worker] = [
+            child for child in psutil.Process().children() if process_module.BOOT in child.cmdline()
+        ]
+        wanted = {WATCHDOG_THREAD_NAME, SENTINEL_THREAD_NAME}
+        seen_before_config.append(wait_until(lambda: wanted <= _thread_names(worker.pid), 5.0))
+        return make_config(*args, **kwargs)
+
+    monkeypatch.setattr(process_module, "worker_config", config_once_threads_run)
+    with comfy_env.Pool() as pool:
+        assert pool.get_worker().call("comfy_env_worker.tasks:echo", 5) == 5
+    assert seen_before_config == [True]
+
+
 @needs_thread_pidfds
 def test_the_host_watches_both_named_threads(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()

@@ -4,8 +4,10 @@ Data flow (one worker process, one channel)::
 
     host  --GO------>  BOOT          one byte, once the runtime dir (this package) is complete
     host  <--HELLO---  worker        protocol, pid, Python version, shared memory usable
-    host  --CONFIG-->  worker        after the worker's HELLO
+    host  --CONFIG-->  worker        after the worker's HELLO (the worker meanwhile starts its
+                                     watchdog and imports the canary's module)
     host  <--READY---  worker
+    host  --CALL(1)--> worker        the canary, sent right behind CONFIG
     host  --CALL(id)-> worker        target, args, kwargs (pickle 5; cloudpickle by value)
     host  <-REPLY_OK(id) or REPLY_ERR(id)
 
@@ -43,6 +45,7 @@ import time
 
 from . import control, logs, refs, shm
 from .protocol import (
+    CANARY_TARGET,
     DEFAULT_MAX_FRAME_BYTES,
     FLAG_OOB,
     HEADER,
@@ -233,7 +236,7 @@ class Worker:
             send_frame(self.sock, ftype, call_id, payload)
             outbox.in_call = False
 
-    def handshake(self) -> None:
+    def send_hello(self) -> None:
         hello = {
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
@@ -244,6 +247,9 @@ class Worker:
             "shm": shm.shm_available(),
         }
         self.send(FrameType.HELLO, 0, pickle.dumps(hello, protocol=_PICKLE_PROTOCOL))
+
+    def configure(self) -> None:
+        """Read CONFIG, apply it, answer READY."""
         ftype, _flags, _call_id, payload = self.reader.read()
         if ftype != FrameType.CONFIG:
             raise FrameError("expected CONFIG, got frame type %d" % ftype)
@@ -686,11 +692,22 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
     global WORKER
     code = 0
     try:
-        worker.handshake()
+        worker.send_hello()
+        # While the host answers HELLO (CONFIG, then the canary right behind it), what needs no
+        # configuration: the watchdog's start and the canary's module. Started after READY,
+        # the watchdog and the sentinel it starts took the GIL in turns with the canary (thread
+        # starts, naming), and the import was part of the canary's call: 0.6 ms of the first
+        # call's path (benchmarks/RESULTS.md, thirteenth round). Waiting here for the threads
+        # to be up measured worse: the host's turn is shorter than their start.
+        _start_watchdog(worker, host_pid, cancel_fd)
+        try:
+            resolve_target(CANARY_TARGET)
+        except Exception:  # noqa: BLE001 - the canary's own call reports it to the host
+            pass
+        worker.configure()
         logs.install(worker.outbox, worker.log_level)
         WORKER = worker
         control.CONTROL = worker.control
-        _start_watchdog(worker, host_pid, cancel_fd)
         if host_pid:
             # From the first call on (the handshake waits on the host's start-up, not on a
             # reply). Not in a Ray actor (host_pid 0): its peer is a thread of this process,

@@ -72,6 +72,10 @@ FLAG_OOB = 1
 WATCHDOG_THREAD_NAME = "comfy-watchdog"
 SENTINEL_THREAD_NAME = "comfy-sentinel"
 
+# The start-up canary's call target (the host sends it right behind CONFIG; the worker resolves
+# it while it waits for CONFIG, see ``main.serve``).
+CANARY_TARGET = "comfy_env_worker.tasks:echo"
+
 
 # The largest frame either side accepts unless configured otherwise (PoolConfig.max_frame_bytes).
 DEFAULT_MAX_FRAME_BYTES = 2 * 1024**3
