@@ -150,6 +150,9 @@ _SWEEP_DELAY = 0.005
 # Seconds from a worker's retirement to the release of its sockets and shared memory (see
 # _dispose_later).
 _DISPOSE_DELAY = 0.005
+# Seconds from the first worker's readiness to the host watcher's launch (see
+# ``_start_watcher``): past the first call's reply, which follows readiness by about a ms.
+_WATCHER_DELAY = 0.05
 
 # ---- the pool --------------------------------------------------------------------------------
 
@@ -990,9 +993,11 @@ class Pool:
         )
         self._status_changed()
         if self._watcher is None and self._reactor is not None:
-            # Started after the first worker is ready, on the reactor: off the first call's path
-            # (an interpreter start competing with the worker's costs that call ~10 ms).
-            self._reactor.call_soon(self._start_watcher)
+            # Started a moment after the first worker is ready, on the reactor: off the first
+            # call's path. An interpreter start competing with the worker costs that call about
+            # 10 ms; ``Popen`` on the reactor at once still took the GIL from the caller reading
+            # the first reply (0.2-0.4 ms).
+            self._reactor.call_later(_WATCHER_DELAY, self._start_watcher)
         return process
 
     def _start_watcher(self) -> None:

@@ -17,7 +17,13 @@ by submitting events to its gate. Channels are never read here: a call's caller 
 reply, so the hot path has no thread hand-off.
 
 Thread safety: every mutation of the selector or the heap happens on the reactor thread; other
-threads enqueue a closure and write one byte to a wake-up socket.
+threads enqueue a closure and write one byte to a wake-up socket. A timer due no earlier than
+the moment the loop wakes by itself needs no byte: the loop arms it then, in time. The loop
+publishes that moment (``_sleep_until``) before it looks at the queue one last time and
+selects, so a closure queued after that look is covered by the published moment, and one
+queued before it is seen by the look. A started pool's first call schedules four timers (the
+thread lookup, two for the status file, the host watcher); each byte woke the reactor to take
+the GIL from the caller on its way to that call.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import concurrent.futures
 import heapq
 import itertools
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -71,6 +78,9 @@ class Reactor:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
+        # When the loop wakes by itself (monotonic seconds): -inf while it is awake, inf while
+        # it sleeps with no timer (see the module docstring).
+        self._sleep_until = -math.inf
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
 
     # ---- lifecycle ----
@@ -132,7 +142,11 @@ class Reactor:
         def arm() -> None:
             heapq.heappush(self._timers, (handle.when, next(self._seq), handle))
 
-        self.call_soon(arm)
+        self._pending.append(arm)
+        # No wake-up byte from the reactor thread (the loop runs ``arm`` before it selects
+        # again), nor for a timer due after the loop wakes by itself: it is armed then.
+        if handle.when < self._sleep_until and threading.current_thread() is not self._thread:
+            self._wake()
         return handle
 
     def run_sync(self, fn: Callable[[], T], timeout: float | None = None) -> T:
@@ -189,14 +203,21 @@ class Reactor:
         pending = self._pending
         while not self._stopping:
             timeout: float | None = None
+            if timers:
+                now = time.monotonic()
+                timeout = max(0.0, timers[0][0] - now)
+                self._sleep_until = now + timeout
+            else:
+                self._sleep_until = math.inf
+            # After publishing the moment: a closure queued before this look runs now, one
+            # queued after it is either due later than that moment or has woken us.
             if pending:
                 timeout = 0
-            elif timers:
-                timeout = max(0.0, timers[0][0] - time.monotonic())
             try:
                 ready = select(timeout)
             except OSError:  # pragma: no cover - selector closed under us during stop
                 break
+            self._sleep_until = -math.inf
             for key, _mask in ready:
                 if key.data is None:
                     try:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -468,5 +469,51 @@ def test_the_reactor_runs_what_it_schedules_itself_without_waking_itself() -> No
         reactor.call_soon(on_reactor)  # from this thread: one wake-up
         assert ran.wait(5) and timed.wait(5)
         assert wakes == [threading.current_thread().name]
+    finally:
+        reactor.stop()
+
+
+def test_a_timer_due_after_the_reactors_own_wake_up_needs_no_wake_up_byte() -> None:
+    """From another thread, ``call_later`` wakes the loop only for a timer due before the
+    moment the loop wakes by itself; a later one is armed at that wake-up. Every timer fires,
+    none before it is due, in order."""
+    import math
+
+    from comfy_env._reactor import Reactor
+
+    reactor = Reactor()
+    reactor.start()
+    try:
+        wakes: list[float] = []
+        real_wake = reactor._wake
+
+        def counted_wake() -> None:
+            wakes.append(time.monotonic())
+            real_wake()
+
+        reactor._wake = counted_wake  # type: ignore[method-assign]
+        fired: dict[str, float] = {}
+        all_fired = threading.Event()
+
+        def mark(name: str) -> Callable[[], None]:
+            def fire() -> None:
+                fired[name] = time.monotonic()
+                if len(fired) == 3:
+                    all_fired.set()
+
+            return fire
+
+        first = reactor.call_later(1.0, mark("first"))  # nothing scheduled: a byte
+        assert len(wakes) == 1
+        # Asleep until the first timer (not awake: -inf; not without timers: inf).
+        assert wait_until(lambda: 0 < reactor._sleep_until < math.inf, 5)
+        later = reactor.call_later(1.2, mark("later"))  # due after that wake-up: no byte
+        assert len(wakes) == 1
+        sooner = reactor.call_later(0.05, mark("sooner"))  # due before it: a byte
+        assert len(wakes) == 2
+        assert all_fired.wait(10), fired
+        assert fired["sooner"] < fired["first"] < fired["later"]
+        for name, handle in (("first", first), ("later", later), ("sooner", sooner)):
+            assert fired[name] >= handle.when
     finally:
         reactor.stop()
