@@ -903,7 +903,7 @@ class Pool:
                     self._reactor.start()
                     self._schedule_reaper()
                 if self._runtime_dir is None:
-                    # Made empty here; the first spawn fills it while its worker starts.
+                    # Named here; the first spawn makes and fills it while its worker starts.
                     self._runtime_dir = RuntimeDir()
             except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
                 error = WorkerStartError(

@@ -105,7 +105,14 @@ from ._identity import host_id, host_token
 from ._lifecycle import RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
-from ._rundir import check_private_dir, copy_tree, link_tree, make_private_dir, runtime_root
+from ._rundir import (
+    check_private_dir,
+    copy_tree,
+    link_tree,
+    make_private_dir,
+    private_dir_suffix,
+    runtime_root,
+)
 from ._settings import Settings
 from ._watchdog import named_threads, thread_pidfd
 from ._watchdog import supported as thread_watch_supported
@@ -199,13 +206,14 @@ class RuntimeDir:
     """A pool's private runtime directory, holding the worker package and cloudpickle: the
     ONLY path the host adds to a worker's ``sys.path``.
 
-    Made empty at once (a private directory under the runtime root), filled once by the first
-    caller of ``ready``. The pool makes it before its first spawn; that spawn launches its
-    worker first and fills the directory while the worker's interpreter starts (15-40 ms here,
-    against 1.5-2 ms for the links), off the first call's path when the host has a CPU of its
-    own. BOOT reads the host's ``GO`` byte before it imports anything from the directory, and
-    the host writes ``GO`` only after ``ready`` returned: no worker ever sees it half made. A
-    fill that fails leaves it empty, and the next spawn tries again.
+    Named at once (a private directory under the runtime root: the worker's command line
+    carries the path), made and filled once by the first caller of ``ready``. The pool names
+    it before its first spawn; that spawn launches its worker first and makes and fills the
+    directory while the worker's interpreter starts (15-40 ms here, against 1.5-2 ms for the
+    links), off the first call's path when the host has a CPU of its own. BOOT reads the
+    host's ``GO`` byte before it imports anything from the directory, and the host writes
+    ``GO`` only after ``ready`` returned: no worker ever sees it missing or half made. A fill
+    that fails leaves it empty, and the next spawn tries again.
 
     Its files are hard links into a runtime store, ``<runtime root>/store-<content key>``: a
     complete copy of both packages made once (by the first host that needs it) and shared by
@@ -220,17 +228,25 @@ class RuntimeDir:
 
     def __init__(self) -> None:
         # Made and filled relative to descriptors of directories checked to be ours (see
-        # _rundir): nobody else can put code where the worker imports it from.
+        # _rundir): nobody else can put code where the worker imports it from. Only named
+        # here: the directory is made by ``ready``, after the worker's launch (0.1-0.3 ms
+        # that were on the first call's path).
         self._root = runtime_root()
-        self.path = make_private_dir(self._root, f"host-{host_token()}-")
+        self._prefix = f"host-{host_id()}-"
+        self._suffix = private_dir_suffix()
+        self.path = os.path.join(self._root, self._prefix + self._suffix)
         self._lock = threading.Lock()
+        self._made = False
         self._filled = False
 
     def ready(self) -> str:
-        """The path, filled (by this call if no earlier one did). Raises ``OSError`` (or
-        ``ImportError`` without cloudpickle) when it cannot be filled."""
+        """The path, made and filled (by this call if no earlier one did). Raises ``OSError``
+        (or ``ImportError`` without cloudpickle) when it cannot be."""
         with self._lock:
             if not self._filled:
+                if not self._made:
+                    make_private_dir(self._root, self._prefix, self._suffix)
+                    self._made = True
                 _fill_runtime_dir(self.path, self._root)
                 self._filled = True
         return self.path

@@ -171,11 +171,18 @@ def private_subdir(parent: str, name: str) -> str:
     return path
 
 
-def make_private_dir(parent: str, prefix: str) -> str:
+def private_dir_suffix() -> str:
+    """The random part of a ``make_private_dir`` name, for a caller that names the directory
+    before it makes it."""
+    return os.urandom(6).hex()
+
+
+def make_private_dir(parent: str, prefix: str, suffix: str | None = None) -> str:
     """A new directory ``parent/<prefix><random>`` (mode 0700), made relative to an opened
     descriptor of ``parent``, which is checked again to be ours and closed to others (the
     path may have been swapped since ``runtime_root()`` looked, where the place above it is
-    not sticky)."""
+    not sticky). With ``suffix`` (from ``private_dir_suffix``) the name is
+    ``<prefix><suffix>`` and ``FileExistsError`` is raised if it is taken."""
     fd = os.open(parent, _DIR_FLAGS)
     try:
         st = os.fstat(fd)
@@ -186,10 +193,12 @@ def make_private_dir(parent: str, prefix: str) -> str:
                 reason="replaced while in use",
             )
         for _ in range(100):
-            name = prefix + os.urandom(6).hex()
+            name = prefix + (private_dir_suffix() if suffix is None else suffix)
             try:
                 os.mkdir(name, 0o700, dir_fd=fd)
             except FileExistsError:
+                if suffix is not None:
+                    raise
                 continue
             return os.path.join(parent, name)
     finally:

@@ -494,6 +494,49 @@ def test_the_runtime_dir_is_filled_while_the_first_worker_starts(
     assert len(children_at_fill) == 1  # filled once per pool
 
 
+def test_the_runtime_dir_is_named_before_the_launch_and_made_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Off the first call's path: the pool names the dir (the worker's command line carries
+    # it) and makes it once the worker's interpreter is starting, before GO.
+    import psutil
+
+    from comfy_env import _process
+    from comfy_env._identity import host_id
+
+    make = _process.make_private_dir
+    made: list[tuple[list[str], str | None]] = []
+
+    def recording(parent: str, prefix: str, suffix: str | None = None) -> str:
+        made.append(([" ".join(c.cmdline()) for c in psutil.Process().children()], suffix))
+        return make(parent, prefix, suffix)
+
+    monkeypatch.setattr(_process, "make_private_dir", recording)
+    with comfy_env.Pool() as pool:
+        worker = pool.get_worker(None)
+        assert worker.call("comfy_env_worker.tasks:echo", 3) == 3
+        assert pool._runtime_dir is not None
+        path = pool._runtime_dir.path
+        [(children, suffix)] = made
+        assert suffix is not None and os.path.basename(path) == f"host-{host_id()}-{suffix}"
+        assert any(_process.BOOT in cmdline and path in cmdline for cmdline in children)
+        assert os.path.isdir(os.path.join(path, "comfy_env_worker"))
+
+
+def test_a_named_private_dir_that_is_taken_is_refused(own_runtime_root: str) -> None:
+    from comfy_env._rundir import make_private_dir, private_dir_suffix
+
+    suffix = private_dir_suffix()
+    path = make_private_dir(own_runtime_root, "host-test-", suffix)
+    try:
+        assert os.path.basename(path) == f"host-test-{suffix}"
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
+        with pytest.raises(FileExistsError):
+            make_private_dir(own_runtime_root, "host-test-", suffix)
+    finally:
+        os.rmdir(path)
+
+
 def test_a_runtime_dir_that_cannot_be_filled_fails_the_start_and_is_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
