@@ -1010,7 +1010,10 @@ class WorkerProcess:
         if self.mappings is not None and buffers:
             if echoed or any(source is not None for source in sources):
                 self.shm_state = "on"
-            else:  # the worker could not create a reply block: it streamed them inline
+            elif sum(memoryview(b).nbytes for b in buffers) >= self.config.shm_threshold_bytes:
+                # Enough for shared memory, yet inline: the worker could not create a reply
+                # block. (Under the threshold inline is the rule, not a failure: a pool whose
+                # threshold is above its messages, say.)
                 self._shm_unavailable("the worker cannot create a block")
         for block, root in echoed:
             if root is not None:

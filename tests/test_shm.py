@@ -31,6 +31,13 @@ def _is_loan(base: object) -> bool:
     return isinstance(base, memoryview) and isinstance(base.obj, ctypes.Array)
 
 
+def _root(value: object) -> object:
+    """The end of ``value``'s ``base`` chain (numpy views of views)."""
+    while getattr(value, "base", None) is not None:
+        value = value.base  # type: ignore[attr-defined]
+    return value
+
+
 def _host_process(w: comfy_env.Worker):  # type: ignore[no-untyped-def]
     process = w._entry.slots[0].process
     assert process is not None
@@ -481,6 +488,29 @@ def test_shared_memory_off_streams_buffers_inline(config: comfy_env.PoolConfig) 
         assert np.array_equal(out, arr)
         assert w.call(remote_tasks.buffer_owner, arr) == "bytearray"  # the received frame
         assert _worker_shm(w)["blocks"] == 0
+
+
+def test_buffers_under_the_threshold_inline_are_no_shared_memory_failure(
+    config: comfy_env.PoolConfig,
+) -> None:
+    # Shared memory on, its threshold above the message: the buffers travel out of band but
+    # inline, both ways, by rule. Not a sign that the worker cannot create a block: the state
+    # stays "on" (it read "unavailable", with a warning, which also kept acall's large
+    # requests off the event loop).
+    threshold = 4 * MiB
+    with comfy_env.Pool(config.model_copy(update={"shm_threshold_bytes": threshold})) as pool:
+        w = pool.get_worker()
+        n = MiB // 4  # 1 MiB of float32 each way: out of band, under the threshold
+        arr = np.arange(n, dtype=np.float32)
+        echoed = w.call("comfy_env_worker.tasks:echo", arr)
+        made = w.call(remote_tasks.filled, 2.0, n)
+        assert np.array_equal(echoed, arr) and np.array_equal(made, np.full(n, 2.0, np.float32))
+        assert not _is_loan(_root(echoed)) and not _is_loan(_root(made))  # inline, by rule
+        assert w.stats().shared_memory == "on"
+        big = 2 * threshold // 4  # over it: shared memory
+        out = w.call(remote_tasks.filled, 3.0, big)
+        assert np.array_equal(out, np.full(big, 3.0, np.float32)) and _is_loan(_root(out))
+        assert w.stats().shared_memory == "on"
 
 
 @pytest.mark.parametrize(
