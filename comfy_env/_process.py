@@ -177,12 +177,12 @@ _due_scans_lock = threading.Lock()
 
 
 def canary_value(oob_bytes: int) -> Any:
-    """Exercises the codec: nested containers, int keys, bytes, floats, a 48 KiB in-band
+    """Exercises the codec: nested containers, int keys, bytes, floats, a 4 KiB in-band
     buffer, and one buffer of ``oob_bytes`` that travels out of band (shared memory)."""
     return (
         {1: (b"\x00bytes\xff", [1.5, -0.0, None, True]), 2: {"nested": (1, 2, {3: "x"})}},
         [(), [], {}, "\u00e9\u4e2d", 2**70],
-        bytes(range(256)) * 192,  # 48 KiB: under the out-of-band size, pickled in band
+        bytes(range(256)) * 16,  # 4 KiB: under the out-of-band size, pickled in band
         bytearray(os.urandom(64)) * (oob_bytes // 64 + 1),
     )
 
