@@ -826,6 +826,12 @@ class WorkerProcess:
             except BaseException:
                 self.finish_request(block, [])
                 raise
+            # The lookup of the worker's named threads (started while we answered HELLO), a
+            # moment later. Scheduled here, while this thread waits for READY, the wake-up of
+            # the reactor it takes costs nothing; after the canary it took the GIL from this
+            # thread on its way to the first call.
+            if self.reactor.running:
+                self.reactor.call_later(self._THREAD_LOOKUP_DELAY, self._watch_threads)
             ftype, _, _, _ = self.reader.read(deadline)
             if ftype != FrameType.READY:
                 raise FrameError(f"expected READY, got frame type {ftype}")
@@ -833,8 +839,6 @@ class WorkerProcess:
             self._canary_check(deadline, value, block)
             # Only now: the handshake and the canary wait on an interpreter's start-up.
             self.reader.spin_wait(self.config.spin_wait, self.pid or 0)
-            if self.reactor.running:  # a moment later: off the first call's path
-                self.reactor.call_later(self._THREAD_LOOKUP_DELAY, self._watch_threads)
         except TimeoutError:
             raise self._start_error(
                 f"did not finish its start-up within {self.config.start_timeout:g}s "
@@ -1365,7 +1369,7 @@ class WorkerProcess:
         self._unwatch_threads()
         self._reaped(self.popen.wait())
 
-    # Seconds from the handshake to the first lookup of the named threads (they name
+    # Seconds from CONFIG (sent) to the first lookup of the named threads (they name
     # themselves as they start, so usually before it), doubling between lookups; after the
     # last one, what was found is watched (nothing: the death is seen at its EOF).
     _THREAD_LOOKUP_DELAY = 0.005
@@ -1373,7 +1377,7 @@ class WorkerProcess:
     _NAMED_THREADS = 2  # the watchdog and the sentinel
 
     def _watch_threads(self) -> None:
-        """Reactor thread, after the handshake: watch the worker's named threads (see
+        """Reactor thread, once CONFIG is out: watch the worker's named threads (see
         ``_watchdog``), looked up again a little later until both have named themselves."""
         if self._pidfd is None or self.pid is None or self._disposed or self._kill_requested:
             return  # exited (or reaped, or never watched), or on its way out
