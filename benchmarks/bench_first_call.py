@@ -23,8 +23,10 @@ peers
 
 Fairness
 --------
-* Interleaved rounds, one fresh host per method per round in a shuffled order, after one
-  untimed warm-up host per method (page cache). Median over rounds with min and max.
+* Interleaved rounds (20), one fresh host per method per round in a shuffled order, after
+  one untimed warm-up host per method (page cache). Median over rounds with min and max; the
+  target is the ratio of the medians. Beside it, comfy_env's ratio to the minimal worker
+  within each round (median and range).
 * All references, comfy_env and the stdlib pools use this venv's interpreter; peers use their
   venv's interpreter (the same CPython binary).
 * ``fork``-based peers do not start an interpreter at all: they copy the host. That is fast,
@@ -37,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import statistics
 import subprocess
 import tempfile
 import time
@@ -92,7 +95,9 @@ def _wall(argv: list[str], env: dict[str, str]) -> float:
 
 def run(ctx: Context) -> Section:
     section = Section("first_call", "3. First call: pool creation to first result")
-    rounds = 2 if ctx.quick else 10
+    # 20: one host's interpreter start varies by 25-50 ms here, and with 10 rounds the median
+    # ratio to the minimal worker read 0.92-1.35x over six runs of one tree.
+    rounds = 2 if ctx.quick else 20
     rng = random.Random(ctx.seed + 3)
     unavailable: dict[str, str] = {}
     pythons: dict[str, str] = {}
@@ -172,6 +177,17 @@ def run(ctx: Context) -> Section:
             )
         else:
             section.lines.append(unavailable_row(method, unavailable.get(method, "no sample"), 8))
+    ce_values, min_values = times[COMFY_ENV].values, times[MINIMAL].values
+    paired = []
+    if len(ce_values) == len(min_values):  # a round either host failed: no pairing
+        paired = sorted(c / m for c, m in zip(ce_values, min_values, strict=True) if m > 0)
+    if paired:
+        section.lines += [
+            "",
+            f"comfy_env / minimal worker within each round (the two hosts a few hundred ms "
+            f"apart): median {fmt_x(statistics.median(paired))}, range "
+            f"{fmt_x(paired[0])}-{fmt_x(paired[-1])}.",
+        ]
     total_ce = totals[COMFY_ENV].median
     total_min = totals[MINIMAL].median
     section.lines += [
