@@ -19,6 +19,7 @@ from conftest import alive, reactor_held, wait_until
 
 import comfy_env
 from comfy_env import CallTimeout, ProtocolError, WorkerCrashed
+from comfy_env._reactor import Reactor
 from comfy_env_worker.protocol import FrameReader, encode_header
 
 
@@ -442,23 +443,27 @@ def test_a_retired_worker_whose_release_is_due_is_released_at_once_when_needed(
     assert crashed.reply_sock is not None and crashed.reply_sock.fileno() == -1
 
 
+def _reactor_counting_wakes() -> tuple[Reactor, list[str]]:
+    """A started reactor whose wake-up bytes are counted (the name of each sender's thread)."""
+    reactor = Reactor()
+    reactor.start()
+    wakes: list[str] = []
+    real_wake = reactor._wake
+
+    def counted_wake() -> None:
+        wakes.append(threading.current_thread().name)
+        real_wake()
+
+    reactor._wake = counted_wake  # type: ignore[method-assign]
+    return reactor, wakes
+
+
 def test_the_reactor_runs_what_it_schedules_itself_without_waking_itself() -> None:
     """``call_soon``/``call_later`` from the reactor thread run in the loop's next turn
     without the wake-up byte (a write and two reads: system calls that hand the GIL to a
     caller on a crash's path); from any other thread they still wake it."""
-    from comfy_env._reactor import Reactor
-
-    reactor = Reactor()
-    reactor.start()
+    reactor, wakes = _reactor_counting_wakes()
     try:
-        wakes: list[str] = []
-        real_wake = reactor._wake
-
-        def counted_wake() -> None:
-            wakes.append(threading.current_thread().name)
-            real_wake()
-
-        reactor._wake = counted_wake  # type: ignore[method-assign]
         ran = threading.Event()
         timed = threading.Event()
 
@@ -479,19 +484,8 @@ def test_a_timer_due_after_the_reactors_own_wake_up_needs_no_wake_up_byte() -> N
     none before it is due, in order."""
     import math
 
-    from comfy_env._reactor import Reactor
-
-    reactor = Reactor()
-    reactor.start()
+    reactor, wakes = _reactor_counting_wakes()
     try:
-        wakes: list[float] = []
-        real_wake = reactor._wake
-
-        def counted_wake() -> None:
-            wakes.append(time.monotonic())
-            real_wake()
-
-        reactor._wake = counted_wake  # type: ignore[method-assign]
         fired: dict[str, float] = {}
         all_fired = threading.Event()
 
