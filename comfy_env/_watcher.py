@@ -2,8 +2,9 @@
 
 Workers die with their host through ``PR_SET_PDEATHSIG``, and their process groups with them.
 A descendant that called ``setsid`` left the group and is re-parented to init: nothing the
-host set up reaches it, and a host killed with SIGKILL runs no code. So each pool, once its
-first worker is ready, starts one small watcher process that outlives the host::
+host set up reaches it, and a host killed with SIGKILL runs no code. So each pool, a moment
+after its first worker is ready (off the first call's path), starts one small watcher process
+that outlives the host::
 
     host (pool)  --pipe, write end (close-on-exec)-->  watcher: python -I -S, blocked in read(0)
     pool.close(): writes "q", closes      ->  watcher exits (close stopped the workers itself)
