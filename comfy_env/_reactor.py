@@ -21,9 +21,9 @@ threads enqueue a closure and write one byte to a wake-up socket. A timer due no
 the moment the loop wakes by itself needs no byte: the loop arms it then, in time. The loop
 publishes that moment (``_sleep_until``) before it looks at the queue one last time and
 selects, so a closure queued after that look is covered by the published moment, and one
-queued before it is seen by the look. A started pool's first call schedules four timers (the
-thread lookup, two for the status file, the host watcher); each byte woke the reactor to take
-the GIL from the caller on its way to that call.
+queued before it is seen by the look. A new worker's start schedules four timers from the
+caller (the thread lookup, two for the status file, the host watcher); with a byte each, each
+woke the reactor to take the GIL from the caller on its way to the first call.
 """
 
 from __future__ import annotations

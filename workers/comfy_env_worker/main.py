@@ -593,7 +593,7 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
         _name_this_thread(WATCHDOG_THREAD_NAME)
         _thread.start_new_thread(_sentinel, ())  # here: off the main thread's first call
         # The parent-death signal is armed here, off the start-up path, and only
-        # _ARM_PDEATHSIG_AFTER seconds after the handshake: importing and loading ctypes costs
+        # _ARM_PDEATHSIG_AFTER seconds after HELLO: importing and loading ctypes costs
         # a few ms of CPU (and the GIL) that would otherwise land on the canary and the first
         # call. Until then a host that dies is seen as a hang-up of the channel (polled here,
         # during calls too) or an EOF between calls, as afterwards.
@@ -643,7 +643,7 @@ def _sentinel() -> None:
 
 
 _launched_via_wrapper = False
-# Seconds after the handshake at which the watchdog arms PR_SET_PDEATHSIG (see ``watch``).
+# Seconds after HELLO at which the watchdog arms PR_SET_PDEATHSIG (see ``watch``).
 _ARM_PDEATHSIG_AFTER = 0.1
 
 # The socket the worker writes its frames on once ``main`` runs (the replies half of the
