@@ -31,11 +31,12 @@ def _is_loan(base: object) -> bool:
     return isinstance(base, memoryview) and isinstance(base.obj, ctypes.Array)
 
 
-def _root(value: object) -> object:
-    """The end of ``value``'s ``base`` chain (numpy views of views)."""
-    while getattr(value, "base", None) is not None:
-        value = value.base  # type: ignore[attr-defined]
-    return value
+def _owner_block(arr: np.ndarray) -> object:
+    """The end of ``arr``'s ``base`` chain: what owns its memory (numpy views of views)."""
+    base = arr
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    return base
 
 
 def _host_process(w: comfy_env.Worker):  # type: ignore[no-untyped-def]
@@ -156,10 +157,7 @@ def test_the_consumed_ack_frees_a_loaned_block_once_its_result_is_gone(
 def test_a_result_is_a_loaned_view_of_the_reply_block_with_no_copy(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     out = w.call(remote_tasks.filled, 2.0, 2 * MiB)
-    base = out
-    while getattr(base, "base", None) is not None:
-        base = base.base
-    assert _is_loan(base)
+    assert _is_loan(_owner_block(out))
     assert out.flags.writeable
     out[:] = 7.0  # the block is the caller's until the result dies
     assert float(w.call(remote_tasks.filled, 3.0, 2 * MiB).sum()) == 2 * MiB * 3.0
@@ -273,19 +271,9 @@ def test_beyond_the_loan_bound_results_are_private_copies(pool: comfy_env.Pool) 
     w = pool.get_worker()
     kept = [w.call(remote_tasks.filled, 1.0, MiB // 4) for _ in range(MAX_LOANS + 3)]
     assert _worker_shm(w)["pinned"] == MAX_LOANS  # the copies' blocks went back at once
-    copy = kept[-1]
-    while getattr(copy, "base", None) is not None:
-        copy = copy.base
-    assert not _is_loan(copy)
+    assert not _is_loan(_owner_block(kept[-1]))
     kept.clear()
     assert _worker_shm(w)["pinned"] == 0
-
-
-def _owner_block(arr: np.ndarray) -> object:
-    base = arr
-    while getattr(base, "base", None) is not None:
-        base = base.base
-    return base
 
 
 def test_an_echoed_array_comes_back_in_the_hosts_own_block_with_no_reply_block(
@@ -505,11 +493,12 @@ def test_buffers_under_the_threshold_inline_are_no_shared_memory_failure(
         echoed = w.call("comfy_env_worker.tasks:echo", arr)
         made = w.call(remote_tasks.filled, 2.0, n)
         assert np.array_equal(echoed, arr) and np.array_equal(made, np.full(n, 2.0, np.float32))
-        assert not _is_loan(_root(echoed)) and not _is_loan(_root(made))  # inline, by rule
+        # Inline, by rule: private memory, no loan.
+        assert not _is_loan(_owner_block(echoed)) and not _is_loan(_owner_block(made))
         assert w.stats().shared_memory == "on"
         big = 2 * threshold // 4  # over it: shared memory
         out = w.call(remote_tasks.filled, 3.0, big)
-        assert np.array_equal(out, np.full(big, 3.0, np.float32)) and _is_loan(_root(out))
+        assert np.array_equal(out, np.full(big, 3.0, np.float32)) and _is_loan(_owner_block(out))
         assert w.stats().shared_memory == "on"
 
 
