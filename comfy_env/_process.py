@@ -1014,10 +1014,10 @@ class WorkerProcess:
         if self.mappings is not None and buffers:
             if echoed or any(source is not None for source in sources):
                 self.shm_state = "on"
-            elif sum(memoryview(b).nbytes for b in buffers) >= self.config.shm_threshold_bytes:
-                # Enough for shared memory, yet inline: the worker could not create a reply
-                # block. (Under the threshold inline is the rule, not a failure: a pool whose
-                # threshold is above its messages, say.)
+            elif use_shm(buffers, self.config.shm_threshold_bytes):
+                # Enough for shared memory (the worker's rule too), yet inline: the worker could
+                # not create a reply block. (Under the threshold inline is the rule, not a
+                # failure: a pool whose threshold is above its messages, say.)
                 self._shm_unavailable("the worker cannot create a block")
         for block, root in echoed:
             if root is not None:
