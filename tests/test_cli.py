@@ -210,6 +210,32 @@ def test_call_with_a_bad_setting_is_a_usage_error(
     assert "invalid COMFY_ENV_* setting" in err and "COMFY_ENV_CALL_TIMEOUT" in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [("doctor",), ("doctor", "-", "--json"), ("demo", "--env", "/nonexistent/comfy-env-env")],
+    ids=["doctor", "doctor-json", "demo"],
+)
+def test_every_command_that_reads_the_settings_exits_2_on_a_bad_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...]
+) -> None:
+    # The help text promises 2 for an invalid COMFY_ENV_* setting; doctor and demo gave 1.
+    monkeypatch.setenv("COMFY_ENV_KILL_GRACE", "x")
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, out + err
+    assert "COMFY_ENV_KILL_GRACE" in err and "valid number" in err
+
+
+def test_doctor_s_last_line_says_why_the_config_failed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COMFY_ENV_KILL_GRACE", "x")
+    _, out, err = run_cli(capsys, "doctor")
+    assert "FAIL  config" in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("comfy-env: doctor: config failed: ConfigError: "), last
+    assert "COMFY_ENV_KILL_GRACE='x' is not a valid PoolConfig.kill_grace" in last, last
+
+
 # ---- sweep -----------------------------------------------------------------------------------
 
 
@@ -217,8 +243,9 @@ def test_sweep_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "sweep", "--json")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files"}
-    assert all(isinstance(v, list) for v in doc.values())
+    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files", "dry_run"}
+    assert doc["dry_run"] is False  # said either way, not only with --dry-run
+    assert all(isinstance(doc[k], list) for k in doc if k != "dry_run")
     code, out, _ = run_cli(capsys, "sweep")
     assert code == 0 and out.strip()
 
