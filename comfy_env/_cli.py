@@ -348,12 +348,21 @@ class _Doctor:
             step.detail = f"invalid COMFY_ENV_* setting:\n{exc}"
             step.error = _error_record(exc)
             return None
-        overrides = sorted(k for k in os.environ if k.startswith("COMFY_ENV_"))
+        from ._settings import ENV_PREFIX, FIELDS, unknown_variables
+
+        overrides = sorted(
+            ENV_PREFIX + f.upper() for f in FIELDS if ENV_PREFIX + f.upper() in os.environ
+        )
         step.detail = (
             f"shared_memory={config.shared_memory}, start_timeout={config.start_timeout:g}s, "
             f"from environment: {', '.join(overrides) if overrides else 'nothing'}"
         )
-        step.facts = {"overrides": overrides}
+        unknown = unknown_variables()  # PoolConfig() above logged them once
+        for name, closest in unknown:
+            step.status = "WARN"
+            hint = f" (did you mean {closest}?)" if closest else ""
+            step.detail += f"\nnote: {name} is not a comfy-env setting and is ignored{hint}"
+        step.facts = {"overrides": overrides, "unknown": [name for name, _ in unknown]}
         return config
 
     def _resolve(self) -> bool:

@@ -236,6 +236,20 @@ def test_doctor_s_last_line_says_why_the_config_failed(
     assert "COMFY_ENV_KILL_GRACE='x' is not a valid PoolConfig.kill_grace" in last, last
 
 
+def test_doctor_warns_about_a_misspelled_setting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    misspelled = "COMFY_ENV_" + "KILL_GRCE"  # in parts: not a name the project reads
+    monkeypatch.setenv(misspelled, "2")
+    code, out, err = run_cli(capsys, "doctor", "-", "--json")
+    assert code == 0, out + err
+    config = json.loads(out)["steps"][0]
+    assert config["status"] == "WARN" and config["facts"]["unknown"] == [misspelled]
+    assert misspelled not in config["facts"]["overrides"]
+    assert f"{misspelled} is not a comfy-env setting" in config["detail"]
+    assert "did you mean COMFY_ENV_KILL_GRACE?" in config["detail"]
+
+
 # ---- sweep -----------------------------------------------------------------------------------
 
 
