@@ -73,6 +73,50 @@ def test_venv_interpreter_path_is_kept_unresolved(foreign_venv: Path) -> None:
     assert resolve_env(foreign_venv / "bin" / "python").key == str(foreign_venv)
 
 
+def _env_at(path: Path) -> Path:
+    """An env directory at ``path`` whose ``bin/python`` runs this interpreter."""
+    interp = path / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.symlink_to(sys.executable)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("where", "name"),
+    [
+        ("mesh_pack/.venv", "mesh_pack"),  # every ComfyUI pack's env=".venv"
+        ("mesh_pack/venv", "mesh_pack"),
+        ("mesh_pack/env", "mesh_pack"),
+        ("mesh_pack/.env", "mesh_pack"),
+        ("my.pack/.venv", "my_pack"),
+        ("pythons/3.12.1", "3_12_1"),  # a dot would split the logger tree
+        ("envs/mesh-env", "mesh-env"),
+        ("mesh_pack/.Venv", "_Venv"),  # generic names are compared as spelled
+    ],
+)
+def test_an_env_is_named_for_its_loggers_after_what_it_belongs_to(
+    tmp_path: Path, where: str, name: str
+) -> None:
+    env = _env_at(tmp_path / where)
+    spec = resolve_env(env)
+    assert spec.name == name
+    assert spec.key == str(env)  # the env key stays the path
+    assert resolve_env(env / "bin" / "python").name == name
+
+
+def test_two_packs_venvs_log_on_loggers_of_their_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    with comfy_env.Pool() as pool:
+        for pack in ("mesh_pack", "cad_pack"):
+            env = _env_at(tmp_path / pack / ".venv")
+            pool.get_worker(env).call("builtins:print", f"hello from {pack}")
+            env_records = [r for r in caplog.records if r.getMessage() == f"hello from {pack}"]
+            assert [r.name for r in env_records] == [f"comfy_env.worker.{pack}"]
+            assert env_records[0].env == str(env)  # type: ignore[attr-defined]
+
+
 def test_pixi_layout_is_found(tmp_path: Path) -> None:
     interp = tmp_path / ".pixi" / "envs" / "default" / "bin" / "python"
     interp.parent.mkdir(parents=True)
