@@ -714,6 +714,13 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+# Said of a host whose status file names another pid namespace (HostStatus.other_pid_namespace).
+OTHER_NAMESPACE_NOTE = (
+    "another pid namespace: its pids are that namespace's, not processes here, and whether it "
+    "is still alive cannot be told from here"
+)
+
+
 def status_command(*, as_json: bool = False) -> int:
     """List live hosts from their status files; returns the exit code."""
     from ._status import read_status, status_dir
@@ -728,6 +735,7 @@ def status_command(*, as_json: bool = False) -> int:
         for host in hosts:
             doc = as_dict(host)
             doc["updated_seconds_ago"] = round(max(0.0, now - host.updated_at), 3)
+            doc["note"] = OTHER_NAMESPACE_NOTE if host.other_pid_namespace else None
             for env_doc, env in zip(doc["envs"], host.envs, strict=True):
                 for w_doc, w in zip(env_doc["workers"], env.workers, strict=True):
                     idle, busy = w.idle_seconds(now), w.busy_seconds(now)
@@ -746,6 +754,8 @@ def status_command(*, as_json: bool = False) -> int:
             f"{host.version or '?'}, up {_ago(now - host.start_ms / 1000)}, "
             f"updated {_ago(now - host.updated_at)} ago"
         )
+        if host.other_pid_namespace:
+            print(f"  ({OTHER_NAMESPACE_NOTE})")
         if not host.envs:
             print("  no envs yet")
         for env in host.envs:

@@ -297,6 +297,7 @@ def test_status_lists_published_host(
     code, out, _ = run_cli(capsys, "status", "--json")
     assert code == 0
     host = _our_host(json.loads(out))
+    assert host["other_pid_namespace"] is False and host["note"] is None  # our namespace
     (env,) = [e for e in host["envs"] if e["env"] == worker.env]
     assert env["interpreter"] == worker.interpreter
     assert env["submitted"] == env["ok"] == 1 and env["spawns"] == 1
@@ -395,6 +396,53 @@ def test_status_removes_stale_file_of_dead_host(capsys: pytest.CaptureFixture[st
         for path in (stale, stale_tmp, reused):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_status_marks_a_host_of_another_pid_namespace(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A host in a container sharing our runtime directory: pid 1 there, its worker pid 4.
+    Neither number is a process here, and its death cannot be proven: status must say so."""
+    ours = os.stat("/proc/self/ns/pid").st_ino
+    token = f"1-t123-n{ours + 1}"  # a namespace that is not ours
+    path = os.path.join(status_dir(), f"{token}.json")
+    updated = time.time() - 3600
+    document = {
+        "host_id": token,
+        "pid": 1,
+        "start_ms": int(updated * 1000),
+        "updated_at": updated,
+        "argv": ["comfyui.py"],
+        "pools": [
+            {
+                "pool": "p",
+                "envs": [
+                    {
+                        "env": "/in/the/container/.venv",
+                        "workers": [{"slot": 0, "pid": 4, "generation": 1, "state": "idle"}],
+                    }
+                ],
+            }
+        ],
+    }
+    with open(path, "w") as f:
+        json.dump(document, f)
+    try:
+        code, out, _ = run_cli(capsys, "status", "--json")
+        assert code == 0
+        (host,) = [h for h in json.loads(out)["hosts"] if h["host_id"] == token]
+        assert host["other_pid_namespace"] is True
+        assert "another pid namespace" in host["note"]
+        assert "cannot be told" in host["note"]
+        assert host["envs"][0]["workers"][0]["rss_bytes"] is None  # pid 4 is not measured here
+        code, out, _ = run_cli(capsys, "status")
+        assert code == 0
+        lines = out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("host pid 1 "))
+        assert "another pid namespace" in lines[at + 1] and "cannot be told" in lines[at + 1]
+        assert os.path.exists(path)  # never proven dead: left alone
+    finally:
+        os.unlink(path)
 
 
 def test_status_sees_a_second_host_process(capsys: pytest.CaptureFixture[str]) -> None:
