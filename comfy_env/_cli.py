@@ -32,7 +32,8 @@ Exit codes:
   1    a step, the call or the command failed (the error is on stderr; with --json also in
        the JSON document on stdout)
   2    bad usage: unknown command or option, malformed JSON arguments, a target not of the form
-       module:function, an invalid COMFY_ENV_* setting (for call)
+       module:function, an invalid COMFY_ENV_* setting (demo, doctor and call read them;
+       status and sweep do not, so a bad value cannot fail them)
   130  interrupted (Ctrl-C)
 """
 
@@ -80,7 +81,7 @@ exit codes:
   0    success (doctor: every step passed)
   1    a step, the call or the command failed (details on stderr; in the JSON with --json)
   2    bad usage: unknown option, malformed JSON arguments, target not module:function,
-       invalid COMFY_ENV_* setting
+       invalid COMFY_ENV_* setting (demo, doctor, call; status and sweep do not read them)
   130  interrupted
 
 ENV is an env directory or an interpreter path; "-" means the current interpreter."""
@@ -347,12 +348,21 @@ class _Doctor:
             step.detail = f"invalid COMFY_ENV_* setting:\n{exc}"
             step.error = _error_record(exc)
             return None
-        overrides = sorted(k for k in os.environ if k.startswith("COMFY_ENV_"))
+        from ._settings import ENV_PREFIX, FIELDS, unknown_variables
+
+        overrides = sorted(
+            ENV_PREFIX + f.upper() for f in FIELDS if ENV_PREFIX + f.upper() in os.environ
+        )
         step.detail = (
             f"shared_memory={config.shared_memory}, start_timeout={config.start_timeout:g}s, "
             f"from environment: {', '.join(overrides) if overrides else 'nothing'}"
         )
-        step.facts = {"overrides": overrides}
+        unknown = unknown_variables()  # PoolConfig() above logged them once
+        for name, closest in unknown:
+            step.status = "WARN"
+            hint = f" (did you mean {closest}?)" if closest else ""
+            step.detail += f"\nnote: {name} is not a comfy-env setting and is ignored{hint}"
+        step.facts = {"overrides": overrides, "unknown": [name for name, _ in unknown]}
         return config
 
     def _resolve(self) -> bool:
@@ -518,7 +528,8 @@ class _Doctor:
 
 
 def doctor(env: str | None, *, as_json: bool = False, timeout: float = 60.0) -> int:
-    """Check an env step by step; returns the exit code (0 healthy, 1 a step failed)."""
+    """Check an env step by step; returns the exit code (0 healthy, 1 a step failed, 2 an
+    invalid ``COMFY_ENV_*`` setting: bad usage, as for every command that reads them)."""
     checks = _Doctor(_env_arg(env), timeout)
     checks.run()
     healthy = all(s.status != "FAIL" for s in checks.steps)
@@ -541,14 +552,18 @@ def doctor(env: str | None, *, as_json: bool = False, timeout: float = 60.0) -> 
             print("healthy, with warnings")
         else:
             print("healthy")
-    if not healthy:
-        failed_step = next(s for s in checks.steps if s.status == "FAIL")
-        first_line = (failed_step.detail or "").splitlines()[:1]
-        print(
-            f"comfy-env: doctor: {failed_step.name} failed: {''.join(first_line)}",
-            file=sys.stderr,
-        )
-    return EXIT_OK if healthy else EXIT_FAILED
+    if healthy:
+        return EXIT_OK
+    failed_step = next(s for s in checks.steps if s.status == "FAIL")
+    # The error's own first line (type: reason), not the detail's: a detail may open with a
+    # heading whose reason is on the next line ("invalid COMFY_ENV_* setting:\n...").
+    error = failed_step.error or {}
+    if "message" in error:
+        reason = f"{error.get('type', 'error')}: {str(error['message']).splitlines()[0]}"
+    else:
+        reason = "".join((failed_step.detail or "").splitlines()[:1])
+    print(f"comfy-env: doctor: {failed_step.name} failed: {reason}", file=sys.stderr)
+    return EXIT_USAGE if failed_step.name == "config" else EXIT_FAILED
 
 
 # ---- call ------------------------------------------------------------------------------------
@@ -667,7 +682,7 @@ def sweep_command(*, as_json: bool = False, dry_run: bool = False) -> int:
         "status_files": list(report.status_files),
     }
     if as_json:
-        _print_json({**removed, "dry_run": True} if dry_run else removed)
+        _print_json({**removed, "dry_run": dry_run})
         return EXIT_OK
     labels = {
         "blocks": "shared-memory blocks",
@@ -699,6 +714,13 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+# Said of a host whose status file names another pid namespace (HostStatus.other_pid_namespace).
+OTHER_NAMESPACE_NOTE = (
+    "another pid namespace: its pids are that namespace's, not processes here, and whether it "
+    "is still alive cannot be told from here"
+)
+
+
 def status_command(*, as_json: bool = False) -> int:
     """List live hosts from their status files; returns the exit code."""
     from ._status import read_status, status_dir
@@ -713,6 +735,7 @@ def status_command(*, as_json: bool = False) -> int:
         for host in hosts:
             doc = as_dict(host)
             doc["updated_seconds_ago"] = round(max(0.0, now - host.updated_at), 3)
+            doc["note"] = OTHER_NAMESPACE_NOTE if host.other_pid_namespace else None
             for env_doc, env in zip(doc["envs"], host.envs, strict=True):
                 for w_doc, w in zip(env_doc["workers"], env.workers, strict=True):
                     idle, busy = w.idle_seconds(now), w.busy_seconds(now)
@@ -731,6 +754,8 @@ def status_command(*, as_json: bool = False) -> int:
             f"{host.version or '?'}, up {_ago(now - host.start_ms / 1000)}, "
             f"updated {_ago(now - host.updated_at)} ago"
         )
+        if host.other_pid_namespace:
+            print(f"  ({OTHER_NAMESPACE_NOTE})")
         if not host.envs:
             print("  no envs yet")
         for env in host.envs:
@@ -865,6 +890,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return status_command(as_json=args.json)
     except UsageError as exc:
         print(f"comfy-env {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:  # an invalid COMFY_ENV_* setting (demo): bad usage, as for call
+        print(
+            f"comfy-env {args.command}: error: invalid COMFY_ENV_* setting:\n{exc}", file=sys.stderr
+        )
         return EXIT_USAGE
     except ComfyEnvError as exc:
         print(f"comfy-env: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -5,7 +5,9 @@ environment, which wins over the default. Environment values are strings: number
 numbers, ``none`` (or an empty string) means None for optional fields, ``sys_path`` is an
 ``os.pathsep``-separated list and ``env_vars`` a JSON object. A bad value raises
 ``ConfigError`` (a ``ComfyEnvError`` and a ``ValueError``) naming the field, the variable (for
-environment values) and the bad value as given.
+environment values) and the bad value as given. A ``COMFY_ENV_*`` variable that is no field
+(and not one of ``_settings.OTHER_VARIABLES``) is ignored with one warning per process naming
+the closest field's variable (a misspelled ``..._CALL_TIMOUT`` is not a setting).
 
 A pool does not need this module (nor pydantic) when it takes the defaults: it runs on a
 ``_settings.Settings`` and builds a ``PoolConfig`` only when one is given, a ``COMFY_ENV_*``
@@ -36,6 +38,7 @@ from ._settings import (  # re-exported: their home was this module
     check_timeout,
     default_values,
     environment_overrides,
+    warn_unknown_variables,
 )
 
 __all__ = [
@@ -192,6 +195,7 @@ class PoolConfig(BaseModel):
     if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
 
         def __init__(self, **data: Any) -> None:
+            warn_unknown_variables()  # a misspelled COMFY_ENV_* is otherwise ignored unseen
             if not data and not environment_overrides():
                 # Nothing given, nothing in the environment: every field takes its default,
                 # and the defaults are valid (tested: they pass the full validation unchanged).

@@ -32,6 +32,10 @@ INTERPRETER_CANDIDATES: tuple[str, ...] = (
     ".pixi/envs/default/python.exe",
 )
 
+# Env directory names that say nothing about the env (``python -m venv .venv``): such an env is
+# named after the directory holding it. Compared as spelled (``.Venv`` is a name of its own).
+GENERIC_ENV_DIRS: tuple[str, ...] = (".venv", "venv", "env", ".env")
+
 
 @value
 class EnvSpec:
@@ -43,8 +47,19 @@ class EnvSpec:
 
     @property
     def name(self) -> str:
-        """A short label for logs: the env directory's name (``"current"`` for the host's)."""
-        return "current" if self.is_current else (Path(self.key).name or self.key)
+        """A short label for logs, and the last part of the env's logger name
+        (``comfy_env.worker.<name>``) and output prefix: ``"current"`` for the host's own
+        interpreter, else the env directory's name, or its parent's when the directory has a
+        generic name (``GENERIC_ENV_DIRS``: every ComfyUI pack's ``.venv`` is named after its
+        pack, so packs get loggers of their own), with each ``.`` replaced by ``_`` (a dot
+        would split the logger tree: ``3.12.1``, ``.venv``). Not unique: ``key`` is the env."""
+        if self.is_current:
+            return "current"
+        path = Path(self.key)
+        label = path.name
+        if label in GENERIC_ENV_DIRS and path.parent.name:
+            label = path.parent.name
+        return (label or self.key).replace(".", "_")
 
 
 def current_env() -> EnvSpec:

@@ -185,9 +185,12 @@ class CallTimeout(WorkerError, TimeoutError):
 
 
 class CallCancelled(WorkerError):
-    """The call was cancelled (``Call.cancel()``, asyncio task cancellation, Ctrl-C in the
-    waiting caller). If the worker stopped the call within ``PoolConfig.cancel_grace`` it lives
-    on in the same generation; otherwise it was killed and is replaced on the next call."""
+    """The call was cancelled with ``Call.cancel()`` (raised by ``Call.result()``). If the
+    worker stopped the call within ``PoolConfig.cancel_grace`` it lives on in the same
+    generation; otherwise it was killed and is replaced on the next call. The same cancel runs
+    for a cancelled ``arun``/``acall`` task and for Ctrl-C in a caller waiting in
+    ``call``/``run``, but those callers get ``asyncio.CancelledError`` and
+    ``KeyboardInterrupt``."""
 
 
 class ProtocolError(WorkerError):

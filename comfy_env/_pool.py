@@ -130,7 +130,7 @@ from ._identity import host_id
 from ._process import HOST_ID_VAR, RuntimeDir, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
-from ._settings import Settings, check_timeout, environment_overrides
+from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables
 from ._stats import CALL_COUNTERS, EnvStats
 from ._status import Snapshot, host_publisher
 from ._watcher import HostWatcher
@@ -175,6 +175,9 @@ class Pool:
         self.settings: Settings
         self._config: PoolConfig | None
         if config is None and not environment_overrides():
+            # The environment is read here too: a misspelled variable must not pass unseen
+            # (PoolConfig warns the same way when it reads the environment).
+            warn_unknown_variables()
             self.settings, self._config = Settings(), None
         else:
             from ._config import settings_for

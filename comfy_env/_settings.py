@@ -163,6 +163,74 @@ def environment_overrides() -> bool:
     return any(ENV_PREFIX + name.upper() in environ for name in FIELDS)
 
 
+# ``COMFY_ENV_*`` variables of ours that are not ``PoolConfig`` fields, so never "misspelled":
+# set by a host in its workers' environment (a worker that runs a pool of its own sees them),
+# read by the ComfyUI integration, by ``dev.py``, the example packs and the test harnesses.
+# Add a name here when the project starts reading a new one (tests/test_envs.py checks).
+OTHER_VARIABLES = frozenset(
+    {
+        "COMFY_ENV_HOST_ID",  # a worker's host (_process, _sweep, _descendants)
+        "COMFY_ENV_WORKER_ID",  # a worker generation's mark (_process, _descendants)
+        "COMFY_ENV_COMFYUI_CACHE",  # comfy_env.comfyui's scan cache directory
+        "COMFY_ENV_COMFYUI_SRC",  # dev.py: the ComfyUI source tarball
+        "COMFY_ENV_DEV_CACHE",  # dev.py: its cache directory
+        "COMFY_ENV_EXAMPLE_NUMPY_ENV",  # examples/comfyui packs' envs
+        "COMFY_ENV_EXAMPLE_TORCH_ENV",
+        "COMFY_ENV_TEST_COMFYUI_DIR",  # tests_comfyui's harness
+        "COMFY_ENV_TEST_COMFYUI_PYTHON",
+        "COMFY_ENV_TEST_PACK_ENV_NUMPY",
+        "COMFY_ENV_TEST_PACK_ENV_TORCH",
+        "COMFY_ENV_FAULT_SIDE",  # tests/fault_tasks.py's fault injection
+        "COMFY_ENV_FAULT_WHERE",
+        "COMFY_ENV_FAULT_HOW",
+        "COMFY_ENV_FAULT_MARKER",
+        "COMFY_ENV_FAULT_ONCE",
+    }
+)
+
+# Unknown variables already warned about in this process (each is said once, not per pool).
+_reported: set[str] = set()
+
+
+def unknown_variables() -> list[tuple[str, str | None]]:
+    """The ``COMFY_ENV_*`` variables set that no ``PoolConfig`` field reads and that are not
+    ``OTHER_VARIABLES`` (a misspelling such as ``..._CALL_TIMOUT`` would otherwise be silently
+    ignored), each with the closest field's variable, or None when none is close."""
+    names = [k for k in os.environ if k.startswith(ENV_PREFIX)]  # usually none: no import
+    fields = [name.upper() for name in FIELDS]
+    unknown = sorted(
+        k for k in names if k[len(ENV_PREFIX) :] not in fields and k not in OTHER_VARIABLES
+    )
+    if not unknown:
+        return []
+    import difflib
+
+    found = []
+    for name in unknown:
+        # Compared without the prefix, which every name shares (else all look alike).
+        close = difflib.get_close_matches(name[len(ENV_PREFIX) :], fields, n=1)
+        found.append((name, ENV_PREFIX + close[0] if close else None))
+    return found
+
+
+def warn_unknown_variables() -> list[tuple[str, str | None]]:
+    """Log one warning (logger ``comfy_env``) per unknown ``COMFY_ENV_*`` variable and process,
+    naming the closest setting; called wherever the settings are read from the environment.
+    Returns every unknown variable, warned now or before."""
+    unknown = unknown_variables()
+    for name, closest in unknown:
+        if name in _reported:
+            continue
+        _reported.add(name)
+        import logging
+
+        hint = f"; did you mean {closest}?" if closest else ""
+        logging.getLogger("comfy_env").warning(
+            "comfy-env: %s is set but is not a comfy-env setting, so it is ignored%s", name, hint
+        )
+    return unknown
+
+
 def check_timeout(value: object, what: str = "timeout") -> float | None:
     """A per-call timeout: None, or a finite number of seconds in (0, MAX_SECONDS]. Anything
     else is an ``ArgumentError`` naming it (inf, nan and huge values included)."""

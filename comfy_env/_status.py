@@ -310,7 +310,13 @@ class EnvStatus:
 
 @value
 class HostStatus:
-    """A live host process using comfy-env, as of its status file (``path``)."""
+    """A live host process using comfy-env, as of its status file (``path``).
+
+    ``other_pid_namespace``: the host runs in another pid namespace than the reader (a
+    container sharing the runtime directory, ``unshare --pid``), or one that cannot be told
+    (its token's namespace is 0: it had no ``/proc``). Its ``pid`` and its workers' pids are
+    numbers in that namespace, not processes here, and it is "live" only because its death
+    cannot be proven from here: a host killed there stays listed until its file is removed."""
 
     host_id: str
     pid: int
@@ -321,6 +327,7 @@ class HostStatus:
     version: str | None
     envs: tuple[EnvStatus, ...]
     path: str
+    other_pid_namespace: bool = False
 
 
 def read_status(
@@ -351,8 +358,12 @@ def read_status(
         if host is None:
             continue
         # A host in another pid namespace (a container sharing this directory) has pids that
-        # mean other processes here: it is listed, but nothing is measured for it.
-        if measure and int(match.group(3)) == pid_namespace():
+        # mean other processes here, and its death cannot be proven from here: it is listed,
+        # marked as such (by the namespace its file is named with, as the sweep judges it),
+        # and nothing is measured for it.
+        if int(match.group(3)) != pid_namespace():
+            host = replace(host, other_pid_namespace=True)
+        elif measure:
             try:
                 host = _measured(host)
             except (ValueError, OverflowError, TypeError) as exc:

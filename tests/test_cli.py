@@ -210,6 +210,46 @@ def test_call_with_a_bad_setting_is_a_usage_error(
     assert "invalid COMFY_ENV_* setting" in err and "COMFY_ENV_CALL_TIMEOUT" in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [("doctor",), ("doctor", "-", "--json"), ("demo", "--env", "/nonexistent/comfy-env-env")],
+    ids=["doctor", "doctor-json", "demo"],
+)
+def test_every_command_that_reads_the_settings_exits_2_on_a_bad_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...]
+) -> None:
+    # The help text promises 2 for an invalid COMFY_ENV_* setting; doctor and demo gave 1.
+    monkeypatch.setenv("COMFY_ENV_KILL_GRACE", "x")
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, out + err
+    assert "COMFY_ENV_KILL_GRACE" in err and "valid number" in err
+
+
+def test_doctor_s_last_line_says_why_the_config_failed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COMFY_ENV_KILL_GRACE", "x")
+    _, out, err = run_cli(capsys, "doctor")
+    assert "FAIL  config" in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("comfy-env: doctor: config failed: ConfigError: "), last
+    assert "COMFY_ENV_KILL_GRACE='x' is not a valid PoolConfig.kill_grace" in last, last
+
+
+def test_doctor_warns_about_a_misspelled_setting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    misspelled = "COMFY_ENV_" + "KILL_GRCE"  # in parts: not a name the project reads
+    monkeypatch.setenv(misspelled, "2")
+    code, out, err = run_cli(capsys, "doctor", "-", "--json")
+    assert code == 0, out + err
+    config = json.loads(out)["steps"][0]
+    assert config["status"] == "WARN" and config["facts"]["unknown"] == [misspelled]
+    assert misspelled not in config["facts"]["overrides"]
+    assert f"{misspelled} is not a comfy-env setting" in config["detail"]
+    assert "did you mean COMFY_ENV_KILL_GRACE?" in config["detail"]
+
+
 # ---- sweep -----------------------------------------------------------------------------------
 
 
@@ -217,8 +257,9 @@ def test_sweep_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "sweep", "--json")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files"}
-    assert all(isinstance(v, list) for v in doc.values())
+    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files", "dry_run"}
+    assert doc["dry_run"] is False  # said either way, not only with --dry-run
+    assert all(isinstance(doc[k], list) for k in doc if k != "dry_run")
     code, out, _ = run_cli(capsys, "sweep")
     assert code == 0 and out.strip()
 
@@ -256,6 +297,7 @@ def test_status_lists_published_host(
     code, out, _ = run_cli(capsys, "status", "--json")
     assert code == 0
     host = _our_host(json.loads(out))
+    assert host["other_pid_namespace"] is False and host["note"] is None  # our namespace
     (env,) = [e for e in host["envs"] if e["env"] == worker.env]
     assert env["interpreter"] == worker.interpreter
     assert env["submitted"] == env["ok"] == 1 and env["spawns"] == 1
@@ -354,6 +396,53 @@ def test_status_removes_stale_file_of_dead_host(capsys: pytest.CaptureFixture[st
         for path in (stale, stale_tmp, reused):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_status_marks_a_host_of_another_pid_namespace(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A host in a container sharing our runtime directory: pid 1 there, its worker pid 4.
+    Neither number is a process here, and its death cannot be proven: status must say so."""
+    ours = os.stat("/proc/self/ns/pid").st_ino
+    token = f"1-t123-n{ours + 1}"  # a namespace that is not ours
+    path = os.path.join(status_dir(), f"{token}.json")
+    updated = time.time() - 3600
+    document = {
+        "host_id": token,
+        "pid": 1,
+        "start_ms": int(updated * 1000),
+        "updated_at": updated,
+        "argv": ["comfyui.py"],
+        "pools": [
+            {
+                "pool": "p",
+                "envs": [
+                    {
+                        "env": "/in/the/container/.venv",
+                        "workers": [{"slot": 0, "pid": 4, "generation": 1, "state": "idle"}],
+                    }
+                ],
+            }
+        ],
+    }
+    with open(path, "w") as f:
+        json.dump(document, f)
+    try:
+        code, out, _ = run_cli(capsys, "status", "--json")
+        assert code == 0
+        (host,) = [h for h in json.loads(out)["hosts"] if h["host_id"] == token]
+        assert host["other_pid_namespace"] is True
+        assert "another pid namespace" in host["note"]
+        assert "cannot be told" in host["note"]
+        assert host["envs"][0]["workers"][0]["rss_bytes"] is None  # pid 4 is not measured here
+        code, out, _ = run_cli(capsys, "status")
+        assert code == 0
+        lines = out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("host pid 1 "))
+        assert "another pid namespace" in lines[at + 1] and "cannot be told" in lines[at + 1]
+        assert os.path.exists(path)  # never proven dead: left alone
+    finally:
+        os.unlink(path)
 
 
 def test_status_sees_a_second_host_process(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from conftest import other_python
 from pydantic import ValidationError
 
 import comfy_env
+import comfy_env._settings
 from comfy_env import EnvError, SerializationError, WorkerStartError
 from comfy_env._envs import resolve_env
 
@@ -68,6 +71,50 @@ def test_venv_interpreter_path_is_kept_unresolved(foreign_venv: Path) -> None:
     assert spec.interpreter == str(foreign_venv / "bin" / "python")
     assert spec.key == str(foreign_venv)
     assert resolve_env(foreign_venv / "bin" / "python").key == str(foreign_venv)
+
+
+def _env_at(path: Path) -> Path:
+    """An env directory at ``path`` whose ``bin/python`` runs this interpreter."""
+    interp = path / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.symlink_to(sys.executable)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("where", "name"),
+    [
+        ("mesh_pack/.venv", "mesh_pack"),  # every ComfyUI pack's env=".venv"
+        ("mesh_pack/venv", "mesh_pack"),
+        ("mesh_pack/env", "mesh_pack"),
+        ("mesh_pack/.env", "mesh_pack"),
+        ("my.pack/.venv", "my_pack"),
+        ("pythons/3.12.1", "3_12_1"),  # a dot would split the logger tree
+        ("envs/mesh-env", "mesh-env"),
+        ("mesh_pack/.Venv", "_Venv"),  # generic names are compared as spelled
+    ],
+)
+def test_an_env_is_named_for_its_loggers_after_what_it_belongs_to(
+    tmp_path: Path, where: str, name: str
+) -> None:
+    env = _env_at(tmp_path / where)
+    spec = resolve_env(env)
+    assert spec.name == name
+    assert spec.key == str(env)  # the env key stays the path
+    assert resolve_env(env / "bin" / "python").name == name
+
+
+def test_two_packs_venvs_log_on_loggers_of_their_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    with comfy_env.Pool() as pool:
+        for pack in ("mesh_pack", "cad_pack"):
+            env = _env_at(tmp_path / pack / ".venv")
+            pool.get_worker(env).call("builtins:print", f"hello from {pack}")
+            env_records = [r for r in caplog.records if r.getMessage() == f"hello from {pack}"]
+            assert [r.name for r in env_records] == [f"comfy_env.worker.{pack}"]
+            assert env_records[0].env == str(env)  # type: ignore[attr-defined]
 
 
 def test_pixi_layout_is_found(tmp_path: Path) -> None:
@@ -286,6 +333,104 @@ def test_bad_environment_values_name_the_problem(
     message = str(error)
     assert var in message and repr(value) in message and f"PoolConfig.{error.field}" in message
     assert "input_value" not in message
+
+
+# Built from parts, so the structure test that finds every COMFY_ENV_* name the project reads
+# does not take this deliberate misspelling for one.
+_MISSPELLED = "COMFY_ENV_" + "CALL_TIMOUT"
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Each unknown variable is said once per process: start this test with none said."""
+    monkeypatch.setattr(comfy_env._settings, "_reported", set())
+    caplog.set_level(logging.WARNING, logger="comfy_env")
+
+
+def _said(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if name in r.getMessage()]
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_a_misspelled_variable_is_warned_about_once_naming_the_setting_meant(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(_MISSPELLED, "5")
+    with comfy_env.Pool() as pool:  # the path without pydantic reads the environment too
+        assert pool.settings.call_timeout is None
+    assert comfy_env.PoolConfig().call_timeout is None
+    said = _said(caplog, _MISSPELLED)
+    assert len(said) == 1, said  # once per process, not once per pool or config
+    assert "did you mean COMFY_ENV_CALL_TIMEOUT?" in said[0] and "ignored" in said[0]
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_a_misspelled_variable_beside_a_real_one_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("COMFY_ENV_KILL_GRACE", "2")
+    monkeypatch.setenv(_MISSPELLED, "5")
+    monkeypatch.setenv("COMFY_ENV_" + "ZZZ", "1")  # close to nothing: named, no guess
+    assert comfy_env.PoolConfig().kill_grace == 2.0
+    assert len(_said(caplog, _MISSPELLED)) == 1
+    (other,) = _said(caplog, "COMFY_ENV_" + "ZZZ")
+    assert "did you mean" not in other
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_the_projects_own_variables_are_never_taken_for_misspellings(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Named here, not taken from OTHER_VARIABLES: a name dropped from that list must fail.
+    ours = (
+        "COMFY_ENV_HOST_ID",
+        "COMFY_ENV_WORKER_ID",
+        "COMFY_ENV_COMFYUI_CACHE",
+        "COMFY_ENV_COMFYUI_SRC",
+        "COMFY_ENV_DEV_CACHE",
+        "COMFY_ENV_FAULT_SIDE",
+        "COMFY_ENV_TEST_PACK_ENV_NUMPY",
+    )
+    for name in ours:
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("COMFY_ENV_SYS_PATH", os.pathsep)
+    with comfy_env.Pool():
+        pass
+    comfy_env.PoolConfig()
+    assert not [r for r in caplog.records if "not a comfy-env setting" in r.getMessage()]
+
+
+def test_every_comfy_env_variable_the_project_uses_is_a_setting_or_listed() -> None:
+    """A new COMFY_ENV_* variable read anywhere in the project (library, workers, dev.py, CI,
+    examples, harnesses) must be a field or in OTHER_VARIABLES, or users setting it would be
+    told it is a misspelling."""
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "dev.py", root / ".ci" / "run", root / "README.md"]
+    for folder in ("comfy_env", "workers", "tests", "tests_comfyui", "examples", "benchmarks"):
+        files += [p for p in (root / folder).rglob("*") if p.suffix in (".py", ".sh", ".md")]
+    # A name in quotes or backticks, or assigned (NAME=value): not a Python constant.
+    names = re.compile(r"(?<![A-Za-z0-9_])(COMFY_ENV_[A-Z0-9_]*[A-Z0-9])(?=[\"'=`]|$)", re.M)
+    found = {m for p in files if p.is_file() for m in names.findall(p.read_text())}
+    settings = {"COMFY_ENV_" + name.upper() for name in comfy_env._settings.FIELDS}
+    assert "COMFY_ENV_HOST_ID" in found and "COMFY_ENV_SYS_PATH" in found  # the scan works
+    assert found - settings - comfy_env._settings.OTHER_VARIABLES == set()
+
+
+def test_a_misspelled_variable_shows_in_the_command_line(tmp_path: Path) -> None:
+    env = dict(os.environ, **{_MISSPELLED: "5"})
+    done = subprocess.run(
+        [sys.executable, "-m", "comfy_env", "call", "-", "builtins:int", "[7]"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "7"
+    assert f"{_MISSPELLED} is set but is not a comfy-env setting" in done.stderr
+    assert "did you mean COMFY_ENV_CALL_TIMEOUT?" in done.stderr
 
 
 def test_a_bad_value_passed_in_code_names_the_field_and_value() -> None:

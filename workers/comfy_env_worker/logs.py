@@ -3,7 +3,8 @@
 Where a record goes depends on whether a call is running:
 
 - **during a call** it travels in band, as a LOG frame on the channel, so the host emits it
-  before the call's reply: everything a call logs arrives before the call returns, in order;
+  before the call's reply: every record and every complete line a call writes through these
+  streams arrives before the call returns, in order;
 - **between calls** it goes to a separate log pipe that the host's reactor reads all the time,
   so output of background threads arrives promptly, never waiting for the next call.
 
@@ -15,7 +16,9 @@ nor interleave with the bytes of another frame.
 ``sys.stdout`` and ``sys.stderr`` are replaced by line-buffered text streams that emit records
 (``builtins.print`` is left alone, so ``print(x, file=fh)`` still writes ``fh``). The raw file
 descriptors 1 and 2 stay what the host gave: pipes it reads line by line as native output (C
-``printf``, library warnings, faulthandler).
+``printf``, ``os.write(2, ...)``, library warnings, child processes, faulthandler). Those bytes
+never travel in band: the host's reactor reads them apart from the channel, so they may reach
+the host's logging after the call has returned, with no order against the reply.
 
 Stdlib only; Python 3.8+.
 """
