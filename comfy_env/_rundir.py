@@ -33,9 +33,10 @@ or remove entries, so paths under it are stable; new directories are made with
 parent.
 
 A root that fails the check is never used: this process takes a private ``mkdtemp`` root
-instead, made in a safe temp dir (one warning that says what was wrong and how to fix it),
-removed at interpreter exit. If no safe place is left for it, ``RuntimeRootError`` says why.
-Never a bare ``PermissionError``.
+instead, made in a safe temp dir (one warning that says what was wrong and how to fix it). It
+is removed at interpreter exit, after every pool has closed (``install_exit_hook``: the pools'
+close still writes the status file under it). If no safe place is left for it,
+``RuntimeRootError`` says why. Never a bare ``PermissionError``.
 """
 
 from __future__ import annotations
@@ -298,7 +299,7 @@ def runtime_root() -> str:
             reason=why,
         ) from None
     _private = (os.getpid(), private)
-    atexit.register(_remove_private, os.getpid(), private)
+    install_exit_hook()
     _log.warning(
         "comfy-env: the runtime root %s is not safe to use (%s); using a private one, %s, for "
         "this process (comfy-env status and sweep from other processes will not see it). Fix: "
@@ -312,9 +313,26 @@ def runtime_root() -> str:
     return private
 
 
-def _remove_private(owner: int, path: str) -> None:
-    if os.getpid() == owner:
-        shutil.rmtree(path, ignore_errors=True)
+_exit_hook_installed = False
+
+
+def install_exit_hook() -> None:
+    """Once a process: remove this process's private root (if it made one) at interpreter
+    exit. ``_shutdown`` calls this before it registers its own exit hook, which closes every
+    pool, and ``atexit`` runs hooks last-registered first: the pools close (and write their
+    status files under the root) before the root is removed, whichever was set up first."""
+    global _exit_hook_installed
+    if not _exit_hook_installed:
+        _exit_hook_installed = True
+        atexit.register(remove_private_root)
+
+
+def remove_private_root() -> None:
+    """Remove this process's private root, if it made one (a forked child: only its own).
+    At interpreter exit (``install_exit_hook``), after every pool has closed."""
+    private = _private
+    if private is not None and private[0] == os.getpid():
+        shutil.rmtree(private[1], ignore_errors=True)
 
 
 def private_subdir(parent: str, name: str) -> str:

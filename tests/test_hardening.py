@@ -471,6 +471,46 @@ def test_another_user_cannot_swap_the_root_away_before_a_respawn(
         shutil.rmtree(base)
 
 
+# ---- the private root outlives the pools -------------------------------------------------
+
+EXIT_WITHOUT_CLOSE = """
+import sys, comfy_env
+config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
+pool = comfy_env.Pool(config)  # never closed: the exit hook closes it
+print(pool.get_worker().call("remote_tasks:add", 1, 2), flush=True)
+import comfy_env._rundir as r
+print(r.runtime_root(), flush=True)
+"""
+
+
+def test_a_host_on_a_private_root_exits_cleanly_and_the_private_root_goes(
+    shared_tmp: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "attacker"
+    target.mkdir()
+    (shared_tmp / f"comfy-env-{os.getuid()}").symlink_to(target)  # a private root, then
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env.update(PYTHONPATH=str(TESTS_DIR), TMPDIR=str(shared_tmp))
+    host = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EXIT_WITHOUT_CLOSE), str(TESTS_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert host.returncode == 0, host.stderr
+    out = host.stdout.split()
+    assert out[0] == "3"
+    assert os.path.dirname(out[1]) == str(shared_tmp) and "-private-" in out[1]
+    # The one warning about the root, and nothing else: no traceback from the exit hook, no
+    # status file that could not be written (the root was removed before the pool closed).
+    lines = host.stderr.splitlines()
+    assert len(lines) == 1 and "not safe to use" in lines[0], host.stderr
+    assert not os.path.exists(out[1])  # removed at exit, after the pool closed
+    assert os.listdir(shared_tmp) == [f"comfy-env-{os.getuid()}"]
+    assert os.listdir(target) == []
+
+
 # ---- 3. sweeps must never touch a live host ---------------------------------------------------
 
 LIVE_HOST = """
