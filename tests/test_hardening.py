@@ -471,7 +471,7 @@ def test_another_user_cannot_swap_the_root_away_before_a_respawn(
         shutil.rmtree(base)
 
 
-# ---- the private root outlives the pools -------------------------------------------------
+# ---- the private root outlives the pools; a bad status dir never breaks close() -------------
 
 EXIT_WITHOUT_CLOSE = """
 import sys, comfy_env
@@ -509,6 +509,44 @@ def test_a_host_on_a_private_root_exits_cleanly_and_the_private_root_goes(
     assert not os.path.exists(out[1])  # removed at exit, after the pool closed
     assert os.listdir(shared_tmp) == [f"comfy-env-{os.getuid()}"]
     assert os.listdir(target) == []
+
+
+@pytest.mark.parametrize("planted", ["file", "symlink"])
+def test_a_status_dir_that_is_not_ours_never_makes_close_or_the_sweep_raise(
+    shared_tmp: Path,
+    tmp_path: Path,
+    config: comfy_env.PoolConfig,
+    caplog: pytest.LogCaptureFixture,
+    planted: str,
+) -> None:
+    root = shared_tmp / f"comfy-env-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    status = root / "status"
+    if planted == "file":
+        status.write_text("")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        status.symlink_to(tmp_path / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="comfy_env"):
+        pool = comfy_env.Pool(config)
+        try:
+            assert pool.get_worker().call("remote_tasks:add", 1, 2) == 3
+            report = comfy_env.sweep()  # as the pool's start-up sweep does, on its reactor
+        finally:
+            pool.close()
+        assert pool.closed
+        pool.close()  # idempotent, and quiet the second time
+    assert report.status_files == ()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    skipped = [m for m in messages if "sweep skipped" in m]
+    unwritable = [m for m in messages if "cannot write this host's status file" in m]
+    assert skipped and all(str(status) in m for m in skipped)
+    assert len(unwritable) == 1 and str(status) in unwritable[0], caplog.text
+    if planted == "symlink":
+        assert os.listdir(tmp_path / "elsewhere") == []
+    else:
+        assert status.is_file()
 
 
 # ---- 3. sweeps must never touch a live host ---------------------------------------------------
