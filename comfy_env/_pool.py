@@ -1342,10 +1342,12 @@ class Pool:
         self._backend.close()
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir.path, ignore_errors=True)
-        host_publisher(
-            live_pool_snapshots
-        ).publish()  # without this pool (the file goes with the last pool)
-        self._events.close()
+        try:
+            # Without this pool (the file goes with the last pool). A status directory that
+            # cannot be written is a warning, never raised: the close must end.
+            host_publisher(live_pool_snapshots).publish_or_warn()
+        finally:
+            self._events.close()
 
 
 # How far the plain call's own exchange went when it handed the call to the general path

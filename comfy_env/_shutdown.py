@@ -18,7 +18,9 @@ One shared deadline per phase, never one wait per worker: with many workers stuc
 launched) ``close()`` takes ``close_timeout`` plus a bounded constant.
 
 The registry (``live_pools``) exists for the two process-wide hooks, installed when the first
-pool is created (never at import): ``atexit`` closes every live pool, and
+pool is created (never at import): ``atexit`` closes every live pool, and only then removes
+the process's private runtime root if it made one (``_rundir.install_exit_hook``: a pool's
+close still writes the status file under the root), and
 ``os.register_at_fork(after_in_child=...)`` makes each inherited pool drop its descriptors
 and become closed in the child, which must never send on, read from, kill or clean up the
 parent's workers (a worker notices its host's death only when the last copy of the host's
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 from comfy_env_worker.protocol import CALLS_IN_FLIGHT
 
 from . import _lifecycle as lc
+from ._rundir import install_exit_hook
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
@@ -85,6 +88,10 @@ def install_process_hooks() -> None:
             return
         import atexit
 
+        # First the private root's removal, then the pools' close: atexit runs the last
+        # registered first, so the pools close (their status file is written under the root)
+        # before the root goes. Registered once a process, whichever comes first.
+        install_exit_hook()
         atexit.register(_close_all_pools)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ._errors import RuntimeRootError
 from ._identity import host_id, owner_dead, pid_namespace
 from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
@@ -100,6 +101,7 @@ class StatusPublisher:
         self._pending = False
         self._last = float("-inf")  # monotonic time of the last write
         self._removed = False
+        self._warned: set[str] = set()  # paths publish_or_warn has warned about
 
     @property
     def path(self) -> str:
@@ -155,6 +157,25 @@ class StatusPublisher:
             import logging
 
             logging.getLogger("comfy_env").debug("comfy-env: status publish failed", exc_info=True)
+
+    def publish_or_warn(self) -> None:
+        """``publish()`` for a pool's close, which must finish whatever the status directory
+        is like: a directory that is not safely ours (``RuntimeRootError``: a file or a
+        symlink planted at ``<root>/status``) or a write that fails (``OSError``) is a
+        warning naming the path (once a path), never raised."""
+        try:
+            self.publish()
+        except (OSError, RuntimeRootError) as exc:
+            path = str(getattr(exc, "path", None) or getattr(exc, "filename", None) or exc)
+            if path not in self._warned:
+                self._warned.add(path)
+                import logging
+
+                logging.getLogger("comfy_env").warning(
+                    "comfy-env: cannot write this host's status file, so comfy-env status may "
+                    "show this host out of date: %s",
+                    exc,
+                )
 
     def remove(self) -> None:
         """Delete this host's file; later ``publish()`` calls do nothing."""

@@ -30,6 +30,7 @@ import signal
 from comfy_env_worker import shm
 
 from ._descendants import environ_of, pids
+from ._errors import RuntimeRootError
 from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
 from ._process import HOST_ID_VAR
 from ._rundir import runtime_root
@@ -85,7 +86,14 @@ def sweep(*, dry_run: bool = False) -> SweepReport:
             dirs.append(name)
     from ._status import remove_stale_status  # (it imports this module)
 
-    status_files = remove_stale_status(dry_run=dry_run)
+    try:
+        status_files = remove_stale_status(dry_run=dry_run)
+    except (OSError, RuntimeRootError) as exc:
+        # A status directory that is not safely ours (a file or a symlink planted at
+        # <root>/status) or cannot be listed: the rest of the sweep stands; said, not raised
+        # (the start-up sweep runs on the reactor, which would log a traceback).
+        _log.warning("comfy-env: the sweep skipped dead hosts' status files: %s", exc)
+        status_files = []
     report = SweepReport(
         tuple(sorted(blocks)),
         tuple(sorted(dirs)),

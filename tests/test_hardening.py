@@ -155,6 +155,7 @@ def shared_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TMPDIR", str(tmp))  # where the root is looked for
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where a private fallback is made
     monkeypatch.setattr(_rundir, "_private", None)
+    monkeypatch.setattr(_rundir, "_warned", set(), raising=False)  # each test sees its own warnings
     return tmp
 
 
@@ -260,6 +261,292 @@ def test_a_pool_under_a_hostile_root_runs_its_calls_from_a_private_root(
         assert os.listdir(target) == []
     finally:
         shutil.rmtree(runtime_root())
+
+
+# The root's parent must be safe too: whoever may write to a directory above the root without
+# the sticky bit can rename the root away and put their own (with their own comfy_env_worker)
+# at the same path, which the host uses at every later spawn.
+
+
+def _unsafe_parent_warnings(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "for the runtime root" in r.getMessage() and name in r.getMessage()
+    ]
+
+
+@pytest.fixture
+def unsafe_tmp(tmp_path: Path) -> Path:
+    """A world-writable directory without the sticky bit (ours: only its mode is wrong)."""
+    ww = tmp_path / "ww"
+    ww.mkdir()
+    ww.chmod(0o777)
+    return ww
+
+
+def _unsafe_place(kind: str, tmp_path: Path, unsafe_tmp: Path) -> tuple[Path, Path]:
+    """(the TMPDIR to set, the directory the warning must name) for each unsafe kind."""
+    if kind == "world-writable":
+        return unsafe_tmp, unsafe_tmp
+    if kind == "symlink-into-world-writable":  # the path as written is fine, its realpath not
+        real = unsafe_tmp / "real"
+        real.mkdir(mode=0o700)
+        (tmp_path / "link").symlink_to(real)
+        return tmp_path / "link", unsafe_tmp
+    if kind == "ancestor-of-another-uid":
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o755)
+        (foreign / "mine").mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+        return foreign / "mine", foreign
+    assert kind == "symlink-of-another-uid"
+    (tmp_path / "real").mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real")
+    os.lchown(link, 65534, 65534)
+    return link, link
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "world-writable",
+        "symlink-into-world-writable",
+        pytest.param("ancestor-of-another-uid", marks=root_only),
+        pytest.param("symlink-of-another-uid", marks=root_only),
+    ],
+)
+def test_an_unsafe_tmpdir_is_never_the_roots_parent_the_next_safe_one_is(
+    shared_tmp: Path,
+    tmp_path: Path,
+    unsafe_tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+) -> None:
+    from comfy_env._rundir import runtime_root
+
+    tmpdir, named = _unsafe_place(kind, tmp_path, unsafe_tmp)
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setenv("TMP", str(shared_tmp))  # sticky and world-writable, as /tmp: accepted
+    with caplog.at_level(logging.WARNING, logger="comfy_env"):
+        root = runtime_root()
+        assert runtime_root() == root
+    assert root == str(shared_tmp / f"comfy-env-{os.getuid()}")
+    warnings = _unsafe_parent_warnings(caplog, str(named))
+    assert len(warnings) == 1, caplog.text
+    assert str(shared_tmp) in warnings[0]  # where the root went instead
+    made = [p for p in tmp_path.rglob("comfy-env-*") if shared_tmp not in p.parents]
+    assert made == []
+
+
+def test_a_world_writable_xdg_runtime_dir_without_the_sticky_bit_is_not_used(
+    shared_tmp: Path,
+    unsafe_tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from comfy_env._rundir import runtime_root
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(unsafe_tmp))  # ours, but mode 0777
+    with caplog.at_level(logging.WARNING, logger="comfy_env"):
+        root = runtime_root()
+        assert runtime_root() == root
+    assert root == str(shared_tmp / f"comfy-env-{os.getuid()}")
+    warnings = _unsafe_parent_warnings(caplog, str(unsafe_tmp))
+    assert len(warnings) == 1 and "XDG_RUNTIME_DIR" in warnings[0], caplog.text
+    assert "without the sticky bit" in warnings[0]
+    assert os.listdir(unsafe_tmp) == []
+
+
+def test_the_private_fallback_root_is_made_in_a_safe_place_not_in_an_unsafe_tmpdir(
+    shared_tmp: Path,
+    tmp_path: Path,
+    unsafe_tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from comfy_env._rundir import runtime_root
+
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    (xdg / "comfy-env").symlink_to(tmp_path)  # the shared root is refused: a private one
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    monkeypatch.setenv("TMPDIR", str(unsafe_tmp))
+    monkeypatch.setenv("TMP", str(shared_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile would choose $TMPDIR
+    with caplog.at_level(logging.WARNING, logger="comfy_env"):
+        root = runtime_root()
+    try:
+        assert os.path.dirname(root) == str(shared_tmp)
+        assert os.path.basename(root).startswith(f"comfy-env-{os.getuid()}-private-")
+        assert os.listdir(unsafe_tmp) == []
+        assert len(_unsafe_parent_warnings(caplog, str(unsafe_tmp))) == 1
+    finally:
+        shutil.rmtree(root)
+
+
+def test_no_safe_place_for_a_private_root_is_a_typed_error_naming_the_unsafe_dir(
+    shared_tmp: Path, unsafe_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from comfy_env import RuntimeRootError, _rundir
+
+    # Every temp dir this machine offers is unsafe (here: the one there is).
+    monkeypatch.setenv("TMPDIR", str(unsafe_tmp))
+    only = [(str(unsafe_tmp), "$TMPDIR")]
+    monkeypatch.setattr(_rundir, "_temp_dirs", lambda: only, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(unsafe_tmp))
+    with pytest.raises(RuntimeRootError, match="without the sticky bit") as info:
+        _rundir.runtime_root()
+    assert str(unsafe_tmp) in str(info.value)
+    assert os.listdir(unsafe_tmp) == []
+
+
+SWAP_ATTACK = r"""
+import os, sys
+runtime_dir, marker = sys.argv[1], sys.argv[2]
+root = os.path.dirname(runtime_dir)
+try:
+    os.rename(root, root + ".moved")  # needs only write permission on the root's parent
+except OSError as exc:
+    print("refused", exc.errno)
+    sys.exit(0)
+pkg = os.path.join(runtime_dir, "comfy_env_worker")
+os.makedirs(pkg)
+with open(os.path.join(pkg, "__init__.py"), "w") as f:
+    f.write("open(%r, 'w').write('ran as uid %%d' %% __import__('os').getuid())\n" % marker)
+print("swapped")
+"""
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_another_user_cannot_swap_the_root_away_before_a_respawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: comfy_env.PoolConfig
+) -> None:
+    from comfy_env import _rundir
+    from comfy_env._process import host_id
+
+    # Where user 65534 can reach: tmp_path's parents are mode 0700.
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="comfy-env-test-"))
+    try:
+        base.chmod(0o711)
+        ww = base / "ww"
+        ww.mkdir()
+        ww.chmod(0o777)  # world-writable, not sticky: anyone may rename entries
+        marker = base / "planted-code-ran"
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        monkeypatch.setenv("TMPDIR", str(ww))
+        monkeypatch.setenv("TMP", str(base))
+        monkeypatch.setattr(_rundir, "_private", None)
+        monkeypatch.setattr(_rundir, "_warned", set(), raising=False)
+        with comfy_env.Pool(config) as pool:
+            worker = pool.get_worker()
+            assert worker.call("remote_tasks:add", 1, 2) == 3
+            root = _rundir.runtime_root()
+            runtime_dir = next(
+                os.path.join(root, d)
+                for d in os.listdir(root)
+                if d.startswith(f"host-{host_id()}-")
+            )
+            attack = subprocess.run(
+                [
+                    *("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"),
+                    *(sys.executable, "-c", SWAP_ATTACK, runtime_dir, str(marker)),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert attack.returncode == 0, attack.stderr
+            with pytest.raises(comfy_env.WorkerCrashed):
+                worker.call("remote_tasks:kill_self", 9)
+            assert worker.call("remote_tasks:add", 2, 3) == 5  # a fresh generation, our code
+            assert worker.stats().generation == 2
+        assert not marker.exists()
+        assert attack.stdout.split()[0] == "refused"
+        assert root == str(base / f"comfy-env-{os.getuid()}")  # $TMPDIR skipped for $TMP
+    finally:
+        shutil.rmtree(base)
+
+
+# ---- the private root outlives the pools; a bad status dir never breaks close() -------------
+
+EXIT_WITHOUT_CLOSE = """
+import sys, comfy_env
+config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
+pool = comfy_env.Pool(config)  # never closed: the exit hook closes it
+print(pool.get_worker().call("remote_tasks:add", 1, 2), flush=True)
+import comfy_env._rundir as r
+print(r.runtime_root(), flush=True)
+"""
+
+
+def test_a_host_on_a_private_root_exits_cleanly_and_the_private_root_goes(
+    shared_tmp: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "attacker"
+    target.mkdir()
+    (shared_tmp / f"comfy-env-{os.getuid()}").symlink_to(target)  # a private root, then
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env.update(PYTHONPATH=str(TESTS_DIR), TMPDIR=str(shared_tmp))
+    host = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EXIT_WITHOUT_CLOSE), str(TESTS_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert host.returncode == 0, host.stderr
+    out = host.stdout.split()
+    assert out[0] == "3"
+    assert os.path.dirname(out[1]) == str(shared_tmp) and "-private-" in out[1]
+    # The one warning about the root, and nothing else: no traceback from the exit hook, no
+    # status file that could not be written (the root was removed before the pool closed).
+    lines = host.stderr.splitlines()
+    assert len(lines) == 1 and "not safe to use" in lines[0], host.stderr
+    assert not os.path.exists(out[1])  # removed at exit, after the pool closed
+    assert os.listdir(shared_tmp) == [f"comfy-env-{os.getuid()}"]
+    assert os.listdir(target) == []
+
+
+@pytest.mark.parametrize("planted", ["file", "symlink"])
+def test_a_status_dir_that_is_not_ours_never_makes_close_or_the_sweep_raise(
+    shared_tmp: Path,
+    tmp_path: Path,
+    config: comfy_env.PoolConfig,
+    caplog: pytest.LogCaptureFixture,
+    planted: str,
+) -> None:
+    root = shared_tmp / f"comfy-env-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    status = root / "status"
+    if planted == "file":
+        status.write_text("")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        status.symlink_to(tmp_path / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="comfy_env"):
+        pool = comfy_env.Pool(config)
+        try:
+            assert pool.get_worker().call("remote_tasks:add", 1, 2) == 3
+            report = comfy_env.sweep()  # as the pool's start-up sweep does, on its reactor
+        finally:
+            pool.close()
+        assert pool.closed
+        pool.close()  # idempotent, and quiet the second time
+    assert report.status_files == ()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    skipped = [m for m in messages if "sweep skipped" in m]
+    unwritable = [m for m in messages if "cannot write this host's status file" in m]
+    assert skipped and all(str(status) in m for m in skipped)
+    assert len(unwritable) == 1 and str(status) in unwritable[0], caplog.text
+    if planted == "symlink":
+        assert os.listdir(tmp_path / "elsewhere") == []
+    else:
+        assert status.is_file()
 
 
 # ---- 3. sweeps must never touch a live host ---------------------------------------------------
