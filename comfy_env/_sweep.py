@@ -29,7 +29,7 @@ import signal
 
 from comfy_env_worker import shm
 
-from ._descendants import environ_of, pids
+from ._descendants import environ_of, pidfd_is, pids
 from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
 from ._process import HOST_ID_VAR
 from ._rundir import runtime_root
@@ -119,7 +119,7 @@ def _kill_stray_workers(dry_run: bool = False) -> list[int]:
         except OSError:
             continue
         try:
-            if _orphan_of_dead_host(pid):
+            if _orphan_of_dead_host(pid) and pidfd_is(pidfd, pid):
                 if dry_run:
                     killed.append(pid)
                     continue

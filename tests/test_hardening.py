@@ -383,6 +383,90 @@ def test_a_host_in_another_pid_namespace_is_never_swept(mount_proc: bool) -> Non
     assert "AFTER 1 0 1" in out
 
 
+def _bare_pid_namespace_usable() -> bool:
+    """``unshare --pid --fork`` without ``--mount-proc``: the child keeps our ``/proc``."""
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    try:
+        probe = subprocess.run(
+            ["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+# Runs as pid 1 of a new pid namespace that still sees its parent's /proc. A marked process M
+# is listed there as /proc/R; an innocent, unmarked process is then made to get pid R *inside*
+# the namespace, where pidfd_open(R) names it. Every process here dies with pid 1.
+SHARED_PROC_HOST = """
+import json, logging, os, signal, subprocess, time
+from comfy_env import _descendants
+
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("comfy_env").addHandler(Keep())
+
+mark = "COMFY_ENV_TEST_MARK"
+marked = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **{mark: "m1"}),
+                          start_new_session=True)
+R = None
+while R is None:
+    for pid in _descendants.pids():
+        if (mark + "=m1").encode() in (_descendants.environ_of(pid) or []):
+            R = pid
+# The next pid this namespace hands out is R (else fork until it is).
+try:
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(R - 1))
+except OSError:
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        if pid >= R - 1:
+            break
+innocent = subprocess.Popen(["sleep", "300"])
+out = {"R": R, "innocent": innocent.pid, "marked": marked.pid}
+out["killed"] = _descendants.kill_marked(mark, "m1")
+out["killed_again"] = _descendants.kill_marked(mark, "m1")
+# Where /proc looked ours by coincidence, the pidfd's own pid (fdinfo) still tells them apart.
+_descendants.proc_is_ours = lambda: True
+out["killed_trusting_proc"] = _descendants.kill_marked(mark, "m1")
+time.sleep(0.3)  # a SIGKILL sent above would have landed by now (nothing is timed)
+out["innocent_rc"] = innocent.poll()
+out["marked_rc"] = marked.poll()
+out["warnings"] = [m for m in said if "/proc does not show" in m]
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.skipif(not _bare_pid_namespace_usable(), reason="needs unshare --pid (root)")
+def test_a_pid_namespace_sharing_our_proc_never_signals_a_process_by_the_wrong_pid() -> None:
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", SHARED_PROC_HOST],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    out = json.loads(line[0][len("RESULT ") :])
+    if out["innocent"] != out["R"]:
+        pytest.skip("could not give the innocent process the marked one's /proc pid")
+    # Before the fix the scan opened pidfd_open(R), the innocent process, read /proc/R's
+    # environment (the marked one's) and SIGKILLed the innocent one.
+    assert out["killed"] == [] and out["killed_again"] == []
+    assert out["killed_trusting_proc"] == []
+    assert out["innocent_rc"] is None
+    assert out["marked_rc"] is None  # not ours to find here: it is left alone, not mistaken
+    assert len(out["warnings"]) == 1, out["warnings"]
+
+
 def test_owner_checks_prove_death_or_leave_things_alone() -> None:
     from comfy_env._identity import owner_dead, pid_namespace, proc_stat
     from comfy_env._process import host_id
