@@ -13,6 +13,10 @@ namespace>``, see ``_identity``):
 A sweep acts only on what it can prove belongs to a dead host of this user in this pid
 namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
 wall-clock step, or a name in an older format never make a live host's resources look dead.
+A name is no proof of ownership in ``/dev/shm``, where any user can create any name: a block
+or runtime dir is removed only if ``lstat`` shows a regular file (a real directory) owned by
+our uid (``ours_to_remove``), so root never deletes another user's files, and the dry run,
+deciding by the same test, lists exactly what the real sweep removes.
 Before a process is signalled it is proven to have been launched for that dead host (its
 environment carries the host's token; see ``_orphan_of_dead_host``): a worker, or one of its
 descendants, also those that left the worker's process group. It is signalled through a pidfd
@@ -26,6 +30,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 
 from comfy_env_worker import shm
 
@@ -61,28 +66,48 @@ def _dead_owner(name: str) -> bool:
     return name_of_dead_owner(name)
 
 
+def ours_to_remove(path: str, *, directory: bool) -> bool:
+    """Is ``path`` ours to remove? Checked with ``lstat`` (a symlink is never followed): a
+    regular file (``directory``: a real directory) owned by our uid. A name proves only who
+    made a thing if nobody else can make one by that name; in ``/dev/shm`` anybody can, so a
+    block of another user named like a dead host's is not ours, even to root. The dry run and
+    the real sweep both decide by this one test, so ``--dry-run`` lists exactly what a sweep
+    removes. (In a sticky directory such as ``/dev/shm`` nobody else can rename or remove an
+    entry of ours between this check and the unlink.)"""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    return kind and st.st_uid == os.getuid()
+
+
 def sweep(*, dry_run: bool = False) -> SweepReport:
     """Remove shared-memory blocks, runtime directories and worker processes of dead hosts.
 
     Safe to call at any time from any process of the same user; returns what was removed
-    (``dry_run``: what would be removed, and nothing is changed)."""
+    (``dry_run``: what would be removed, and nothing is changed). Only what this user owns is
+    touched (``ours_to_remove``), root included."""
     processes = _kill_stray_workers(dry_run)
     blocks = []
     for name in shm.owned_blocks(shm.NAME_PREFIX):
-        if _dead_owner(name):
+        path = os.path.join(shm.SHM_DIR, name)
+        if _dead_owner(name) and ours_to_remove(path, directory=False):
             try:
                 if not dry_run:
-                    os.unlink(os.path.join(shm.SHM_DIR, name))
+                    os.unlink(path)
                 blocks.append(name)
             except OSError:
                 pass
     dirs = []
     root = runtime_root()
     for name in os.listdir(root):
+        path = os.path.join(root, name)
         if name.startswith("host-") and _dead_owner(name):
-            if not dry_run:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            dirs.append(name)
+            if ours_to_remove(path, directory=True):
+                if not dry_run:
+                    shutil.rmtree(path, ignore_errors=True)
+                dirs.append(name)
     from ._status import remove_stale_status  # (it imports this module)
 
     status_files = remove_stale_status(dry_run=dry_run)

@@ -9,6 +9,7 @@ skip cleanly where unshare or mount is not permitted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -465,6 +466,106 @@ def test_a_pid_namespace_sharing_our_proc_never_signals_a_process_by_the_wrong_p
     assert out["innocent_rc"] is None
     assert out["marked_rc"] is None  # not ours to find here: it is left alone, not mistaken
     assert len(out["warnings"]) == 1, out["warnings"]
+
+
+# Plants, in a private /dev/shm and a runtime root of its own, things named like a dead host's
+# blocks and runtime dirs, of which only one block and one dir are ours to remove; then runs a
+# dry-run sweep and a real one.
+FOREIGN_LEFTOVERS_HOST = """
+import json, os
+import comfy_env
+from comfy_env._identity import pid_namespace
+from comfy_env._rundir import runtime_root
+
+dead = 4_000_000
+while os.path.exists(f"/proc/{dead}"):
+    dead -= 1
+owner = f"{dead}-t1-n{pid_namespace()}"
+shm, root = "/dev/shm", runtime_root()
+elsewhere = os.path.join(os.path.dirname(root), "elsewhere")
+os.mkdir(elsewhere)
+open(os.path.join(elsewhere, "keep"), "w").close()
+
+def plant(path, kind):
+    if kind == "dir":
+        os.mkdir(path)
+    elif kind == "link":
+        os.symlink(elsewhere, path)
+    else:
+        open(path, "w").close()
+    if kind == "foreign":
+        os.chown(path, 65534, 65534)
+
+for tag in ("ours", "foreign", "dir", "link"):
+    plant(f"{shm}/ce-{owner}-h1-{tag}", tag if tag != "ours" else "file")
+for tag in ("ours", "foreign", "file", "link"):
+    plant(f"{root}/host-{owner}-{tag}", {"ours": "dir", "foreign": "dir"}.get(tag, tag))
+os.chown(f"{root}/host-{owner}-foreign", 65534, 65534)
+dry = comfy_env.sweep(dry_run=True)
+real = comfy_env.sweep()
+print("RESULT " + json.dumps({
+    "owner": owner,
+    "dry": [list(dry.blocks), list(dry.runtime_dirs)],
+    "real": [list(real.blocks), list(real.runtime_dirs)],
+    "shm_left": sorted(os.listdir(shm)),
+    "root_left": sorted(n for n in os.listdir(root) if n.startswith("host-")),
+    "elsewhere_left": os.listdir(elsewhere),
+}))
+"""
+
+
+@needs_mount_namespace
+@root_only
+def test_a_sweep_removes_only_what_is_ours_and_dry_run_lists_exactly_that(tmp_path: Path) -> None:
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    proc = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$0" -c "$1"',
+            sys.executable,
+            FOREIGN_LEFTOVERS_HOST,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, XDG_RUNTIME_DIR=str(xdg)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    out = json.loads(line[0][len("RESULT ") :])
+    owner = out["owner"]
+    # Before the fix root unlinked another user's file named like a dead host's block, and the
+    # dry run listed a directory and symlinks the real sweep then could not (or must not) remove.
+    assert out["dry"] == out["real"] == [[f"ce-{owner}-h1-ours"], [f"host-{owner}-ours"]]
+    assert out["shm_left"] == [f"ce-{owner}-h1-{tag}" for tag in ("dir", "foreign", "link")]
+    assert out["root_left"] == [f"host-{owner}-{tag}" for tag in ("file", "foreign", "link")]
+    assert out["elsewhere_left"] == ["keep"]
+
+
+@root_only
+def test_unlinking_a_workers_blocks_never_removes_another_users_file() -> None:
+    from comfy_env._process import host_id
+    from comfy_env_worker import shm
+
+    prefix = f"ce-{host_id()}-w{os.getpid()}-"
+    ours, foreign = f"{prefix}ours", f"{prefix}foreign"
+    for name in (ours, foreign):
+        open(f"/dev/shm/{name}", "w").close()
+    os.chown(f"/dev/shm/{foreign}", 65534, 65534)
+    os.mkdir(f"/dev/shm/{prefix}dir")
+    try:
+        assert shm.unlink_blocks(prefix) == [ours]
+        assert os.path.exists(f"/dev/shm/{foreign}") and os.path.isdir(f"/dev/shm/{prefix}dir")
+    finally:
+        for name in (ours, foreign):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        os.rmdir(f"/dev/shm/{prefix}dir")
 
 
 def test_owner_checks_prove_death_or_leave_things_alone() -> None:

@@ -50,6 +50,7 @@ import errno
 import mmap
 import os
 import pickle
+import stat
 import struct
 import sys
 
@@ -888,11 +889,18 @@ def owned_blocks(prefix: str) -> List[str]:
 
 
 def unlink_blocks(prefix: str) -> List[str]:
-    """Unlink every block whose name starts with ``prefix``; returns the names unlinked."""
+    """Unlink every block of ours whose name starts with ``prefix``; returns the names
+    unlinked. Anyone can create a file by any name in SHM_DIR: one that is not a regular
+    file owned by our uid is left alone (root would otherwise delete another user's file)."""
     gone = []
+    uid = os.getuid()
     for name in owned_blocks(prefix):
+        path = os.path.join(SHM_DIR, name)
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            os.unlink(path)
             gone.append(name)
         except OSError:
             pass
