@@ -20,7 +20,9 @@ with ``mkdir(dir_fd=...)`` and files with ``O_CREAT | O_EXCL | O_NOFOLLOW`` rela
 opened parent.
 
 A root that fails the check is never used: this process takes a private ``mkdtemp`` root
-instead (one warning that says what was wrong and how to fix it), removed at interpreter exit.
+instead (one warning that says what was wrong and how to fix it), removed at interpreter exit,
+or by a later sweep if the process was killed: its name carries the host's token
+(``comfy-env-<uid>-private-<token>-<random>``).
 If even that fails, ``RuntimeRootError`` says why. Never a bare ``PermissionError``.
 """
 
@@ -33,6 +35,7 @@ import shutil
 import stat
 
 from ._errors import RuntimeRootError
+from ._identity import host_id
 
 _log = logging.getLogger("comfy_env")
 
@@ -128,7 +131,9 @@ def runtime_root() -> str:
     try:
         import tempfile
 
-        private = tempfile.mkdtemp(prefix=f"comfy-env-{os.getuid()}-private-")
+        private = tempfile.mkdtemp(
+            prefix=private_root_prefix() + host_id() + "-", dir=private_root_parent()
+        )
     except OSError as exc:
         raise RuntimeRootError(
             f"the comfy-env runtime root {path} is unusable ({why}), and no private one could "
@@ -141,7 +146,8 @@ def runtime_root() -> str:
     atexit.register(_remove_private, os.getpid(), private)
     _log.warning(
         "comfy-env: the runtime root %s is not safe to use (%s); using a private one, %s, for "
-        "this process (comfy-env status and sweep from other processes will not see it). Fix: "
+        "this process (comfy-env status and sweep from other processes will not see into it; "
+        "a sweep removes it if this process is killed). Fix: "
         "remove %s (if it is not yours, ask its owner or an administrator) or set "
         "XDG_RUNTIME_DIR to a directory of yours with mode 0700",
         path,
@@ -150,6 +156,20 @@ def runtime_root() -> str:
         path,
     )
     return private
+
+
+def private_root_prefix() -> str:
+    """How the names of private fallback roots start, ``comfy-env-<uid>-private-``; the
+    owning host's token follows (``<pid>-t<ticks>-n<namespace>-<random>``), so that a sweep
+    can remove the root of a host killed before its ``atexit`` ran (``_sweep``)."""
+    return f"comfy-env-{os.getuid()}-private-"
+
+
+def private_root_parent() -> str:
+    """The directory private fallback roots are made in (``tempfile.mkdtemp``'s)."""
+    import tempfile
+
+    return tempfile.gettempdir()
 
 
 def _remove_private(owner: int, path: str) -> None:

@@ -8,7 +8,9 @@ namespace>``, see ``_identity``):
 - shared-memory blocks ``/dev/shm/ce-<token>-...`` (the host's and its workers');
 - runtime directories ``<runtime root>/host-<token>-...``;
 - worker processes, whose command line carries their runtime directory and host pid;
-- status files ``<runtime root>/status/<token>.json`` (``comfy-env status``).
+- status files ``<runtime root>/status/<token>.json`` (``comfy-env status``);
+- a private fallback root ``<temp dir>/comfy-env-<uid>-private-<token>-<random>``, made where
+  the shared runtime root was not safe to use (``_rundir``), with all of the above inside.
 
 A sweep acts only on what it can prove belongs to a dead host of this user in this pid
 namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
@@ -37,7 +39,7 @@ from comfy_env_worker import shm
 from ._descendants import environ_of, pidfd_is, pids
 from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
 from ._process import HOST_ID_VAR
-from ._rundir import runtime_root
+from ._rundir import private_root_parent, private_root_prefix, runtime_root
 from ._values import value
 
 _log = logging.getLogger("comfy_env")
@@ -51,9 +53,16 @@ class SweepReport:
     runtime_dirs: tuple[str, ...]
     processes: tuple[int, ...]
     status_files: tuple[str, ...] = ()
+    private_roots: tuple[str, ...] = ()  # paths: private fallback roots of killed hosts
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.runtime_dirs or self.processes or self.status_files)
+        return bool(
+            self.blocks
+            or self.runtime_dirs
+            or self.processes
+            or self.status_files
+            or self.private_roots
+        )
 
 
 def host_alive(pid: int, ticks: int, namespace: int) -> bool:
@@ -111,22 +120,56 @@ def sweep(*, dry_run: bool = False) -> SweepReport:
     from ._status import remove_stale_status  # (it imports this module)
 
     status_files = remove_stale_status(dry_run=dry_run)
+    private_roots = _sweep_private_roots(dry_run)
     report = SweepReport(
         tuple(sorted(blocks)),
         tuple(sorted(dirs)),
         tuple(sorted(processes)),
         tuple(status_files),
+        tuple(sorted(private_roots)),
     )
     if report and not dry_run:
         _log.info(
             "comfy-env: swept leftovers of dead hosts: %d shared-memory blocks, %d runtime "
-            "dirs, %d worker processes, %d status files",
+            "dirs, %d worker processes, %d status files, %d private roots",
             len(report.blocks),
             len(report.runtime_dirs),
             len(report.processes),
             len(report.status_files),
+            len(report.private_roots),
         )
     return report
+
+
+def _sweep_private_roots(dry_run: bool) -> list[str]:
+    """Private fallback roots (``<temp dir>/comfy-env-<uid>-private-<token>-<random>``, see
+    ``_rundir.runtime_root``) of hosts proven dead: a host killed before its ``atexit`` ran
+    leaves its whole root (its runtime dirs, the worker package) behind. Checked like the
+    root itself: a real directory (never a symlink) of our uid, closed to group and other
+    writes; the temp dir is shared, so a look-alike of anyone else's is left alone."""
+    prefix = private_root_prefix()
+    try:
+        parent = private_root_parent()
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        owner = owner_of("host-" + name[len(prefix) :])  # (the token, as in a runtime dir)
+        path = os.path.join(parent, name)
+        if owner is None or not owner_dead(*owner) or not ours_to_remove(path, directory=True):
+            continue
+        try:
+            if os.lstat(path).st_mode & 0o022:
+                continue
+        except OSError:
+            continue
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _kill_stray_workers(dry_run: bool = False) -> list[int]:

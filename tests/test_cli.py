@@ -217,7 +217,7 @@ def test_sweep_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "sweep", "--json")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files"}
+    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files", "private_roots"}
     assert all(isinstance(v, list) for v in doc.values())
     code, out, _ = run_cli(capsys, "sweep")
     assert code == 0 and out.strip()

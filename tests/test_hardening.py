@@ -263,6 +263,80 @@ def test_a_pool_under_a_hostile_root_runs_its_calls_from_a_private_root(
         shutil.rmtree(runtime_root())
 
 
+PRIVATE_ROOT_HOST = """
+import sys, comfy_env
+from comfy_env._rundir import runtime_root
+worker = comfy_env.get_worker()
+assert worker.call("operator:add", 1, 2) == 3
+print(runtime_root(), worker.pid, flush=True)
+sys.stdin.readline()
+comfy_env.shutdown()
+"""
+
+
+@root_only
+def test_the_private_root_of_a_killed_host_is_swept_and_a_live_ones_never(
+    shared_tmp: Path,
+) -> None:
+    from comfy_env._rundir import runtime_root
+
+    foreign = shared_tmp / f"comfy-env-{os.getuid()}"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)  # every host here falls back to a private root
+    hosts = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRIVATE_ROOT_HOST],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        roots, workers = [], []
+        for host in hosts:
+            assert host.stdout is not None
+            line = host.stdout.readline()
+            assert line, host.communicate(timeout=30)[1][-3000:]
+            root, worker = line.split()
+            roots.append(root)
+            workers.append(int(worker))
+        dead_root, live_root = roots
+        assert os.path.dirname(dead_root) == str(shared_tmp)
+        assert os.path.basename(dead_root).startswith(f"comfy-env-{os.getuid()}-private-")
+        hosts[0].kill()  # no atexit: before the fix its private root stayed for good
+        hosts[0].communicate(timeout=30)
+        assert wait_until(lambda: not alive(workers[0]), 10)
+        # Look-alikes named for the same dead host: none is ours to remove.
+        look_alikes = [f"{dead_root}-{kind}" for kind in ("foreign", "loose", "link")]
+        for path in look_alikes[:2]:
+            os.mkdir(path, 0o700)
+        os.chown(look_alikes[0], 65534, 65534)
+        os.chmod(look_alikes[1], 0o777)
+        os.symlink(dead_root, look_alikes[2])
+        dry = comfy_env.sweep(dry_run=True)
+        assert dry.private_roots == (dead_root,) and os.path.isdir(dead_root)
+        report = comfy_env.sweep()
+        assert report.private_roots == (dead_root,)
+        assert not os.path.exists(dead_root)
+        assert all(os.path.lexists(path) for path in look_alikes)
+        assert os.path.isdir(live_root) and alive(workers[1])
+        assert hosts[1].stdin is not None
+        hosts[1].stdin.write("\n")
+        hosts[1].stdin.flush()
+        _, err = hosts[1].communicate(timeout=60)
+        assert hosts[1].returncode == 0, err[-3000:]
+        assert not os.path.exists(live_root)  # its own atexit removed it
+    finally:
+        for host in hosts:
+            if host.poll() is None:
+                os.killpg(host.pid, 9)
+                host.communicate(timeout=30)
+        shutil.rmtree(runtime_root(), ignore_errors=True)  # this process's own private root
+
+
 # ---- 3. sweeps must never touch a live host ---------------------------------------------------
 
 LIVE_HOST = """
