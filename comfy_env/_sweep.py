@@ -92,7 +92,8 @@ def ours_to_remove(path: str, *, directory: bool) -> bool:
 
 
 def sweep(*, dry_run: bool = False) -> SweepReport:
-    """Remove shared-memory blocks, runtime directories and worker processes of dead hosts.
+    """Remove shared-memory blocks, runtime directories, status files, private fallback roots
+    and worker processes of dead hosts.
 
     Safe to call at any time from any process of the same user; returns what was removed
     (``dry_run``: what would be removed, and nothing is changed). Only what this user owns is
