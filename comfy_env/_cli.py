@@ -680,6 +680,7 @@ def sweep_command(*, as_json: bool = False, dry_run: bool = False) -> int:
         "runtime_dirs": list(report.runtime_dirs),
         "processes": list(report.processes),
         "status_files": list(report.status_files),
+        "private_roots": list(report.private_roots),
     }
     if as_json:
         _print_json({**removed, "dry_run": dry_run})
@@ -689,6 +690,7 @@ def sweep_command(*, as_json: bool = False, dry_run: bool = False) -> int:
         "runtime_dirs": "runtime directories",
         "processes": "worker processes (to kill)" if dry_run else "worker processes (killed)",
         "status_files": "status files",
+        "private_roots": "private runtime roots",
     }
     if not any(removed.values()):
         print("nothing to remove: no leftovers of dead hosts")

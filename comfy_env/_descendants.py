@@ -13,16 +13,37 @@ signal goes through that pidfd, so a pid reused in between is never hit. It read
 only; a scan of a few hundred processes takes milliseconds and runs when a generation is
 reaped (reactor thread) and in the sweep.
 
-What it cannot see: a descendant that cleared its environment (``env -i``), or one in another
-pid namespace. Those keep running; the host still releases every descriptor of the dead
-generation (see ``WorkerProcess._finish_now``), so nothing of the host is pinned by them.
+Pids mean something only in a namespace. ``/proc`` lists pids in the namespace it was mounted
+for, ``pidfd_open`` and ``kill`` take pids in the caller's. In a child pid namespace that kept
+its parent's ``/proc`` (``unshare --pid`` without ``--mount-proc``, some container set-ups) the
+two numberings differ: ``/proc/1234`` is one process, ``pidfd_open(1234)`` another, and
+opening the pidfd first proves nothing. A scan there once SIGKILLed an unrelated process whose
+in-namespace pid equalled a marked descendant's ``/proc`` pid. So ``kill_marked`` signals
+nothing unless ``/proc`` shows our namespace (``_identity.proc_is_ours``; one warning per
+process says so), and where the kernel tells (``Pid:`` in ``/proc/self/fdinfo/<pidfd>``,
+Linux 5.4+) each pidfd must name the very process ``/proc`` listed under that pid
+(``pidfd_is``).
+
+What it cannot see: a descendant that cleared its environment (``env -i``), one in another
+pid namespace, and any descendant at all where ``/proc`` is not our namespace's (only the
+worker's process group is stopped there). Those keep running; the host still releases every
+descriptor of the dead generation (see ``WorkerProcess._finish_now``), so nothing of the host
+is pinned by them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Callable, Iterator
+
+from ._identity import proc_is_ours
+
+_log = logging.getLogger("comfy_env")
+
+# Whether this process has said that /proc is not its namespace's (said once, not per scan).
+_said_foreign_proc = False
 
 
 def pids() -> Iterator[int]:
@@ -46,14 +67,55 @@ def environ_of(pid: int) -> list[bytes] | None:
         return None
 
 
+def pidfd_is(pidfd: int, pid: int) -> bool:
+    """Does ``pidfd`` refer to the process ``/proc`` lists as ``pid``? The kernel writes the
+    pidfd's process, numbered in the namespace of ``/proc``, as ``Pid:`` in its fdinfo (-1
+    once it has exited). Kernels without that line (before 5.4) cannot tell: True, and the
+    caller relies on ``proc_is_ours`` alone."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+            info = f.read()
+    except OSError:
+        return False
+    for line in info.splitlines():
+        if line.startswith(b"Pid:"):
+            try:
+                return int(line[4:]) == pid
+            except ValueError:
+                return False
+    return True
+
+
+def proc_usable_for_signals() -> bool:
+    """``proc_is_ours()``, and where it is not, one warning per process: descendants that
+    left a worker's process group cannot be found and stay running."""
+    global _said_foreign_proc
+    if proc_is_ours():
+        return True
+    if not _said_foreign_proc:
+        _said_foreign_proc = True
+        _log.warning(
+            "comfy-env: /proc does not show this process's pid namespace (a pid namespace "
+            "without its own /proc, e.g. unshare --pid without --mount-proc): descendants of "
+            "workers that left their process group (setsid) cannot be found, and are not "
+            "stopped when their worker or host dies. Mount a /proc for this namespace "
+            "(unshare --mount-proc) to have them stopped"
+        )
+    return False
+
+
 def kill_marked(
     name: str, value: str, also: Callable[[int, list[bytes]], bool] | None = None
 ) -> list[int]:
     """SIGKILL every process (of any group, in our pid namespace) whose environment holds
-    ``name=value``; ``also(pid, environ)`` may veto one (False). Returns the pids signalled."""
+    ``name=value``; ``also(pid, environ)`` may veto one (False). Returns the pids signalled:
+    none where ``/proc`` does not show our pid namespace (see the module docstring)."""
     pidfd_open = getattr(os, "pidfd_open", None)
     send = getattr(signal, "pidfd_send_signal", None)
     if pidfd_open is None or send is None:  # pragma: no cover - kernels without pidfd
+        return []
+    # /proc's pids and pidfd_open's would name different processes: signal nothing.
+    if not proc_usable_for_signals():
         return []
     mark = f"{name}={value}".encode()
     uid = os.getuid()
@@ -70,6 +132,9 @@ def kill_marked(
             if environ is None or mark not in environ:
                 continue
             if also is not None and not also(pid, environ):
+                continue
+            # The environment read was /proc/<pid>'s: signal only if the pidfd is that process.
+            if not pidfd_is(pidfd, pid):
                 continue
             send(pidfd, signal.SIGKILL)
             killed.append(pid)

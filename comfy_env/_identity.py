@@ -52,8 +52,10 @@ def proc_stat(pid: int | str) -> tuple[str, int] | None:
     return fields[0].decode(), int(fields[19])
 
 
-def _proc_is_ours() -> bool:
-    """Does ``/proc`` show our pid namespace? (Its ``self`` entry then has our pid.)"""
+def proc_is_ours() -> bool:
+    """Does ``/proc`` show our pid namespace? (Its ``self`` entry then has our pid.) False in a
+    child pid namespace that kept its parent's ``/proc`` (``unshare --pid`` without
+    ``--mount-proc``): a pid listed there is not the pid ``kill`` or ``pidfd_open`` take here."""
     try:
         return int(os.readlink("/proc/self")) == os.getpid()
     except (OSError, ValueError):
@@ -78,7 +80,7 @@ def host_token() -> str:
 def owner_dead(pid: int, ticks: int, namespace: int) -> bool:
     """Is the host ``<pid>-t<ticks>-n<namespace>`` provably gone? False whenever it cannot be
     proven (another namespace, no usable ``/proc``): leftovers are then left alone."""
-    if namespace == 0 or namespace != pid_namespace() or not _proc_is_ours():
+    if namespace == 0 or namespace != pid_namespace() or not proc_is_ours():
         return False
     try:
         stat = proc_stat(pid)

@@ -199,6 +199,21 @@ def _warn_once(message: str, key: str | None = None) -> None:
         _log.warning("comfy-env: %s", message)
 
 
+def shm_failure_hint(err: int | None) -> str:
+    """What a failure to create a block with errno ``err`` probably means (None: the worker
+    failed, and its errno did not travel)."""
+    if err == errno.EEXIST:
+        return (
+            f"a block name was taken by someone else: another user may be creating files "
+            f"named like comfy-env's in {shm.SHM_DIR}"
+        )
+    if err in (errno.ENOSPC, errno.ENOMEM, None):
+        return f"is {shm.SHM_DIR} full or too small?"
+    if err in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
+        return f"is {shm.SHM_DIR} missing or not writable?"
+    return "the error above says why"
+
+
 _serials = itertools.count(1)
 
 
@@ -881,7 +896,7 @@ class WorkerProcess:
         try:
             parts, block, length = shm.pack(body, buffers, self.blocks)
         except OSError as exc:  # /dev/shm full: inline, as send_request does
-            self._shm_unavailable(f"cannot create a block ({exc})")
+            self._shm_unavailable(f"cannot create a block ({exc})", exc.errno)
             parts, block, length = shm.pack(body, buffers, None)
         parts.insert(0, encode_header(FrameType.CALL, 1, length, FLAG_OOB))
         return value, parts, block
@@ -930,7 +945,7 @@ class WorkerProcess:
                 parts, block, length = shm.pack(body, buffers, self.blocks)
                 self.shm_state = "on"
             except OSError as exc:  # /dev/shm full (ENOSPC at reservation): inline this time
-                self._shm_unavailable(f"cannot create a block ({exc})")
+                self._shm_unavailable(f"cannot create a block ({exc})", exc.errno)
                 parts, block, length = shm.pack(body, buffers, None)
         else:
             parts, block, length = shm.pack(body, buffers, None)
@@ -1093,13 +1108,14 @@ class WorkerProcess:
         except OSError:
             pass  # the worker is gone; its blocks go with it (see dispose)
 
-    def _shm_unavailable(self, why: str) -> None:
+    def _shm_unavailable(self, why: str, err: int | None = None) -> None:
+        """Shared memory failed (``err``: the errno, where this side saw it): stream inline,
+        and warn once per process, whichever side failed first."""
         self.shm_state = "unavailable"
         _log.debug("comfy-env: shared memory failed: %s", why)
-        # One warning per process, whichever side ran out first.
         _warn_once(
             f"shared memory is unavailable ({why}); large buffers are streamed inline "
-            f"until it works again (is {shm.SHM_DIR} full or too small?)",
+            f"until it works again ({shm_failure_hint(err)})",
             key="shm-unavailable",
         )
 

@@ -33,10 +33,12 @@ or remove entries, so paths under it are stable; new directories are made with
 parent.
 
 A root that fails the check is never used: this process takes a private ``mkdtemp`` root
-instead, made in a safe temp dir (one warning that says what was wrong and how to fix it). It
-is removed at interpreter exit, after every pool has closed (``install_exit_hook``: the pools'
-close still writes the status file under it). If no safe place is left for it,
-``RuntimeRootError`` says why. Never a bare ``PermissionError``.
+instead, made in a safe temp dir and named
+``comfy-env-<uid>-private-<host token>-<random>`` (one warning that says what was wrong and
+how to fix it). It is removed at interpreter exit, after every pool has closed
+(``install_exit_hook``: the pools' close still writes the status file under it), or by a
+later sweep if the process was killed (its name carries the host's token). If no safe place
+is left for it, ``RuntimeRootError`` says why. Never a bare ``PermissionError``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import shutil
 import stat
 
 from ._errors import RuntimeRootError
+from ._identity import host_id
 
 _log = logging.getLogger("comfy_env")
 
@@ -287,9 +290,11 @@ def runtime_root() -> str:
         import tempfile
 
         # In a safe temp dir (not merely $TMPDIR): the private root's path is used at every
-        # spawn too, so it must not be renamed away under us either.
-        parent = _safe_temp_dir()
-        private = tempfile.mkdtemp(prefix=f"comfy-env-{os.getuid()}-private-", dir=parent)
+        # spawn too, so it must not be renamed away under us either. Its name carries our
+        # token, so a sweep can remove it if this process is killed.
+        private = tempfile.mkdtemp(
+            prefix=private_root_prefix() + host_id() + "-", dir=private_root_parent()
+        )
     except (OSError, RuntimeRootError) as exc:
         raise RuntimeRootError(
             f"the comfy-env runtime root {path} is unusable ({why}), and no private one could "
@@ -302,7 +307,8 @@ def runtime_root() -> str:
     install_exit_hook()
     _log.warning(
         "comfy-env: the runtime root %s is not safe to use (%s); using a private one, %s, for "
-        "this process (comfy-env status and sweep from other processes will not see it). Fix: "
+        "this process (comfy-env status and sweep from other processes will not see into it; "
+        "a sweep removes it if this process is killed). Fix: "
         "remove %s (if it is not yours, ask its owner or an administrator) or set "
         "XDG_RUNTIME_DIR to a directory of yours with mode 0700",
         path,
@@ -333,6 +339,19 @@ def remove_private_root() -> None:
     private = _private
     if private is not None and private[0] == os.getpid():
         shutil.rmtree(private[1], ignore_errors=True)
+
+
+def private_root_prefix() -> str:
+    """How the names of private fallback roots start, ``comfy-env-<uid>-private-``; the
+    owning host's token follows (``<pid>-t<ticks>-n<namespace>-<random>``), so that a sweep
+    can remove the root of a host killed before its ``atexit`` ran (``_sweep``)."""
+    return f"comfy-env-{os.getuid()}-private-"
+
+
+def private_root_parent() -> str:
+    """The directory private fallback roots are made in: the first safe temp dir
+    (``_safe_temp_dir``; ``RuntimeRootError`` if there is none)."""
+    return _safe_temp_dir()
 
 
 def private_subdir(parent: str, name: str) -> str:

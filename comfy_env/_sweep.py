@@ -8,11 +8,17 @@ namespace>``, see ``_identity``):
 - shared-memory blocks ``/dev/shm/ce-<token>-...`` (the host's and its workers');
 - runtime directories ``<runtime root>/host-<token>-...``;
 - worker processes, whose command line carries their runtime directory and host pid;
-- status files ``<runtime root>/status/<token>.json`` (``comfy-env status``).
+- status files ``<runtime root>/status/<token>.json`` (``comfy-env status``);
+- a private fallback root ``<temp dir>/comfy-env-<uid>-private-<token>-<random>``, made where
+  the shared runtime root was not safe to use (``_rundir``), with all of the above inside.
 
 A sweep acts only on what it can prove belongs to a dead host of this user in this pid
 namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
 wall-clock step, or a name in an older format never make a live host's resources look dead.
+A name is no proof of ownership in ``/dev/shm``, where any user can create any name: a block
+or runtime dir is removed only if ``lstat`` shows a regular file (a real directory) owned by
+our uid (``ours_to_remove``), so root never deletes another user's files, and the dry run,
+deciding by the same test, lists exactly what the real sweep removes.
 Before a process is signalled it is proven to have been launched for that dead host (its
 environment carries the host's token; see ``_orphan_of_dead_host``): a worker, or one of its
 descendants, also those that left the worker's process group. It is signalled through a pidfd
@@ -26,14 +32,15 @@ import logging
 import os
 import shutil
 import signal
+import stat
 
 from comfy_env_worker import shm
 
-from ._descendants import environ_of, pids
+from ._descendants import environ_of, pidfd_is, pids
 from ._errors import RuntimeRootError
 from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
 from ._process import HOST_ID_VAR
-from ._rundir import runtime_root
+from ._rundir import private_root_parent, private_root_prefix, runtime_root
 from ._values import value
 
 _log = logging.getLogger("comfy_env")
@@ -47,9 +54,16 @@ class SweepReport:
     runtime_dirs: tuple[str, ...]
     processes: tuple[int, ...]
     status_files: tuple[str, ...] = ()
+    private_roots: tuple[str, ...] = ()  # paths: private fallback roots of killed hosts
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.runtime_dirs or self.processes or self.status_files)
+        return bool(
+            self.blocks
+            or self.runtime_dirs
+            or self.processes
+            or self.status_files
+            or self.private_roots
+        )
 
 
 def host_alive(pid: int, ticks: int, namespace: int) -> bool:
@@ -62,28 +76,49 @@ def _dead_owner(name: str) -> bool:
     return name_of_dead_owner(name)
 
 
+def ours_to_remove(path: str, *, directory: bool) -> bool:
+    """Is ``path`` ours to remove? Checked with ``lstat`` (a symlink is never followed): a
+    regular file (``directory``: a real directory) owned by our uid. A name proves only who
+    made a thing if nobody else can make one by that name; in ``/dev/shm`` anybody can, so a
+    block of another user named like a dead host's is not ours, even to root. The dry run and
+    the real sweep both decide by this one test, so ``--dry-run`` lists exactly what a sweep
+    removes. (In a sticky directory such as ``/dev/shm`` nobody else can rename or remove an
+    entry of ours between this check and the unlink.)"""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    return kind and st.st_uid == os.getuid()
+
+
 def sweep(*, dry_run: bool = False) -> SweepReport:
-    """Remove shared-memory blocks, runtime directories and worker processes of dead hosts.
+    """Remove shared-memory blocks, runtime directories, status files, private fallback roots
+    and worker processes of dead hosts.
 
     Safe to call at any time from any process of the same user; returns what was removed
-    (``dry_run``: what would be removed, and nothing is changed)."""
+    (``dry_run``: what would be removed, and nothing is changed). Only what this user owns is
+    touched (``ours_to_remove``), root included."""
     processes = _kill_stray_workers(dry_run)
     blocks = []
     for name in shm.owned_blocks(shm.NAME_PREFIX):
-        if _dead_owner(name):
+        path = os.path.join(shm.SHM_DIR, name)
+        if _dead_owner(name) and ours_to_remove(path, directory=False):
             try:
                 if not dry_run:
-                    os.unlink(os.path.join(shm.SHM_DIR, name))
+                    os.unlink(path)
                 blocks.append(name)
             except OSError:
                 pass
     dirs = []
     root = runtime_root()
     for name in os.listdir(root):
+        path = os.path.join(root, name)
         if name.startswith("host-") and _dead_owner(name):
-            if not dry_run:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            dirs.append(name)
+            if ours_to_remove(path, directory=True):
+                if not dry_run:
+                    shutil.rmtree(path, ignore_errors=True)
+                dirs.append(name)
     from ._status import remove_stale_status  # (it imports this module)
 
     try:
@@ -94,22 +129,56 @@ def sweep(*, dry_run: bool = False) -> SweepReport:
         # (the start-up sweep runs on the reactor, which would log a traceback).
         _log.warning("comfy-env: the sweep skipped dead hosts' status files: %s", exc)
         status_files = []
+    private_roots = _sweep_private_roots(dry_run)
     report = SweepReport(
         tuple(sorted(blocks)),
         tuple(sorted(dirs)),
         tuple(sorted(processes)),
         tuple(status_files),
+        tuple(sorted(private_roots)),
     )
     if report and not dry_run:
         _log.info(
             "comfy-env: swept leftovers of dead hosts: %d shared-memory blocks, %d runtime "
-            "dirs, %d worker processes, %d status files",
+            "dirs, %d worker processes, %d status files, %d private roots",
             len(report.blocks),
             len(report.runtime_dirs),
             len(report.processes),
             len(report.status_files),
+            len(report.private_roots),
         )
     return report
+
+
+def _sweep_private_roots(dry_run: bool) -> list[str]:
+    """Private fallback roots (``<temp dir>/comfy-env-<uid>-private-<token>-<random>``, see
+    ``_rundir.runtime_root``) of hosts proven dead: a host killed before its ``atexit`` ran
+    leaves its whole root (its runtime dirs, the worker package) behind. Checked like the
+    root itself: a real directory (never a symlink) of our uid, closed to group and other
+    writes; the temp dir is shared, so a look-alike of anyone else's is left alone."""
+    prefix = private_root_prefix()
+    try:
+        parent = private_root_parent()
+        names = os.listdir(parent)
+    except (OSError, RuntimeRootError):  # (no safe temp dir: no private root was made there)
+        return []
+    removed = []
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        owner = owner_of("host-" + name[len(prefix) :])  # (the token, as in a runtime dir)
+        path = os.path.join(parent, name)
+        if owner is None or not owner_dead(*owner) or not ours_to_remove(path, directory=True):
+            continue
+        try:
+            if os.lstat(path).st_mode & 0o022:
+                continue
+        except OSError:
+            continue
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _kill_stray_workers(dry_run: bool = False) -> list[int]:
@@ -127,7 +196,7 @@ def _kill_stray_workers(dry_run: bool = False) -> list[int]:
         except OSError:
             continue
         try:
-            if _orphan_of_dead_host(pid):
+            if _orphan_of_dead_host(pid) and pidfd_is(pidfd, pid):
                 if dry_run:
                     killed.append(pid)
                     continue

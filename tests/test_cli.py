@@ -257,7 +257,14 @@ def test_sweep_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "sweep", "--json")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"blocks", "runtime_dirs", "processes", "status_files", "dry_run"}
+    assert set(doc) == {
+        "blocks",
+        "runtime_dirs",
+        "processes",
+        "status_files",
+        "private_roots",
+        "dry_run",
+    }
     assert doc["dry_run"] is False  # said either way, not only with --dry-run
     assert all(isinstance(doc[k], list) for k in doc if k != "dry_run")
     code, out, _ = run_cli(capsys, "sweep")

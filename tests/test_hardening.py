@@ -9,6 +9,7 @@ skip cleanly where unshare or mount is not permitted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -420,6 +421,17 @@ print("swapped")
 """
 
 
+PRIVATE_ROOT_HOST = """
+import sys, comfy_env
+from comfy_env._rundir import runtime_root
+worker = comfy_env.get_worker()
+assert worker.call("operator:add", 1, 2) == 3
+print(runtime_root(), worker.pid, flush=True)
+sys.stdin.readline()
+comfy_env.shutdown()
+"""
+
+
 @root_only
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
 def test_another_user_cannot_swap_the_root_away_before_a_respawn(
@@ -549,6 +561,69 @@ def test_a_status_dir_that_is_not_ours_never_makes_close_or_the_sweep_raise(
         assert status.is_file()
 
 
+@root_only
+def test_the_private_root_of_a_killed_host_is_swept_and_a_live_ones_never(
+    shared_tmp: Path,
+) -> None:
+    from comfy_env._rundir import runtime_root
+
+    foreign = shared_tmp / f"comfy-env-{os.getuid()}"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)  # every host here falls back to a private root
+    hosts = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRIVATE_ROOT_HOST],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        roots, workers = [], []
+        for host in hosts:
+            assert host.stdout is not None
+            line = host.stdout.readline()
+            assert line, host.communicate(timeout=30)[1][-3000:]
+            root, worker = line.split()
+            roots.append(root)
+            workers.append(int(worker))
+        dead_root, live_root = roots
+        assert os.path.dirname(dead_root) == str(shared_tmp)
+        assert os.path.basename(dead_root).startswith(f"comfy-env-{os.getuid()}-private-")
+        hosts[0].kill()  # no atexit: before the fix its private root stayed for good
+        hosts[0].communicate(timeout=30)
+        assert wait_until(lambda: not alive(workers[0]), 10)
+        # Look-alikes named for the same dead host: none is ours to remove.
+        look_alikes = [f"{dead_root}-{kind}" for kind in ("foreign", "loose", "link")]
+        for path in look_alikes[:2]:
+            os.mkdir(path, 0o700)
+        os.chown(look_alikes[0], 65534, 65534)
+        os.chmod(look_alikes[1], 0o777)
+        os.symlink(dead_root, look_alikes[2])
+        dry = comfy_env.sweep(dry_run=True)
+        assert dry.private_roots == (dead_root,) and os.path.isdir(dead_root)
+        report = comfy_env.sweep()
+        assert report.private_roots == (dead_root,)
+        assert not os.path.exists(dead_root)
+        assert all(os.path.lexists(path) for path in look_alikes)
+        assert os.path.isdir(live_root) and alive(workers[1])
+        assert hosts[1].stdin is not None
+        hosts[1].stdin.write("\n")
+        hosts[1].stdin.flush()
+        _, err = hosts[1].communicate(timeout=60)
+        assert hosts[1].returncode == 0, err[-3000:]
+        assert not os.path.exists(live_root)  # its own atexit removed it
+    finally:
+        for host in hosts:
+            if host.poll() is None:
+                os.killpg(host.pid, 9)
+                host.communicate(timeout=30)
+        shutil.rmtree(runtime_root(), ignore_errors=True)  # this process's own private root
+
+
 # ---- 3. sweeps must never touch a live host ---------------------------------------------------
 
 LIVE_HOST = """
@@ -668,6 +743,190 @@ def test_a_host_in_another_pid_namespace_is_never_swept(mount_proc: bool) -> Non
             os.killpg(host.pid, 9)
             host.communicate(timeout=30)
     assert "AFTER 1 0 1" in out
+
+
+def _bare_pid_namespace_usable() -> bool:
+    """``unshare --pid --fork`` without ``--mount-proc``: the child keeps our ``/proc``."""
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    try:
+        probe = subprocess.run(
+            ["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+# Runs as pid 1 of a new pid namespace that still sees its parent's /proc. A marked process M
+# is listed there as /proc/R; an innocent, unmarked process is then made to get pid R *inside*
+# the namespace, where pidfd_open(R) names it. Every process here dies with pid 1.
+SHARED_PROC_HOST = """
+import json, logging, os, signal, subprocess, time
+from comfy_env import _descendants
+
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("comfy_env").addHandler(Keep())
+
+mark = "COMFY_ENV_TEST_MARK"
+marked = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **{mark: "m1"}),
+                          start_new_session=True)
+R = None
+while R is None:
+    for pid in _descendants.pids():
+        if (mark + "=m1").encode() in (_descendants.environ_of(pid) or []):
+            R = pid
+# The next pid this namespace hands out is R (else fork until it is).
+try:
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(R - 1))
+except OSError:
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        if pid >= R - 1:
+            break
+innocent = subprocess.Popen(["sleep", "300"])
+out = {"R": R, "innocent": innocent.pid, "marked": marked.pid}
+out["killed"] = _descendants.kill_marked(mark, "m1")
+out["killed_again"] = _descendants.kill_marked(mark, "m1")
+# Where /proc looked ours by coincidence, the pidfd's own pid (fdinfo) still tells them apart.
+_descendants.proc_is_ours = lambda: True
+out["killed_trusting_proc"] = _descendants.kill_marked(mark, "m1")
+time.sleep(0.3)  # a SIGKILL sent above would have landed by now (nothing is timed)
+out["innocent_rc"] = innocent.poll()
+out["marked_rc"] = marked.poll()
+out["warnings"] = [m for m in said if "/proc does not show" in m]
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.skipif(not _bare_pid_namespace_usable(), reason="needs unshare --pid (root)")
+def test_a_pid_namespace_sharing_our_proc_never_signals_a_process_by_the_wrong_pid() -> None:
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", SHARED_PROC_HOST],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    out = json.loads(line[0][len("RESULT ") :])
+    if out["innocent"] != out["R"]:
+        pytest.skip("could not give the innocent process the marked one's /proc pid")
+    # Before the fix the scan opened pidfd_open(R), the innocent process, read /proc/R's
+    # environment (the marked one's) and SIGKILLed the innocent one.
+    assert out["killed"] == [] and out["killed_again"] == []
+    assert out["killed_trusting_proc"] == []
+    assert out["innocent_rc"] is None
+    assert out["marked_rc"] is None  # not ours to find here: it is left alone, not mistaken
+    assert len(out["warnings"]) == 1, out["warnings"]
+
+
+# Plants, in a private /dev/shm and a runtime root of its own, things named like a dead host's
+# blocks and runtime dirs, of which only one block and one dir are ours to remove; then runs a
+# dry-run sweep and a real one.
+FOREIGN_LEFTOVERS_HOST = """
+import json, os
+import comfy_env
+from comfy_env._identity import pid_namespace
+from comfy_env._rundir import runtime_root
+
+dead = 4_000_000
+while os.path.exists(f"/proc/{dead}"):
+    dead -= 1
+owner = f"{dead}-t1-n{pid_namespace()}"
+shm, root = "/dev/shm", runtime_root()
+elsewhere = os.path.join(os.path.dirname(root), "elsewhere")
+os.mkdir(elsewhere)
+open(os.path.join(elsewhere, "keep"), "w").close()
+
+def plant(path, kind):
+    if kind == "dir":
+        os.mkdir(path)
+    elif kind == "link":
+        os.symlink(elsewhere, path)
+    else:
+        open(path, "w").close()
+    if kind == "foreign":
+        os.chown(path, 65534, 65534)
+
+for tag in ("ours", "foreign", "dir", "link"):
+    plant(f"{shm}/ce-{owner}-h1-{tag}", tag if tag != "ours" else "file")
+for tag in ("ours", "foreign", "file", "link"):
+    plant(f"{root}/host-{owner}-{tag}", {"ours": "dir", "foreign": "dir"}.get(tag, tag))
+os.chown(f"{root}/host-{owner}-foreign", 65534, 65534)
+dry = comfy_env.sweep(dry_run=True)
+real = comfy_env.sweep()
+print("RESULT " + json.dumps({
+    "owner": owner,
+    "dry": [list(dry.blocks), list(dry.runtime_dirs)],
+    "real": [list(real.blocks), list(real.runtime_dirs)],
+    "shm_left": sorted(os.listdir(shm)),
+    "root_left": sorted(n for n in os.listdir(root) if n.startswith("host-")),
+    "elsewhere_left": os.listdir(elsewhere),
+}))
+"""
+
+
+@needs_mount_namespace
+@root_only
+def test_a_sweep_removes_only_what_is_ours_and_dry_run_lists_exactly_that(tmp_path: Path) -> None:
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    proc = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$0" -c "$1"',
+            sys.executable,
+            FOREIGN_LEFTOVERS_HOST,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, XDG_RUNTIME_DIR=str(xdg)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    out = json.loads(line[0][len("RESULT ") :])
+    owner = out["owner"]
+    # Before the fix root unlinked another user's file named like a dead host's block, and the
+    # dry run listed a directory and symlinks the real sweep then could not (or must not) remove.
+    assert out["dry"] == out["real"] == [[f"ce-{owner}-h1-ours"], [f"host-{owner}-ours"]]
+    assert out["shm_left"] == [f"ce-{owner}-h1-{tag}" for tag in ("dir", "foreign", "link")]
+    assert out["root_left"] == [f"host-{owner}-{tag}" for tag in ("file", "foreign", "link")]
+    assert out["elsewhere_left"] == ["keep"]
+
+
+@root_only
+def test_unlinking_a_workers_blocks_never_removes_another_users_file() -> None:
+    from comfy_env._process import host_id
+    from comfy_env_worker import shm
+
+    prefix = f"ce-{host_id()}-w{os.getpid()}-"
+    ours, foreign = f"{prefix}ours", f"{prefix}foreign"
+    for name in (ours, foreign):
+        open(f"/dev/shm/{name}", "w").close()
+    os.chown(f"/dev/shm/{foreign}", 65534, 65534)
+    os.mkdir(f"/dev/shm/{prefix}dir")
+    try:
+        assert shm.unlink_blocks(prefix) == [ours]
+        assert os.path.exists(f"/dev/shm/{foreign}") and os.path.isdir(f"/dev/shm/{prefix}dir")
+    finally:
+        for name in (ours, foreign):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        os.rmdir(f"/dev/shm/{prefix}dir")
 
 
 def test_owner_checks_prove_death_or_leave_things_alone() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -500,6 +501,75 @@ def test_buffers_under_the_threshold_inline_are_no_shared_memory_failure(
         out = w.call(remote_tasks.filled, 3.0, big)
         assert np.array_equal(out, np.full(big, 3.0, np.float32)) and _is_loan(_owner_block(out))
         assert w.stats().shared_memory == "on"
+
+
+def _squat_next_names(names: list[str], count: int) -> list[str]:
+    """Create (empty, ``O_EXCL``) the ``count`` names after each series in ``names``: the next
+    names a pool would use if its names were ``<series>-<serial>``, as another user who can
+    read the host's token in /proc and list /dev/shm would. Returns the paths made."""
+    made = []
+    for series in {n.rpartition("-")[0] for n in names}:
+        top = max(int(n.rpartition("-")[2]) for n in names if n.rpartition("-")[0] == series)
+        for serial in range(top + 1, top + 1 + count):
+            path = f"/dev/shm/{series}-{serial}"
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            made.append(path)
+    return made
+
+
+def test_names_taken_by_someone_else_never_turn_shared_memory_off(pool: comfy_env.Pool) -> None:
+    from comfy_env._process import host_id
+
+    w = pool.get_worker()
+    w.call(remote_tasks.filled, 1.0, MiB // 2)  # a reply block of the worker's too
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host_id()}-")]
+    hosts = [n for n in mine if f"-w{w.pid}-" not in n]
+    workers = [n for n in mine if f"-w{w.pid}-" in n]
+    assert hosts and workers
+    squatted = _squat_next_names(hosts, 40) + _squat_next_names(workers, 40)
+    try:
+        for mib in (3, 6, 12):  # each a size class neither side has a block of yet
+            arr = np.arange(mib * MiB // 4, dtype=np.float32)
+            out = w.call("numpy:add", arr, 1.0)  # a new block each way
+            assert np.array_equal(out, arr + 1) and _is_loan(_owner_block(out))
+            del out
+        # Before the fix every new block hit a taken name (EEXIST): inline, "unavailable".
+        assert w.stats().shared_memory == "on"
+        assert all(os.stat(p).st_size == 0 for p in squatted)  # never opened, never removed
+    finally:
+        for path in squatted:
+            os.unlink(path)
+
+
+def test_when_every_name_tried_is_taken_the_warning_says_so(
+    config: comfy_env.PoolConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from comfy_env import _process
+    from comfy_env._process import host_id
+    from comfy_env_worker import shm
+
+    # The host's random part is made predictable, and every name it would try is taken.
+    monkeypatch.setattr(shm, "random_name_part", lambda: "0000beef")
+    monkeypatch.setattr(_process, "_warned", set())
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:add", 1)
+        hosts = [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host_id()}-h")]
+        assert hosts and all("-0000beef-" in n for n in hosts)
+        taken = _squat_next_names(hosts, 2 * shm.NAME_TRIES)
+        try:
+            with caplog.at_level(logging.WARNING, logger="comfy_env"):
+                arr = np.arange(3 * MiB, dtype=np.float32)
+                assert np.array_equal(w.call("comfy_env_worker.tasks:echo", arr), arr)
+        finally:
+            for path in taken:
+                os.unlink(path)
+    said = [r.getMessage() for r in caplog.records]
+    said = [m for m in said if "shared memory is unavailable" in m]
+    assert len(said) == 1
+    assert "taken by someone else" in said[0] and "full or too small" not in said[0]
 
 
 @pytest.mark.parametrize(

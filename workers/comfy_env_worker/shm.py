@@ -37,10 +37,13 @@ frame.
   also kept (a retained block) is copied into a reply block instead: the caller never shares
   memory with the worker's cache.
 
-**Names** carry the owning host's pid and start time (``ce-<pid>-<start ms>-...``) so the
-orphan sweep can tell a dead host's blocks from a live one's even when the pid is reused, and
-the owner: ``h`` for the host, ``w<pid>`` for a worker. Blocks are created with mode 0600 and
-never registered with ``multiprocessing.resource_tracker``.
+**Names** carry the owning host's token (``ce-<pid>-t<start ticks>-n<pid namespace>-...``) so
+the orphan sweep can tell a dead host's blocks from a live one's even when the pid is reused,
+the owner: ``h<serial>`` for a host's pool, ``w<pid>`` for a worker, then a random part and
+the block's serial (``ce-<token>-w812-9c0ffee1-3``). The random part keeps another user from
+creating our next names first; a name found taken is skipped with a new random part
+(``BlockPool``). Blocks are created with ``O_EXCL``, mode 0600, and never registered with
+``multiprocessing.resource_tracker``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import errno
 import mmap
 import os
 import pickle
+import stat
 import struct
 import sys
 
@@ -391,12 +395,29 @@ def prefault(mm: mmap.mmap) -> None:
         mm[offset] = mm[offset]
 
 
+# Names are not secrets: a host's token is in /proc for anyone to read, and SHM_DIR can be
+# listed. Another user who creates files at the names a pool will use next (``File exists``)
+# would otherwise turn shared memory off for that host. So each pool's names carry a random
+# part, drawn anew whenever a name turns out taken, this many times per block at most.
+NAME_TRIES = 8
+
+
+def random_name_part() -> str:
+    """The random part of a pool's block names (8 hex digits)."""
+    return os.urandom(4).hex()
+
+
 class BlockPool:
     """Blocks this process reuses for what it sends: pre-faulted after first use (a fresh
-    block per call costs about ten memcpys in page faults), bounded in total idle bytes."""
+    block per call costs about ten memcpys in page faults), bounded in total idle bytes.
+
+    Block names are ``<name_prefix><random>-<serial>`` (``ce-<host token>-h3-1f2e3d4c-7``):
+    the caller's prefix is what the peer and the sweep check; the random part is drawn anew
+    when a name is taken (see ``NAME_TRIES``)."""
 
     def __init__(self, name_prefix: str, max_idle_bytes: int) -> None:
-        self._prefix = name_prefix
+        self._base = name_prefix
+        self._prefix = "%s%s-" % (name_prefix, random_name_part())
         self._max_idle = max_idle_bytes
         self._free: Dict[int, List[Block]] = {}
         self._idle_bytes = 0
@@ -425,12 +446,31 @@ class BlockPool:
                 return block
             if self._making.get(size) and size < SPARE_MIN_BYTES:
                 self._late.add(size)
-            self._seq += 1
-            name = "%s%d" % (self._prefix, self._seq)
-        block = Block(name, size)
+        block = self._new_block(size)
         with self._lock:
-            self.live[name] = block
+            self.live[block.name] = block
         return block
+
+    def _new_block(self, size: int) -> Block:
+        """A new block under the next name. A name someone else created first (EEXIST) is
+        never touched: the pool draws a new random part and tries again, ``NAME_TRIES`` times
+        in all; then ``FileExistsError``, which the sender answers by streaming inline."""
+        for _ in range(NAME_TRIES):
+            with self._lock:
+                self._seq += 1
+                prefix = self._prefix
+                name = "%s%d" % (prefix, self._seq)
+            try:
+                return Block(name, size)
+            except FileExistsError:
+                with self._lock:
+                    if self._prefix == prefix:  # (another thread may have drawn anew already)
+                        self._prefix = "%s%s-" % (self._base, random_name_part())
+        raise FileExistsError(
+            errno.EEXIST,
+            "%d names in a row for a new block existed already" % NAME_TRIES,
+            os.path.join(SHM_DIR, self._base + "*"),
+        )
 
     def release(self, block: Block, spare: bool = False) -> None:
         """Keep ``block`` idle for reuse. Over the idle bound, the blocks idle the longest are
@@ -499,11 +539,9 @@ class BlockPool:
         with self._lock:
             if size > self._max_idle or self._closed:
                 return
-            self._seq += 1
-            name = "%s%d" % (self._prefix, self._seq)
             self._making[size] = self._making.get(size, 0) + 1
         try:
-            block = Block(name, size)
+            block = self._new_block(size)
             prefault(block.mm)
         finally:
             with self._lock:
@@ -511,7 +549,7 @@ class BlockPool:
         with self._lock:
             closed = self._closed
             if not closed:
-                self.live[name] = block
+                self.live[block.name] = block
         if closed:  # destroy_all ran meanwhile (the pool is closing): nothing may outlive it
             block.destroy()
             return
@@ -888,11 +926,18 @@ def owned_blocks(prefix: str) -> List[str]:
 
 
 def unlink_blocks(prefix: str) -> List[str]:
-    """Unlink every block whose name starts with ``prefix``; returns the names unlinked."""
+    """Unlink every block of ours whose name starts with ``prefix``; returns the names
+    unlinked. Anyone can create a file by any name in SHM_DIR: one that is not a regular
+    file owned by our uid is left alone (root would otherwise delete another user's file)."""
     gone = []
+    uid = os.getuid()
     for name in owned_blocks(prefix):
+        path = os.path.join(SHM_DIR, name)
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            os.unlink(path)
             gone.append(name)
         except OSError:
             pass
