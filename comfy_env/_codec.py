@@ -276,10 +276,10 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
     cause = RemoteTraceback(tb_text)
     if (module, qualname) == ("comfy_env_worker.control", "Cancelled"):
         # The call stopped on a cancel (cooperatively or interrupted) and its worker lives on.
-        cancelled = CallCancelled(
-            "the call was cancelled; it stopped in its worker, which lives on with its caches "
-            f"({message})"
-        )
+        # An asynchronous ``Cancelled`` (pure-Python code interrupted after half the grace) is
+        # raised as the bare class: no text, and then no empty parentheses either.
+        text = "the call was cancelled; it stopped in its worker, which lives on with its caches"
+        cancelled = CallCancelled(f"{text} ({message})" if message else text)
         raise chained(cancelled, cause)
     if (module, qualname) == ("comfy_env_worker.refs", "StaleRefError"):
         raise chained(RefReleasedError(message), cause)

@@ -117,6 +117,22 @@ def test_a_second_cancel_kills_at_once(grace_pool: comfy_env.Pool) -> None:
     assert w.generation == 2
 
 
+def test_an_interrupted_calls_cancel_message_has_no_empty_parentheses(
+    grace_pool: comfy_env.Pool,
+) -> None:
+    # Pure Python that never checks is interrupted after half the grace by a bare
+    # ``Cancelled`` with no text of its own.
+    w = grace_pool.get_worker()
+    call = w.submit("remote_tasks:busy_loop", (30,))
+    _started(w, call)
+    call.cancel()
+    with pytest.raises(CallCancelled, match="lives on with its caches") as info:
+        call.result(timeout=10)
+    assert "()" not in str(info.value)
+    assert str(info.value).endswith("with its caches")
+    assert w.generation == 1
+
+
 def test_cancelling_a_queued_call_removes_it_from_the_queue(grace_pool: comfy_env.Pool) -> None:
     w = grace_pool.get_worker()
     first = w.submit("remote_tasks:cooperative_loop", (1.0,))
