@@ -111,10 +111,35 @@ def test_a_second_cancel_kills_at_once(grace_pool: comfy_env.Pool) -> None:
     _started(w, call)
     call.cancel()
     call.cancel()  # escalation: no grace
-    with pytest.raises(CallCancelled, match="was killed"):
+    with pytest.raises(CallCancelled, match="was killed") as info:
         call.result(timeout=2.5)  # well inside the 3 s grace
+    # It says why: the grace never ran out, the second cancel killed the worker.
+    assert "killed at once on a second cancel" in str(info.value)
+    assert "cancel_grace" not in str(info.value)
     w.call("remote_tasks:getpid")
     assert w.generation == 2
+
+
+def test_a_forced_cancel_says_it_killed_at_once(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    call = w.submit("remote_tasks:ignore_cancel", (30,))
+    _started(w, call)
+    call._cancel(True)  # what a cancel with force=True does: no asking first
+    with pytest.raises(CallCancelled, match="killed at once on a forced cancel") as info:
+        call.result(timeout=2.5)
+    assert "cancel_grace" not in str(info.value)
+    assert w.stats().cancelled == 1
+
+
+def test_the_kill_with_cancel_grace_zero_names_the_setting(config: comfy_env.PoolConfig) -> None:
+    cfg = config.model_copy(update={"cancel_grace": 0.0})
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        call = w.submit("remote_tasks:cooperative_loop", (30,))
+        _started(w, call)
+        call.cancel()
+        with pytest.raises(CallCancelled, match=r"killed at once \(PoolConfig.cancel_grace=0\)"):
+            call.result(timeout=10)
 
 
 def test_an_interrupted_calls_cancel_message_has_no_empty_parentheses(
