@@ -338,16 +338,17 @@ class Pool:
             if self._closed:
                 raise self.closed_error()
             entry.submitted += 1
-            if isinstance(entry.env_state, lc.EnvAbandoned):
-                ticket.stage = "in_flight"
-                entry.in_flight += 1
-                raise abandoned_error(entry.spec.key, entry.env_state)
             if ticket.cancelled:  # a submitted call cancelled before its thread got here
+                # (Checked first: its ``Call`` already settled as cancelled, see ``cancel``.)
                 ticket.stage = "in_flight"
                 entry.in_flight += 1
                 raise CallCancelled(
                     "the call was cancelled before it was queued", env=entry.spec.key
                 )
+            if isinstance(entry.env_state, lc.EnvAbandoned):
+                ticket.stage = "in_flight"
+                entry.in_flight += 1
+                raise abandoned_error(entry.spec.key, entry.env_state)
             slot = lease_at_once_locked(entry, ticket)
             if slot is not None:
                 if eager and ticket.wanted is None and not entry.dropped_refs:
@@ -496,23 +497,35 @@ class Pool:
         else:
             process.dispose()
 
-    def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> None:
+    def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
         """Cancel a call from any thread: unqueue it, or ask the worker running it to stop
         (``CancelRequested``: CANCEL frame, then the kill after ``cancel_grace``); ``force``
         kills at once. A call holding a slot but not sent yet (its worker is starting) sees
-        the flag before it is sent."""
+        the flag before it is sent.
+
+        True when the call will never run, so its handle may settle as cancelled at once
+        (``Call.cancel``): it was queued, and is now out of the queue and counted cancelled
+        here, in the same lock section (its waiter, woken, finds it settled and counts
+        nothing); or it was not queued yet, and its thread stops it on the flag before it
+        queues (and counts it there). False otherwise: the call's own end settles it."""
         with entry.lock:
             ticket.cancelled = True
-            if ticket.stage == "queued" and ticket.slot is None:
+            stage = ticket.stage
+            if stage == "new":
+                return True
+            if stage == "queued" and ticket.slot is None:
                 try:
                     entry.waiters.remove(ticket)
                 except ValueError:
                     pass
+                entry.queued -= 1
+                entry.cancelled += 1
+                ticket.stage = "done"
                 ticket.wake()
-                return
+                return True
             slot = ticket.slot
             if slot is None or ticket.call_id == 0:
-                return
+                return False
             event: lc.Event
             if force:
                 event = lc.CallCancelled(ticket.generation, ticket.call_id)
@@ -520,6 +533,7 @@ class Pool:
                 grace = self.settings.cancel_grace
                 event = lc.CancelRequested(ticket.generation, ticket.call_id, self.clock(), grace)
         entry.apply(slot, event)
+        return False
 
     # ---- the call ----
 

@@ -173,6 +173,32 @@ def test_cancelling_a_queued_call_removes_it_from_the_queue(grace_pool: comfy_en
     assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 2, 0, 0)
 
 
+def test_cancelling_a_queued_call_settles_it_before_cancel_returns(
+    grace_pool: comfy_env.Pool,
+) -> None:
+    # As concurrent.futures promises: once cancel() returned True for a call that had not
+    # started, the call is cancelled and done, its callbacks ran, result() raises at once.
+    w = grace_pool.get_worker()
+    first = w.submit("remote_tasks:cooperative_loop", (1.0,))
+    _started(w, first)
+    queued = w.submit("remote_tasks:count_calls")
+    assert wait_until(lambda: w.stats().queued == 1)
+    settled_on: list[int] = []
+    queued.add_done_callback(lambda call: settled_on.append(threading.get_ident()))
+    assert queued.cancel() is True
+    assert settled_on == [threading.get_ident()]  # ran inside cancel(), not later elsewhere
+    assert queued.cancelled() and queued.done() and not queued.running()
+    with pytest.raises(CallCancelled, match="queued"):
+        queued.result(timeout=0)
+    stats = w.stats()  # counted at once too, exactly once
+    assert (stats.cancelled, stats.queued, stats.submitted) == (1, 0, 2)
+    assert queued.cancel() is False  # done: nothing more to cancel
+    assert first.result(timeout=10) == "finished"  # the running call is not touched
+    assert w.call("remote_tasks:count_calls") == 1  # the cancelled call never ran
+    stats = w.stats()
+    assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 2, 0, 0)
+
+
 def test_a_late_cancel_never_affects_the_next_call(grace_pool: comfy_env.Pool) -> None:
     w = grace_pool.get_worker()
     done = w.submit("remote_tasks:cooperative_loop", (0.05,))
