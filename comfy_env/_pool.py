@@ -959,11 +959,12 @@ class Pool:
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if isinstance(exc, WorkerStartError) and not self._closed:
-                # Nothing was forked, so no exit will be reported: count the death now.
-                self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
+                # Nothing was forked, so no exit will be reported: count the death now (told
+                # first, then counted: see ``_report_death``).
                 self._events.emit(
                     WorkerRetired(entry.spec.key, generation, None, "start_failed", None, None)
                 )
+                self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
             raise
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
@@ -1087,8 +1088,9 @@ class Pool:
     def _report_death(
         self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
     ) -> None:
-        """Report a generation's end once: the crash-loop breaker counts it (deaths only, and
-        nothing while the pool closes) and subscribers get ``WorkerRetired``. The caller whose
+        """Report a generation's end once: subscribers get ``WorkerRetired``, then the crash-loop
+        breaker counts it (deaths only, and nothing while the pool closes; ``EnvAbandoned``
+        if it trips, after the retirement that caused it). The caller whose
         call the death failed reports before it raises (``crash_error``), so a caller that
         calls again at once meets the breaker's verdict and events keep their order; else
         the reactor does when the exit is reported."""
@@ -1097,8 +1099,8 @@ class Pool:
                 return
             process.death_reported = True
         reason = process.retire_reason or lc.RetireReason.CRASHED
-        if reason in lc.DEATHS and not self._closed:
-            self._record_death(entry, process.generation, reason, returncode, tail)
+        # Causal order for subscribers: the retirement first, then the breaker's verdict on
+        # it (``record_death`` emits ``EnvAbandoned`` when this death trips the breaker).
         if self._events.subscribed:  # no event object on a crash path nobody watches
             self._events.emit(
                 WorkerRetired(
@@ -1110,6 +1112,8 @@ class Pool:
                     signal_name(returncode),
                 )
             )
+        if reason in lc.DEATHS and not self._closed:
+            self._record_death(entry, process.generation, reason, returncode, tail)
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
