@@ -728,6 +728,11 @@ class WorkerProcess:
                     cwd=self.config.cwd,
                 )
                 self.popen = proc
+                # The launched process's pid until the hello names the interpreter's own
+                # (they differ only behind a wrapper script): set before ``_watch`` starts
+                # reading its output, so what it says before its hello (a broken env's
+                # interpreter) is printed and logged with a pid, not ``pid=None``.
+                self.log.pid = proc.pid
                 self._watch()
                 if after_launch is not None:
                     after_launch(self)
