@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from comfy_env_worker.shm import Block
 
     from ._envs import EnvSpec
-    from ._lifecycle import RetireReason, Stop
+    from ._lifecycle import CancelKill, RetireReason, Stop
     from ._logs import WorkerLog
     from ._process import RuntimeDir
     from ._reactor import Reactor
@@ -66,6 +66,7 @@ class WorkerGeneration(Protocol):
     returncode: int | None
     startup_seconds: float
     retire_reason: RetireReason | None
+    cancel_kill: CancelKill | None  # how a cancel killed it (set by the gate with the reason)
     shm_state: str
     log: WorkerLog
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)

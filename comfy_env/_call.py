@@ -7,16 +7,21 @@ loop) that reads the reply turns each into a frozen ``CallEvent`` and hands it t
 logged and does not disturb the call.
 
 ``Call`` follows ``concurrent.futures.Future``: ``result(timeout)``, ``exception(timeout)``,
-``done()``, ``running()``, ``add_done_callback``. It differs where a subprocess call must:
-``cancel()`` also works on a running call (it starts the cooperative cancellation: the worker
-is asked, and killed after ``PoolConfig.cancel_grace``) and returns True when cancellation was
-requested; the call then ends with ``CallCancelled`` (or with its result, if the reply crossed
-the cancel). Each submitted call runs on a thread of its own while it waits and runs.
+``done()``, ``running()``, ``add_done_callback``. As there, ``cancel()`` of a call that has not
+started settles it before it returns: ``cancelled()`` and ``done()`` are True, done callbacks
+have run (on the cancelling thread) and ``result()`` raises ``CallCancelled`` at once. It
+differs where a subprocess call must: ``cancel()`` also works on a running call (it starts the
+cooperative cancellation: the worker is asked, and killed after ``PoolConfig.cancel_grace``)
+and returns True when cancellation was requested; that call then ends with ``CallCancelled``
+(or with its result, if the reply crossed the cancel). Each submitted call runs on a thread of
+its own while it waits and runs; whichever of that thread and ``cancel()`` settles the call
+first decides its outcome, and the other's is dropped.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import pickle
 import threading
@@ -85,21 +90,26 @@ class Call:
 
     __slots__ = ("_cancel", "_env", "_future", "_ticket")
 
-    def __init__(self, env: str, ticket: CallTicket, cancel: Callable[[bool], None]) -> None:
+    def __init__(self, env: str, ticket: CallTicket, cancel: Callable[[bool], bool]) -> None:
         self._env = env
         self._ticket = ticket
-        self._cancel = cancel  # (force) -> unqueue, ask the worker, or (force) kill at once
+        # (force) -> unqueue, ask the worker, or (force) kill at once; True: it never runs.
+        self._cancel = cancel
         self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._future.set_running_or_notify_cancel()
 
     def _start(self, run: Callable[[], Any]) -> None:
         def body() -> None:
+            # The race this guards: ``cancel()`` settled a queued call while this thread was
+            # being woken to raise the same cancellation; the first outcome stands.
             try:
                 result = run()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                self._future.set_exception(exc)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    self._future.set_exception(exc)
             else:
-                self._future.set_result(result)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    self._future.set_result(result)
 
         threading.Thread(target=body, name="comfy-env-call", daemon=True).start()
 
@@ -120,10 +130,16 @@ class Call:
     def cancel(self) -> bool:
         """Cancel a queued call, or ask the worker to stop a running one (killed after
         ``PoolConfig.cancel_grace``; a second ``cancel()`` kills it at once). False if the
-        call is already done."""
+        call is already done. A call that had not started is settled before this returns
+        (``cancelled()`` is True, done callbacks ran); a running one when it ends."""
         if self._future.done():
             return False
-        self._cancel(self._ticket.cancelled)
+        if self._cancel(self._ticket.cancelled):
+            error = CallCancelled(
+                "the call was cancelled while queued; it never ran", env=self._env
+            )
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                self._future.set_exception(error)
         return True
 
     def cancelled(self) -> bool:
@@ -154,7 +170,7 @@ class Call:
 
     def add_done_callback(self, fn: Callable[[Call], object]) -> None:
         """Run ``fn(call)`` when the call is done (at once if it is), on the thread that
-        finished it."""
+        finished it (the call's own, or the one whose ``cancel()`` settled a queued call)."""
         self._future.add_done_callback(lambda _f: fn(self))
 
     def __repr__(self) -> str:

@@ -134,7 +134,9 @@ class CallSite(Protocol):
         self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
     ) -> None: ...
 
-    def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> None: ...
+    def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
+        """Cancel from any thread; True when the call will never run (see ``Pool.cancel``)."""
+        ...
 
     def crash_error(
         self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str

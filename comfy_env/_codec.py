@@ -34,6 +34,7 @@ from comfy_env_worker.protocol import FrameType
 from comfy_env_worker.shm import MIN_BLOCK
 
 from ._errors import (
+    ArgumentError,
     CallCancelled,
     RefReleasedError,
     RemoteError,
@@ -72,6 +73,66 @@ _TARGET_EXAMPLE = "'package.module:function'"
 
 # "module:qualname" strings already found well-formed (bounded like the cache above).
 _VALID_TARGETS: set[str] = set()
+
+
+def target_problem(target: str) -> str | None:
+    """What is wrong with a ``"module:qualname"`` string as a call target, or None.
+
+    The host's rule, checked before anything is sent (the worker would only fail the call
+    later, as a plain ``ValueError``, or import something else than meant): exactly one
+    ``:``, no whitespace or control characters, a module part of non-empty dotted names (not
+    necessarily identifiers: importlib imports a directory such as ``ComfyUI-Foo`` on
+    ``sys.path``; no leading dot, since relative imports have no package to be relative to),
+    and a qualname of dotted identifiers (``function`` or ``Class.method``)."""
+    module, sep, qualname = target.partition(":")
+    if not sep:
+        return "it has no ':' between the module and the function"
+    if ":" in qualname:
+        return "it has more than one ':'"
+    if any(c.isspace() or not c.isprintable() for c in target):
+        return "it contains whitespace or a control character"
+    if not module:
+        return "the module part before ':' is empty"
+    if not qualname:
+        return "the function part after ':' is empty"
+    if "" in module.split("."):
+        return f"the module part {module!r} has an empty name (a leading, trailing or double dot)"
+    for part in qualname.split("."):
+        if not part.isidentifier():
+            return f"{part!r} in the function part {qualname!r} is not a Python identifier"
+    return None
+
+
+def check_target(target: object) -> None:
+    """Raise ``ArgumentError`` unless ``target`` can be called: a well-formed
+    ``"module:qualname"`` string (``target_problem``) or a callable. A good string is
+    remembered, so the check runs once per target."""
+    if isinstance(target, str):
+        if type(target) is str and target in _VALID_TARGETS:
+            return
+        problem = target_problem(target)
+        if problem is not None:
+            raise ArgumentError(
+                f"call target {target!r} is not of the form {_TARGET_EXAMPLE} "
+                f"(or 'module:Class.method'): {problem}"
+            )
+        if len(_VALID_TARGETS) >= _REFERENCE_CACHE_MAX:
+            _VALID_TARGETS.clear()
+        if type(target) is str:  # not a str subclass, whose equality could lie
+            _VALID_TARGETS.add(target)
+    elif not callable(target):
+        raise ArgumentError(
+            f"call target must be a string {_TARGET_EXAMPLE} or a callable, "
+            f"not {type(target).__name__} {_short_repr(target)}"
+        )
+
+
+def _short_repr(obj: object) -> str:
+    try:
+        text = repr(obj)
+    except Exception:  # noqa: BLE001 - a __repr__ that raises: the type name says enough
+        return "(unprintable)"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def target_label(target: str | Callable[..., Any]) -> str:
@@ -132,7 +193,8 @@ def encode_call(
 
     ``plain``: the caller already checked that every argument is a scalar (nothing can go out
     of band), so the arguments are not scanned again. A string target is validated once and
-    remembered.
+    remembered; a malformed one, or a target that is neither a string nor a callable, raises
+    ``ArgumentError`` (``check_target``).
 
     Buffers of at least ``threshold`` bytes are left out of the pickle as raw views of the
     caller's memory (nothing is copied yet; the pool places them in shared memory or inline at
@@ -141,13 +203,7 @@ def encode_call(
     if type(target) is str and target in _VALID_TARGETS:
         wire_target: str | Callable[..., Any] = target
     elif isinstance(target, str):
-        module, sep, qualname = target.partition(":")
-        if not sep or not module or not qualname:
-            raise ValueError(f"call target {target!r} is not of the form {_TARGET_EXAMPLE}")
-        if len(_VALID_TARGETS) >= _REFERENCE_CACHE_MAX:
-            _VALID_TARGETS.clear()
-        if type(target) is str:  # not a str subclass, whose equality could lie
-            _VALID_TARGETS.add(target)
+        check_target(target)
         wire_target = target
     elif callable(target):
         ref = reference_name(target)
@@ -159,10 +215,7 @@ def encode_call(
             return body, buffers, True
         wire_target = ref
     else:
-        raise TypeError(
-            f"call target must be a callable or a string {_TARGET_EXAMPLE}, "
-            f"not {type(target).__name__}"
-        )
+        check_target(target)  # raises: neither a string nor a callable
     message = (wire_target, args, kwargs)
     if plain:
         try:
@@ -223,10 +276,10 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
     cause = RemoteTraceback(tb_text)
     if (module, qualname) == ("comfy_env_worker.control", "Cancelled"):
         # The call stopped on a cancel (cooperatively or interrupted) and its worker lives on.
-        cancelled = CallCancelled(
-            "the call was cancelled; it stopped in its worker, which lives on with its caches "
-            f"({message})"
-        )
+        # An asynchronous ``Cancelled`` (pure-Python code interrupted after half the grace) is
+        # raised as the bare class: no text, and then no empty parentheses either.
+        text = "the call was cancelled; it stopped in its worker, which lives on with its caches"
+        cancelled = CallCancelled(f"{text} ({message})" if message else text)
         raise chained(cancelled, cause)
     if (module, qualname) == ("comfy_env_worker.refs", "StaleRefError"):
         raise chained(RefReleasedError(message), cause)

@@ -150,6 +150,7 @@ class EnvEntry:
     def apply_locked(self, slot: Slot, event: lc.Event) -> tuple[lc.Effect, ...] | None:
         """Apply ``event`` to ``slot`` (lock held). Returns the effects to run after unlocking,
         or None if the event was dropped."""
+        before = slot.state  # (what ``cancel_kill`` reads, below)
         result = lc.step(slot.state, event)
         if isinstance(result, lc.Dropped):
             self.stale_events_dropped += 1
@@ -159,6 +160,10 @@ class EnvEntry:
             process = slot.process
             if process is not None and process.generation == result.state.generation:
                 process.retire_reason = result.state.reason
+                if result.state.reason is lc.RetireReason.CANCELLED:
+                    # Read from the state before the event: the retired one no longer says
+                    # whether a cancel was pending (a second cancel, or the grace running out).
+                    process.cancel_kill = lc.cancel_kill(before, event)
             slot.live_refs.clear()  # they died with this generation
         return result.effects
 

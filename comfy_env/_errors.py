@@ -3,7 +3,8 @@
 ``ComfyEnvError``
   ``PoolClosedError``    you closed the pool
   ``ConfigError``        a ``PoolConfig`` value (or ``COMFY_ENV_*`` variable) is invalid
-  ``ArgumentError``      an argument (a timeout, ...) cannot be used (also a ``ValueError``)
+  ``ArgumentError``      an argument (a target, args, a timeout) cannot be used (also a
+                         ``ValueError`` and a ``TypeError``)
   ``HostResourceError``  the host ran out of descriptors or memory handling a reply
   ``RuntimeRootError``   the runtime root is not ours and no private one could be made
   ``EnvError``           no such env, or no interpreter in it
@@ -41,9 +42,16 @@ class RuntimeRootError(ComfyEnvError):
         self.reason = reason
 
 
-class ArgumentError(ComfyEnvError, ValueError):
-    """An argument comfy-env cannot use (a timeout that is not a finite positive number of
-    seconds, ...); raised before anything runs. The message names the argument."""
+class ArgumentError(ComfyEnvError, ValueError, TypeError):
+    """An argument comfy-env cannot use, raised in the caller before anything runs (nothing
+    is spawned, queued or counted): a call target that is not ``"module:function"`` or a
+    callable, ``args`` that are not a sequence of positional arguments, ``kwargs`` that are
+    not a mapping of names, a timeout that is not a finite positive number of seconds. The
+    message names the argument and what is expected.
+
+    Both a ``ValueError`` and a ``TypeError``, so that code written against the built-in
+    errors these cases raised before (a malformed target: ``ValueError``; a target of the
+    wrong type: ``TypeError``) still catches them."""
 
 
 class HostResourceError(ComfyEnvError):

@@ -1,10 +1,12 @@
 """Lifecycle events: what ``Pool.subscribe`` callbacks receive.
 
 Every event is a frozen record (tuples, never lists or dicts the pool might change later). The
-pool queues them and one dispatcher thread per pool (started by the first ``subscribe``)
-delivers them in order, outside every pool lock and outside every caller's slot: a callback may
-call back into the pool, even ``get_worker(env).call(...)`` on the env it is told about, without
-deadlock. An exception in a callback is logged and the next callback still runs.
+pool queues them in causal order (a death's ``WorkerRetired`` before the ``EnvAbandoned`` it
+trips: ``Pool._report_death``) and one dispatcher thread per pool (started by the first
+``subscribe``) delivers them in that order, outside every pool lock and outside every caller's
+slot: a callback may call back into the pool, even ``get_worker(env).call(...)`` on the env it
+is told about, without deadlock. An exception in a callback is logged and the next callback
+still runs.
 """
 
 from __future__ import annotations

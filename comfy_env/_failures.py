@@ -6,7 +6,8 @@ Data flow (who calls what; every builder retires through the gate first, then te
         crash_error(...)        the exit status, if the kernel has it (status_at_eof)
                                 gate(ChannelClosed g) -> why was it retired?
                                   CLOSED / pool closed  -> PoolClosedError
-                                  CANCELLED             -> CallCancelled (grace ran out)
+                                  CANCELLED             -> CallCancelled (the grace ran out,
+                                                           or a second cancel: cancelled_text)
                                   else: the status (or a bounded wait for it) and the last
                                   output; the death reported (breaker, WorkerRetired);
                                   then WorkerCrashed naming signal and tail
@@ -95,9 +96,7 @@ def crash_error(
         return PoolClosedError(f"the pool was closed during the call to {label}")
     if reason is lc.RetireReason.CANCELLED:
         return CallCancelled(
-            f"the call to {label} was cancelled and did not stop within "
-            f"PoolConfig.cancel_grace={cancel_grace:g}s; its worker "
-            f"(generation {process.generation}) was killed",
+            cancelled_text(label, process.generation, process.cancel_kill, cancel_grace),
             env=entry.spec.key,
             pid=process.pid,
             generation=process.generation,
@@ -141,6 +140,28 @@ def crash_error(
         call_id=call_id,
         target=label or None,
         stderr_tail=tail,
+    )
+
+
+def cancelled_text(
+    label: str, generation: int, how: lc.CancelKill | None, cancel_grace: float
+) -> str:
+    """What a caller whose cancelled call's worker was killed is told: only a worker that was
+    asked and ran out of its grace is said to have ignored it; a second cancel (or a forced
+    one, or ``cancel_grace=0``) killed it at once, whatever the call would have done."""
+    worker = f"its worker (generation {generation})"
+    if how is lc.CancelKill.SECOND_CANCEL:
+        return f"the call to {label} was cancelled; {worker} was killed at once on a second cancel"
+    if how is lc.CancelKill.FORCED:
+        return f"the call to {label} was cancelled; {worker} was killed at once on a forced cancel"
+    if how is lc.CancelKill.NO_GRACE:
+        return (
+            f"the call to {label} was cancelled; {worker} was killed at once "
+            "(PoolConfig.cancel_grace=0)"
+        )
+    return (
+        f"the call to {label} was cancelled and did not stop within "
+        f"PoolConfig.cancel_grace={cancel_grace:g}s; {worker} was killed"
     )
 
 

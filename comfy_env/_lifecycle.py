@@ -58,6 +58,16 @@ class RetireReason(str, enum.Enum):
     CLOSED = "closed"
 
 
+class CancelKill(str, enum.Enum):
+    """How a cancel ended in the kill of its worker (a ``CANCELLED`` retirement); the caller's
+    ``CallCancelled`` tells which, since only the first says anything about the grace."""
+
+    GRACE_EXPIRED = "grace_expired"  # asked to stop, it did not within cancel_grace
+    SECOND_CANCEL = "second_cancel"  # cancelled again while the first cancel was pending
+    FORCED = "forced"  # a cancel that asked for the kill at once, none pending before it
+    NO_GRACE = "no_grace"  # cancel_grace 0: no asking first
+
+
 # Retirements that count as deaths for the crash-loop breaker: the worker broke. Timeouts,
 # cancellations, reaping and closing are the pool's own decisions and do not count.
 DEATHS = frozenset(
@@ -415,6 +425,23 @@ def step(state: State | None, event: Event) -> Transition | Dropped:
     if rule is not None:
         return _retire(state, *rule)
     return _NOT_APPLICABLE
+
+
+def cancel_kill(state: State | None, event: Event) -> CancelKill | None:
+    """How ``event`` ends ``state`` if ``step`` retires it as ``CANCELLED``, read from the state
+    *before* the event (whether a cancel was pending is lost once it is retired); None for an
+    event that is no cancel's kill. The gate records it on the retired generation."""
+    if not isinstance(state, InCall):
+        return None
+    if isinstance(event, CancelGraceExpired):
+        return CancelKill.GRACE_EXPIRED
+    if isinstance(event, CallCancelled):
+        if state.cancel_requested_at is not None:
+            return CancelKill.SECOND_CANCEL
+        return CancelKill.FORCED
+    if isinstance(event, CancelRequested) and event.grace <= 0:
+        return CancelKill.NO_GRACE
+    return None
 
 
 # ---- policy decisions (pure: the pool's reaper and caller apply them) ------------------------

@@ -19,9 +19,10 @@ configuration controls it::
 **Unconfigured hosts.** When no handler is configured for a worker's logger (a plain script
 that never set up logging, where Python's last-resort handler would show warnings only and
 without env or pid), lines at INFO and above are printed on the host's stderr as
-``(<env name> pid=<pid>) <line>``. Once any handler is configured (``logging.basicConfig``,
-or a ``NullHandler`` on ``comfy_env.worker`` to silence them), records go only through
-logging.
+``(<env name> pid=<pid>) <line>`` (the launched process's pid until the worker's hello names
+its interpreter's; ``(<env name>) <line>`` while no pid is known at all). Once any handler is
+configured (``logging.basicConfig``, or a ``NullHandler`` on ``comfy_env.worker`` to silence
+them), records go only through logging.
 
 **Long lines.** Native output without newlines (a progress bar, a binary dump) is cut into
 pieces of ``LINE_CAP`` bytes as it arrives, in linear time; each piece is a line.
@@ -150,7 +151,8 @@ class WorkerLog:
         stream = sys.stderr
         if stream is None:
             return
-        prefix = f"({self.name} pid={self.pid}) "
+        # No pid yet (a backend that learns it from the worker's hello): none is named.
+        prefix = f"({self.name}) " if self.pid is None else f"({self.name} pid={self.pid}) "
         text = message if not exc_text else f"{message}\n{exc_text}"
         lines = "".join(prefix + line + "\n" for line in text.split("\n"))
         with _print_lock:

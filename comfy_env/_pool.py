@@ -341,16 +341,17 @@ class Pool:
             if self._closed:
                 raise self.closed_error()
             entry.submitted += 1
-            if isinstance(entry.env_state, lc.EnvAbandoned):
-                ticket.stage = "in_flight"
-                entry.in_flight += 1
-                raise abandoned_error(entry.spec.key, entry.env_state)
             if ticket.cancelled:  # a submitted call cancelled before its thread got here
+                # (Checked first: its ``Call`` already settled as cancelled, see ``cancel``.)
                 ticket.stage = "in_flight"
                 entry.in_flight += 1
                 raise CallCancelled(
                     "the call was cancelled before it was queued", env=entry.spec.key
                 )
+            if isinstance(entry.env_state, lc.EnvAbandoned):
+                ticket.stage = "in_flight"
+                entry.in_flight += 1
+                raise abandoned_error(entry.spec.key, entry.env_state)
             slot = lease_at_once_locked(entry, ticket)
             if slot is not None:
                 if eager and ticket.wanted is None and not entry.dropped_refs:
@@ -499,23 +500,35 @@ class Pool:
         else:
             process.dispose()
 
-    def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> None:
+    def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
         """Cancel a call from any thread: unqueue it, or ask the worker running it to stop
         (``CancelRequested``: CANCEL frame, then the kill after ``cancel_grace``); ``force``
         kills at once. A call holding a slot but not sent yet (its worker is starting) sees
-        the flag before it is sent."""
+        the flag before it is sent.
+
+        True when the call will never run, so its handle may settle as cancelled at once
+        (``Call.cancel``): it was queued, and is now out of the queue and counted cancelled
+        here, in the same lock section (its waiter, woken, finds it settled and counts
+        nothing); or it was not queued yet, and its thread stops it on the flag before it
+        queues (and counts it there). False otherwise: the call's own end settles it."""
         with entry.lock:
             ticket.cancelled = True
-            if ticket.stage == "queued" and ticket.slot is None:
+            stage = ticket.stage
+            if stage == "new":
+                return True
+            if stage == "queued" and ticket.slot is None:
                 try:
                     entry.waiters.remove(ticket)
                 except ValueError:
                     pass
+                entry.queued -= 1
+                entry.cancelled += 1
+                ticket.stage = "done"
                 ticket.wake()
-                return
+                return True
             slot = ticket.slot
             if slot is None or ticket.call_id == 0:
-                return
+                return False
             event: lc.Event
             if force:
                 event = lc.CallCancelled(ticket.generation, ticket.call_id)
@@ -523,6 +536,7 @@ class Pool:
                 grace = self.settings.cancel_grace
                 event = lc.CancelRequested(ticket.generation, ticket.call_id, self.clock(), grace)
         entry.apply(slot, event)
+        return False
 
     # ---- the call ----
 
@@ -948,11 +962,12 @@ class Pool:
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if isinstance(exc, WorkerStartError) and not self._closed:
-                # Nothing was forked, so no exit will be reported: count the death now.
-                self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
+                # Nothing was forked, so no exit will be reported: count the death now (told
+                # first, then counted: see ``_report_death``).
                 self._events.emit(
                     WorkerRetired(entry.spec.key, generation, None, "start_failed", None, None)
                 )
+                self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
             raise
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
@@ -1076,8 +1091,9 @@ class Pool:
     def _report_death(
         self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
     ) -> None:
-        """Report a generation's end once: the crash-loop breaker counts it (deaths only, and
-        nothing while the pool closes) and subscribers get ``WorkerRetired``. The caller whose
+        """Report a generation's end once: subscribers get ``WorkerRetired``, then the crash-loop
+        breaker counts it (deaths only, and nothing while the pool closes; ``EnvAbandoned``
+        if it trips, after the retirement that caused it). The caller whose
         call the death failed reports before it raises (``crash_error``), so a caller that
         calls again at once meets the breaker's verdict and events keep their order; else
         the reactor does when the exit is reported."""
@@ -1086,8 +1102,8 @@ class Pool:
                 return
             process.death_reported = True
         reason = process.retire_reason or lc.RetireReason.CRASHED
-        if reason in lc.DEATHS and not self._closed:
-            self._record_death(entry, process.generation, reason, returncode, tail)
+        # Causal order for subscribers: the retirement first, then the breaker's verdict on
+        # it (``record_death`` emits ``EnvAbandoned`` when this death trips the breaker).
         if self._events.subscribed:  # no event object on a crash path nobody watches
             self._events.emit(
                 WorkerRetired(
@@ -1099,6 +1115,8 @@ class Pool:
                     signal_name(returncode),
                 )
             )
+        if reason in lc.DEATHS and not self._closed:
+            self._record_death(entry, process.generation, reason, returncode, tail)
 
     def _refuse_if_closed(self) -> None:
         if self._closed:

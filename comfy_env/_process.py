@@ -102,7 +102,7 @@ from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
 from ._identity import host_id, host_token
-from ._lifecycle import RetireReason, Stop
+from ._lifecycle import CancelKill, RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
 from ._rundir import (
@@ -554,6 +554,7 @@ class WorkerProcess:
         # the streams read to their end, whose pipes the reactor closes (it owns the selector).
         self._output_lock = threading.Lock()
         self.retire_reason: RetireReason | None = None  # set by the pool's gate
+        self.cancel_kill: CancelKill | None = None  # set by the gate with the reason
         self.popen: subprocess.Popen[bytes] | None = None
         # The channel: two socketpairs, one per direction (see ``launch``). ``sock`` is the
         # host's end of the requests (it only writes there), ``reply_sock`` its end of the
@@ -742,6 +743,11 @@ class WorkerProcess:
                     cwd=self.config.cwd,
                 )
                 self.popen = proc
+                # The launched process's pid until the hello names the interpreter's own
+                # (they differ only behind a wrapper script): set before ``_watch`` starts
+                # reading its output, so what it says before its hello (a broken env's
+                # interpreter) is printed and logged with a pid, not ``pid=None``.
+                self.log.pid = proc.pid
                 self._watch()
                 if after_launch is not None:
                     after_launch(self)

@@ -80,7 +80,7 @@ from comfy_env_worker.protocol import (
 from ._codec import decode_reply, encode_call, oob_threshold, worker_config
 from ._envs import EnvSpec
 from ._errors import ConfigError, SerializationError, WorkerStartError
-from ._lifecycle import RetireReason, Stop
+from ._lifecycle import CancelKill, RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
 from ._settings import Settings
@@ -478,6 +478,7 @@ class RayWorker:
         self._on_exit = on_exit
         self._on_finished = on_finished
         self.retire_reason: RetireReason | None = None  # set by the pool's gate
+        self.cancel_kill: CancelKill | None = None  # set by the gate with the reason
         self.popen: Any = None  # no process of ours
         self.sock: Any = None  # no descriptor: the asyncio path runs calls on a thread
         self.pid: int | None = None

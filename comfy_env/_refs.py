@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from comfy_env_worker import refs as worker_refs
 
 from . import _lifecycle as lc
+from ._codec import check_target
 from ._entry import Ticket, holds
 from ._errors import RefReleasedError, StaleGenerationError
 
@@ -146,6 +147,9 @@ def call_ref(
 ) -> RemoteRef:
     """Run ``target(*args, **kwargs)`` in a worker of ``entry``, keep the result there, and
     return a ``RemoteRef`` bound to the generation that ran it (``Worker.call_ref``)."""
+    # The target travels as an argument of ``call_and_keep``: checked here, as a direct call's
+    # is, so a malformed one raises ``ArgumentError`` before anything runs.
+    check_target(target)
     ticket = ticket or Ticket()
     ref_id = site.call(
         entry,

@@ -14,13 +14,15 @@ path; ``submit``: ``prepare`` now, ``call_prepared`` on the ``Call``'s thread; `
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle as lc
 from ._callsite import GENERAL_PATH
+from ._codec import check_target
 from ._entry import Ticket
+from ._errors import ArgumentError
 from ._refs import call_ref
 
 if TYPE_CHECKING:
@@ -42,6 +44,45 @@ def _load_acall() -> ModuleType:
 
     _acall = module
     return module
+
+
+def call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``run``'s (``submit``'s, ``arun``'s, ``arun_ref``'s) ``args`` and ``kwargs`` as the
+    tuple and the (copied) dict a call sends, or ``ArgumentError`` naming what is wrong.
+
+    ``args`` is any iterable of positional arguments (a tuple, a list) except a string, bytes
+    or a mapping: ``run(f, "abc")`` would send three characters and ``run(f, {"a": 1})`` its
+    keys, never what was meant. ``kwargs`` is None or a mapping whose keys are strings (the
+    worker would fail the call later with a plain ``TypeError``)."""
+    if type(args) is not tuple:
+        if isinstance(args, (str, bytes, bytearray, Mapping)):
+            hint = "keyword arguments go in kwargs" if isinstance(args, Mapping) else None
+            raise ArgumentError(
+                f"args must be a tuple or list of positional arguments, not "
+                f"{type(args).__name__} ({hint or 'for one argument write (value,)'})"
+            )
+        try:
+            items = iter(args)
+        except TypeError:
+            raise ArgumentError(
+                f"args must be a tuple or list of positional arguments, not "
+                f"{type(args).__name__} (for one argument write (value,))"
+            ) from None
+        args = tuple(items)
+    if kwargs is None:
+        return args, {}
+    if not isinstance(kwargs, Mapping):
+        raise ArgumentError(
+            f"kwargs must be a mapping of argument names to values (a dict) or None, "
+            f"not {type(kwargs).__name__}"
+        )
+    kwargs = dict(kwargs)
+    for name in kwargs:
+        if type(name) is not str:
+            raise ArgumentError(
+                f"kwargs keys must be argument names (strings), not {type(name).__name__} {name!r}"
+            )
+    return args, kwargs
 
 
 class Worker:
@@ -109,7 +150,7 @@ class Worker:
         in order, before the result is returned. Ctrl-C while waiting asks the worker to stop
         the call (killed after ``PoolConfig.cancel_grace``), then raises ``KeyboardInterrupt``.
         """
-        args, kwargs = tuple(args), dict(kwargs or {})
+        args, kwargs = call_arguments(args, kwargs)
         if timeout is None and on_event is None and type(target) is str:
             result = self._pool.call_plain(self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
@@ -132,10 +173,9 @@ class Worker:
         from ._call import Call
 
         pool, entry = self._pool, self._entry
+        args, kwargs = call_arguments(args, kwargs)
         ticket = Ticket()
-        prepared = pool.prepare(
-            entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, None
-        )
+        prepared = pool.prepare(entry, target, args, kwargs, timeout, ticket, None)
         ticket.on_event = on_event
         call = Call(entry.spec.key, ticket, lambda force: pool.cancel(entry, ticket, force=force))
         call._start(lambda: pool.call_prepared(entry, ticket, target, *prepared))
@@ -166,6 +206,9 @@ class Worker:
         import asyncio
 
         pool, entry = self._pool, self._entry
+        # Checked here, before the thread starts, so bad input raises in the awaiting task.
+        args, kwargs = call_arguments(args, kwargs)
+        check_target(target)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
         ticket = Ticket()
@@ -182,9 +225,7 @@ class Worker:
             ref: RemoteRef | None = None
             outcome: Any
             try:
-                ref = call_ref(
-                    pool, entry, target, tuple(args), dict(kwargs or {}), timeout, ticket, on_event
-                )
+                ref = call_ref(pool, entry, target, args, kwargs, timeout, ticket, on_event)
                 outcome, failed = ref, False
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 outcome, failed = exc, True
@@ -232,10 +273,9 @@ class Worker:
         Cancelling the task removes a queued call, or asks the worker to stop a running one
         (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at once) and
         raises ``CancelledError`` once the call has ended."""
+        args, kwargs = call_arguments(args, kwargs)
         acall = _acall or _load_acall()
-        return await acall.arun(
-            self._pool, self._entry, target, tuple(args), dict(kwargs or {}), timeout, on_event
-        )
+        return await acall.arun(self._pool, self._entry, target, args, kwargs, timeout, on_event)
 
     def __repr__(self) -> str:
         return f"<comfy_env.Worker env={self.env!r} generation={self.generation} pid={self.pid}>"

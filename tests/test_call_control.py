@@ -111,10 +111,51 @@ def test_a_second_cancel_kills_at_once(grace_pool: comfy_env.Pool) -> None:
     _started(w, call)
     call.cancel()
     call.cancel()  # escalation: no grace
-    with pytest.raises(CallCancelled, match="was killed"):
+    with pytest.raises(CallCancelled, match="was killed") as info:
         call.result(timeout=2.5)  # well inside the 3 s grace
+    # It says why: the grace never ran out, the second cancel killed the worker.
+    assert "killed at once on a second cancel" in str(info.value)
+    assert "cancel_grace" not in str(info.value)
     w.call("remote_tasks:getpid")
     assert w.generation == 2
+
+
+def test_a_forced_cancel_says_it_killed_at_once(grace_pool: comfy_env.Pool) -> None:
+    w = grace_pool.get_worker()
+    call = w.submit("remote_tasks:ignore_cancel", (30,))
+    _started(w, call)
+    call._cancel(True)  # what a cancel with force=True does: no asking first
+    with pytest.raises(CallCancelled, match="killed at once on a forced cancel") as info:
+        call.result(timeout=2.5)
+    assert "cancel_grace" not in str(info.value)
+    assert w.stats().cancelled == 1
+
+
+def test_the_kill_with_cancel_grace_zero_names_the_setting(config: comfy_env.PoolConfig) -> None:
+    cfg = config.model_copy(update={"cancel_grace": 0.0})
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        call = w.submit("remote_tasks:cooperative_loop", (30,))
+        _started(w, call)
+        call.cancel()
+        with pytest.raises(CallCancelled, match=r"killed at once \(PoolConfig.cancel_grace=0\)"):
+            call.result(timeout=10)
+
+
+def test_an_interrupted_calls_cancel_message_has_no_empty_parentheses(
+    grace_pool: comfy_env.Pool,
+) -> None:
+    # Pure Python that never checks is interrupted after half the grace by a bare
+    # ``Cancelled`` with no text of its own.
+    w = grace_pool.get_worker()
+    call = w.submit("remote_tasks:busy_loop", (30,))
+    _started(w, call)
+    call.cancel()
+    with pytest.raises(CallCancelled, match="lives on with its caches") as info:
+        call.result(timeout=10)
+    assert "()" not in str(info.value)
+    assert str(info.value).endswith("with its caches")
+    assert w.generation == 1
 
 
 def test_cancelling_a_queued_call_removes_it_from_the_queue(grace_pool: comfy_env.Pool) -> None:
@@ -126,6 +167,32 @@ def test_cancelling_a_queued_call_removes_it_from_the_queue(grace_pool: comfy_en
     assert queued.cancel()
     with pytest.raises(CallCancelled, match="queued"):
         queued.result(timeout=5)
+    assert first.result(timeout=10) == "finished"  # the running call is not touched
+    assert w.call("remote_tasks:count_calls") == 1  # the cancelled call never ran
+    stats = w.stats()
+    assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 2, 0, 0)
+
+
+def test_cancelling_a_queued_call_settles_it_before_cancel_returns(
+    grace_pool: comfy_env.Pool,
+) -> None:
+    # As concurrent.futures promises: once cancel() returned True for a call that had not
+    # started, the call is cancelled and done, its callbacks ran, result() raises at once.
+    w = grace_pool.get_worker()
+    first = w.submit("remote_tasks:cooperative_loop", (1.0,))
+    _started(w, first)
+    queued = w.submit("remote_tasks:count_calls")
+    assert wait_until(lambda: w.stats().queued == 1)
+    settled_on: list[int] = []
+    queued.add_done_callback(lambda call: settled_on.append(threading.get_ident()))
+    assert queued.cancel() is True
+    assert settled_on == [threading.get_ident()]  # ran inside cancel(), not later elsewhere
+    assert queued.cancelled() and queued.done() and not queued.running()
+    with pytest.raises(CallCancelled, match="queued"):
+        queued.result(timeout=0)
+    stats = w.stats()  # counted at once too, exactly once
+    assert (stats.cancelled, stats.queued, stats.submitted) == (1, 0, 2)
+    assert queued.cancel() is False  # done: nothing more to cancel
     assert first.result(timeout=10) == "finished"  # the running call is not touched
     assert w.call("remote_tasks:count_calls") == 1  # the cancelled call never ran
     stats = w.stats()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import remote_tasks
@@ -139,15 +142,115 @@ def test_missing_function_is_named(pool: comfy_env.Pool) -> None:
         pool.get_worker().call("remote_tasks:nope")
 
 
-@pytest.mark.parametrize("target", ["no_colon", ":f", "mod:", ""])
-def test_malformed_target_string_is_a_value_error(pool: comfy_env.Pool, target: str) -> None:
-    with pytest.raises(ValueError, match="module:function"):
+def _every_entry_point(
+    w: comfy_env.Worker, target: Any, args: Any = (), kwargs: Any = None
+) -> dict[str, Callable[[], object]]:
+    """Each public way to start a call, sync and asyncio, on ``target``; ``call``,
+    ``call_ref`` and ``acall`` take their arguments spread (so only a good ``args``)."""
+
+    async def arun() -> object:
+        return await w.arun(target, args, kwargs)
+
+    async def arun_ref() -> object:
+        return await w.arun_ref(target, args, kwargs)
+
+    async def acall() -> object:
+        return await w.acall(target, *tuple(args), **dict(kwargs or {}))
+
+    points: dict[str, Callable[[], object]] = {
+        "run": lambda: w.run(target, args, kwargs),
+        "submit": lambda: w.submit(target, args, kwargs).result(timeout=10),
+        "arun": lambda: asyncio.run(arun()),
+        "arun_ref": lambda: asyncio.run(arun_ref()),
+    }
+    if isinstance(args, tuple) and (kwargs is None or isinstance(kwargs, dict)):
+        points["call"] = lambda: w.call(target, *args, **(kwargs or {}))
+        points["call_ref"] = lambda: w.call_ref(target, *args, **(kwargs or {}))
+        points["acall"] = lambda: asyncio.run(acall())
+    return points
+
+
+def _assert_refused_before_anything_runs(
+    pool: comfy_env.Pool, points: dict[str, Callable[[], object]], match: str
+) -> None:
+    w = pool.get_worker()
+    for name, start in points.items():
+        with pytest.raises(comfy_env.ArgumentError, match=match) as info:
+            start()
+        assert isinstance(info.value, comfy_env.ComfyEnvError), name
+        stats = w.stats()
+        assert (stats.spawns, stats.submitted, stats.failed) == (0, 0, 0), name
+    # Nothing was spawned or counted, and the pool keeps working.
+    assert w.call("remote_tasks:add", 2, b=3) == 5
+    stats = w.stats()
+    assert (stats.spawns, stats.submitted, stats.ok, stats.failed) == (1, 1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("target", "problem"),
+    [
+        ("no_colon", "no ':'"),
+        ("", "no ':'"),
+        (":f", "module part before ':' is empty"),
+        ("mod:", "function part after ':' is empty"),
+        ("a:b:c", "more than one ':'"),
+        ("remote_tasks: add", "whitespace"),
+        ("remote_tasks:add\n", "whitespace"),
+        (".remote_tasks:add", "empty name"),
+        ("pkg..mod:f", "empty name"),
+        ("remote_tasks:add.", "'' in the function part"),
+        ("remote_tasks:add-one", "not a Python identifier"),
+    ],
+)
+def test_a_malformed_target_string_is_an_argument_error_before_anything_runs(
+    pool: comfy_env.Pool, target: str, problem: str
+) -> None:
+    points = _every_entry_point(pool.get_worker(), target, (1,))
+    _assert_refused_before_anything_runs(pool, points, f"module:function.*{problem}")
+    # Code written against the built-in error of a malformed target still catches it.
+    with pytest.raises(ValueError):
         pool.get_worker().call(target)
 
 
-def test_non_callable_target_is_a_type_error(pool: comfy_env.Pool) -> None:
-    with pytest.raises(TypeError, match="callable"):
-        pool.get_worker().call(42)  # type: ignore[arg-type]
+@pytest.mark.parametrize("target", [42, None, b"remote_tasks:add", ["remote_tasks:add"]])
+def test_a_target_neither_string_nor_callable_is_an_argument_error(
+    pool: comfy_env.Pool, target: object
+) -> None:
+    points = _every_entry_point(pool.get_worker(), target, (1,))
+    _assert_refused_before_anything_runs(pool, points, "string .* or a callable, not")
+    with pytest.raises(TypeError):  # what code written before the typed error caught
+        pool.get_worker().call(target)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (1, None, "args must be a tuple or list .* not int"),
+        ("ab", None, r"args must be .* not str \(for one argument write \(value,\)\)"),
+        (b"ab", None, "args must be .* not bytes"),
+        ({"b": 2}, None, "args must be .* not dict .*keyword arguments go in kwargs"),
+        ((1,), [("b", 2)], "kwargs must be a mapping .* not list"),
+        ((1,), "b", "kwargs must be a mapping .* not str"),
+        ((1,), {1: 2}, "kwargs keys must be argument names .* not int"),
+    ],
+)
+def test_args_and_kwargs_of_the_wrong_shape_are_an_argument_error(
+    pool: comfy_env.Pool, args: Any, kwargs: Any, match: str
+) -> None:
+    points = _every_entry_point(pool.get_worker(), "remote_tasks:add", args, kwargs)
+    for spread in ("call", "call_ref", "acall"):
+        points.pop(spread, None)  # they spread their own arguments: they cannot get these
+    _assert_refused_before_anything_runs(pool, points, match)
+
+
+def test_args_are_any_iterable_but_a_string_and_kwargs_any_mapping(pool: comfy_env.Pool) -> None:
+    w = pool.get_worker()
+    with pytest.raises(comfy_env.ArgumentError, match="not str"):
+        w.run("remote_tasks:add", "23")  # never the two characters it would have sent
+    assert w.run("remote_tasks:add", [2], types.MappingProxyType({"b": 3})) == 5
+    assert w.run("remote_tasks:add", (x for x in (2, 3))) == 5
+    assert asyncio.run(w.arun("remote_tasks:add", [2, 3])) == 5
+    assert w.stats().ok == 3
 
 
 def test_large_argument_and_result_round_trip(pool: comfy_env.Pool) -> None:

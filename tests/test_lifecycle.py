@@ -433,6 +433,39 @@ def test_cancel_with_no_grace_kills_at_once() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("state_name", "event", "how"),
+    [
+        ("Cancelling", make_event(lc.CancelGraceExpired, G), lc.CancelKill.GRACE_EXPIRED),
+        ("Cancelling", make_event(lc.CallCancelled, G), lc.CancelKill.SECOND_CANCEL),
+        ("InCall", make_event(lc.CallCancelled, G), lc.CancelKill.FORCED),
+        ("InCall", lc.CancelRequested(G, CALL_ID, AT, grace=0.0), lc.CancelKill.NO_GRACE),
+    ],
+)
+def test_a_cancels_kill_says_whether_it_waited_for_the_grace(
+    state_name: str, event: lc.Event, how: lc.CancelKill
+) -> None:
+    # Only the state before the event knows whether a cancel was pending: the retired one
+    # does not, so the gate records this with the retirement.
+    state = STATES[state_name]
+    assert lc.step(state, event) == retire(R.CANCELLED, KILL)
+    assert lc.cancel_kill(state, event) is how
+
+
+@pytest.mark.parametrize(
+    ("state_name", "event"),
+    [
+        ("InCall", make_event(lc.CancelRequested, G)),  # asks first: nothing killed yet
+        ("InCall", make_event(lc.DeadlineHit, G)),
+        ("Idle", make_event(lc.CallCancelled, G)),
+        ("Retired", make_event(lc.CallCancelled, G)),
+        ("None", make_event(lc.CallCancelled, G)),
+    ],
+)
+def test_no_cancel_kill_where_no_cancel_killed(state_name: str, event: lc.Event) -> None:
+    assert lc.cancel_kill(STATES[state_name], event) is None
+
+
 def test_a_grace_timer_of_an_earlier_request_is_out_of_date() -> None:
     # Call CALL_ID was asked at REQUESTED_AT; a timer naming another request time is not its.
     late = lc.CancelGraceExpired(G, CALL_ID, requested_at=REQUESTED_AT - 1.0)

@@ -13,6 +13,7 @@ import remote_tasks
 from conftest import TESTS_DIR, run_host
 
 import comfy_env
+from comfy_env._logs import WorkerLog
 
 
 def _records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -153,6 +154,42 @@ def test_an_unconfigured_host_prints_worker_lines_with_env_and_pid() -> None:
     assert f"{prefix}to stdout" in err
     assert f"{prefix}Traceback" in err  # the exception text, every line prefixed
     assert "hidden at the default INFO level" not in err
+
+
+def test_what_a_broken_interpreter_says_before_its_hello_is_prefixed_with_its_pid(
+    tmp_path: Path,
+) -> None:
+    # An env whose interpreter prints a line and exits before any hello: the pid printed is
+    # the launched process's (``$$`` of the script), never ``pid=None``.
+    interp = tmp_path / "badenv" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.write_text('#!/bin/sh\necho "broken interpreter here $$"\nexit 7\n')
+    interp.chmod(0o755)
+    code = """
+        import comfy_env
+        pool = comfy_env.Pool(comfy_env.PoolConfig(max_restarts=5))
+        try:
+            pool.get_worker(%r).call("comfy_env_worker.tasks:echo", 1)
+        except comfy_env.WorkerStartError as exc:
+            print("START ERROR", exc.stderr_tail, flush=True)
+        pool.close()
+    """
+    host = run_host(code % (str(tmp_path / "badenv"),))
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    assert "START ERROR broken interpreter here" in out, out
+    pid = int(out.split("broken interpreter here", 1)[1].split()[0])
+    assert f"(badenv pid={pid}) broken interpreter here {pid}" in err, err
+    assert "pid=None" not in err
+
+
+def test_a_line_before_any_pid_is_known_names_no_pid(capsys: pytest.CaptureFixture[str]) -> None:
+    log = WorkerLog("/envs/ray-env", "ray-env", 1, 10)  # no pid yet, as an actor before hello
+    log._print("said before the hello", None)
+    log.pid = 4321
+    log._print("said after it", None)
+    err = capsys.readouterr().err
+    assert err == "(ray-env) said before the hello\n(ray-env pid=4321) said after it\n"
 
 
 def test_a_configured_host_gets_worker_lines_only_through_logging() -> None:

@@ -266,6 +266,58 @@ def test_a_deterministic_start_failure_is_reported_once_per_call_without_a_respa
         assert w.stats().spawns == 2
 
 
+def _retired_then_abandoned(events: list[object], env: str, generation: int, reason: str) -> None:
+    """The breaker's ``EnvAbandoned`` comes once, right after the ``WorkerRetired`` of the death
+    that tripped it (and after every earlier one): causal order."""
+    kinds = [
+        (type(e).__name__, getattr(e, "generation", None), getattr(e, "reason", None))
+        for e in events
+        if getattr(e, "env", None) == env
+    ]
+    abandoned = [i for i, k in enumerate(kinds) if k[0] == "EnvAbandoned"]
+    assert len(abandoned) == 1, kinds
+    assert kinds[abandoned[0] - 1] == ("WorkerRetired", generation, reason), kinds
+    retired = [k[1] for k in kinds[: abandoned[0]] if k[0] == "WorkerRetired"]
+    assert retired == list(range(1, generation + 1)), kinds
+
+
+def test_env_abandoned_follows_the_retirement_that_tripped_the_breaker(
+    config: comfy_env.PoolConfig,
+) -> None:
+    update = {"max_restarts": 2, "restart_window": 60.0}
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        events: list[object] = []
+        pool.subscribe(events.append)
+        w = pool.get_worker()
+        for _ in range(3):
+            with pytest.raises(WorkerCrashed):
+                w.call("comfy_env_worker.tasks:crash")
+        assert _wait(lambda: any(isinstance(e, comfy_env.EnvAbandoned) for e in events))
+        assert _wait(lambda: len([e for e in events if type(e).__name__ == "WorkerRetired"]) >= 3)
+        _retired_then_abandoned(events, w.env, 3, "crashed")
+
+
+def test_env_abandoned_follows_the_failed_launch_that_tripped_the_breaker(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    # An interpreter the kernel refuses to execute: the launch itself fails, nothing forks,
+    # and the pool reports the death on the spot (no exit will come).
+    interp = tmp_path / "env" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.write_bytes(b"\x00\x01 not an executable format\n")
+    interp.chmod(0o755)
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+        events: list[object] = []
+        pool.subscribe(events.append)
+        w = pool.get_worker(tmp_path / "env")
+        for _ in range(2):
+            with pytest.raises(WorkerStartError, match="cannot launch"):
+                w.call("comfy_env_worker.tasks:echo", 1)
+        assert w.stats().abandoned
+        assert _wait(lambda: any(isinstance(e, comfy_env.EnvAbandoned) for e in events))
+        _retired_then_abandoned(events, w.env, 2, "start_failed")
+
+
 # ---- lifecycle events ---------------------------------------------------------------------------
 
 
