@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Bootstrap and run: ``python3 dev.py demo``, ``python3 dev.py test [pytest args]`` or
 ``python3 dev.py test-comfyui [--comfyui TARBALL] [pytest args]`` or
+``python3 dev.py bench [run_all args]`` or
 ``python3 dev.py bench-comfyui [--comfyui TARBALL] [--no-write]`` or
 ``python3 dev.py compile [--clean]``.
 
@@ -19,6 +20,11 @@ It prepares, once, outside the repository (``~/.cache/comfy-env-dev/``, or
   when another checkout used the cache last).
 - ``pack-numpy-<hash>/`` and ``pack-torch-<hash>/``: the example packs' envs (a venv with numpy,
   a venv with a CPU torch). They never get ComfyUI or comfy-env.
+
+``bench`` runs the benchmark suite, ``benchmarks/run_all.py``, with ``.venv``'s interpreter and
+the arguments given (``--quick``, ``--only small_call,ray``, ``--out PATH``, ...; see
+``benchmarks/README.md``). A full run writes ``benchmarks/RESULTS.md`` (its section 7 is
+``bench-comfyui``'s, and is kept); ``--quick`` writes ``benchmarks/out/quick.md``.
 
 ``compile`` (opt-in) builds the host's per-call modules (``HOT_MODULES``) with mypyc into
 extension modules next to their sources, which Python then imports instead of the ``.py``
@@ -327,7 +333,7 @@ def compile_hot_path(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    commands = ("demo", "test", "test-comfyui", "bench-comfyui", "compile")
+    commands = ("demo", "test", "test-comfyui", "bench", "bench-comfyui", "compile")
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 2
@@ -338,6 +344,10 @@ def main(argv: list[str]) -> int:
     drop_stale_compiled()
     if command == "test-comfyui":
         return test_comfyui(rest)
+    if command == "bench":
+        return subprocess.call(
+            [PY, os.path.join(ROOT, "benchmarks", "run_all.py"), *rest], cwd=ROOT
+        )
     if command == "bench-comfyui":
         return bench_comfyui(rest)
     if command == "demo":

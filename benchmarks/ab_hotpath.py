@@ -21,7 +21,7 @@ from ``/proc/<pid>/task/*/schedstat``. Placements: caller and worker on CPU 0 ("
 on 0 and worker on 1 ("across"), both free to run on every CPU of this process ("free", where
 the scheduler puts them). Medians over rounds with min-max. Each arm is one process for the
 whole run unless ``--fresh``: on this VM a pair of processes sometimes runs 1.5x slower for its
-whole life (its address layout; see RESULTS.md, eleventh round), so compare arms over several
+whole life (its address layout; see HISTORY.md, eleventh round), so compare arms over several
 runs (seeds), or with ``--fresh``, which starts every arm anew each round.
 
 ``python benchmarks/ab_hotpath.py --arm tree:/tmp/pure --arm tree:/tmp/mypyc --arm raw:pipe

@@ -1,4 +1,4 @@
-"""Measurement 7: the Ray backend beside the local backend (optional: needs ``ray``).
+"""Measurement 8: the Ray backend beside the local backend (optional: needs ``ray``).
 
 What is measured
 ----------------

@@ -53,7 +53,7 @@ Fairness
   the minimal host, comfy_env; ``acall`` uses comfy_env's): a fresh process (started, pinned
   and warmed up untimed before its batch). On this VM the speed of a
   caller-worker pair on one CPU depends on where the two processes' code and data landed
-  (address-space randomisation: up to 1.5x for a pair's whole life, RESULTS.md, eleventh
+  (address-space randomisation: up to 1.5x for a pair's whole life, HISTORY.md, eleventh
   round), so one pair per method would make a run's ratios one draw of that luck; a new pair
   per round makes the median a median over layouts. The peers' drivers keep their workers.
 * The raw references echo the bare object; every other method pays for its own envelope. That

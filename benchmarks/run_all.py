@@ -2,8 +2,14 @@
 
 ::
 
-    python benchmarks/run_all.py            # full run, a few minutes on 2 cores
-    python benchmarks/run_all.py --quick    # smoke test with tiny sizes (< ~30 s)
+    python3 dev.py bench                    # full run, a few minutes on 2 cores
+    python3 dev.py bench --quick            # smoke test, tiny sizes, into benchmarks/out/quick.md
+
+(``dev.py bench`` creates ``.venv`` if needed and runs this script in it with the given
+arguments; ``.venv/bin/python benchmarks/run_all.py ...`` is the same once ``.venv`` exists.)
+``--quick`` takes about 50 s with the peer venvs in place, about 80 s on a fresh clone (their
+install adds about 30 s; ``--no-install`` skips them); its figures are for smoke testing only,
+and it writes ``benchmarks/out/quick.md`` (git-ignored) unless ``--out`` says otherwise.
 
 Steps: install (or reuse) the peer venvs under ``benchmarks/.peers`` (``peers.py``), then run
 the seven measurements in order, each on its own references measured in the same run:
@@ -11,7 +17,12 @@ the seven measurements in order, each on its own references measured in the same
 1. warm small call (``bench_small_call``)     4. crash recovery (``bench_crash``)
 2. payload round trip (``bench_payload``)     5. idle memory, host overhead (``bench_memory``)
 3. first call (``bench_first_call``)          6. scale to 64 envs (``bench_scale``)
-7. the Ray backend beside the local one (``bench_ray``; skipped, and said so, without ray)
+8. the Ray backend beside the local one (``bench_ray``; skipped, and said so, without ray)
+
+Section 7 (a ComfyUI node on a 512x512 IMAGE, ``bench_comfyui``) is not measured here: it needs
+ComfyUI's venv and comes from ``python3 dev.py bench-comfyui``, which writes it between markers
+into ``benchmarks/RESULTS.md``. When this script rewrites its results file it keeps the section-7
+block already in it, in its place (``write_results``), so a full run never loses it.
 
 A measurement that fails is reported with its error and the suite goes on; a peer that cannot
 be installed or does not work is reported as "unavailable: reason". Targets are printed as
@@ -36,6 +47,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import bench_comfyui
 import bench_crash
 import bench_first_call
 import bench_memory
@@ -76,8 +88,11 @@ TITLES = {
     "crash": "4. Crash recovery",
     "memory": "5. Idle worker memory and host overhead",
     "scale": "6. Scale",
-    "ray": "7. Ray backend beside the local backend",
+    "ray": "8. Ray backend beside the local backend",
 }
+# Where results go: a full run updates the tracked file, a quick look never touches it.
+RESULTS = os.path.join(BENCH_DIR, "RESULTS.md")
+QUICK_RESULTS = os.path.join(BENCH_DIR, "out", "quick.md")
 
 
 def run_section(key: str, ctx: Context) -> Section:
@@ -227,13 +242,36 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_results(path: str, text: str) -> None:
+    """Write the results ``text`` to ``path``, keeping the section-7 block (ComfyUI, written
+    by ``python3 dev.py bench-comfyui``, which this suite does not measure) of the file already
+    there, in its place between sections 6 and 8."""
+    try:
+        with open(path) as f:
+            previous = f.read()
+    except FileNotFoundError:
+        previous = ""
+    block = bench_comfyui.section_block(previous)
+    if block is not None:
+        text = bench_comfyui.place_section(text, block)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--out`` resolved: ``benchmarks/RESULTS.md`` for a full run,
+    ``benchmarks/out/quick.md`` (git-ignored) for ``--quick``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test (< ~30 s)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, a smoke test (about 50 s; about 80 s when the peer venvs are "
+        "installed first)",
+    )
     ap.add_argument(
         "--out",
-        default=os.path.join(BENCH_DIR, "RESULTS.md"),
-        help="results file (default benchmarks/RESULTS.md)",
+        help="results file (default benchmarks/RESULTS.md; with --quick benchmarks/out/quick.md)",
     )
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffles")
@@ -245,10 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-install", action="store_true", help="never create the peer venvs")
     ap.add_argument("--reinstall", action="store_true", help="rebuild the peer venvs")
     args = ap.parse_args(argv)
-    keys = list(SECTIONS) if not args.only else [k.strip() for k in args.only.split(",")]
-    unknown = [k for k in keys if k not in SECTIONS]
+    if args.out is None:
+        args.out = QUICK_RESULTS if args.quick else RESULTS
+    args.keys = list(SECTIONS) if not args.only else [k.strip() for k in args.only.split(",")]
+    unknown = [k for k in args.keys if k not in SECTIONS]
     if unknown:
         ap.error(f"unknown section(s): {', '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    keys: list[str] = args.keys
 
     t_start = time.monotonic()
     subreaper = become_subreaper()
@@ -295,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(info, args, ctx, venv_notes, sections, total, final_leftovers)
     if not subreaper:
         text += "\n(Could not become a child subreaper: orphaned processes may go unnoticed.)\n"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_results(args.out, text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -194,7 +194,7 @@ class EnvEntry:
 
     # The plain call's start and a replied call's end (``Pool.start_plain``, ``Pool.settle_ok``)
     # are one call of the gate each on every small call's path, where each Python call costs
-    # about 0.2-0.3 us on one CPU (benchmarks/RESULTS.md, eleventh round): each does in one
+    # about 0.2-0.3 us on one CPU (benchmarks/HISTORY.md, eleventh round): each does in one
     # what ``start_call_locked``, ``lease_locked``, ``replied_locked``, ``release_locked`` and
     # ``Pool.settle`` do in several.
 

@@ -661,7 +661,7 @@ class WorkerProcess:
         # in ``recv`` for the reply, the moment the worker read the request, and the worker
         # likewise when the caller read the reply: about one context switch more per call on
         # one CPU (2.9-3.0 a call on a shared socket, 2.0 on split ones), and wake-ups of the
-        # other CPU for nothing across (benchmarks/RESULTS.md, tenth round).
+        # other CPU for nothing across (benchmarks/HISTORY.md, tenth round).
         try:
             parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:  # out of descriptors (EMFILE/ENFILE): nothing to release

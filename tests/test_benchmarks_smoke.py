@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,89 @@ def test_the_benchmark_suite_runs_at_tiny_size(tmp_path: Path) -> None:
     for section in ("small call", "ayload", "irst call", "rash", "emory", "cale", "Ray backend"):
         assert section in text, f"section {section!r} missing from the results"
     assert "comfy_env" in text
+
+
+def _in_benchmarks(code: str, *args: str) -> str:
+    """Run ``code`` in a fresh interpreter with ``benchmarks/`` first on its path, as
+    ``run_all.py`` has it, so the benchmark modules never enter the suite's own process;
+    return what it printed."""
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT / "benchmarks",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _rewrite(out: Path, previous: str, new: str) -> str:
+    """``run_all``'s writer putting the results text ``new`` into ``out``, which held
+    ``previous``; returns the file's text afterwards."""
+    out.write_text(previous)
+    fresh = out.with_name("fresh.md")
+    fresh.write_text(new)
+    code = "import sys, run_all; run_all.write_results(sys.argv[1], open(sys.argv[2]).read())"
+    _in_benchmarks(code, str(out), str(fresh))
+    return out.read_text()
+
+
+COMFYUI_BLOCK = (
+    "<!-- bench_comfyui:begin -->\n## 7. ComfyUI: one isolated node on a 512x512 IMAGE\n\n"
+    "node figures of its own run\n<!-- bench_comfyui:end -->"
+)
+
+
+def test_a_rewrite_of_the_results_keeps_the_comfyui_section_in_its_place(tmp_path: Path) -> None:
+    """Section 7 comes from ``dev.py bench-comfyui``, not from run_all: a full run rewriting
+    the results file must keep it, between sections 6 and 8, and replace everything else."""
+    previous = (
+        "# comfy-env benchmark results\n\n## 6. Scale: 1 to 64 envs\n\nold six\n\n"
+        f"{COMFYUI_BLOCK}\n\n## 8. Ray backend beside the local backend\n\nold eight\n\n"
+        "## Process hygiene\n\nold hygiene\n"
+    )
+    head = "# comfy-env benchmark results\n\n## 6. Scale: 1 to 64 envs\n\nnew six\n\n"
+    tail = "## 8. Ray backend beside the local backend\n\nnew eight\n\n## Process hygiene\n\nnew\n"
+    out = tmp_path / "results.md"
+    assert _rewrite(out, previous, head + tail) == head + COMFYUI_BLOCK + "\n\n" + tail
+    # A subset without section 8 (``--only scale``): the block goes before the hygiene check.
+    tail = "## Process hygiene\n\nnew\n"
+    assert _rewrite(out, previous, head + tail) == head + COMFYUI_BLOCK + "\n\n" + tail
+    # No block in the old file: nothing is made up.
+    assert _rewrite(out, "old results\n", head + tail) == head + tail
+
+
+def test_the_tracked_results_are_run_all_output_plus_the_comfyui_section(tmp_path: Path) -> None:
+    """``benchmarks/RESULTS.md`` holds no hand-written notes (they live in HISTORY.md): with
+    its section 7 taken out it is what run_all writes, and a rewrite puts the section back
+    exactly where it was."""
+    tracked = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    begin, end = "<!-- bench_comfyui:begin -->", "<!-- bench_comfyui:end -->"
+    assert tracked.count(begin) == 1 and tracked.count(end) == 1
+    before, rest = tracked.split(begin)
+    _block, after = rest.split(end)
+    generated = before + after.removeprefix("\n\n")
+    # The last thing run_all writes is the hygiene check: round notes would come after it.
+    assert "## Closing note" not in tracked
+    assert generated.rstrip("\n").endswith(("left behind at the end of the run.", "unnoticed.)"))
+    assert _rewrite(tmp_path / "results.md", tracked, generated) == tracked
+
+
+def test_a_quick_run_never_writes_the_tracked_results() -> None:
+    """``--quick`` defaults to a git-ignored file; only a full run updates RESULTS.md."""
+    code = (
+        "import os, run_all\n"
+        "print(os.path.relpath(run_all.parse_args(['--quick']).out, '..'))\n"
+        "print(os.path.relpath(run_all.parse_args([]).out, '..'))\n"
+        "print(os.path.relpath(run_all.parse_args(['--quick', '--out', 'x.md']).out, '..'))\n"
+    )
+    quick, full, chosen = _in_benchmarks(code).split()
+    assert full == os.path.join("benchmarks", "RESULTS.md")
+    assert quick != full and chosen == os.path.join("benchmarks", "x.md")
+    ignored = [
+        line.strip().rstrip("/")
+        for line in (ROOT / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert any(Path(quick).is_relative_to(pattern) for pattern in ignored), quick

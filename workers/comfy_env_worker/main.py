@@ -697,7 +697,7 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
         # configuration: the watchdog's start and the canary's module. Started after READY,
         # the watchdog and the sentinel it starts took the GIL in turns with the canary (thread
         # starts, naming), and the import was part of the canary's call: 0.6 ms of the first
-        # call's path (benchmarks/RESULTS.md, thirteenth round). Waiting here for the threads
+        # call's path (benchmarks/HISTORY.md, thirteenth round). Waiting here for the threads
         # to be up measured worse: the host's turn is shorter than their start.
         _start_watchdog(worker, host_pid, cancel_fd)
         try:
