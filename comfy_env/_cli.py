@@ -4,10 +4,13 @@ Commands:
   demo [--env ENV]          walk through the lifecycle on a real worker: lazy spawn, a call, a
                             native segfault turned into WorkerCrashed, the replacement
                             generation, a timeout, and the stats.
-  doctor [ENV]              check that an env can run workers, step by step, with timings:
+  doctor [ENV] [--timeout SECONDS]
+                            check that an env can run workers, step by step, with timings:
                             config, resolve the interpreter, spawn + handshake + canary,
                             versions, a warm round trip, a 4 MiB shared-memory round trip.
-  call ENV TARGET [ARGS]    run one call, ``module:function`` with ARGS a JSON array
+                            SECONDS (default 60) bounds each probe call.
+  call ENV TARGET [ARGS] [--timeout SECONDS]
+                            run one call, ``module:function`` with ARGS a JSON array
                             (positional) or object (keyword), and print the result.
   sweep                     remove what dead hosts left behind (shared-memory blocks, runtime
                             directories, stray workers, status files).
