@@ -42,7 +42,8 @@ def _ray_available() -> str | None:
     try:
         import ray  # noqa: F401
     except ImportError as exc:
-        return f"ray is not installed ({exc}); pip install comfy-env[ray]"
+        # Not comfy-env[ray]: on PyPI that name is another project (the "old" peer here).
+        return f"ray is not installed ({exc}); pip install '.[ray]' in the checkout"
     return None
 
 

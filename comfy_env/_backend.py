@@ -19,8 +19,8 @@ Backends:
 
 - ``local`` (``LocalBackend``): a subprocess of the env's interpreter, a framed socketpair,
   shared memory for large buffers (``_process.WorkerProcess``). The default.
-- ``ray`` (``comfy_env._ray``, ``pip install comfy-env[ray]``): one Ray actor per generation
-  under the env's interpreter. Imported only when a pool selects it.
+- ``ray`` (``comfy_env._ray``, the ``ray`` extra: ``pip install '.[ray]'``): one Ray actor per
+  generation under the env's interpreter. Imported only when a pool selects it.
 
 A backend declares ``capabilities`` (``"exit codes"``, ``"signal grace"``, ``"shared memory"``,
 ``"fork"``, ``"fd channel"``): the contract suite skips by them, and the asyncio path runs a

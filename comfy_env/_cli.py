@@ -4,10 +4,13 @@ Commands:
   demo [--env ENV]          walk through the lifecycle on a real worker: lazy spawn, a call, a
                             native segfault turned into WorkerCrashed, the replacement
                             generation, a timeout, and the stats.
-  doctor [ENV]              check that an env can run workers, step by step, with timings:
+  doctor [ENV] [--timeout SECONDS]
+                            check that an env can run workers, step by step, with timings:
                             config, resolve the interpreter, spawn + handshake + canary,
                             versions, a warm round trip, a 4 MiB shared-memory round trip.
-  call ENV TARGET [ARGS]    run one call, ``module:function`` with ARGS a JSON array
+                            SECONDS (default 60) bounds each probe call.
+  call ENV TARGET [ARGS] [--timeout SECONDS]
+                            run one call, ``module:function`` with ARGS a JSON array
                             (positional) or object (keyword), and print the result.
   sweep                     remove what dead hosts left behind (shared-memory blocks, runtime
                             directories, stray workers, status files).
@@ -35,6 +38,17 @@ Exit codes:
        module:function, an invalid COMFY_ENV_* setting (demo, doctor and call read them;
        status and sweep do not, so a bad value cannot fail them)
   130  interrupted (Ctrl-C)
+
+A reader that leaves early (``comfy-env demo | head -2``) ends the command quietly with exit
+code 1, as Python's documentation recommends (``signal`` module, "Note on SIGPIPE"): the write
+into the closed pipe raises ``BrokenPipeError``, which ``main`` catches; it points the closed
+stream's descriptor at ``/dev/null``, so that the flush at interpreter exit does not raise
+again (that would print "Exception ignored ..." and exit 120), and returns 1. ``main``
+flushes both streams itself before returning, so output still buffered (stdout into a pipe is
+block-buffered) meets the closed pipe there too. The command's pool is closed on the way out
+(the exception leaves its ``with`` block), so no worker outlives it. SIGPIPE's default action
+(exit 141, like C tools) is deliberately not restored: it would also kill the command when a
+worker's socket or pipe closes while the host writes to it, instead of reporting the crash.
 """
 
 from __future__ import annotations
@@ -79,7 +93,8 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES_HELP = """\
 exit codes:
   0    success (doctor: every step passed)
-  1    a step, the call or the command failed (details on stderr; in the JSON with --json)
+  1    a step, the call or the command failed (details on stderr; in the JSON with --json),
+       or the reader of the output left early (`| head`): quietly
   2    bad usage: unknown option, malformed JSON arguments, target not module:function,
        invalid COMFY_ENV_* setting (demo, doctor, call; status and sweep do not read them)
   130  interrupted
@@ -609,7 +624,13 @@ def _jsonable(value: Any) -> tuple[Any, bool]:
 class _StderrLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         stream = getattr(record, "worker_stream", "output")
-        print(f"[worker {stream}] {record.getMessage()}", file=sys.stderr)
+        try:
+            print(f"[worker {stream}] {record.getMessage()}", file=sys.stderr)
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001 - as logging.StreamHandler: a closed stderr must not
+            # raise into the pool's thread that forwards the worker's output.
+            self.handleError(record)
 
 
 def call(
@@ -872,6 +893,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    try:
+        code = _run(argv)
+        # Here, not at interpreter exit: output still buffered meets a closed pipe where the
+        # handler below can quiet it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # the reader left early (`| head`): exit quietly
+        _silence_closed_streams()
+        return EXIT_FAILED
+    return code
+
+
+def _silence_closed_streams() -> None:
+    """Point the descriptor of each standard stream whose pipe is closed at ``/dev/null``, so
+    that what is still buffered there, flushed at interpreter exit, does not raise again."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+            except OSError:
+                continue
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError):  # no descriptor of its own (a replaced stream)
+                pass
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError):  # broken otherwise, or closed: nothing is buffered
+            pass
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -174,7 +174,8 @@ class PoolConfig(BaseModel):
     backend: Literal["local", "ray"] = Field(
         "local",
         description="Where workers run: 'local' (subprocesses of the env's interpreter) or "
-        "'ray' (one Ray actor per worker generation; pip install comfy-env[ray]).",
+        "'ray' (one Ray actor per worker generation; needs ray in the host: pip install "
+        "'ray>=2.60', the ray extra).",
     )
     ray_address: str | None = Field(
         None,

@@ -1,7 +1,8 @@
 """The Ray backend: one Ray actor per worker generation (``PoolConfig(backend="ray")``).
 
-Imported only when a pool selects it (``_backend.backend_for``); needs ``pip install
-comfy-env[ray]`` in the host and ``ray`` (same version, same Python minor) in every env.
+Imported only when a pool selects it (``_backend.backend_for``); needs ``ray`` in the host (the
+``ray`` extra: ``pip install '.[ray]'`` from the checkout; PyPI's ``comfy-env`` is another
+project) and ``ray`` (same version, same Python minor) in every env.
 
 Data flow of one generation (``RayWorker``, driven by the pool exactly like a
 ``_process.WorkerProcess``)::
@@ -246,8 +247,9 @@ class RayBackend:
             ray_module()  # at pool creation, not at the first call
         except ImportError as exc:
             raise ConfigError(
-                f"PoolConfig.backend='ray' needs ray in the host: pip install 'comfy-env[ray]' "
-                f"({exc})",
+                # Not 'comfy-env[ray]': on PyPI that name is another project.
+                f"PoolConfig.backend='ray' needs ray in the host: pip install 'ray>=2.60' "
+                f"(the ray extra of comfy-env) ({exc})",
                 field="backend",
                 value="ray",
             ) from None

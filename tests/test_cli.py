@@ -1,12 +1,16 @@
 """The ``comfy-env`` command line: doctor, call, sweep and status, on real worker processes.
 
 Commands run in-process through ``comfy_env._cli.main`` (output captured with ``capsys``), and
-``status`` once as a subprocess. Each command closes its own pool before returning; a status
-file published here is removed before the test ends.
+``status`` as a subprocess where a fresh process matters (another host's view, a stdout whose
+reader is already gone). A reader that leaves early is a real pipe whose read end is closed.
+Each command closes its own pool before returning; a status file published here is removed
+before the test ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -576,3 +580,70 @@ def test_sweep_dry_run_reports_and_changes_nothing(capsys: pytest.CaptureFixture
         shutil.rmtree(leftover_dir, ignore_errors=True)
         if os.path.exists(leftover_status):
             os.unlink(leftover_status)
+
+
+# ---- a reader that leaves early (`| head`) ---------------------------------------------------
+
+
+class _HeadPipe(io.TextIOWrapper):
+    """Text into a real pipe whose reader, like ``head -n LINES``, leaves after LINES lines:
+    the read end is closed once they are written, so the next write meets a closed pipe."""
+
+    def __init__(self, lines: int) -> None:
+        self._read_fd, write_fd = os.pipe()
+        super().__init__(open(write_fd, "wb", buffering=0), line_buffering=True)
+        self._lines_left = lines
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        self._lines_left -= text.count("\n")
+        if self._lines_left <= 0 and self._read_fd >= 0:
+            os.close(self._read_fd)
+            self._read_fd = -1
+        return written
+
+    def close(self) -> None:
+        if self._read_fd >= 0:
+            os.close(self._read_fd)
+            self._read_fd = -1
+        with contextlib.suppress(BrokenPipeError):  # still buffered: goes nowhere
+            super().close()
+
+
+def test_demo_piped_into_head_exits_quietly_and_leaves_no_worker(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Five lines: the fifth is the first call's, so a worker is running when the reader leaves;
+    # the leak guard proves the demo's pool still closed it.
+    head = _HeadPipe(5)
+    monkeypatch.setattr(sys, "stdout", head)
+    try:
+        code = main(["demo"])
+    finally:
+        monkeypatch.undo()
+        head.close()
+    assert code == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["block-buffered", "unbuffered"])
+def test_a_closed_stdout_ends_the_command_with_1_and_no_traceback(buffered: bool) -> None:
+    # Block-buffered (a pipe's default), the output meets the closed pipe at the final flush;
+    # unbuffered, at the first print.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)  # the reader is gone before the command writes anything
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "comfy_env", "status"],
+            stdout=write_fd,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    finally:
+        os.close(write_fd)
+    assert (result.returncode, result.stderr) == (1, "")

@@ -338,4 +338,6 @@ def test_the_ray_backend_without_ray_is_a_config_error(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(comfy_env.ConfigError) as info:
         comfy_env.Pool(comfy_env.PoolConfig(backend="ray"))
-    assert "pip install 'comfy-env[ray]'" in str(info.value) and info.value.field == "backend"
+    assert "pip install 'ray>=2.60'" in str(info.value) and info.value.field == "backend"
+    # PyPI's comfy-env is another project: the hint must not install it.
+    assert "comfy-env[ray]" not in str(info.value)
