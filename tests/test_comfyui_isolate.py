@@ -396,3 +396,21 @@ def test_a_list_output_that_stays_in_the_worker_is_kept_item_by_item(
     assert [type(b) for b in boxes] == [KeptOutput] * 3  # ComfyUI iterates over the list
     opened = [asyncio.run(mappings["OpenBox"]().open(box=b))[0] for b in boxes]
     assert opened == [0, 1, 2]
+
+
+def test_a_pack_that_fails_to_scan_leaves_no_worker_behind(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    from conftest import alive, wait_until
+
+    events: list[object] = []
+    pool.subscribe(events.append)
+    (pack / "nodes.py").write_text("import no_such_mesh_lib\n")
+    with pytest.raises(NodePackError):
+        _isolate(pack, pool, tmp_path / "cache")
+    stats = pool.stats()[sys.prefix]
+    assert [(w.state, w.retire_reason) for w in stats.workers] == [("retired", "idle")]
+    assert stats.reaped == 1
+    assert wait_until(lambda: any(isinstance(e, comfy_env.WorkerRetired) for e in events))
+    (spawned,) = [e for e in events if isinstance(e, comfy_env.WorkerSpawned)]
+    assert not alive(spawned.pid)
