@@ -3,7 +3,7 @@
 Data flow (each policy observes, decides with the pure ``_lifecycle`` helpers, and submits an
 event; none of them assigns a state)::
 
-    idle reaper   reactor timer -> reap_idle(entries, now)
+    idle reaper   reactor timer -> reap_idle(entries, now)  (Pool.retire_idle(env): one env, now)
                     under entry lock: lc.idle_expired(state, now) -> IdleExpired(idle_since)
                     refs held?  -> ReapHooks.run(env, generation) outside every lock
                     under entry lock again: gate(IdleExpired) -> KillWorker(ASK) -> run_effects
@@ -105,21 +105,40 @@ def reap_idle(entries: Iterable[EnvEntry], now: float, config: Settings, hooks: 
     The decision and its application happen under the env's lock, and the decision names the
     ``idle_since`` it observed, so a worker that ran a call in between (or is leased by a caller
     right now) is never reaped."""
+    if config.idle_timeout is None:
+        return 0
+    return _retire_expired(entries, now, config.idle_timeout, not config.reap_with_refs, hooks)
+
+
+def retire_idle(entry: EnvEntry, now: float) -> int:
+    """Retire every idle worker of one env now, as the reaper would once its ``idle_timeout``
+    passed (``Pool.retire_idle``); returns how many. A worker in a call, leased by a caller or
+    holding live ``RemoteRef`` s is kept, and no reap hook is asked: what someone still holds
+    or uses is never taken from them. Same gate, same race rule as ``reap_idle``."""
+    return _retire_expired((entry,), now, 0.0, True, None)
+
+
+def _retire_expired(
+    entries: Iterable[EnvEntry],
+    now: float,
+    idle_timeout: float,
+    keep_with_refs: bool,
+    hooks: ReapHooks | None,
+) -> int:
     reaped = 0
-    keep_with_refs = not config.reap_with_refs
     for entry in entries:
         for slot in entry.slots:
             with entry.lock:
                 if slot.leased:
                     continue
-                decision = lc.idle_expired(slot.state, now, config.idle_timeout)
+                decision = lc.idle_expired(slot.state, now, idle_timeout)
                 if decision is None:
                     continue
                 held = bool(held_refs(entry, slot)) and keep_with_refs
             if held:
                 # Outside the lock: a hook may take its own locks (ComfyUI's queue mutex)
                 # and discards its refs (RemoteRef.discard takes the entry lock).
-                if not hooks.run(entry.spec.key, decision.generation):
+                if hooks is None or not hooks.run(entry.spec.key, decision.generation):
                     continue
             with entry.lock:
                 if slot.leased or (held_refs(entry, slot) and keep_with_refs):

@@ -242,6 +242,20 @@ class Pool:
         if was_abandoned:
             self._events.emit(EnvReset(entry.spec.key))
 
+    def retire_idle(self, env: str | os.PathLike[str] | None = None) -> int:
+        """Retire ``env``'s idle workers now instead of after ``idle_timeout`` (None: the
+        current interpreter's env); returns how many. For a worker nobody will call again soon
+        (``comfy_env.comfyui`` retires the worker of a pack whose scan failed). Workers in a
+        call, leased by a caller or holding live ``RemoteRef`` s are kept; retired ones count in
+        ``reaped`` with retire reason ``idle``, and the env's next call spawns a fresh one."""
+        if self._closed:
+            raise self.closed_error()
+        with self._lock:
+            entry = self._entries.get(resolve_env(env).key)
+        if entry is None:
+            return 0
+        return _policies.retire_idle(entry, self.clock())
+
     def stats(self) -> dict[str, EnvStats]:
         """Frozen per-env snapshots, keyed by env key."""
         with self._lock:

@@ -19,6 +19,17 @@ class CustomError(Exception):
         self.text = text
 
 
+class FieldError(Exception):
+    """An exception class with its own ``__str__``: its text does not come from its args."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(field)
+        self.field = field
+
+    def __str__(self) -> str:
+        return f"audit failed on field {self.field}"
+
+
 def add(a: int, b: int = 0) -> int:
     return a + b
 

@@ -396,3 +396,153 @@ def test_a_list_output_that_stays_in_the_worker_is_kept_item_by_item(
     assert [type(b) for b in boxes] == [KeptOutput] * 3  # ComfyUI iterates over the list
     opened = [asyncio.run(mappings["OpenBox"]().open(box=b))[0] for b in boxes]
     assert opened == [0, 1, 2]
+
+
+FAILING = """
+from remote_tasks import CustomError, FieldError
+from .impl.helpers import AuditError
+
+
+class Fail:
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "fail"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"how": ("STRING", {})}}
+
+    def fail(self, how):
+        if how == "key":
+            raise KeyError("audit missing key")
+        if how == "args":
+            raise CustomError(7, "custom failure")
+        if how == "str":
+            raise FieldError("width")
+        if how == "file":
+            open("/nonexistent-comfy-env/x")
+        raise AuditError("audit says no")
+
+
+NODE_CLASS_MAPPINGS = {"Fail": Fail}
+"""
+
+
+@pytest.fixture
+def failing_pack(pack: Path) -> Path:
+    (pack / "nodes.py").write_text(FAILING)
+    (pack / "impl").mkdir()
+    (pack / "impl" / "__init__.py").write_text("")
+    (pack / "impl" / "helpers.py").write_text("class AuditError(Exception):\n    pass\n")
+    return pack
+
+
+def _node_error(mappings: dict[str, type], how: str) -> Exception:
+    with pytest.raises(Exception) as info:
+        asyncio.run(mappings["Fail"]().fail(how=how))
+    return info.value
+
+
+def _readable_with_traceback(exc: Exception, first_line: str) -> None:
+    """What ComfyUI shows as the error's message (``str(exc)``, execution.py's
+    ``exception_message``): the node's text, then the worker's traceback, on real lines."""
+    shown = str(exc)
+    assert shown.startswith(f"{first_line}\n\nworker traceback:\nTraceback (most recent call")
+    assert "\\n" not in shown
+    assert 'nodes.py", line' in shown and "in fail" in shown
+
+
+def test_a_key_error_shows_its_message_and_the_worker_traceback_on_real_lines(
+    failing_pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(failing_pack, pool, tmp_path / "cache")
+    key = _node_error(mappings, "key")
+    assert type(key) is KeyError  # str(KeyError) is the repr of its argument: not quoted here
+    _readable_with_traceback(key, "'audit missing key'")
+
+
+def test_an_exception_with_several_args_keeps_its_type_and_gets_the_worker_traceback(
+    failing_pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    from remote_tasks import CustomError
+
+    mappings, _ = _isolate(failing_pack, pool, tmp_path / "cache")
+    several = _node_error(mappings, "args")
+    assert type(several) is CustomError and several.code == 7
+    _readable_with_traceback(several, "(7, 'custom failure')")
+
+
+def test_an_exception_with_its_own_str_keeps_its_name_and_gets_the_worker_traceback(
+    failing_pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    import pickle
+
+    from remote_tasks import FieldError
+
+    mappings, _ = _isolate(failing_pack, pool, tmp_path / "cache")
+    own_str = _node_error(mappings, "str")
+    # A subclass under the same name: ComfyUI's exception_type (module + qualname) is unchanged
+    assert isinstance(own_str, FieldError) and own_str.field == "width"
+    assert (type(own_str).__module__, type(own_str).__qualname__) == ("remote_tasks", "FieldError")
+    _readable_with_traceback(own_str, "audit failed on field width")
+    assert type(pickle.loads(pickle.dumps(own_str))) is FieldError  # pickles as the original
+    missing = _node_error(mappings, "file")  # OSError's text comes from its fields
+    assert isinstance(missing, FileNotFoundError) and missing.errno == 2
+    assert missing.filename == "/nonexistent-comfy-env/x"
+    _readable_with_traceback(
+        missing, "[Errno 2] No such file or directory: '/nonexistent-comfy-env/x'"
+    )
+
+
+def test_a_pack_s_own_exception_is_named_after_the_pack_directory(
+    failing_pack: Path, pool: comfy_env.Pool, tmp_path: Path, config: comfy_env.PoolConfig
+) -> None:
+    mappings, _ = _isolate(failing_pack, pool, tmp_path / "cache")
+    error = _node_error(mappings, "own")
+    assert isinstance(error, comfy_env.RemoteError)  # the pack's classes exist only in its env
+    assert error.type_name == "pack.impl.helpers.AuditError"
+    _readable_with_traceback(error, "pack.impl.helpers.AuditError: audit says no")
+    assert "\npack.impl.helpers.AuditError: audit says no" in error.traceback_text
+    assert isinstance(error.__cause__, comfy_env.RemoteTraceback)
+    for text in (str(error), error.traceback_text, error.__cause__.traceback_text):
+        assert "comfy_env_pack_" not in text
+    (failing_pack / "nodes.py").write_text(
+        "from .impl.helpers import AuditError\nraise AuditError('at import')\n"
+    )
+    with comfy_env.Pool(config) as fresh, pytest.raises(NodePackError) as info:
+        _isolate(failing_pack, fresh, tmp_path / "cache")  # a worker that never imported it
+    assert "pack.impl.helpers.AuditError: at import" in str(info.value)
+    assert "comfy_env_pack_" not in str(info.value)
+
+
+def test_a_pack_that_fails_to_scan_leaves_no_worker_behind(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    from conftest import alive, wait_until
+
+    events: list[object] = []
+    pool.subscribe(events.append)
+    (pack / "nodes.py").write_text("import no_such_mesh_lib\n")
+    with pytest.raises(NodePackError):
+        _isolate(pack, pool, tmp_path / "cache")
+    stats = pool.stats()[sys.prefix]
+    assert [(w.state, w.retire_reason) for w in stats.workers] == [("retired", "idle")]
+    assert stats.reaped == 1
+    assert wait_until(lambda: any(isinstance(e, comfy_env.WorkerRetired) for e in events))
+    (spawned,) = [e for e in events if isinstance(e, comfy_env.WorkerSpawned)]
+    assert not alive(spawned.pid)
+
+
+def test_a_failed_scan_carries_the_worker_traceback_once(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    import traceback
+
+    (pack / "nodes.py").write_text("import no_such_mesh_lib\n")
+    with pytest.raises(NodePackError) as info:
+        _isolate(pack, pool, tmp_path / "cache")
+    # ComfyUI logs the formatted exception, then "Cannot import ...: <message>": the worker's
+    # traceback is in the message, so the exception carries it once (no chained copy).
+    logged = "".join(traceback.format_exception(info.value))
+    assert logged.count("worker traceback:") == 1 and "no_such_mesh_lib" in logged
+    assert info.value.__cause__ is None and info.value.__context__ is not None

@@ -107,6 +107,25 @@ def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
             ref.call_method("add", 1)
 
 
+def test_retire_idle_retires_an_env_s_idle_worker_now_but_never_one_holding_refs(
+    config: comfy_env.PoolConfig, foreign_venv: Path
+) -> None:
+    with comfy_env.Pool(config) as pool:  # idle_timeout 30 min: the reaper would not act
+        w, other = pool.get_worker(), pool.get_worker(str(foreign_venv))
+        assert pool.retire_idle() == 0  # nothing spawned yet
+        ref = w.call_ref(remote_tasks.make_counter)
+        other.call("comfy_env_worker.tasks:echo", 0)
+        assert pool.retire_idle() == 0  # its object is still held in the host
+        ref.release()
+        pid = w.pid
+        assert pid is not None
+        assert pool.retire_idle() == 1
+        assert w.stats().workers[0].retire_reason == "idle" and w.stats().reaped == 1
+        assert _wait(lambda: _gone(pid))
+        assert other.stats().state == "idle"  # another env's worker is left alone
+        assert w.call("remote_tasks:add", 1) == 1 and w.generation == 2
+
+
 def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
     config: comfy_env.PoolConfig,
 ) -> None:

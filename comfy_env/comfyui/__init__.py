@@ -20,6 +20,7 @@ import ComfyUI or torch (the proxies import them lazily, when ComfyUI calls them
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -80,6 +81,20 @@ class _Pack:
         import comfy_env
 
         return comfy_env.get_worker(self.spec.env.key)
+
+
+def _retire_scan_worker(pack: _Pack) -> None:
+    """Retire the env's idle worker that ran a failed scan. ComfyUI lists the pack as IMPORT
+    FAILED and never calls it, and failures are not cached: left alone, the worker (its
+    interpreter, imports and a shared-memory block) would live until the idle timeout after
+    every server start. Through the pool's gate (``Pool.retire_idle``): a worker that another
+    pack of the same env is using, or that holds its kept objects, stays."""
+    try:
+        pack.pool.retire_idle(pack.spec.env.key)
+    except Exception:  # the pack's own error is the one to raise
+        logging.getLogger("comfy_env").exception(
+            "comfy-env: could not retire the scan worker of env %s", pack.spec.env.key
+        )
 
 
 def isolate(
@@ -147,8 +162,13 @@ def isolate(
         scan or {},
         register_models,
     )
+    scanned = scan is None
     if scan is None:
-        scan = run_scan(spec, pack.worker, scan_timeout)
+        try:
+            scan = run_scan(spec, pack.worker, scan_timeout)
+        except NodePackError:
+            _retire_scan_worker(pack)
+            raise
         write_cached(spec, key, scan)
         pack.scan = scan
         pack.has_torch = bool(scan.get("has_torch"))
@@ -158,6 +178,8 @@ def isolate(
         try:
             proxy = make_v3_proxy(pack, node) if scan["kind"] == "v3" else make_v1_proxy(pack, node)
         except Exception as exc:
+            if scanned:
+                _retire_scan_worker(pack)
             raise NodePackError(
                 f"comfy-env: cannot build the proxy of node {node.get('name')!r} of pack "
                 f"{pack_dir}: {type(exc).__name__}: {exc}",

@@ -33,6 +33,11 @@ pending (and sets the flag again if the hook consumed one that arrived in betwee
 produced the cached outputs is alive, a fresh one once its generation is gone. ComfyUI therefore
 re-runs the producer after a crash instead of handing out a stale ref.
 
+**Errors.** A node's exception is re-raised in the server (its own class when the server can
+import it, else ``RemoteError``) with the worker's traceback folded into ``str()``, the message
+ComfyUI shows, and the pack's package name in the worker replaced by its directory name
+(``with_remote_traceback``).
+
 **Registered models.** Each kept run is also registered with ComfyUI's model manager
 (``_models``), sized as measured in the worker: ComfyUI's ``free_memory`` evicts it (the worker
 drops it, the ref is released, so the token above changes and the producer runs again).
@@ -53,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from comfy_env_worker.comfyui import runner, values
 
-from .._errors import EnvAbandonedError
+from .._errors import EnvAbandonedError, RemoteError, RemoteTraceback
 from .._refs import RemoteRef
 from . import _models
 
@@ -294,13 +299,123 @@ def _event_bridge(context: dict[str, Any]) -> Callable[[Any], None]:
     return on_event
 
 
-def _with_remote_traceback(exc: BaseException) -> BaseException:
-    """Fold the worker's traceback into the message, so ComfyUI's error shows it."""
+class PlainText(str):
+    """A ``str`` whose ``repr`` is its text. ``KeyError`` (and subclasses that keep its
+    ``__str__``) shows ``repr(args[0])``: a message with the worker's traceback would reach
+    ComfyUI's UI quoted, its newlines as literal ``\\n``. With this argument it reads as written,
+    and the exception keeps its exact type."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str.__str__(self)
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a __str__ that raises must not hide the node's error
+        return f"<unprintable {type(exc).__name__}>"
+
+
+# Node exception class -> its subclass that shows a given message (``_shown_as``), made once.
+_SHOWN: dict[type, type] = {}
+
+
+def _shown_str(self: BaseException) -> str:
+    text: str = self.__dict__["_comfy_env_message"]
+    return text
+
+
+def _shown_reduce(self: BaseException) -> Any:
+    # Pickled (or copied) as the node's own exception, as it came from the worker.
+    return self.__dict__["_comfy_env_original"].__reduce_ex__(2)
+
+
+def _shown_as(exc: BaseException, message: str) -> BaseException | None:
+    """A copy of ``exc`` whose ``str()`` is ``message``, for exceptions whose text does not
+    come from their ``args`` (their own ``__str__``, ``OSError``'s fields). Python cannot
+    change ``str()`` of one instance, so the copy's class is a subclass made here under the
+    node class's own module and name: ``except`` clauses, ``isinstance`` and ComfyUI's
+    ``exception_type`` (module + qualified name) see the node's type; ``type(exc) is`` does
+    not. The copy has the original's attributes and pickles as the original. None if the
+    class cannot be subclassed or copied."""
+    base = type(exc)
+    try:
+        cls = _SHOWN.get(base)
+        if cls is None:
+            namespace = {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "__str__": _shown_str,
+                "__reduce__": _shown_reduce,
+            }
+            cls = _SHOWN[base] = type(base.__name__, (base,), namespace)
+        reduced = exc.__reduce_ex__(2)
+        args = exc.args
+        if isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[0] is base:
+            args = tuple(reduced[1])  # OSError's include the file name, not in .args
+        shown: BaseException = cls.__new__(cls, *args)
+        shown.__dict__.update(getattr(exc, "__dict__", {}))
+        shown.__dict__["_comfy_env_message"] = message
+        shown.__dict__["_comfy_env_original"] = exc
+        shown.args = exc.args
+        if _safe_str(shown) != message:
+            return None
+        return shown.with_traceback(exc.__traceback__)
+    except Exception:  # noqa: BLE001 - any failure: the caller falls back to RemoteError
+        return None
+
+
+def with_remote_traceback(exc: BaseException, pack: _Pack) -> tuple[BaseException, Any]:
+    """What a node proxy raises for ``exc``, the node's exception re-raised in the server,
+    and its cause: ``(exception, RemoteTraceback)``.
+
+    ComfyUI shows ``str(exception)`` as the error's message (``execution.py``:
+    ``exception_message``) and only the server-side frames as its traceback, so the worker's
+    traceback is folded into ``str()``: ``<the node's message>\n\nworker traceback:\n...``,
+    for every exception type. In order of preference, keeping the node's type:
+
+    - the exception's text comes from its ``args`` (one argument or several, a string or
+      not, ``KeyError`` included through ``PlainText``): ``args`` becomes the one message,
+      same object, same type;
+    - else (its own ``__str__``, ``OSError``): a copy of a subclass under the same name
+      (``_shown_as``);
+    - else a ``RemoteError`` naming the type.
+
+    The pack's package name in the worker is shown as the pack's directory name
+    (``PackSpec.readable``), in the type name of a ``RemoteError``, the message and the
+    traceback. Exceptions without a worker traceback (a crash, a timeout) are left as they
+    are."""
     cause = exc.__cause__
     text = getattr(cause, "traceback_text", None)
-    if text and len(exc.args) == 1 and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n\nworker traceback:\n{text.rstrip()}",)
-    return exc
+    if not isinstance(text, str) or not text:
+        return exc, cause
+    readable = pack.spec.readable
+    text = readable(text)
+    cause = RemoteTraceback(text)
+    if isinstance(exc, RemoteError):
+        renamed = RemoteError(readable(exc.type_name), readable(exc.message), text)
+        exc = renamed.with_traceback(exc.__traceback__)
+    message = f"{readable(_safe_str(exc))}\n\nworker traceback:\n{text.rstrip()}"
+    original = exc.args
+    for arg in (message, PlainText(message)):
+        try:
+            exc.args = (arg,)
+        except Exception:  # noqa: BLE001 - an exception class with its own ``args``
+            break
+        if _safe_str(exc) == message:
+            return exc, cause
+    try:
+        exc.args = original
+    except Exception:  # noqa: BLE001 - as above
+        pass
+    shown = _shown_as(exc, message)
+    if shown is not None:
+        return shown, cause
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return RemoteError(readable(name), message, text).with_traceback(exc.__traceback__), cause
 
 
 async def run_node(
@@ -357,7 +472,8 @@ async def run_node(
             "comfy_env_worker.comfyui.standins",
         ):
             _raise_interrupt()
-        raise _with_remote_traceback(exc) from exc.__cause__
+        shown, cause = with_remote_traceback(exc, pack)
+        raise shown from cause
     result = values.join(reply[0], reply[1:], _to_host)
 
     if unique_id is None:
@@ -415,7 +531,8 @@ async def call_hook(
     try:
         return await _guarded(pack, pack.worker.arun(HOOK, args, timeout=pack.timeout))
     except Exception as exc:  # noqa: BLE001 - re-raised, with the worker's traceback folded in
-        raise _with_remote_traceback(exc) from exc.__cause__
+        shown, cause = with_remote_traceback(exc, pack)
+        raise shown from cause
 
 
 # ---- classes -------------------------------------------------------------------------------

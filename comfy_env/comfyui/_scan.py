@@ -13,8 +13,9 @@ directories skipped), the env's interpreter (path, size, mtime, and ``pyvenv.cfg
 modification time of the env's ``site-packages`` (a package installed or removed), the
 comfy-env version and the bytes of the worker-side ComfyUI helpers. Any change invalidates it;
 an unchanged pack starts warm without a worker. A failed scan is never cached: it raises
-``NodePackError`` carrying the worker's traceback and output, and the next server start tries
-again.
+``NodePackError`` carrying the worker's traceback and output (the pack's package name in the
+worker shown as its directory name, ``PackSpec.readable``), ``isolate`` retires the worker that
+ran it, and the next server start tries again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from comfy_env_worker.comfyui.scan import package_name
 
 from .._envs import EnvSpec
 from .._errors import ComfyEnvError
@@ -41,7 +44,9 @@ class NodePackError(ComfyEnvError):
     never imported into the server instead.
 
     ``pack_dir`` and ``env`` name the pack and its env; ``worker_output`` holds what the worker
-    printed or logged during the scan."""
+    printed or logged during the scan. When the message holds the worker's traceback the error
+    has no ``__cause__`` (ComfyUI would log the traceback once more); the exception it
+    replaces is its ``__context__``."""
 
     def __init__(self, message: str, *, pack_dir: str, env: str, worker_output: str = "") -> None:
         super().__init__(message)
@@ -58,6 +63,16 @@ class PackSpec:
     module: str
     env: EnvSpec
     cache_dir: str
+
+    def readable(self, text: str) -> str:
+        """``text`` with the pack's package name in the worker (``comfy_env_pack_<hash>``,
+        ``scan.package_name``) replaced by the pack's directory name, the name ComfyUI itself
+        imports a pack under: ``audit_pack.impl.helpers.AuditError``, not
+        ``comfy_env_pack_cbca63d077bf.impl.helpers.AuditError``, in the messages and worker
+        tracebacks the author reads. The hashed name stays in the worker, where it keeps
+        two packs of the same directory name, or a pack named like an installed package,
+        apart."""
+        return text.replace(package_name(self.pack_dir), os.path.basename(self.pack_dir))
 
 
 def default_cache_dir() -> str:
@@ -170,16 +185,23 @@ def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
         output = "\n".join(collect.lines) or tail
         message = (
             f"comfy-env could not scan node pack {pack.pack_dir} (module {pack.module!r}) in env "
-            f"{pack.env.key}: {type(exc).__name__}: {exc}"
+            f"{pack.env.key}: {type(exc).__name__}: {pack.readable(str(exc))}"
         )
         if detail:
-            message += f"\nworker traceback:\n{detail.rstrip()}"
+            message += f"\nworker traceback:\n{pack.readable(detail).rstrip()}"
         if output:
             message += f"\nworker output:\n{output.rstrip()}"
         message += "\n(the pack is not imported into the server instead)"
-        raise NodePackError(
+        error = NodePackError(
             message, pack_dir=pack.pack_dir, env=pack.env.key, worker_output=output
-        ) from exc
+        )
+        if detail:
+            # The message holds the worker's traceback; chaining the exception would print it
+            # again (its RemoteTraceback cause) above ComfyUI's "Cannot import" line, which
+            # repeats the message: ~30 lines a pack, three times. The exception stays
+            # reachable as ``__context__``.
+            raise error from None
+        raise error from exc
     finally:
         logger.removeHandler(collect)
         logger.setLevel(old_level)
