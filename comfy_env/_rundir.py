@@ -51,6 +51,7 @@ import stat
 
 from ._errors import RuntimeRootError
 from ._identity import host_id
+from ._leftovers import private_root_prefix as private_root_prefix  # (public here too)
 
 _log = logging.getLogger("comfy_env")
 
@@ -339,13 +340,6 @@ def remove_private_root() -> None:
     private = _private
     if private is not None and private[0] == os.getpid():
         shutil.rmtree(private[1], ignore_errors=True)
-
-
-def private_root_prefix() -> str:
-    """How the names of private fallback roots start, ``comfy-env-<uid>-private-``; the
-    owning host's token follows (``<pid>-t<ticks>-n<namespace>-<random>``), so that a sweep
-    can remove the root of a host killed before its ``atexit`` ran (``_sweep``)."""
-    return f"comfy-env-{os.getuid()}-private-"
 
 
 def private_root_parent() -> str:
