@@ -25,9 +25,11 @@ import os
 import subprocess
 import sys
 
+from comfy_env_worker import shm
+
 _BODY = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from comfy_env._descendants import watch_host; watch_host(sys.argv[2], sys.argv[3])"
+    "from comfy_env._descendants import watch_host; watch_host(*sys.argv[2:])"
 )
 
 
@@ -43,14 +45,20 @@ class HostWatcher:
         return self.popen.pid
 
     @classmethod
-    def start(cls, name: str, value: str) -> HostWatcher:
-        """Launch the watcher for the processes marked ``name=value``. ``OSError`` if it cannot
+    def start(cls, name: str, value: str, *, runtime_root: str | None = None) -> HostWatcher:
+        """Launch the watcher for the processes marked ``name=value``. With ``runtime_root``
+        (the host's runtime root; ``value`` is then the host's token) it also removes the dead
+        host's leftovers: its shared-memory blocks, and its runtime dirs and status file under
+        that root (the root itself if it is the host's private one). ``OSError`` if it cannot
         be launched (the caller decides what that means)."""
         package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        args = [package_parent, name, value]
+        if runtime_root is not None:
+            args += [runtime_root, shm.SHM_DIR, shm.NAME_PREFIX]
         read_fd, write_fd = os.pipe()  # both close-on-exec: no worker inherits them
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _BODY, package_parent, name, value],
+                [sys.executable, "-I", "-S", "-c", _BODY, *args],
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
