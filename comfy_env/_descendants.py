@@ -11,7 +11,8 @@ with ``COMFY_ENV_HOST_ID=<host token>`` and ``COMFY_ENV_WORKER_ID=<host token>-w
 ``name=value``. Each candidate is opened as a pidfd *before* its environment is read, and the
 signal goes through that pidfd, so a pid reused in between is never hit. It reads ``/proc``
 only; a scan of a few hundred processes takes milliseconds and runs when a generation is
-reaped (reactor thread) and in the sweep.
+reaped (reactor thread), in the host watcher when its host died (``watch_host``) and in the
+sweep.
 
 Pids mean something only in a namespace. ``/proc`` lists pids in the namespace it was mounted
 for, ``pidfd_open`` and ``kill`` take pids in the caller's. In a child pid namespace that kept

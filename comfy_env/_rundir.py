@@ -36,8 +36,9 @@ A root that fails the check is never used: this process takes a private ``mkdtem
 instead, made in a safe temp dir and named
 ``comfy-env-<uid>-private-<host token>-<random>`` (one warning that says what was wrong and
 how to fix it). It is removed at interpreter exit, after every pool has closed
-(``install_exit_hook``: the pools' close still writes the status file under it), or by a
-later sweep if the process was killed (its name carries the host's token). If no safe place
+(``install_exit_hook``: the pools' close still writes the status file under it), or if the
+process was killed by its pools' host watcher at once, or by a later sweep (its name carries
+the host's token; see ``_leftovers``). If no safe place
 is left for it, ``RuntimeRootError`` says why. Never a bare ``PermissionError``.
 """
 

@@ -15,10 +15,13 @@ namespace>``, see ``_identity``):
 A sweep acts only on what it can prove belongs to a dead host of this user in this pid
 namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
 wall-clock step, or a name in an older format never make a live host's resources look dead.
-A name is no proof of ownership in ``/dev/shm``, where any user can create any name: a block
-or runtime dir is removed only if ``lstat`` shows a regular file (a real directory) owned by
-our uid (``ours_to_remove``), so root never deletes another user's files, and the dry run,
-deciding by the same test, lists exactly what the real sweep removes.
+A name is no proof of ownership in ``/dev/shm``, where any user can create any name: a block,
+runtime dir or status file is removed only if ``lstat`` shows a regular file (a real
+directory) owned by our uid (``ours_to_remove``), so root never deletes another user's files,
+and the dry run, deciding by the same test, lists exactly what the real sweep removes. Those
+tests live in ``_leftovers``, shared with the host watcher (``_watcher``), which removes one
+dead host's files the moment it dies: the sweep finds what is left when the watcher was
+killed too.
 Before a process is signalled it is proven to have been launched for that dead host (its
 environment carries the host's token; see ``_orphan_of_dead_host``): a worker, or one of its
 descendants, also those that left the worker's process group. It is signalled through a pidfd
