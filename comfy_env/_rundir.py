@@ -36,10 +36,10 @@ A root that fails the check is never used: this process takes a private ``mkdtem
 instead, made in a safe temp dir and named
 ``comfy-env-<uid>-private-<host token>-<random>`` (one warning that says what was wrong and
 how to fix it). It is removed at interpreter exit, after every pool has closed
-(``install_exit_hook``: the pools' close still writes the status file under it), or if the
-process was killed by its pools' host watcher at once, or by a later sweep (its name carries
-the host's token; see ``_leftovers``). If no safe place
-is left for it, ``RuntimeRootError`` says why. Never a bare ``PermissionError``.
+(``install_exit_hook``: the pools' close still writes the status file under it). If the
+process is killed, its pools' host watcher removes it at once, or a later sweep does (its name
+carries the host's token; see ``_leftovers``). If no safe place is left for it,
+``RuntimeRootError`` says why. Never a bare ``PermissionError``.
 """
 
 from __future__ import annotations
