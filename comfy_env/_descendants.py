@@ -11,7 +11,8 @@ with ``COMFY_ENV_HOST_ID=<host token>`` and ``COMFY_ENV_WORKER_ID=<host token>-w
 ``name=value``. Each candidate is opened as a pidfd *before* its environment is read, and the
 signal goes through that pidfd, so a pid reused in between is never hit. It reads ``/proc``
 only; a scan of a few hundred processes takes milliseconds and runs when a generation is
-reaped (reactor thread) and in the sweep.
+reaped (reactor thread), in the host watcher when its host died (``watch_host``) and in the
+sweep.
 
 Pids mean something only in a namespace. ``/proc`` lists pids in the namespace it was mounted
 for, ``pidfd_open`` and ``kill`` take pids in the caller's. In a child pid namespace that kept
@@ -145,13 +146,19 @@ def kill_marked(
     return killed
 
 
-def watch_host(name: str, value: str) -> None:
+def watch_host(
+    name: str, value: str, root: str = "", shm_dir: str = "", block_prefix: str = ""
+) -> None:
     """The body of a host watcher process (see ``_watcher``): block on stdin, the read end of
     a pipe whose only writer is the host. ``q`` means the pool closed cleanly (it stopped its
     own workers): exit. End of file without it means the host died: SIGKILL every process
     marked ``name=value`` (the dead host's workers and their descendants, ``setsid`` ones
     included), scanning again while a scan still finds some (a descendant may fork while it
-    is being killed)."""
+    is being killed). Then, given ``shm_dir`` (``value`` is the host's token), remove what the
+    host left behind (``_leftovers.remove_dead_host``: its blocks in ``shm_dir`` named
+    ``<block_prefix><token>-...``, its runtime dirs and status file under ``root``, or
+    ``root`` itself if it was the host's private one), once the host is proven dead: the end
+    of file alone is no proof (a host that exec'd closed the pipe and lives on)."""
     while True:
         try:
             said = os.read(0, 1)
@@ -164,4 +171,10 @@ def watch_host(name: str, value: str) -> None:
         return
     for _ in range(5):
         if not kill_marked(name, value):
-            return
+            break
+    if shm_dir:
+        # Here, not at the top: only a watcher whose host died pays for it (shutil), and the
+        # watcher's start stays as small as it was.
+        from ._leftovers import remove_dead_host
+
+        remove_dead_host(value, root=root, shm_dir=shm_dir, block_prefix=block_prefix)

@@ -1038,8 +1038,11 @@ class Pool:
         with self._lock:
             if self._watcher is not None or self._closed:
                 return
+            # The root this pool's runtime dir is in: where the host's status file is too, and
+            # what the watcher cleans up (the whole root, if it is this host's private one).
+            root = "" if self._runtime_dir is None else os.path.dirname(self._runtime_dir.path)
             try:
-                self._watcher = HostWatcher.start(HOST_ID_VAR, host_id())
+                self._watcher = HostWatcher.start(HOST_ID_VAR, host_id(), runtime_root=root)
             except OSError as exc:  # the sweep remains the backstop
                 _log.warning(
                     "comfy-env: cannot start the host watcher (%s); setsid descendants of "

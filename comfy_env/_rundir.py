@@ -36,9 +36,10 @@ A root that fails the check is never used: this process takes a private ``mkdtem
 instead, made in a safe temp dir and named
 ``comfy-env-<uid>-private-<host token>-<random>`` (one warning that says what was wrong and
 how to fix it). It is removed at interpreter exit, after every pool has closed
-(``install_exit_hook``: the pools' close still writes the status file under it), or by a
-later sweep if the process was killed (its name carries the host's token). If no safe place
-is left for it, ``RuntimeRootError`` says why. Never a bare ``PermissionError``.
+(``install_exit_hook``: the pools' close still writes the status file under it). If the
+process is killed, its pools' host watcher removes it at once, or a later sweep does (its name
+carries the host's token; see ``_leftovers``). If no safe place is left for it,
+``RuntimeRootError`` says why. Never a bare ``PermissionError``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import stat
 
 from ._errors import RuntimeRootError
 from ._identity import host_id
+from ._leftovers import private_root_prefix as private_root_prefix  # (public here too)
 
 _log = logging.getLogger("comfy_env")
 
@@ -339,13 +341,6 @@ def remove_private_root() -> None:
     private = _private
     if private is not None and private[0] == os.getpid():
         shutil.rmtree(private[1], ignore_errors=True)
-
-
-def private_root_prefix() -> str:
-    """How the names of private fallback roots start, ``comfy-env-<uid>-private-``; the
-    owning host's token follows (``<pid>-t<ticks>-n<namespace>-<random>``), so that a sweep
-    can remove the root of a host killed before its ``atexit`` ran (``_sweep``)."""
-    return f"comfy-env-{os.getuid()}-private-"
 
 
 def private_root_parent() -> str:

@@ -48,13 +48,13 @@ from typing import Any
 
 from ._errors import RuntimeRootError
 from ._identity import host_id, owner_dead, pid_namespace
+from ._leftovers import STATUS_DIR_NAME as STATUS_DIR_NAME  # (its public home was here)
+from ._leftovers import STATUS_FILE, remove_status_files
 from ._rundir import private_subdir, runtime_root
 from ._stats import CALL_COUNTERS
 from ._values import replace, value
 
 SCHEMA = 1
-STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
-_FILE = re.compile(r"^\.?(\d+)-t(\d+)-n(\d+)\.json(?:\.tmp)?$")
 _COUNTERS = CALL_COUNTERS
 # Seconds a status write waits at least after the change that asked for it (publish_soon).
 PUBLISH_SETTLE_DELAY = 0.01
@@ -364,7 +364,7 @@ def read_status(
     directory = status_dir()
     hosts: list[HostStatus] = []
     for name in sorted(os.listdir(directory)):
-        match = _FILE.match(name)
+        match = STATUS_FILE.match(name)
         if match is None:
             continue
         path = os.path.join(directory, name)
@@ -397,19 +397,9 @@ def read_status(
 
 def remove_stale_status(*, dry_run: bool = False) -> list[str]:
     """Delete status files (and temporary files) of dead hosts; returns their names
-    (``dry_run``: deletes nothing)."""
-    directory = status_dir()
-    removed = []
-    for name in sorted(os.listdir(directory)):
-        match = _FILE.match(name)
-        if match is not None and not _owner_alive(match):
-            try:
-                if not dry_run:
-                    os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
+    (``dry_run``: deletes nothing). Decided as the sweep decides (``_leftovers``): a regular
+    file of ours, named for a host proven dead."""
+    return remove_status_files(status_dir(), dry_run=dry_run)
 
 
 def _owner_alive(match: re.Match[str]) -> bool:

@@ -15,10 +15,13 @@ namespace>``, see ``_identity``):
 A sweep acts only on what it can prove belongs to a dead host of this user in this pid
 namespace (``_identity.owner_dead``): a host in another namespace sharing /dev/shm or /tmp, a
 wall-clock step, or a name in an older format never make a live host's resources look dead.
-A name is no proof of ownership in ``/dev/shm``, where any user can create any name: a block
-or runtime dir is removed only if ``lstat`` shows a regular file (a real directory) owned by
-our uid (``ours_to_remove``), so root never deletes another user's files, and the dry run,
-deciding by the same test, lists exactly what the real sweep removes.
+A name is no proof of ownership in ``/dev/shm``, where any user can create any name: a block,
+runtime dir or status file is removed only if ``lstat`` shows a regular file (a real
+directory) owned by our uid (``ours_to_remove``), so root never deletes another user's files,
+and the dry run, deciding by the same test, lists exactly what the real sweep removes. Those
+tests live in ``_leftovers``, shared with the host watcher (``_watcher``), which removes one
+dead host's files the moment it dies: the sweep finds what is left when the watcher was
+killed too.
 Before a process is signalled it is proven to have been launched for that dead host (its
 environment carries the host's token; see ``_orphan_of_dead_host``): a worker, or one of its
 descendants, also those that left the worker's process group. It is signalled through a pidfd
@@ -32,15 +35,16 @@ import logging
 import os
 import shutil
 import signal
-import stat
 
 from comfy_env_worker import shm
 
 from ._descendants import environ_of, pidfd_is, pids
 from ._errors import RuntimeRootError
-from ._identity import name_of_dead_owner, owner_dead, owner_of, pid_namespace, proc_stat
+from ._identity import owner_dead, owner_of, pid_namespace, proc_stat
+from ._leftovers import ours_to_remove as ours_to_remove  # (its public home was here)
+from ._leftovers import private_root_removable, remove_blocks, remove_runtime_dirs
 from ._process import HOST_ID_VAR
-from ._rundir import private_root_parent, private_root_prefix, runtime_root
+from ._rundir import private_root_parent, runtime_root
 from ._values import value
 
 _log = logging.getLogger("comfy_env")
@@ -72,26 +76,6 @@ def host_alive(pid: int, ticks: int, namespace: int) -> bool:
     return not owner_dead(pid, ticks, namespace)
 
 
-def _dead_owner(name: str) -> bool:
-    return name_of_dead_owner(name)
-
-
-def ours_to_remove(path: str, *, directory: bool) -> bool:
-    """Is ``path`` ours to remove? Checked with ``lstat`` (a symlink is never followed): a
-    regular file (``directory``: a real directory) owned by our uid. A name proves only who
-    made a thing if nobody else can make one by that name; in ``/dev/shm`` anybody can, so a
-    block of another user named like a dead host's is not ours, even to root. The dry run and
-    the real sweep both decide by this one test, so ``--dry-run`` lists exactly what a sweep
-    removes. (In a sticky directory such as ``/dev/shm`` nobody else can rename or remove an
-    entry of ours between this check and the unlink.)"""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
-    return kind and st.st_uid == os.getuid()
-
-
 def sweep(*, dry_run: bool = False) -> SweepReport:
     """Remove shared-memory blocks, runtime directories, status files, private fallback roots
     and worker processes of dead hosts.
@@ -100,25 +84,8 @@ def sweep(*, dry_run: bool = False) -> SweepReport:
     (``dry_run``: what would be removed, and nothing is changed). Only what this user owns is
     touched (``ours_to_remove``), root included."""
     processes = _kill_stray_workers(dry_run)
-    blocks = []
-    for name in shm.owned_blocks(shm.NAME_PREFIX):
-        path = os.path.join(shm.SHM_DIR, name)
-        if _dead_owner(name) and ours_to_remove(path, directory=False):
-            try:
-                if not dry_run:
-                    os.unlink(path)
-                blocks.append(name)
-            except OSError:
-                pass
-    dirs = []
-    root = runtime_root()
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith("host-") and _dead_owner(name):
-            if ours_to_remove(path, directory=True):
-                if not dry_run:
-                    shutil.rmtree(path, ignore_errors=True)
-                dirs.append(name)
+    blocks = remove_blocks(shm.SHM_DIR, shm.NAME_PREFIX, dry_run=dry_run)
+    dirs = remove_runtime_dirs(runtime_root(), dry_run=dry_run)
     from ._status import remove_stale_status  # (it imports this module)
 
     try:
@@ -156,7 +123,6 @@ def _sweep_private_roots(dry_run: bool) -> list[str]:
     leaves its whole root (its runtime dirs, the worker package) behind. Checked like the
     root itself: a real directory (never a symlink) of our uid, closed to group and other
     writes; the temp dir is shared, so a look-alike of anyone else's is left alone."""
-    prefix = private_root_prefix()
     try:
         parent = private_root_parent()
         names = os.listdir(parent)
@@ -164,16 +130,8 @@ def _sweep_private_roots(dry_run: bool) -> list[str]:
         return []
     removed = []
     for name in names:
-        if not name.startswith(prefix):
-            continue
-        owner = owner_of("host-" + name[len(prefix) :])  # (the token, as in a runtime dir)
         path = os.path.join(parent, name)
-        if owner is None or not owner_dead(*owner) or not ours_to_remove(path, directory=True):
-            continue
-        try:
-            if os.lstat(path).st_mode & 0o022:
-                continue
-        except OSError:
+        if not private_root_removable(path):
             continue
         if not dry_run:
             shutil.rmtree(path, ignore_errors=True)

@@ -1,22 +1,34 @@
-"""A host watcher: the dead host's ``setsid`` descendants are stopped the moment it dies.
+"""A host watcher: the moment the host dies, its ``setsid`` descendants are stopped and what it
+left behind is removed.
 
 Workers die with their host through ``PR_SET_PDEATHSIG``, and their process groups with them.
 A descendant that called ``setsid`` left the group and is re-parented to init: nothing the
-host set up reaches it, and a host killed with SIGKILL runs no code. So each pool, a moment
-after its first worker is ready (off the first call's path), starts one small watcher process
-that outlives the host::
+host set up reaches it, and a host killed with SIGKILL (or SIGTERM without a handler: ``docker
+stop``, systemd) runs no code, so its shared-memory blocks, runtime dirs and status file stay
+too. So each pool, a moment after its first worker is ready (off the first call's path),
+starts one small watcher process that outlives the host::
 
     host (pool)  --pipe, write end (close-on-exec)-->  watcher: python -I -S, blocked in read(0)
     pool.close(): writes "q", closes      ->  watcher exits (close stopped the workers itself)
     host dies: the kernel closes the pipe ->  watcher reads EOF -> SIGKILLs every process marked
-                                              COMFY_ENV_HOST_ID=<host> (``_descendants``), exits
+                                              COMFY_ENV_HOST_ID=<host> (``_descendants``)
+                                          ->  waits (bounded) until the host is proven dead,
+                                              removes its blocks ``ce-<host>-...``, runtime dirs
+                                              ``host-<host>-...`` and status file (its whole
+                                              root, if private) (``_leftovers``), exits
+
+The end of file alone proves nothing: a host that ``exec``'d closes the pipe too and lives on.
+Nothing is removed until ``_identity.owner_dead`` proves the death, and only what the sweep
+would remove for that one host (``_leftovers``: names parsed alike, a regular file or a real
+directory of our uid): never a live host's or another host's.
 
 The watcher runs in its own session (Ctrl-C to the host's group does not stop it before it
 has done its job) with stdout and stderr on ``/dev/null``; it inherits no descriptor but the
-pipe. It carries no host mark itself, so neither it nor a sweep mistakes it for a worker. If
-the watcher itself is killed with the host, the sweep of the next pool start (or ``comfy-env
-sweep``) still finds the marked processes: the watcher makes the common case immediate, the
-sweep stays the backstop.
+pipe. It carries no host mark itself, so neither it nor a sweep mistakes it for a worker. It
+imports three small modules of this package at start, and the clean-up's only once the host
+died. If the watcher itself is killed with the host, the sweep of the next pool start (or
+``comfy-env sweep``) still finds the marked processes and the leftovers: the watcher makes the
+common case immediate, the sweep stays the backstop.
 """
 
 from __future__ import annotations
@@ -25,9 +37,11 @@ import os
 import subprocess
 import sys
 
+from comfy_env_worker import shm
+
 _BODY = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from comfy_env._descendants import watch_host; watch_host(sys.argv[2], sys.argv[3])"
+    "from comfy_env._descendants import watch_host; watch_host(*sys.argv[2:])"
 )
 
 
@@ -43,14 +57,20 @@ class HostWatcher:
         return self.popen.pid
 
     @classmethod
-    def start(cls, name: str, value: str) -> HostWatcher:
-        """Launch the watcher for the processes marked ``name=value``. ``OSError`` if it cannot
+    def start(cls, name: str, value: str, *, runtime_root: str | None = None) -> HostWatcher:
+        """Launch the watcher for the processes marked ``name=value``. With ``runtime_root``
+        (the host's runtime root; ``value`` is then the host's token) it also removes the dead
+        host's leftovers: its shared-memory blocks, and its runtime dirs and status file under
+        that root (the root itself if it is the host's private one). ``OSError`` if it cannot
         be launched (the caller decides what that means)."""
         package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        args = [package_parent, name, value]
+        if runtime_root is not None:
+            args += [runtime_root, shm.SHM_DIR, shm.NAME_PREFIX]
         read_fd, write_fd = os.pipe()  # both close-on-exec: no worker inherits them
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _BODY, package_parent, name, value],
+                [sys.executable, "-I", "-S", "-c", _BODY, *args],
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

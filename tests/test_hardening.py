@@ -15,11 +15,13 @@ import logging
 import math
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -593,6 +595,10 @@ def test_the_private_root_of_a_killed_host_is_swept_and_a_live_ones_never(
         dead_root, live_root = roots
         assert os.path.dirname(dead_root) == str(shared_tmp)
         assert os.path.basename(dead_root).startswith(f"comfy-env-{os.getuid()}-private-")
+        # The backstop case: its watcher (which removes the root at once) is killed first.
+        watcher = _watcher_of(hosts[0].pid)
+        os.kill(watcher, 9)
+        assert wait_until(lambda: not alive(watcher), 10)
         hosts[0].kill()  # no atexit: before the fix its private root stayed for good
         hosts[0].communicate(timeout=30)
         assert wait_until(lambda: not alive(workers[0]), 10)
@@ -621,6 +627,56 @@ def test_the_private_root_of_a_killed_host_is_swept_and_a_live_ones_never(
             if host.poll() is None:
                 os.killpg(host.pid, 9)
                 host.communicate(timeout=30)
+        shutil.rmtree(runtime_root(), ignore_errors=True)  # this process's own private root
+
+
+def _watcher_of(host_pid: int) -> int:
+    """The pid of the host watcher ``host_pid`` started (a child running ``watch_host``)."""
+    import psutil
+
+    def find() -> int | None:
+        for child in psutil.Process(host_pid).children():
+            with contextlib.suppress(psutil.Error):
+                if any("watch_host" in arg for arg in child.cmdline()):
+                    return child.pid
+        return None
+
+    assert wait_until(lambda: find() is not None, 10), "the host started no watcher"
+    found = find()
+    assert found is not None
+    return found
+
+
+@root_only
+def test_the_private_root_of_a_killed_host_goes_with_its_watcher(shared_tmp: Path) -> None:
+    from comfy_env._rundir import runtime_root
+
+    foreign = shared_tmp / f"comfy-env-{os.getuid()}"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)  # the host falls back to a private root
+    host = subprocess.Popen(
+        [sys.executable, "-c", PRIVATE_ROOT_HOST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        assert line, host.communicate(timeout=30)[1][-3000:]
+        root = line.split()[0]
+        assert os.path.basename(root).startswith(f"comfy-env-{os.getuid()}-private-")
+        watcher = _watcher_of(host.pid)
+        host.kill()  # no atexit, and no sweep runs here: only its watcher can remove the root
+        host.communicate(timeout=30)
+        assert wait_until(lambda: not os.path.exists(root), 5), os.listdir(root)
+        assert wait_until(lambda: not alive(watcher), 10)
+    finally:
+        if host.poll() is None:
+            os.killpg(host.pid, 9)
+            host.communicate(timeout=30)
         shutil.rmtree(runtime_root(), ignore_errors=True)  # this process's own private root
 
 
@@ -1536,6 +1592,141 @@ def test_a_closed_pool_leaves_no_watcher(config: comfy_env.PoolConfig) -> None:
         assert watcher is not None and alive(watcher.pid)
     assert watcher.popen.returncode == 0  # told to quit, not killed
     assert _gone(watcher.pid)
+
+
+# A host that made shared-memory blocks on both sides (host ``-h``, worker ``-w``), a runtime
+# dir and a status file, and whose watcher runs; then it waits, or execs (argv[2] == "exec").
+_LEAVING_HOST_SCRIPT = """
+import os, sys, time, comfy_env
+from comfy_env._identity import host_id
+from comfy_env._rundir import runtime_root
+pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+w = pool.get_worker()
+big = bytes(4 << 20)
+assert w.call("fault_tasks:identity", big) == big  # blocks on both sides now exist
+status = os.path.join(runtime_root(), "status", host_id() + ".json")
+while pool._watcher is None or not os.path.exists(status):
+    time.sleep(0.01)
+print(host_id(), w.pid, pool._watcher.pid, flush=True)
+if sys.argv[2] == "exec":  # the watcher's write end is close-on-exec: its pipe closes now
+    os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"])
+time.sleep(60)
+"""
+
+
+def _host_with_leftovers(then: str) -> tuple[subprocess.Popen[str], str, int, int]:
+    host = run_host(_LEAVING_HOST_SCRIPT, str(TESTS_DIR), then)
+    assert host.stdout is not None
+    line = host.stdout.readline()
+    assert line, host.communicate(timeout=30)
+    token, worker_pid, watcher_pid = line.split()
+    return host, token, int(worker_pid), int(watcher_pid)
+
+
+def _leftovers_of_host(token: str) -> dict[str, list[str]]:
+    """What the host ``token`` made, by kind (look-alikes, named ``...-foreign``/``-link``,
+    left out)."""
+    from comfy_env._rundir import runtime_root
+
+    root = runtime_root()
+    blocks = [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{token}-")]
+    dirs = [d for d in os.listdir(root) if d.startswith(f"host-{token}-")]
+    status = os.path.join(root, "status", f"{token}.json")
+    return {
+        "host blocks": [n for n in blocks if n.startswith(f"ce-{token}-h") and "foreign" not in n],
+        "worker blocks": [n for n in blocks if n.startswith(f"ce-{token}-w")],
+        "runtime dirs": [d for d in dirs if not d.endswith("-link")],
+        "status file": [status] if os.path.lexists(status) else [],
+    }
+
+
+def _plant_look_alikes(token: str, tmp_path: Path) -> list[str]:
+    """Things the dying host's watcher must leave alone: a live host's block (this process's),
+    another dead host's runtime dir and status file (a sweep's business, not the watcher's),
+    and where we are root a block of another uid named like the dying host's and a symlink
+    named like its runtime dir."""
+    from comfy_env._identity import host_id, pid_namespace
+    from comfy_env._rundir import runtime_root
+
+    root = runtime_root()
+    other_dead = f"{os.getpid()}-t1-n{pid_namespace()}"  # our pid, another start: dead
+    made = [
+        f"/dev/shm/ce-{host_id()}-h0-lookalike",
+        os.path.join(root, f"host-{other_dead}-lookalike"),
+        os.path.join(root, "status", f"{other_dead}.json"),
+    ]
+    Path(made[0]).write_bytes(b"")
+    os.mkdir(made[1], 0o700)
+    Path(made[2]).write_text("{}")
+    if os.geteuid() == 0:
+        foreign = f"/dev/shm/ce-{token}-h0-foreign"
+        Path(foreign).write_bytes(b"")
+        os.chown(foreign, 65534, 65534)
+        link = os.path.join(root, f"host-{token}-link")
+        os.symlink(tmp_path, link)
+        made += [foreign, link]
+    return made
+
+
+def _remove_look_alikes(paths: list[str]) -> None:
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_dead_hosts_blocks_runtime_dir_and_status_file_go_at_once_without_a_sweep(
+    how: str, tmp_path: Path
+) -> None:
+    host, token, worker_pid, watcher_pid = _host_with_leftovers("wait")
+    look_alikes = _plant_look_alikes(token, tmp_path)
+    try:
+        before = _leftovers_of_host(token)
+        assert all(before.values()), before
+        host.send_signal(getattr(signal, how))  # no handler: no atexit, no close()
+        host.communicate(timeout=30)
+        # No pool starts in this process (so no sweep runs): the host's watcher alone saw the
+        # death and removed what the host left.
+        assert wait_until(lambda: not any(_leftovers_of_host(token).values()), 5), (
+            _leftovers_of_host(token)
+        )
+        assert wait_until(lambda: _gone(watcher_pid), 10), "the watcher outlived its job"
+        assert _gone(worker_pid)
+        survivors = [p for p in look_alikes if os.path.lexists(p)]
+        assert survivors == look_alikes, "the watcher removed another host's things"
+        assert os.path.isdir(tmp_path)  # a symlink is removed at most, never followed
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.communicate(timeout=30)
+        _kill_quietly(watcher_pid)
+        _remove_look_alikes(look_alikes)
+
+
+def test_a_host_that_execs_keeps_its_leftovers_until_its_death_is_proven() -> None:
+    host, token, worker_pid, watcher_pid = _host_with_leftovers("exec")
+    try:
+        # The exec closed the watcher's pipe without "q": it stopped the marked workers. The
+        # end of file is no proof of death: the host lives on (same pid, same start).
+        assert wait_until(lambda: _gone(worker_pid), 10)
+        time.sleep(0.5)  # room for a watcher that took the end of file for a death to act
+        left = _leftovers_of_host(token)
+        del left["worker blocks"]  # its workers saw their channel close and unlinked their own
+        assert all(left.values()), f"a live host's things were removed: {left}"
+        host.kill()
+        host.communicate(timeout=30)
+        # Now it is dead, and its watcher, still waiting for the proof, removes them.
+        assert wait_until(lambda: not any(_leftovers_of_host(token).values()), 5), (
+            _leftovers_of_host(token)
+        )
+        assert wait_until(lambda: _gone(watcher_pid), 10)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.communicate(timeout=30)
+        _kill_quietly(watcher_pid)
 
 
 def _links(fds: list[int]) -> set[str]:

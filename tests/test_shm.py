@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 import pytest
 import remote_tasks
-from conftest import private_shm_mount_usable
+from conftest import alive, private_shm_mount_usable
 from conftest import run_host as _run_host
 from conftest import wait_until as _wait
 
@@ -627,14 +627,20 @@ def _double_crash_then_sweep(pool: comfy_env.Pool) -> None:
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
         w._entry.slots[0].process.ack_consumed = False
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
-        print(w.pid, flush=True)
+        pool = comfy_env.default_pool()
+        while pool._watcher is None:  # started on the reactor once the first worker is ready
+            time.sleep(0.01)
+        print(w.pid, pool._watcher.pid, flush=True)
         time.sleep(60)
         """
     )
     assert host.stdout is not None
-    worker_pid = int(host.stdout.readline())
-    # Both die at once, before any cleanup can run (the host first, so it cannot reap the
-    # worker and unlink the worker's blocks).
+    worker_pid, watcher_pid = map(int, host.stdout.readline().split())
+    # The backstop case: the host's watcher, which would remove its leftovers the moment it
+    # dies, is killed first. Then both die at once, before any cleanup can run (the host
+    # first, so it cannot reap the worker and unlink the worker's blocks).
+    os.kill(watcher_pid, signal.SIGKILL)
+    assert _wait(lambda: not alive(watcher_pid))
     host.kill()
     host.communicate(timeout=30)
     try:
