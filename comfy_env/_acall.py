@@ -25,7 +25,9 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
                                            flight); still nothing, select for the rest
         loop.add_reader(channel)           only if the spin did not end the call: frames
                                            parsed as they arrive: LOG -> logging, EVENT ->
-                                           on_event (on the loop), REPLY -> future
+                                           on_event (on the loop), REPLY -> future; one read
+                                           per callback, a frame's payload received in place
+                                           (``FrameBuffer``: one copy however large)
         gate(Replied) via settle           the slot goes to the next waiter (``settle_ok``
                                            for an ok reply: one step of the gate)
     otherwise (a worker must start, a ping is due, a large in-band request, out-of-band
@@ -81,7 +83,10 @@ from comfy_env_worker.protocol import (
     HEADER_SIZE,
     MAGIC,
     SPIN_RECHECK,
+    FrameBuffer,
+    FrameReader,
     FrameType,
+    Payload,
 )
 
 from . import _lifecycle as lc
@@ -319,24 +324,47 @@ def _loop_sendable(process: WorkerProcess, body: bytes, buffers: list[memoryview
 
 
 class _ReplyReader:
-    """Parses the frames of one call as they arrive on the loop (non-blocking reads)."""
+    """Parses the frames of one call as they arrive on the loop (non-blocking reads).
 
-    __slots__ = ("buf", "call_id", "done", "limit", "outcome", "process", "reader", "sink")
+    Each readiness callback does one read. Frames that arrive whole are parsed from that read;
+    a frame whose header has come but whose payload has not is then received in place into
+    one buffer of the frame's size (``FrameBuffer``), so a large reply costs one copy and a
+    callback at most one read's worth of work (joining every read to what came before instead
+    re-copied the whole reply at each 64 KiB read: quadratic, seconds of blocked loop for tens
+    of MiB). Only an incomplete header (under ``HEADER_SIZE`` bytes) is ever joined."""
+
+    __slots__ = (
+        "buf",
+        "call_id",
+        "done",
+        "emit_log",
+        "frame",
+        "head",
+        "limit",
+        "outcome",
+        "reader",
+        "sink",
+    )
 
     def __init__(
-        self, process: WorkerProcess, call_id: int, sink: Callable[[int, Any], None] | None
+        self,
+        reader: FrameReader,
+        emit_log: Callable[[Payload], None],
+        call_id: int,
+        sink: Callable[[int, Any], None] | None,
     ) -> None:
-        assert process.reader is not None
-        self.process = process
-        self.reader = process.reader
-        self.limit = process.reader.limit
+        self.reader = reader
+        self.limit = reader.limit
+        self.emit_log = emit_log  # LOG frames (the worker's ``LogSink.emit_frame``)
         self.call_id = call_id
         self.sink = sink
         self.outcome: tuple[str, Any] | None = None  # (kind, value) once the call ended
         # What the coroutine awaits when it has to wait through the loop (created only then;
         # replaced if a cancellation of the task cancelled it).
         self.done: asyncio.Future[None] | None = None
-        self.buf = b""
+        self.buf = b""  # the start of a frame header (under HEADER_SIZE bytes)
+        self.frame: FrameBuffer | None = None  # the payload being received in place
+        self.head = (0, 0, 0)  # that frame's (type, flags, call id)
 
     def finish(self, kind: str, value: Any = None) -> None:
         if self.outcome is None:
@@ -347,7 +375,17 @@ class _ReplyReader:
     def on_readable(self) -> None:
         if self.outcome is not None:
             return
+        frame = self.frame
         try:
+            if frame is not None:
+                with frame.space() as view:
+                    n = self.reader.recv_into_nowait(view)
+                if not n:
+                    self.finish("eof")
+                elif frame.wrote(n):
+                    self.frame = None
+                    self.dispatch(*self.head, frame.data, b"")
+                return
             data = self.reader.recv_nowait()
         except (BlockingIOError, InterruptedError):
             return
@@ -364,7 +402,7 @@ class _ReplyReader:
         if not data:
             self.finish("eof")
             return
-        buf = self.buf + data if self.buf else data
+        buf = self.buf + data if self.buf else data  # (self.buf: under HEADER_SIZE bytes)
         start = 0
         size = len(buf)
         while size - start >= HEADER_SIZE:
@@ -377,18 +415,31 @@ class _ReplyReader:
                 return
             end = start + HEADER_SIZE + length
             if size < end:
-                break
+                # The rest of this payload is read straight into its own buffer (on_readable).
+                self.head = (ftype, flags, frame_call_id)
+                self.frame = FrameBuffer(length, buf[start + HEADER_SIZE :])
+                self.buf = b""
+                return
             payload = buf[start + HEADER_SIZE : end]
             start = end
-            if ftype == FrameType.LOG:
-                self.process.log.emit_frame(payload)
-            elif ftype == FrameType.EVENT:
-                if self.sink is not None:
-                    self.sink(frame_call_id, payload)
-            else:
-                self.finish("frame", (ftype, flags, frame_call_id, payload, buf[start:]))
+            if self.dispatch(ftype, flags, frame_call_id, payload, buf[start:]):
                 return
         self.buf = buf[start:]
+
+    def dispatch(
+        self, ftype: int, flags: int, frame_call_id: int, payload: Payload, rest: bytes
+    ) -> bool:
+        """Hand on one whole frame; True if it ended the call (``rest``: the bytes after it,
+        which the channel's own reader gets back)."""
+        if ftype == FrameType.LOG:
+            self.emit_log(payload)
+        elif ftype == FrameType.EVENT:
+            if self.sink is not None:
+                self.sink(frame_call_id, payload)
+        else:
+            self.finish("frame", (ftype, flags, frame_call_id, payload, rest))
+            return True
+        return False
 
 
 async def _warm_call(
@@ -503,7 +554,7 @@ async def _warm_call(
             sink = None
             if ticket.on_event is not None:
                 sink = event_handler(ticket.on_event, call_id, generation)
-            reader = _ReplyReader(process, call_id, sink)
+            reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink)
             if data is not None:  # a partial frame, or frames before the reply
                 reader.feed(data)
                 if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
