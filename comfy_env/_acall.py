@@ -10,7 +10,8 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
                                            thread releasing a slot resolves through
                                            ``call_soon_threadsafe``; no thread is held
     warm path (idle verified worker, small request or out-of-band buffers of at most
-    _OOB_LOOP_MAX bytes going to shared memory, no ping due):
+    _OOB_LOOP_MAX bytes going to shared memory, into an idle block above _FRESH_LOOP_MAX,
+    no ping due):
         gate(CallStarted) -> send CALL     ``WorkerProcess.send_request``: one ``sendall`` of
                                            <= 64 KiB into an idle channel, plus (buffers) one
                                            memcpy into a pooled shared-memory block
@@ -58,13 +59,16 @@ cancel is dropped (the task is cancelled) and counted once.
 Out-of-band buffers on the loop: the request's buffers are copied into one of the worker's
 pooled shared-memory blocks on the loop (the same ``send_request`` the sync path uses), so the
 loop is blocked for one memcpy: 0.1-0.17 ms per MiB measured here (16 MiB: 1.7-2.7 ms, 32 MiB
-14 ms under load), hence the bound _OOB_LOOP_MAX (16 MiB); above it the copy runs on the
-call's own thread. The reply is opened with
-``open_reply`` (loaned blocks, the consumed ack through the next request) and the request's
-block goes back with ``finish_request``, both as in ``Pool._exchange``. If the block cannot be
-created at send time (``/dev/shm`` full: ENOSPC), ``send_request`` streams that one request
-inline from the loop (bounded by _OOB_LOOP_MAX; the worker reads it as it comes) and marks
-shared memory unavailable, so the next such call takes the thread path.
+14 ms under load), hence the bound _OOB_LOOP_MAX (16 MiB); above it the copy runs on the call's
+own thread, where it lets go of the GIL in steps (``shm.Block.write``). A fresh block costs
+5-10 times the copy (create, reserve, fault its pages in: 107 ms for a 16 MiB array was
+measured on the loop), so above _FRESH_LOOP_MAX (4 MiB) a call goes on the loop only if the
+pool has an idle block of its size; the first call of a size makes its block on its thread. The
+reply is opened with ``open_reply`` (loaned blocks, the consumed ack through the next request)
+and the request's block goes back with ``finish_request``, both as in ``Pool._exchange``. If
+the block cannot be created at send time (``/dev/shm`` full: ENOSPC), ``send_request`` streams
+that one request inline from the loop (bounded by _OOB_LOOP_MAX; the worker reads it as it
+comes) and marks shared memory unavailable, so the next such call takes the thread path.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
     CALLS_IN_FLIGHT,
     HEADER,
@@ -114,6 +119,11 @@ _SMALL = 65536  # a request this small goes out in one sendall on the loop
 # Out-of-band bytes a warm call may copy into shared memory on the loop (one memcpy, ~2 ms
 # at most here); above it the call runs on a thread of its own so the loop never stalls long.
 _OOB_LOOP_MAX = 16 << 20
+# Out-of-band bytes a warm call may send from the loop through a *fresh* block: making one
+# (create, reserve, fault its pages in on the first copy) costs about 1 ms per MiB here, 5-10
+# times the copy into a block used before; above this, with no idle block of the size at hand,
+# the call runs on a thread of its own (whose copy lets go of the GIL: ``shm.Block.write``).
+_FRESH_LOOP_MAX = 4 << 20
 _REPLY_SPIN = 0.0002  # seconds a warm call waits for its reply before yielding to the loop
 
 
@@ -314,11 +324,16 @@ def _loop_sendable(process: WorkerProcess, body: bytes, buffers: list[memoryview
     one small write. Inline streaming of more (shared memory off or unavailable) could block
     the loop on a full socket, so it stays on the thread path."""
     total = sum(b.nbytes for b in buffers)
+    blocks = process.blocks
     if (
-        process.blocks is not None
+        blocks is not None
         and process.shm_state == "on"
         and use_shm(buffers, process.config.shm_threshold_bytes)
     ):
+        # A fresh block costs far more than the copy (create, reserve, fault in): above
+        # _FRESH_LOOP_MAX only an idle block of the pool is written from the loop.
+        if total > _FRESH_LOOP_MAX and not blocks.has_idle(shm.block_bytes(buffers)):
+            return False
         return total <= _OOB_LOOP_MAX
     return total + len(body) <= _SMALL
 
