@@ -680,3 +680,51 @@ def test_large_in_band_replies_round_trip_through_acall_on_the_loop(
         assert arr.dtype == np.float32 and arr.shape == (4 << 20,) and bool((arr == 2.5).all())
         stats = w.stats()
         assert (stats.ok, stats.in_flight, w.generation) == (3, 0, 1)
+
+
+def test_an_async_on_event_is_refused_at_the_call_never_silently_dropped(
+    apool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Calling an ``async def`` only makes a coroutine: nothing would await it and every event
+    # would be lost (a RuntimeWarning at best). It is an ArgumentError before anything runs.
+    w = apool.get_worker()
+    w.call("remote_tasks:add", 1)
+
+    async def on_event(event: CallEvent) -> None:
+        pass
+
+    class AsyncCallable:
+        async def __call__(self, event: CallEvent) -> None:
+            pass
+
+    async def main() -> None:
+        for callback in (on_event, AsyncCallable()):
+            with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+                await w.arun("remote_tasks:events_in_order", (3,), on_event=callback)
+            with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+                await w.arun_ref("remote_tasks:events_in_order", (3,), on_event=callback)
+
+    run_small(main)
+    with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+        w.run("remote_tasks:events_in_order", (3,), on_event=on_event)
+    with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+        w.submit("remote_tasks:events_in_order", (3,), on_event=on_event)
+    assert w.stats().submitted == 1  # nothing ran, nothing was counted
+
+    # A plain callback that returns a coroutine: closed (no "never awaited" warning) and
+    # reported, and the call goes on.
+    seen: list[str] = []
+
+    async def handle(event: CallEvent) -> None:
+        seen.append(event.kind)
+
+    with caplog.at_level("ERROR", logger="comfy_env"):
+
+        async def lossy() -> Any:
+            return await w.arun(
+                "remote_tasks:events_in_order", (2,), on_event=lambda ev: handle(ev)
+            )
+
+        assert run_small(lossy) == 2
+    assert seen == []
+    assert sum("on_event returned a coroutine" in r.getMessage() for r in caplog.records) == 4
