@@ -10,7 +10,8 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
                                            thread releasing a slot resolves through
                                            ``call_soon_threadsafe``; no thread is held
     warm path (idle verified worker, small request or out-of-band buffers of at most
-    _OOB_LOOP_MAX bytes going to shared memory, no ping due):
+    _OOB_LOOP_MAX bytes going to shared memory, into an idle block above _FRESH_LOOP_MAX,
+    no ping due):
         gate(CallStarted) -> send CALL     ``WorkerProcess.send_request``: one ``sendall`` of
                                            <= 64 KiB into an idle channel, plus (buffers) one
                                            memcpy into a pooled shared-memory block
@@ -25,7 +26,9 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
                                            flight); still nothing, select for the rest
         loop.add_reader(channel)           only if the spin did not end the call: frames
                                            parsed as they arrive: LOG -> logging, EVENT ->
-                                           on_event (on the loop), REPLY -> future
+                                           on_event (on the loop), REPLY -> future; one read
+                                           per callback, a frame's payload received in place
+                                           (``FrameBuffer``: one copy however large)
         gate(Replied) via settle           the slot goes to the next waiter (``settle_ok``
                                            for an ok reply: one step of the gate)
     otherwise (a worker must start, a ping is due, a large in-band request, out-of-band
@@ -56,13 +59,16 @@ cancel is dropped (the task is cancelled) and counted once.
 Out-of-band buffers on the loop: the request's buffers are copied into one of the worker's
 pooled shared-memory blocks on the loop (the same ``send_request`` the sync path uses), so the
 loop is blocked for one memcpy: 0.1-0.17 ms per MiB measured here (16 MiB: 1.7-2.7 ms, 32 MiB
-14 ms under load), hence the bound _OOB_LOOP_MAX (16 MiB); above it the copy runs on the
-call's own thread. The reply is opened with
-``open_reply`` (loaned blocks, the consumed ack through the next request) and the request's
-block goes back with ``finish_request``, both as in ``Pool._exchange``. If the block cannot be
-created at send time (``/dev/shm`` full: ENOSPC), ``send_request`` streams that one request
-inline from the loop (bounded by _OOB_LOOP_MAX; the worker reads it as it comes) and marks
-shared memory unavailable, so the next such call takes the thread path.
+14 ms under load), hence the bound _OOB_LOOP_MAX (16 MiB); above it the copy runs on the call's
+own thread, where it lets go of the GIL in steps (``shm.Block.write``). A fresh block costs
+5-10 times the copy (create, reserve, fault its pages in: 107 ms for a 16 MiB array was
+measured on the loop), so above _FRESH_LOOP_MAX (4 MiB) a call goes on the loop only if the
+pool has an idle block of its size; the first call of a size makes its block on its thread. The
+reply is opened with ``open_reply`` (loaned blocks, the consumed ack through the next request)
+and the request's block goes back with ``finish_request``, both as in ``Pool._exchange``. If
+the block cannot be created at send time (``/dev/shm`` full: ENOSPC), ``send_request`` streams
+that one request inline from the loop (bounded by _OOB_LOOP_MAX; the worker reads it as it
+comes) and marks shared memory unavailable, so the next such call takes the thread path.
 """
 
 from __future__ import annotations
@@ -75,13 +81,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
     CALLS_IN_FLIGHT,
     HEADER,
     HEADER_SIZE,
     MAGIC,
     SPIN_RECHECK,
+    FrameBuffer,
+    FrameReader,
     FrameType,
+    Payload,
 )
 
 from . import _lifecycle as lc
@@ -109,6 +119,11 @@ _SMALL = 65536  # a request this small goes out in one sendall on the loop
 # Out-of-band bytes a warm call may copy into shared memory on the loop (one memcpy, ~2 ms
 # at most here); above it the call runs on a thread of its own so the loop never stalls long.
 _OOB_LOOP_MAX = 16 << 20
+# Out-of-band bytes a warm call may send from the loop through a *fresh* block: making one
+# (create, reserve, fault its pages in on the first copy) costs about 1 ms per MiB here, 5-10
+# times the copy into a block used before; above this, with no idle block of the size at hand,
+# the call runs on a thread of its own (whose copy lets go of the GIL: ``shm.Block.write``).
+_FRESH_LOOP_MAX = 4 << 20
 _REPLY_SPIN = 0.0002  # seconds a warm call waits for its reply before yielding to the loop
 
 
@@ -309,34 +324,62 @@ def _loop_sendable(process: WorkerProcess, body: bytes, buffers: list[memoryview
     one small write. Inline streaming of more (shared memory off or unavailable) could block
     the loop on a full socket, so it stays on the thread path."""
     total = sum(b.nbytes for b in buffers)
+    blocks = process.blocks
     if (
-        process.blocks is not None
+        blocks is not None
         and process.shm_state == "on"
         and use_shm(buffers, process.config.shm_threshold_bytes)
     ):
+        # A fresh block costs far more than the copy (create, reserve, fault in): above
+        # _FRESH_LOOP_MAX only an idle block of the pool is written from the loop.
+        if total > _FRESH_LOOP_MAX and not blocks.has_idle(shm.block_bytes(buffers)):
+            return False
         return total <= _OOB_LOOP_MAX
     return total + len(body) <= _SMALL
 
 
 class _ReplyReader:
-    """Parses the frames of one call as they arrive on the loop (non-blocking reads)."""
+    """Parses the frames of one call as they arrive on the loop (non-blocking reads).
 
-    __slots__ = ("buf", "call_id", "done", "limit", "outcome", "process", "reader", "sink")
+    Each readiness callback does one read. Frames that arrive whole are parsed from that read;
+    a frame whose header has come but whose payload has not is then received in place into
+    one buffer of the frame's size (``FrameBuffer``), so a large reply costs one copy and a
+    callback at most one read's worth of work (joining every read to what came before instead
+    re-copied the whole reply at each 64 KiB read: quadratic, seconds of blocked loop for tens
+    of MiB). Only an incomplete header (under ``HEADER_SIZE`` bytes) is ever joined."""
+
+    __slots__ = (
+        "buf",
+        "call_id",
+        "done",
+        "emit_log",
+        "frame",
+        "head",
+        "limit",
+        "outcome",
+        "reader",
+        "sink",
+    )
 
     def __init__(
-        self, process: WorkerProcess, call_id: int, sink: Callable[[int, Any], None] | None
+        self,
+        reader: FrameReader,
+        emit_log: Callable[[Payload], None],
+        call_id: int,
+        sink: Callable[[int, Any], None] | None,
     ) -> None:
-        assert process.reader is not None
-        self.process = process
-        self.reader = process.reader
-        self.limit = process.reader.limit
+        self.reader = reader
+        self.limit = reader.limit
+        self.emit_log = emit_log  # LOG frames (the worker's ``LogSink.emit_frame``)
         self.call_id = call_id
         self.sink = sink
         self.outcome: tuple[str, Any] | None = None  # (kind, value) once the call ended
         # What the coroutine awaits when it has to wait through the loop (created only then;
         # replaced if a cancellation of the task cancelled it).
         self.done: asyncio.Future[None] | None = None
-        self.buf = b""
+        self.buf = b""  # the start of a frame header (under HEADER_SIZE bytes)
+        self.frame: FrameBuffer | None = None  # the payload being received in place
+        self.head = (0, 0, 0)  # that frame's (type, flags, call id)
 
     def finish(self, kind: str, value: Any = None) -> None:
         if self.outcome is None:
@@ -347,7 +390,17 @@ class _ReplyReader:
     def on_readable(self) -> None:
         if self.outcome is not None:
             return
+        frame = self.frame
         try:
+            if frame is not None:
+                with frame.space() as view:
+                    n = self.reader.recv_into_nowait(view)
+                if not n:
+                    self.finish("eof")
+                elif frame.wrote(n):
+                    self.frame = None
+                    self.dispatch(*self.head, frame.data, b"")
+                return
             data = self.reader.recv_nowait()
         except (BlockingIOError, InterruptedError):
             return
@@ -364,7 +417,7 @@ class _ReplyReader:
         if not data:
             self.finish("eof")
             return
-        buf = self.buf + data if self.buf else data
+        buf = self.buf + data if self.buf else data  # (self.buf: under HEADER_SIZE bytes)
         start = 0
         size = len(buf)
         while size - start >= HEADER_SIZE:
@@ -377,18 +430,31 @@ class _ReplyReader:
                 return
             end = start + HEADER_SIZE + length
             if size < end:
-                break
+                # The rest of this payload is read straight into its own buffer (on_readable).
+                self.head = (ftype, flags, frame_call_id)
+                self.frame = FrameBuffer(length, buf[start + HEADER_SIZE :])
+                self.buf = b""
+                return
             payload = buf[start + HEADER_SIZE : end]
             start = end
-            if ftype == FrameType.LOG:
-                self.process.log.emit_frame(payload)
-            elif ftype == FrameType.EVENT:
-                if self.sink is not None:
-                    self.sink(frame_call_id, payload)
-            else:
-                self.finish("frame", (ftype, flags, frame_call_id, payload, buf[start:]))
+            if self.dispatch(ftype, flags, frame_call_id, payload, buf[start:]):
                 return
         self.buf = buf[start:]
+
+    def dispatch(
+        self, ftype: int, flags: int, frame_call_id: int, payload: Payload, rest: bytes
+    ) -> bool:
+        """Hand on one whole frame; True if it ended the call (``rest``: the bytes after it,
+        which the channel's own reader gets back)."""
+        if ftype == FrameType.LOG:
+            self.emit_log(payload)
+        elif ftype == FrameType.EVENT:
+            if self.sink is not None:
+                self.sink(frame_call_id, payload)
+        else:
+            self.finish("frame", (ftype, flags, frame_call_id, payload, rest))
+            return True
+        return False
 
 
 async def _warm_call(
@@ -503,7 +569,7 @@ async def _warm_call(
             sink = None
             if ticket.on_event is not None:
                 sink = event_handler(ticket.on_event, call_id, generation)
-            reader = _ReplyReader(process, call_id, sink)
+            reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink)
             if data is not None:  # a partial frame, or frames before the reply
                 reader.feed(data)
                 if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE

@@ -70,9 +70,19 @@ def event_handler(
 
 def deliver(callback: EventCallback, event: CallEvent) -> None:
     try:
-        callback(event)
+        returned = callback(event)
     except Exception:  # noqa: BLE001 - the caller's callback must not break the call
         _log.exception("comfy-env: on_event callback failed for %s", event)
+        return
+    if returned is not None and hasattr(returned, "__await__") and hasattr(returned, "close"):
+        # A callback that returns a coroutine (``lambda ev: handle(ev)`` with an async
+        # ``handle``; an ``async def`` itself is refused at the call): nobody would await it.
+        returned.close()
+        _log.error(
+            "comfy-env: on_event returned a coroutine for %s; it is not awaited (events are "
+            "delivered synchronously: schedule async work with loop.create_task)",
+            event,
+        )
 
 
 class CallTicket(Protocol):

@@ -85,6 +85,28 @@ def call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, A
     return args, kwargs
 
 
+def check_on_event(on_event: object) -> None:
+    """``ArgumentError`` unless ``on_event`` is None or a plain callable. An ``async def``
+    (or an object whose ``__call__`` is one) is refused: calling it only makes a coroutine,
+    which nothing would await, so every event would be lost without a word. Events are
+    delivered synchronously, in order, before the result; a callback that must await can
+    hand each event on (``loop.create_task``, ``queue.put_nowait``)."""
+    if on_event is None:
+        return
+    if not callable(on_event):
+        raise ArgumentError(f"on_event must be a callable or None, not {type(on_event).__name__}")
+    import inspect
+
+    if inspect.iscoroutinefunction(on_event) or inspect.iscoroutinefunction(
+        type(on_event).__call__  # an instance whose __call__ is an async def
+    ):
+        raise ArgumentError(
+            f"on_event must be a plain function, not a coroutine function ({on_event!r}): "
+            "events are delivered synchronously and a coroutine would never be awaited; "
+            "from a plain callback, schedule the work (loop.create_task(handle(ev)))"
+        )
+
+
 class Worker:
     """Runs calls in one env of a pool. Obtain with ``Pool.get_worker`` or
     ``comfy_env.get_worker``; cheap to create, safe to share between threads."""
@@ -147,10 +169,13 @@ class Worker:
         """Explicit form of ``call`` with a per-call total deadline in seconds (queue wait
         included; None: ``PoolConfig.call_timeout``). ``on_event`` receives the call's
         ``CallEvent``s (``comfy_env_worker.progress``/``emit`` in the worker) on this thread,
-        in order, before the result is returned. Ctrl-C while waiting asks the worker to stop
+        in order, before the result is returned; it must be a plain callable (an ``async def``
+        raises ``ArgumentError``). Ctrl-C while waiting asks the worker to stop
         the call (killed after ``PoolConfig.cancel_grace``), then raises ``KeyboardInterrupt``.
         """
         args, kwargs = call_arguments(args, kwargs)
+        if on_event is not None:
+            check_on_event(on_event)
         if timeout is None and on_event is None and type(target) is str:
             result = self._pool.call_plain(self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
@@ -174,6 +199,7 @@ class Worker:
 
         pool, entry = self._pool, self._entry
         args, kwargs = call_arguments(args, kwargs)
+        check_on_event(on_event)
         ticket = Ticket()
         prepared = pool.prepare(entry, target, args, kwargs, timeout, ticket, None)
         ticket.on_event = on_event
@@ -209,6 +235,7 @@ class Worker:
         # Checked here, before the thread starts, so bad input raises in the awaiting task.
         args, kwargs = call_arguments(args, kwargs)
         check_target(target)
+        check_on_event(on_event)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
         ticket = Ticket()
@@ -272,8 +299,13 @@ class Worker:
         starts now and holds while queued, while a worker starts and while the call runs.
         Cancelling the task removes a queued call, or asks the worker to stop a running one
         (killed after ``PoolConfig.cancel_grace``; a second cancellation kills at once) and
-        raises ``CancelledError`` once the call has ended."""
+        raises ``CancelledError`` once the call has ended: ``asyncio.wait_for`` or
+        ``asyncio.timeout`` around it can overrun by up to ``cancel_grace``, while ``timeout``
+        is a strict deadline (the worker is stopped at once). ``on_event`` must be a plain
+        callable (an ``async def`` raises ``ArgumentError``)."""
         args, kwargs = call_arguments(args, kwargs)
+        if on_event is not None:
+            check_on_event(on_event)
         acall = _acall or _load_acall()
         return await acall.arun(self._pool, self._entry, target, args, kwargs, timeout, on_event)
 

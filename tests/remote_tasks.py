@@ -452,6 +452,11 @@ def blob(n: int) -> bytes:
     return bytes(range(256)) * (n // 256) + b"x" * (n % 256)
 
 
+def text(n: int) -> str:
+    """A string of ``n`` characters: always pickled in band (a str never goes out of band)."""
+    return "".join(chr(97 + i % 26) for i in range(26)) * (n // 26) + "z" * (n % 26)
+
+
 # ---- backends (tests/test_contract.py, tests/test_ray.py) ----
 
 

@@ -462,6 +462,30 @@ def test_an_acall_with_buffers_above_the_loop_bound_uses_the_thread_path(
     del got_big, got_small
 
 
+def test_the_first_acall_of_a_big_buffer_size_makes_its_block_off_the_loop(
+    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh block costs far more than the copy (create, reserve, fault in: 107 ms at 16 MiB
+    # was measured on the loop). Above _FRESH_LOOP_MAX the first call of a size runs on a
+    # thread; once a block of that size is idle in the pool, calls run on the loop.
+    np = pytest.importorskip("numpy")
+    from comfy_env import _acall
+
+    w = apool.get_worker()
+    w.call("remote_tasks:getpid")
+    used = _thread_path_counter(monkeypatch)
+    n = (_acall._FRESH_LOOP_MAX + _acall._OOB_LOOP_MAX) // 2 // 4
+    arr = np.ones(n, dtype=np.float32)  # between the two bounds
+
+    async def main() -> list[float]:
+        return [await w.acall("remote_tasks:hold_array", arr, 0) for _ in range(3)]
+
+    assert run_small(main) == [float(n)] * 3
+    assert used == [1]  # only the first: the block it made went back to the pool
+    stats = w.stats()
+    assert (stats.ok, stats.in_flight, w.generation) == (4, 0, 1)
+
+
 def test_an_acall_with_buffers_streams_inline_on_a_thread_when_shared_memory_is_off() -> None:
     np = pytest.importorskip("numpy")
     cfg = comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), shared_memory=False)
@@ -554,3 +578,153 @@ def test_warm_acalls_confined_to_one_cpu_with_their_worker_keep_order_and_events
     assert got[200] == 4 and got[201] == 2
     assert got[202] == ["step", "progress"] * 4
     assert w.stats().ok == 203 and w.generation == 1
+
+
+def test_a_frame_buffer_grows_by_doubling_past_its_eager_size() -> None:
+    from comfy_env_worker.protocol import FrameBuffer
+
+    chunk, n = 64 << 10, 256
+    frame = FrameBuffer(n * chunk, b"", eager=chunk)
+    payload = frame.data
+    done = False
+    for i in range(n):
+        with frame.space() as view:
+            view[:chunk] = bytes((i % 256,)) * chunk
+        done = frame.wrote(chunk)
+    assert done and frame.complete
+    assert frame.data is payload  # grown in place: the payload is the one buffer
+    assert len(payload) == n * chunk
+    assert frame.allocations <= 1 + 8  # log2(n) doublings, not one per chunk
+    assert all(payload[i * chunk] == i % 256 == payload[(i + 1) * chunk - 1] for i in range(n))
+    # A frame up to the eager size is one allocation of its exact size, head included.
+    small = FrameBuffer(1000, b"x" * 100)
+    assert (len(small.data), small.allocations, small.data[:100]) == (1000, 1, b"x" * 100)
+
+
+def test_a_large_reply_on_the_loop_is_received_into_one_buffer() -> None:
+    # Each readiness callback reads once; a frame's payload goes straight into one buffer
+    # of its size. Joining every 64 KiB read to what came before (the old reader) held the
+    # reply twice at the end and copied it again at every read: quadratic time.
+    import socket
+    import tracemalloc
+
+    from comfy_env._acall import _ReplyReader
+    from comfy_env_worker.protocol import HEADER, MAGIC, FrameReader, FrameType
+
+    size = 8 << 20
+    payload = bytes(range(256)) * (size // 256)
+    stream = (
+        HEADER.pack(MAGIC, FrameType.EVENT, 0, 5, 7)
+        + b"event"
+        + HEADER.pack(MAGIC, FrameType.REPLY_OK, 0, size, 7)
+        + payload
+    )
+    a, b = socket.socketpair()
+    try:
+        frames = FrameReader(a, 4 << 30)
+        events: list[tuple[int, bytes]] = []
+        reader = _ReplyReader(frames, lambda _p: None, 7, lambda c, p: events.append((c, p)))
+        tracemalloc.start()
+        try:
+            for i in range(0, len(stream), 65536):
+                b.sendall(stream[i : i + 65536])
+                while reader.outcome is None and frames.readable_now():
+                    reader.on_readable()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < size * 3 // 2  # the reply once, never twice
+        assert reader.outcome is not None
+        kind, (ftype, flags, call_id, got, rest) = reader.outcome
+        assert (kind, ftype, flags, call_id, rest) == ("frame", FrameType.REPLY_OK, 0, 7, b"")
+        assert type(got) is bytearray and got == payload
+        assert events == [(7, b"event")]
+
+        # A peer announcing a huge frame gets memory only as bytes arrive, on the loop too.
+        reader = _ReplyReader(frames, lambda _p: None, 8, None)
+        b.sendall(HEADER.pack(MAGIC, FrameType.REPLY_OK, 0, 3 << 30, 8) + b"\0" * 1000)
+        b.close()
+        tracemalloc.start()
+        try:
+            while reader.outcome is None:
+                reader.on_readable()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert reader.outcome == ("eof", None)
+        assert peak < 128 << 20  # not 3 GiB up front
+    finally:
+        a.close()
+        b.close()
+
+
+def test_large_in_band_replies_round_trip_through_acall_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    np = pytest.importorskip("numpy")
+    cfg = comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), shared_memory=False)
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:getpid")  # warm: both calls below are read on the loop
+        used = _thread_path_counter(monkeypatch)
+
+        async def main() -> tuple[str, Any]:
+            text = await w.acall("remote_tasks:text", 32 << 20)
+            arr = await w.acall("remote_tasks:filled", 2.5, 4 << 20)  # 16 MiB, inline
+            return text, arr
+
+        text, arr = run_small(main)
+        assert used == [0]
+        n = 32 << 20
+        assert text == "abcdefghijklmnopqrstuvwxyz" * (n // 26) + "z" * (n % 26)
+        assert arr.dtype == np.float32 and arr.shape == (4 << 20,) and bool((arr == 2.5).all())
+        stats = w.stats()
+        assert (stats.ok, stats.in_flight, w.generation) == (3, 0, 1)
+
+
+def test_an_async_on_event_is_refused_at_the_call_never_silently_dropped(
+    apool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Calling an ``async def`` only makes a coroutine: nothing would await it and every event
+    # would be lost (a RuntimeWarning at best). It is an ArgumentError before anything runs.
+    w = apool.get_worker()
+    w.call("remote_tasks:add", 1)
+
+    async def on_event(event: CallEvent) -> None:
+        pass
+
+    class AsyncCallable:
+        async def __call__(self, event: CallEvent) -> None:
+            pass
+
+    async def main() -> None:
+        for callback in (on_event, AsyncCallable()):
+            with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+                await w.arun("remote_tasks:events_in_order", (3,), on_event=callback)
+            with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+                await w.arun_ref("remote_tasks:events_in_order", (3,), on_event=callback)
+
+    run_small(main)
+    with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+        w.run("remote_tasks:events_in_order", (3,), on_event=on_event)
+    with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
+        w.submit("remote_tasks:events_in_order", (3,), on_event=on_event)
+    assert w.stats().submitted == 1  # nothing ran, nothing was counted
+
+    # A plain callback that returns a coroutine: closed (no "never awaited" warning) and
+    # reported, and the call goes on.
+    seen: list[str] = []
+
+    async def handle(event: CallEvent) -> None:
+        seen.append(event.kind)
+
+    with caplog.at_level("ERROR", logger="comfy_env"):
+
+        async def lossy() -> Any:
+            return await w.arun(
+                "remote_tasks:events_in_order", (2,), on_event=lambda ev: handle(ev)
+            )
+
+        assert run_small(lossy) == 2
+    assert seen == []
+    assert sum("on_event returned a coroutine" in r.getMessage() for r in caplog.records) == 4

@@ -441,6 +441,69 @@ def test_a_spare_that_comes_too_late_stops_spares_of_its_size(
         pool.destroy_all()
 
 
+def test_a_large_write_faults_and_copies_a_block_in_steps_that_let_go_of_the_gil(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A big argument copied into a fresh block in one slice assignment held the GIL (and the
+    # event loop of an acall) for the page faults and the copy: 45-270 ms at 64 MiB. Fresh
+    # pages are now faulted in by madvise through ctypes (no GIL), and the copy goes through
+    # ctypes.memmove (no GIL), each in bounded steps; one madvise over a whole block also held
+    # the process's memory-map lock, and so any thread start, for all of it.
+    import ctypes
+
+    import comfy_env_worker.shm as wshm
+
+    pool = wshm.BlockPool(f"{wshm.NAME_PREFIX}steps-{os.getpid()}-", 1 << 30)
+    try:
+        probe = pool.acquire(MiB)
+        wshm.prefault(probe.mm)  # looks libc's madvise up
+        real_madvise = wshm._madvise
+        if not callable(real_madvise):
+            pytest.skip("no madvise through ctypes here")
+        root = wshm.loan_root(probe.mm)
+        populate = real_madvise(ctypes.addressof(root), MiB, wshm._MADV_POPULATE_WRITE)
+        del root
+        if populate != 0:
+            pytest.skip("MADV_POPULATE_WRITE is not supported by this kernel")
+        madvised: list[int] = []
+        copied: list[int] = []
+        real_memmove = ctypes.memmove
+
+        def madvise(addr: int, n: int, advice: int) -> int:
+            madvised.append(n)
+            return int(real_madvise(addr, n, advice))
+
+        def memmove(dst: int, src: int, n: int) -> int:
+            copied.append(n)
+            return int(real_memmove(dst, src, n))
+
+        monkeypatch.setattr(wshm, "_madvise", madvise)
+        monkeypatch.setattr(ctypes, "memmove", memmove)
+        n = 40 * MiB
+        data = (np.arange(n, dtype=np.uint64) % 251).astype(np.uint8)
+        block = pool.acquire(n)
+        block.write(0, memoryview(data).cast("B"))
+        assert sum(madvised) >= n and max(madvised) <= wshm._PREFAULT_STEP
+        assert sum(copied) == n and max(copied) <= wshm.COPY_STEP
+        assert block.mm[:n] == data.tobytes() and block.faulted == n
+        madvised.clear()
+        block.write(0, memoryview(data).cast("B"))  # faulted in already: copied only
+        assert madvised == []
+        # A read-only source (bytes) cannot be addressed by ctypes: copied in steps as is.
+        copied.clear()
+        ro = bytes(range(256)) * (12 * MiB // 256)
+        block.write(4 * MiB, memoryview(ro))
+        assert copied == [] and block.mm[4 * MiB : 16 * MiB] == ro
+        # A spare is faulted in in steps too.
+        madvised.clear()
+        spare = pool.acquire(64 * MiB)
+        spare.prefault()
+        assert sum(madvised) == 64 * MiB and max(madvised) <= wshm._PREFAULT_STEP
+        assert spare.faulted == spare.size
+    finally:
+        pool.destroy_all()
+
+
 def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config.model_copy(update={"shm_pinned_ttl": 0.3})) as pool:
         w = pool.get_worker()

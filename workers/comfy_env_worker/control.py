@@ -184,7 +184,8 @@ def raise_if_cancelled() -> None:
 def progress(done: float, total: Optional[float] = None, **info: Any) -> None:
     """Report progress of the running call to the host's ``on_event`` callback as a
     ``CallEvent(kind="progress", data={"done": ..., "total": ..., **info})``. Cheap to call
-    often: updates are coalesced (at most one frame per 50 ms; the latest wins)."""
+    often: updates are coalesced (at most one frame per 50 ms; the latest wins), except that
+    an ``emit`` first sends the update held back before it (the order is kept)."""
     control = CONTROL
     if control is not None and control.call_id:
         data = {"done": done, "total": total}

@@ -182,7 +182,48 @@ def send_frame(sock: _socket.socket, ftype: int, call_id: int, payload: bytes = 
 
 
 # Frames up to this size get their whole buffer at once; larger ones grow as data arrives.
-_EAGER_BYTES = 64 * 1024 * 1024
+EAGER_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class FrameBuffer:
+    """The payload of one frame, received in place: ``recv_into(space())``, then
+    ``wrote(n)``, until ``complete``; ``data`` is then the payload (no further copy).
+
+    The buffer is the frame's exact size up to ``eager`` bytes (``EAGER_FRAME_BYTES``), so a
+    payload is copied once, however many reads it takes (joining the reads instead copies
+    the whole payload again at every read: quadratic). Beyond ``eager`` it doubles as bytes
+    actually arrive (``allocations`` counts the buffer and its growths: at most
+    1 + log2(length / eager)): a peer that merely *announces* a huge frame (a fake
+    interpreter's HELLO) gets no memory for it."""
+
+    __slots__ = ("allocations", "data", "have", "length")
+
+    def __init__(self, length: int, head: Any = b"", eager: int = EAGER_FRAME_BYTES) -> None:
+        have = len(head)  # the start of the payload, read with the header
+        self.data = bytearray(min(length, max(eager, have)))
+        self.data[:have] = head
+        self.have = have
+        self.length = length
+        self.allocations = 1
+
+    @property
+    def complete(self) -> bool:
+        return self.have >= self.length
+
+    def space(self) -> memoryview:
+        """Where the next bytes go, up to the end of the frame, growing the buffer if it is
+        full. Release the view (``with``) before the next call: a buffer still exported
+        cannot grow."""
+        data = self.data
+        if self.have == len(data) and len(data) < self.length:
+            data.extend(bytes(min(self.length, 2 * len(data)) - len(data)))
+            self.allocations += 1
+        return memoryview(data)[self.have :]
+
+    def wrote(self, n: int) -> bool:
+        """``n`` more bytes landed in the last ``space()``; True once the payload is whole."""
+        self.have += n
+        return self.have >= self.length
 
 
 class FrameReader:
@@ -473,6 +514,12 @@ class FrameReader:
         n = self._sock.recv_into(self._scratch_view, _RECV_CHUNK, _socket.MSG_DONTWAIT)
         return bytes(self._scratch_view[:n])
 
+    def recv_into_nowait(self, view: memoryview) -> int:
+        """Read what the socket holds now into ``view`` (0 at EOF; ``BlockingIOError`` if
+        nothing): ``recv_nowait`` for a frame whose payload is received in place
+        (``FrameBuffer``)."""
+        return self._sock.recv_into(view, 0, _socket.MSG_DONTWAIT)
+
     def unread(self, data: bytes) -> None:
         """Put back bytes another reader took off the socket beyond the frame it wanted (the
         host's asyncio reader); the next ``read`` or idle check sees them first."""
@@ -566,35 +613,25 @@ class FrameReader:
             payload = bytes(buf[HEADER_SIZE:end])
             del buf[:end]
             return ftype, flags, call_id, payload
-        # A large frame: read the rest of the payload in place, one copy up to
-        # _EAGER_BYTES. Beyond that the buffer grows (doubling) as bytes actually arrive: a
-        # peer that merely *announces* a huge frame (a fake interpreter's HELLO) gets no
-        # memory for it.
-        have = len(buf) - HEADER_SIZE
-        big = bytearray(min(length, max(_EAGER_BYTES, have)))
-        big[:have] = buf[HEADER_SIZE:]
+        # A large frame: read the rest of the payload in place (``FrameBuffer``: one copy up
+        # to EAGER_FRAME_BYTES, memory only as bytes arrive beyond).
+        frame = FrameBuffer(length, buf[HEADER_SIZE:])
         buf.clear()
         sock = self._sock
-        view = memoryview(big)
         try:
-            while have < length:
-                if have == len(big):
-                    view.release()
-                    big.extend(bytes(min(length, 2 * len(big)) - len(big)))
-                    view = memoryview(big)
+            while not frame.complete:
                 self._wait_readable(deadline, True)
-                try:
-                    n = sock.recv_into(view[have:])
-                except BlockingIOError:
-                    n = self._recv_watched(view[have:], deadline, True)
+                with frame.space() as view:
+                    try:
+                        n = sock.recv_into(view)
+                    except BlockingIOError:
+                        n = self._recv_watched(view, deadline, True)
                 if n == 0:
                     raise ChannelClosed(partial=True)
-                have += n
+                frame.wrote(n)
         except BaseException:
             # The traceback keeps this frame alive (a caller may hold the error for long):
             # it must not keep the partial payload too.
-            view.release()
-            del view, big
+            del frame
             raise
-        view.release()
-        return ftype, flags, call_id, big
+        return ftype, flags, call_id, frame.data

@@ -296,9 +296,15 @@ def encode(
 
 
 class Block:
-    """One shared-memory block this process created (and will unlink)."""
+    """One shared-memory block this process created (and will unlink).
 
-    __slots__ = ("mm", "name", "size")
+    ``write`` of a large buffer never holds the GIL for long (see ``COPY_STEP``): the pages
+    it is about to fill for the first time are faulted in without the GIL (``prefault``),
+    then the bytes are copied in steps, through ``ctypes.memmove`` (no GIL) where the source
+    is writable. ``faulted`` is how far from the start the block's pages are known to be
+    faulted in (written before, or prefaulted)."""
+
+    __slots__ = ("faulted", "mm", "name", "size")
 
     def __init__(self, name: str, size: int) -> None:
         path = os.path.join(SHM_DIR, name)
@@ -313,9 +319,27 @@ class Block:
         os.close(fd)
         self.name = name
         self.size = size
+        self.faulted = 0
 
     def write(self, offset: int, data: memoryview) -> None:
-        self.mm[offset : offset + data.nbytes] = data
+        n = data.nbytes
+        end = offset + n
+        if n < COPY_STEP:
+            self.mm[offset:end] = data
+        else:
+            if end > self.faulted:
+                # First use of these pages: a memcpy into them would take a page fault per
+                # page with the GIL held (about 0.7 ms per MiB here, 4x the copy itself).
+                start = max(offset, self.faulted) // mmap.PAGESIZE * mmap.PAGESIZE
+                prefault(self.mm, start, end - start)
+            _copy_in_steps(self.mm, offset, data)
+        if offset <= self.faulted < end:
+            self.faulted = end
+
+    def prefault(self) -> None:
+        """Fault every page of the block in now (a spare, made off the hot path)."""
+        prefault(self.mm)
+        self.faulted = self.size
 
     def destroy(self) -> None:
         try:
@@ -343,17 +367,28 @@ SPARE_MIN_BYTES = 8 << 20
 # the process for 60-90 ms (measured here), the host's caller thread included when the host
 # makes a spare. ``prefault`` therefore calls libc's madvise through ctypes, without the GIL;
 # where it cannot, it advises in steps of this size, and the other threads run between steps.
+# Through ctypes it advises in steps too: the kernel holds the process's memory-map lock while
+# it populates a range, and any thread that maps memory meanwhile (a thread start's stack,
+# malloc of a large buffer) waits for it, the GIL possibly in hand: one call over 256 MiB held
+# a thread start (and with it the event loop) for the whole of it, 0.5-2.5 s here.
 _PREFAULT_STEP = 4 << 20
+
+# Writes of at least this many bytes into a block (``Block.write``) fault fresh pages in
+# without the GIL first and copy in steps of this size, releasing the GIL for each step
+# (``ctypes.memmove``) where the source is writable, else holding it one step at a time (the
+# GIL can change hands between steps): a 64 MiB argument copied in one slice assignment into
+# a fresh block held the GIL (the event loop of an ``acall``) for 45-270 ms.
+COPY_STEP = 4 << 20
 
 
 _madvise: Any = None  # libc's madvise through ctypes, once looked up (False: unavailable)
 
 
-def _populate_without_gil(mm: mmap.mmap) -> bool:
-    """``madvise(MADV_POPULATE_WRITE)`` over all of ``mm`` through ctypes, which lets go of
-    the GIL for the call: the process's other threads (the caller's, the serve loop) run
-    while the kernel faults the pages in. False where ctypes, libc's madvise or the advice
-    (Linux 5.14+) is missing."""
+def _populate_without_gil(mm: mmap.mmap, start: int, length: int) -> bool:
+    """``madvise(MADV_POPULATE_WRITE)`` over ``length`` bytes of ``mm`` from ``start`` (a page
+    boundary) through ctypes, which lets go of the GIL for each call: the process's other
+    threads (the caller's, the serve loop) run while the kernel faults the pages in. False
+    where ctypes, libc's madvise or the advice (Linux 5.14+) is missing."""
     global _madvise
     if _madvise is False:
         return False
@@ -369,7 +404,13 @@ def _populate_without_gil(mm: mmap.mmap) -> bool:
         if root is None:
             return False
         try:
-            return bool(_madvise(ctypes.addressof(root), len(mm), _MADV_POPULATE_WRITE) == 0)
+            base = ctypes.addressof(root)
+            end = start + length
+            for at in range(start, end, _PREFAULT_STEP):
+                step = min(_PREFAULT_STEP, end - at)
+                if _madvise(base + at, step, _MADV_POPULATE_WRITE) != 0:
+                    return at > start  # (a later failure: the rest faults in as it is written)
+            return True
         finally:
             del root
     except (ImportError, AttributeError, OSError, TypeError):
@@ -377,22 +418,53 @@ def _populate_without_gil(mm: mmap.mmap) -> bool:
         return False
 
 
-def prefault(mm: mmap.mmap) -> None:
-    """Fault every page of ``mm`` in (writable) now: with ``madvise(MADV_POPULATE_WRITE)``
-    where the kernel has it (through ctypes, without the GIL; else a few MiB per call, the
-    GIL held for each), else by touching each page."""
-    if _populate_without_gil(mm):
+def prefault(mm: mmap.mmap, start: int = 0, length: Optional[int] = None) -> None:
+    """Fault the pages of ``mm`` (``length`` bytes from ``start``, a page boundary; all of it
+    by default) in, writable, now: with ``madvise(MADV_POPULATE_WRITE)`` where the kernel has
+    it (through ctypes, without the GIL, in steps; else a few MiB per call, the GIL held for
+    each), else by touching each page."""
+    size = len(mm) - start if length is None else min(length, len(mm) - start)
+    if size <= 0 or _populate_without_gil(mm, start, size):
         return
-    size = len(mm)
+    end = start + size
     try:
-        for start in range(0, size, _PREFAULT_STEP):
-            mm.madvise(_MADV_POPULATE_WRITE, start, min(_PREFAULT_STEP, size - start))
+        for at in range(start, end, _PREFAULT_STEP):
+            mm.madvise(_MADV_POPULATE_WRITE, at, min(_PREFAULT_STEP, end - at))
         return
     except (OSError, ValueError, AttributeError):
         pass
     page = mmap.PAGESIZE
-    for offset in range(0, len(mm), page):
+    for offset in range(start, end, page):
         mm[offset] = mm[offset]
+
+
+def _copy_in_steps(mm: mmap.mmap, offset: int, data: memoryview) -> None:
+    """Copy ``data`` into ``mm`` at ``offset``, ``COPY_STEP`` bytes at a time: through
+    ``ctypes.memmove`` (the GIL released for each step) where ``data`` is writable (ctypes
+    can address only writable buffers), else by slice assignment (the GIL held per step)."""
+    n = data.nbytes
+    src: Any = None
+    dst: Any = None
+    try:
+        import ctypes
+
+        if not data.readonly:
+            src = (ctypes.c_char * n).from_buffer(data)
+            dst = (ctypes.c_char * n).from_buffer(mm, offset)
+    except (ImportError, TypeError, ValueError, BufferError):
+        src = dst = None
+    try:
+        if src is not None and dst is not None:
+            src_at, dst_at = ctypes.addressof(src), ctypes.addressof(dst)
+            for at in range(0, n, COPY_STEP):
+                ctypes.memmove(dst_at + at, src_at + at, min(COPY_STEP, n - at))
+            return
+        for at in range(0, n, COPY_STEP):
+            step = min(COPY_STEP, n - at)
+            mm[offset + at : offset + at + step] = data[at : at + step]
+    finally:
+        # The ctypes arrays export ``mm`` and ``data``: gone before anyone closes or resizes.
+        del src, dst
 
 
 # Names are not secrets: a host's token is in /proc for anyone to read, and SHM_DIR can be
@@ -542,7 +614,7 @@ class BlockPool:
             self._making[size] = self._making.get(size, 0) + 1
         try:
             block = self._new_block(size)
-            prefault(block.mm)
+            block.prefault()
         finally:
             with self._lock:
                 self._making[size] -= 1
@@ -679,7 +751,7 @@ def place(
     inline: List[memoryview] = []
     offset = 0
     if pool is not None:
-        block = pool.acquire(sum(_align(b.nbytes) for b in buffers))
+        block = pool.acquire(block_bytes(buffers))
         for buf in buffers:
             block.write(offset, buf)
             table.append(("shm", block.name, offset, buf.nbytes))
@@ -690,6 +762,11 @@ def place(
         inline.append(buf)
         offset += buf.nbytes
     return table, None, inline
+
+
+def block_bytes(buffers: Sequence[memoryview]) -> int:
+    """The bytes ``place`` lays ``buffers`` out on in one block (each aligned)."""
+    return sum(_align(b.nbytes) for b in buffers)
 
 
 def frame_parts(
