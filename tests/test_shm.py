@@ -222,6 +222,8 @@ def test_without_ctypes_a_fresh_mapping_stands_in_for_the_loan_root(
 
     monkeypatch.setitem(sys.modules, "ctypes", None)  # ``import ctypes`` raises ImportError
     monkeypatch.setattr(wshm, "_root_types", {})
+    # (The madvise lookup fails too and is cached as unavailable: restored for later tests.)
+    monkeypatch.setattr(wshm, "_madvise", None)
     w = pool.get_worker()
     out = w.call(remote_tasks.filled, 1.0, MiB)
     echoed = w.call("comfy_env_worker.tasks:echo", np.full(MiB, 2.0, dtype=np.float32))
