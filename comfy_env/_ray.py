@@ -113,8 +113,10 @@ def ray_module() -> Any:
 # ---- the cluster ------------------------------------------------------------------------------
 
 _cluster_lock = threading.Lock()
-_cluster_users = 0
-_cluster_owned = False  # comfy-env called ray.init, so comfy-env calls ray.shutdown
+_cluster_users = 0  # pools that joined Ray and have not closed yet (e.g. 2)
+# Set while comfy-env owns Ray (it called ray.init, so it calls ray.shutdown): the thread that
+# ray.init ran on, kept until ray.shutdown has run on it (see _join_cluster). None otherwise.
+_cluster_thread: Reactor | None = None
 
 
 def cluster_endpoint(address: str) -> tuple[str, int] | None:
@@ -146,29 +148,79 @@ class ClusterUnreachable(OSError):
     """``ray_address`` names a cluster that does not answer (said before ``ray.init``)."""
 
 
+class _SigtermWarningFilter(logging.Filter):
+    """Drops Ray's "SIGTERM handler is not set ..." warning: ``ray.init`` runs off the main
+    thread on purpose (see ``_join_cluster``), so the application's SIGTERM handling is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SIGTERM handler is not set")
+
+
+def _init_ray(address: str | None, timeout: float) -> None:
+    """``ray.init`` as comfy-env makes it (on the cluster thread)."""
+    ray = ray_module()
+    ray_logger = logging.getLogger("ray._private.worker")
+    quiet = _SigtermWarningFilter()
+    ray_logger.addFilter(quiet)
+    try:
+        if address:
+            _probe(address, timeout)
+            ray.init(address=address, log_to_driver=False)
+        else:
+            # Ray sizes a local cluster to the machine (CPUs, object store); actors need no
+            # CPU of their own to run, so any number of workers fit.
+            ray.init(include_dashboard=False, log_to_driver=False)
+    finally:
+        ray_logger.removeFilter(quiet)
+
+
 def _join_cluster(address: str | None, timeout: float) -> None:
-    global _cluster_users, _cluster_owned
+    """Count one more pool on Ray; initialise Ray first if nobody has.
+
+    comfy-env's ``ray.init`` runs on a thread of its own (``_cluster_thread``) that lives
+    until the matching ``ray.shutdown``, never on the caller's: a local cluster's processes
+    (gcs_server, raylet, agents) die with the *thread* that started them (PR_SET_PDEATHSIG),
+    and the first call may come from a short-lived thread (a cold ``acall``, a joined
+    ``threading.Thread``). A pool's reactor would not do: the cluster is shared by every pool
+    of the process and outlives the pool that started it."""
+    global _cluster_users, _cluster_thread
     ray = ray_module()
     with _cluster_lock:
         if not ray.is_initialized():
-            if address:
-                _probe(address, timeout)
-                ray.init(address=address, log_to_driver=False)
-            else:
-                # Ray sizes a local cluster to the machine (CPUs, object store); actors need
-                # no CPU of their own to run, so any number of workers fit.
-                ray.init(include_dashboard=False, log_to_driver=False)
-            _cluster_owned = True
+            thread = Reactor(name="comfy-env-ray-cluster")
+            try:
+                thread.start()
+                thread.run_sync(lambda: _init_ray(address, timeout))
+            except BaseException:
+                # Also when this wait was interrupted (KeyboardInterrupt) while ray.init goes
+                # on: the thread runs what was queued before it ends, so a cluster started
+                # after all is shut down rather than left to die with the thread.
+                thread.call_soon(_shutdown_if_initialised)
+                thread.stop()
+                raise
+            _cluster_thread = thread
         _cluster_users += 1
 
 
+def _shutdown_if_initialised() -> None:
+    ray = ray_module()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def _leave_cluster() -> None:
-    global _cluster_users, _cluster_owned
+    """Count one pool less; the last one out shuts down a Ray comfy-env initialised, on the
+    thread that initialised it, and only then lets that thread end."""
+    global _cluster_users, _cluster_thread
     with _cluster_lock:
         _cluster_users -= 1
-        if _cluster_users == 0 and _cluster_owned:
-            _cluster_owned = False
-            ray_module().shutdown()
+        thread = _cluster_thread
+        if _cluster_users == 0 and thread is not None:
+            _cluster_thread = None
+            try:
+                thread.run_sync(ray_module().shutdown)
+            finally:
+                thread.stop()
 
 
 def _local_head() -> Any:
