@@ -764,7 +764,13 @@ class RayWorker:
         """Stop the actor. Idempotent. ``ASK`` sends SHUTDOWN (release hooks run, the actor
         exits) and ``ray.kill`` after ``kill_grace``; ``TERMINATE`` and ``KILL`` are
         ``ray.kill`` at once (Ray has no signal grace)."""
-        self._kill_requested = True
+        with self._death_lock:
+            if self._dead:
+                # Ray told the death already: a kill now is the pool's answer to it (the
+                # gate's kill on ChannelClosed), not its cause, and must not make ``died``,
+                # maybe still reading the log on another thread, call it "stopped".
+                return
+            self._kill_requested = True
         if self.actor is None or self.exited.is_set():
             return
         if stop is Stop.ASK and self.config.kill_grace > 0 and self.reactor.running:
@@ -832,6 +838,7 @@ class RayWorker:
             if self._dead:
                 return
             self._dead = True
+            stopped = self._kill_requested  # by the host, before the death (see ``kill``)
         if self._escalation is not None:
             self._escalation.cancel()
         with _actors_lock:
@@ -841,7 +848,7 @@ class RayWorker:
         if pid is None:
             found = re.search(r"pid: (\d+)", text)
             pid = int(found.group(1)) if found else None
-        tail = self._log_tail(pid) if not self._kill_requested else b""
+        tail = self._log_tail(pid) if not stopped else b""
         if tail:
             self.log.feed_native("stderr", tail)
             self.log.finish_native("stderr")
@@ -853,7 +860,7 @@ class RayWorker:
         detail = re.search(r"Worker exit detail: ([^.]*\.)", text)
         if self.fault is not None:
             self.death_detail = f"was stopped after a Ray error ({self.fault})"
-        elif self._kill_requested:
+        elif stopped:
             self.death_detail = "was stopped (ray.kill)"
         else:
             self.death_detail = "died (Ray reports no exit code" + (

@@ -325,3 +325,66 @@ def test_a_cluster_started_from_a_short_lived_thread_outlives_it(first_call: str
         assert states.get(name) not in (None, psutil.STATUS_ZOMBIE), states
     assert "CLOSED" in lines
     assert not left, f"Ray processes left after close: {left}"
+
+
+def test_a_kill_after_the_death_was_told_keeps_the_crash_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray tells an actor's death twice: the call's error on the caller's thread, the death
+    notice on another. Whichever ``died`` wins reads the log; the gate answers the caller's
+    ``ChannelClosed`` with a kill meanwhile. That kill is an answer to the death, not its cause:
+    the crash keeps its signal and last words from the log, never "was stopped (ray.kill)"."""
+    import threading
+    from types import SimpleNamespace
+
+    from comfy_env._lifecycle import Stop
+    from comfy_env._ray import RayWorker
+
+    class Stopped:
+        running = False
+
+    class SlowCancel:
+        """The winner's first step after taking the death, held until the kill was made."""
+
+        def __init__(self) -> None:
+            self.entered = threading.Event()
+            self.release = threading.Event()
+
+        def cancel(self) -> None:
+            self.entered.set()
+            self.release.wait(10)
+
+    monkeypatch.setattr(
+        RayWorker,
+        "_log_tail",
+        staticmethod(lambda pid: b"Fatal Python error: Segmentation fault\n"),
+    )
+    spec = SimpleNamespace(key="env", name="env")
+    config = SimpleNamespace(stderr_tail_lines=20)
+    reported: list[object] = []
+    worker = RayWorker(
+        None,  # type: ignore[arg-type]
+        spec,  # type: ignore[arg-type]
+        1,
+        config,  # type: ignore[arg-type]
+        Stopped(),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        reported.append,
+        lambda p: None,
+    )
+    worker.pid = 4242
+    slow = SlowCancel()
+    worker._escalation = slow
+    notice = threading.Thread(target=worker.died, args=(RuntimeError("the actor died"),))
+    notice.start()
+    try:
+        assert slow.entered.wait(10)  # the death notice won and reads the death
+        worker.died(RuntimeError("the actor died"))  # the caller's thread: lost, returns
+        worker.kill(Stop.KILL)  # the gate's answer to the caller's ChannelClosed
+    finally:
+        slow.release.set()
+        notice.join(10)
+    assert worker.returncode == -11
+    assert worker.death_detail is not None and "stopped" not in worker.death_detail
+    assert "Segmentation fault" in worker.log.tail()
+    assert reported == [worker]
