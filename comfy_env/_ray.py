@@ -23,7 +23,8 @@ Data flow of one generation (``RayWorker``, driven by the pool exactly like a
                 the pool's grace timer then kills: ray.kill (no signal grace on Ray)
     crash       the call's task fails with ActorDiedError -> ChannelClosed -> the pool's
                 WorkerCrashed; exit code unknown, the signal when the actor's log says it
-                (faulthandler's "Segmentation fault" -> -11), the log's last lines as tail
+                (faulthandler's "Segmentation fault" -> -11), the log's last lines as tail;
+                both only where the log is on this machine (a cluster this process started)
 
 Inside the actor (``comfy_env_worker.ray_actor``) the ordinary worker runtime serves the frames
 on a private socketpair; see that module.
@@ -37,14 +38,18 @@ on a private socketpair; see that module.
 - results never alias the object store: a reply with out-of-band buffers is copied into a
   private ``bytearray`` before the result is built on it (writable, owned by the caller).
 - death notice vs. the caller's read: both end in the gate; whichever comes first retires the
-  generation, the other is dropped as terminal.
+  generation, the other is dropped as terminal. The gate's kill that answers the caller's
+  ``ChannelClosed`` may come while the notice's thread still reads the log: a kill after the
+  death was told is ignored, so the crash keeps its signal and tail.
 
 **The cluster** (``_join_cluster``): ``ray.init(address=config.ray_address)`` when an address is
 given and Ray is not initialised in this process; else an initialised Ray is joined as it is;
 else a local cluster is started (Ray's defaults for this machine, no dashboard,
 ``log_to_driver=False``). Whoever initialised Ray shuts it down: comfy-env calls
 ``ray.shutdown()`` when the last pool that made it initialise Ray closes, and never touches a
-Ray the application initialised itself.
+Ray the application initialised itself. Both run on ``_cluster_thread``, which lives from the
+one to the other: a local cluster's processes die with the thread that started them
+(PR_SET_PDEATHSIG), and the first call may come from a short-lived thread.
 """
 
 from __future__ import annotations
