@@ -24,7 +24,8 @@ Data flow of one generation (``RayWorker``, driven by the pool exactly like a
                 the pool's grace timer then kills: ray.kill (no signal grace on Ray)
     crash       the call's task fails with ActorDiedError -> ChannelClosed -> the pool's
                 WorkerCrashed; exit code unknown, the signal when the actor's log says it
-                (faulthandler's "Segmentation fault" -> -11), the log's last lines as tail
+                (faulthandler's "Segmentation fault" -> -11), the log's last lines as tail;
+                both only where the log is on this machine (a cluster this process started)
 
 Inside the actor (``comfy_env_worker.ray_actor``) the ordinary worker runtime serves the frames
 on a private socketpair; see that module.
@@ -38,14 +39,18 @@ on a private socketpair; see that module.
 - results never alias the object store: a reply with out-of-band buffers is copied into a
   private ``bytearray`` before the result is built on it (writable, owned by the caller).
 - death notice vs. the caller's read: both end in the gate; whichever comes first retires the
-  generation, the other is dropped as terminal.
+  generation, the other is dropped as terminal. The gate's kill that answers the caller's
+  ``ChannelClosed`` may come while the notice's thread still reads the log: a kill after the
+  death was told is ignored, so the crash keeps its signal and tail.
 
 **The cluster** (``_join_cluster``): ``ray.init(address=config.ray_address)`` when an address is
 given and Ray is not initialised in this process; else an initialised Ray is joined as it is;
 else a local cluster is started (Ray's defaults for this machine, no dashboard,
 ``log_to_driver=False``). Whoever initialised Ray shuts it down: comfy-env calls
 ``ray.shutdown()`` when the last pool that made it initialise Ray closes, and never touches a
-Ray the application initialised itself.
+Ray the application initialised itself. Both run on ``_cluster_thread``, which lives from the
+one to the other: a local cluster's processes die with the thread that started them
+(PR_SET_PDEATHSIG), and the first call may come from a short-lived thread.
 """
 
 from __future__ import annotations
@@ -114,8 +119,10 @@ def ray_module() -> Any:
 # ---- the cluster ------------------------------------------------------------------------------
 
 _cluster_lock = threading.Lock()
-_cluster_users = 0
-_cluster_owned = False  # comfy-env called ray.init, so comfy-env calls ray.shutdown
+_cluster_users = 0  # pools that joined Ray and have not closed yet (e.g. 2)
+# Set while comfy-env owns Ray (it called ray.init, so it calls ray.shutdown): the thread that
+# ray.init ran on, kept until ray.shutdown has run on it (see _join_cluster). None otherwise.
+_cluster_thread: Reactor | None = None
 
 
 def cluster_endpoint(address: str) -> tuple[str, int] | None:
@@ -147,29 +154,79 @@ class ClusterUnreachable(OSError):
     """``ray_address`` names a cluster that does not answer (said before ``ray.init``)."""
 
 
+class _SigtermWarningFilter(logging.Filter):
+    """Drops Ray's "SIGTERM handler is not set ..." warning: ``ray.init`` runs off the main
+    thread on purpose (see ``_join_cluster``), so the application's SIGTERM handling is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SIGTERM handler is not set")
+
+
+def _init_ray(address: str | None, timeout: float) -> None:
+    """``ray.init`` as comfy-env makes it (on the cluster thread)."""
+    ray = ray_module()
+    ray_logger = logging.getLogger("ray._private.worker")
+    quiet = _SigtermWarningFilter()
+    ray_logger.addFilter(quiet)
+    try:
+        if address:
+            _probe(address, timeout)
+            ray.init(address=address, log_to_driver=False)
+        else:
+            # Ray sizes a local cluster to the machine (CPUs, object store); actors need no
+            # CPU of their own to run, so any number of workers fit.
+            ray.init(include_dashboard=False, log_to_driver=False)
+    finally:
+        ray_logger.removeFilter(quiet)
+
+
 def _join_cluster(address: str | None, timeout: float) -> None:
-    global _cluster_users, _cluster_owned
+    """Count one more pool on Ray; initialise Ray first if nobody has.
+
+    comfy-env's ``ray.init`` runs on a thread of its own (``_cluster_thread``) that lives
+    until the matching ``ray.shutdown``, never on the caller's: a local cluster's processes
+    (gcs_server, raylet, agents) die with the *thread* that started them (PR_SET_PDEATHSIG),
+    and the first call may come from a short-lived thread (a cold ``acall``, a joined
+    ``threading.Thread``). A pool's reactor would not do: the cluster is shared by every pool
+    of the process and outlives the pool that started it."""
+    global _cluster_users, _cluster_thread
     ray = ray_module()
     with _cluster_lock:
         if not ray.is_initialized():
-            if address:
-                _probe(address, timeout)
-                ray.init(address=address, log_to_driver=False)
-            else:
-                # Ray sizes a local cluster to the machine (CPUs, object store); actors need
-                # no CPU of their own to run, so any number of workers fit.
-                ray.init(include_dashboard=False, log_to_driver=False)
-            _cluster_owned = True
+            thread = Reactor(name="comfy-env-ray-cluster")
+            try:
+                thread.start()
+                thread.run_sync(lambda: _init_ray(address, timeout))
+            except BaseException:
+                # Also when this wait was interrupted (KeyboardInterrupt) while ray.init goes
+                # on: the thread runs what was queued before it ends, so a cluster started
+                # after all is shut down rather than left to die with the thread.
+                thread.call_soon(_shutdown_if_initialised)
+                thread.stop()
+                raise
+            _cluster_thread = thread
         _cluster_users += 1
 
 
+def _shutdown_if_initialised() -> None:
+    ray = ray_module()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def _leave_cluster() -> None:
-    global _cluster_users, _cluster_owned
+    """Count one pool less; the last one out shuts down a Ray comfy-env initialised, on the
+    thread that initialised it, and only then lets that thread end."""
+    global _cluster_users, _cluster_thread
     with _cluster_lock:
         _cluster_users -= 1
-        if _cluster_users == 0 and _cluster_owned:
-            _cluster_owned = False
-            ray_module().shutdown()
+        thread = _cluster_thread
+        if _cluster_users == 0 and thread is not None:
+            _cluster_thread = None
+            try:
+                thread.run_sync(ray_module().shutdown)
+            finally:
+                thread.stop()
 
 
 def _local_head() -> Any:
@@ -714,7 +771,13 @@ class RayWorker:
         """Stop the actor. Idempotent. ``ASK`` sends SHUTDOWN (release hooks run, the actor
         exits) and ``ray.kill`` after ``kill_grace``; ``TERMINATE`` and ``KILL`` are
         ``ray.kill`` at once (Ray has no signal grace)."""
-        self._kill_requested = True
+        with self._death_lock:
+            if self._dead:
+                # Ray told the death already: a kill now is the pool's answer to it (the
+                # gate's kill on ChannelClosed), not its cause, and must not make ``died``,
+                # maybe still reading the log on another thread, call it "stopped".
+                return
+            self._kill_requested = True
         if self.actor is None or self.exited.is_set():
             return
         if stop is Stop.ASK and self.config.kill_grace > 0 and self.reactor.running:
@@ -782,6 +845,7 @@ class RayWorker:
             if self._dead:
                 return
             self._dead = True
+            stopped = self._kill_requested  # by the host, before the death (see ``kill``)
         if self._escalation is not None:
             self._escalation.cancel()
         with _actors_lock:
@@ -791,7 +855,7 @@ class RayWorker:
         if pid is None:
             found = re.search(r"pid: (\d+)", text)
             pid = int(found.group(1)) if found else None
-        tail = self._log_tail(pid) if not self._kill_requested else b""
+        tail = self._log_tail(pid) if not stopped else b""
         if tail:
             self.log.feed_native("stderr", tail)
             self.log.finish_native("stderr")
@@ -803,7 +867,7 @@ class RayWorker:
         detail = re.search(r"Worker exit detail: ([^.]*\.)", text)
         if self.fault is not None:
             self.death_detail = f"was stopped after a Ray error ({self.fault})"
-        elif self._kill_requested:
+        elif stopped:
             self.death_detail = "was stopped (ray.kill)"
         else:
             self.death_detail = "died (Ray reports no exit code" + (

@@ -5,13 +5,18 @@
 * arguments arrive writable and results are private, writable copies (never views of the
   read-only object store);
 * a forked child of the host gets an inert pool and never talks to Ray;
-* closing a pool kills its actors and leaves a Ray the application initialised running.
+* closing a pool kills its actors and leaves a Ray the application initialised running;
+* a cluster the pool starts itself outlives the (short-lived) thread that made the first call,
+  and is gone after ``close()``.
 
-All run on the session's local cluster (``conftest.ray_cluster``); skipped without ray.
+They run on the session's local cluster (``conftest.ray_cluster``), but for those about a
+Ray the pool initialises itself: these run a fresh host. Skipped without ray.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import TESTS_DIR, other_python, wait_until
 
@@ -229,3 +235,156 @@ def test_a_death_notice_on_a_foreign_thread_registers_no_python_thread() -> None
     assert isinstance(seen[0], RuntimeError)
     wait_until(lambda: not (set(threading.enumerate()) - before), 10)
     assert not [t for t in threading.enumerate() if t not in before]
+
+
+# A fresh host whose pool starts Ray itself (this process has the session's Ray initialised,
+# which a pool joins as it is). A child subreaper, so that Ray's processes stay its descendants
+# even where their parent dies (the agents of a dead raylet); it prints their pids before
+# anything that may kill it, so the test can check, and clean up, what outlives it.
+_OWN_CLUSTER_HOST = """
+import asyncio, ctypes, json, sys, threading
+import numpy as np, psutil, comfy_env
+
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+def ray_processes():
+    return {p.pid: p.name() for p in psutil.Process().children(recursive=True)}
+
+config = comfy_env.PoolConfig(backend="ray", sys_path=[sys.argv[2]], start_timeout=120)
+pool = comfy_env.Pool(config)
+w = pool.get_worker()
+if sys.argv[1] == "acall":
+    # A cold acall starts the worker on a short-lived thread of its own.
+    assert asyncio.run(w.acall("remote_tasks:add", 1)) == 1
+    first = "comfy-env-acall"
+else:
+    thread = threading.Thread(target=w.call, args=("remote_tasks:add", 1), name="first-call")
+    thread.start()
+    first = "first-call"
+for t in threading.enumerate():
+    if t.name == first:
+        t.join(30)  # the thread that made the first call has ended
+print("RAY-PIDS", json.dumps(ray_processes()), flush=True)
+arr = np.arange(8 << 20, dtype=np.float64)  # 64 MiB: through the object store both ways
+print("ROUND-TRIP", bool(np.array_equal(w.call("comfy_env_worker.tasks:echo", arr), arr)))
+print("RAY-PIDS", json.dumps(ray_processes()), flush=True)
+states = {p.name(): p.status() for p in psutil.Process().children(recursive=True)}
+print("STATES", json.dumps(states), flush=True)
+pool.close()
+print("CLOSED", flush=True)
+"""
+
+
+def _still_running(pids: set[int], since: float) -> list[str]:
+    """Which of ``pids`` still run (exited: gone or a zombie) as processes started at or after
+    ``since`` (a pid reused by an older process does not count)."""
+    left = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() >= since and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+@pytest.mark.parametrize("first_call", ["acall", "thread"])
+def test_a_cluster_started_from_a_short_lived_thread_outlives_it(first_call: str) -> None:
+    """A pool that starts Ray itself from a thread that then ends (a cold ``acall``, a joined
+    thread): a local cluster's processes die with the thread that started them, so the pool
+    must not start it there. The object store serves a 64 MiB round trip, raylet and
+    gcs_server run (not zombies) while the pool is open, and after ``close()`` nothing of the
+    cluster is left."""
+    pytest.importorskip("numpy")
+    since = time.time() - 1.0
+    out = subprocess.run(
+        [sys.executable, "-c", _OWN_CLUSTER_HOST, first_call, str(TESTS_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    lines = out.stdout.splitlines()
+    names: dict[str, str] = {}
+    for line in lines:
+        if line.startswith("RAY-PIDS "):
+            names.update(json.loads(line.split(" ", 1)[1]))
+    pids = {int(pid) for pid in names}
+    # Ray may still be stopping a process after the host left (bounded); what still runs
+    # then is left behind, and killed here so that a failure leaves nothing either.
+    wait_until(lambda: not _still_running(pids, since), 20)
+    left = _still_running(pids, since)
+    for entry in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(int(entry.split()[0])).kill()
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "ROUND-TRIP True" in lines, out.stdout
+    states = json.loads(next(ln for ln in lines if ln.startswith("STATES "))[len("STATES ") :])
+    for name in ("raylet", "gcs_server"):
+        assert states.get(name) not in (None, psutil.STATUS_ZOMBIE), states
+    assert "CLOSED" in lines
+    assert not left, f"Ray processes left after close: {left}"
+
+
+def test_a_kill_after_the_death_was_told_keeps_the_crash_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray tells an actor's death twice: the call's error on the caller's thread, the death
+    notice on another. Whichever ``died`` wins reads the log; the gate answers the caller's
+    ``ChannelClosed`` with a kill meanwhile. That kill is an answer to the death, not its cause:
+    the crash keeps its signal and last words from the log, never "was stopped (ray.kill)"."""
+    import threading
+    from types import SimpleNamespace
+
+    from comfy_env._lifecycle import Stop
+    from comfy_env._ray import RayWorker
+
+    class Stopped:
+        running = False
+
+    class SlowCancel:
+        """The winner's first step after taking the death, held until the kill was made."""
+
+        def __init__(self) -> None:
+            self.entered = threading.Event()
+            self.release = threading.Event()
+
+        def cancel(self) -> None:
+            self.entered.set()
+            self.release.wait(10)
+
+    monkeypatch.setattr(
+        RayWorker,
+        "_log_tail",
+        staticmethod(lambda pid: b"Fatal Python error: Segmentation fault\n"),
+    )
+    spec = SimpleNamespace(key="env", name="env")
+    config = SimpleNamespace(stderr_tail_lines=20)
+    reported: list[object] = []
+    worker = RayWorker(
+        None,  # type: ignore[arg-type]
+        spec,  # type: ignore[arg-type]
+        1,
+        config,  # type: ignore[arg-type]
+        Stopped(),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        reported.append,
+        lambda p: None,
+    )
+    worker.pid = 4242
+    slow = SlowCancel()
+    worker._escalation = slow
+    notice = threading.Thread(target=worker.died, args=(RuntimeError("the actor died"),))
+    notice.start()
+    try:
+        assert slow.entered.wait(10)  # the death notice won and reads the death
+        worker.died(RuntimeError("the actor died"))  # the caller's thread: lost, returns
+        worker.kill(Stop.KILL)  # the gate's answer to the caller's ChannelClosed
+    finally:
+        slow.release.set()
+        notice.join(10)
+    assert worker.returncode == -11
+    assert worker.death_detail is not None and "stopped" not in worker.death_detail
+    assert "Segmentation fault" in worker.log.tail()
+    assert reported == [worker]
