@@ -374,10 +374,13 @@ SPARE_MIN_BYTES = 8 << 20
 _PREFAULT_STEP = 4 << 20
 
 # Writes of at least this many bytes into a block (``Block.write``) fault fresh pages in
-# without the GIL first and copy in steps of this size, releasing the GIL for each step
-# (``ctypes.memmove``) where the source is writable, else holding it one step at a time (the
-# GIL can change hands between steps): a 64 MiB argument copied in one slice assignment into
-# a fresh block held the GIL (the event loop of an ``acall``) for 45-270 ms.
+# without the GIL first, then copy with ``ctypes.memmove`` in one call, the GIL released for
+# all of it, where the source is writable; else in slice assignments of this size, holding the
+# GIL one step at a time (it can change hands between steps): a 64 MiB argument copied in one
+# slice assignment into a fresh block held the GIL (the event loop of an ``acall``) for
+# 45-270 ms. Not memmove in steps: glibc copies a large range with non-temporal stores, and
+# 4-64 MiB pieces of a 256 MiB copy took 45-55 ms against 25-30 ms in one piece (measured here;
+# the payload benchmark's 256 MiB round trip went from 1.0 to 1.6 memcpys with steps).
 COPY_STEP = 4 << 20
 
 
@@ -439,9 +442,9 @@ def prefault(mm: mmap.mmap, start: int = 0, length: Optional[int] = None) -> Non
 
 
 def _copy_in_steps(mm: mmap.mmap, offset: int, data: memoryview) -> None:
-    """Copy ``data`` into ``mm`` at ``offset``, ``COPY_STEP`` bytes at a time: through
-    ``ctypes.memmove`` (the GIL released for each step) where ``data`` is writable (ctypes
-    can address only writable buffers), else by slice assignment (the GIL held per step)."""
+    """Copy ``data`` into ``mm`` at ``offset``: in one ``ctypes.memmove`` (the GIL released
+    for the whole copy) where ``data`` is writable (ctypes can address only writable
+    buffers), else by slice assignments of ``COPY_STEP`` bytes (the GIL held per step)."""
     n = data.nbytes
     src: Any = None
     dst: Any = None
@@ -455,9 +458,7 @@ def _copy_in_steps(mm: mmap.mmap, offset: int, data: memoryview) -> None:
         src = dst = None
     try:
         if src is not None and dst is not None:
-            src_at, dst_at = ctypes.addressof(src), ctypes.addressof(dst)
-            for at in range(0, n, COPY_STEP):
-                ctypes.memmove(dst_at + at, src_at + at, min(COPY_STEP, n - at))
+            ctypes.memmove(ctypes.addressof(dst), ctypes.addressof(src), n)
             return
         for at in range(0, n, COPY_STEP):
             step = min(COPY_STEP, n - at)
