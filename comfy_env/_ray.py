@@ -24,8 +24,10 @@ Data flow of one generation (``RayWorker``, driven by the pool exactly like a
                 the pool's grace timer then kills: ray.kill (no signal grace on Ray)
     crash       the call's task fails with ActorDiedError -> ChannelClosed -> the pool's
                 WorkerCrashed; exit code unknown, the signal when the actor's log says it
-                (faulthandler's "Segmentation fault" -> -11), the log's last lines as tail;
-                both only where the log is on this machine (a cluster this process started)
+                (faulthandler's "Segmentation fault" -> -11; the actor's own SIGTERM_WORDS
+                -> -15), the log's last lines as tail; both only where the log is on this
+                machine (a cluster this process started). A SIGTERM kills the actor at once
+                (ray_actor replaces Ray's handler, which would wait for the call in flight)
 
 Inside the actor (``comfy_env_worker.ray_actor``) the ordinary worker runtime serves the frames
 on a private socketpair; see that module.
@@ -82,6 +84,7 @@ from comfy_env_worker.protocol import (
     FrameType,
     Payload,
 )
+from comfy_env_worker.ray_actor import SIGTERM_WORDS
 
 from ._codec import decode_reply, encode_call, oob_threshold, worker_config
 from ._envs import EnvSpec
@@ -108,6 +111,8 @@ _FATAL_SIGNALS = (
     (b"Fatal Python error: Aborted", 6),
     (b"Fatal Python error: Floating-point exception", 8),
     (b"Fatal Python error: Illegal instruction", 4),
+    # The actor's own words as it dies of SIGTERM (Ray's handler would wedge it, see ray_actor).
+    (SIGTERM_WORDS.encode(), 15),
 )
 
 
@@ -859,7 +864,8 @@ class RayWorker:
         if tail:
             self.log.feed_native("stderr", tail)
             self.log.finish_native("stderr")
-        # faulthandler's words for the fatal signals it reports (it writes before dying).
+        # faulthandler's words for the fatal signals it reports, and the actor's for SIGTERM
+        # (both written before dying).
         for words, signum in _FATAL_SIGNALS:
             if words in tail:
                 self.returncode = -signum

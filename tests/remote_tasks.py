@@ -473,6 +473,14 @@ def report_then_wait(n: int, seconds: float) -> str:
     return "finished"
 
 
+def touch_then_sleep(path: str, seconds: float) -> None:
+    """Creates ``path`` (the call is running now), then sleeps: a signal from outside lands in
+    the call."""
+    with open(path, "w"):
+        pass
+    time.sleep(seconds)
+
+
 def add_in_place(arr: Any, n: float) -> Any:
     """Changes its argument in place: arguments must arrive writable."""
     arr += n

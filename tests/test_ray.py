@@ -157,6 +157,40 @@ def test_a_crash_is_published_as_events(rpool: comfy_env.Pool, tmp_path: Path) -
     assert retired.generation == 1 and retired.reason == "crashed"  # type: ignore[attr-defined]
 
 
+def test_a_sigterm_to_the_actor_fails_its_call_as_a_crash_and_the_next_call_runs(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM from outside (a supervisor, ``docker stop`` of the node) to the actor process
+    during a call: the call fails as ``WorkerCrashed`` naming SIGTERM, not at ``call_timeout``
+    (Ray's own handler left the actor waiting for the call, serving nothing and never dead),
+    and the next call runs on the next generation."""
+    import signal
+    import threading
+
+    started = tmp_path / "started"
+    with comfy_env.Pool(_config(call_timeout=60.0)) as pool:
+        w = pool.get_worker()
+        pid = w.call("remote_tasks:getpid")
+
+        def terminate_once_running() -> None:
+            if wait_until(started.exists, 60.0):
+                os.kill(pid, signal.SIGTERM)
+
+        killer = threading.Thread(target=terminate_once_running)
+        killer.start()
+        try:
+            with pytest.raises(comfy_env.WorkerCrashed) as info:
+                w.call("remote_tasks:touch_then_sleep", str(started), 300.0)
+        finally:
+            killer.join()
+        assert started.exists()
+        assert info.value.signal == "SIGTERM" and info.value.exitcode == -signal.SIGTERM
+        assert info.value.generation == 1
+        assert wait_until(lambda: not psutil.pid_exists(pid), 30.0)
+        assert w.call("remote_tasks:add", 1) == 1
+        assert w.generation == 2
+
+
 def test_an_actor_runs_under_the_envs_own_interpreter(tmp_path: Path) -> None:
     """Another venv (its own interpreter path, this Python, and ray through a .pth file onto
     the host's site-packages): its actor is started with Ray's py_executable."""

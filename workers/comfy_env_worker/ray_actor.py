@@ -21,6 +21,16 @@ private directory on the actor's node (once per content digest, owner-checked) a
 runtime from there. No ``py_modules`` upload, no shared file system, and nothing but the env's
 own site-packages (which must hold ``ray``) on the path.
 
+**SIGTERM** (a supervisor, ``docker stop`` of a node, the raylet stopping its workers) kills
+the actor at once, as it kills a local worker (whose runtime keeps the default disposition).
+Ray's own handler in a worker raises ``SystemExit`` on the main thread, and its core worker
+then waits for the tasks in flight to end before the process exits: ``wait_until_dead`` never
+ends and a call may run for hours, so the process lived on wedged, serving nothing and dead to
+nobody, and the host's call waited for its ``call_timeout`` (for ever without one). The actor
+replaces that handler (``_die_of_sigterm``): it writes ``SIGTERM_WORDS`` to its stderr (Ray's
+``.err`` log, where the host reads the signal back) and dies of the signal. Ray then reports
+the death like any crash, and the call in flight fails as ``WorkerCrashed`` at once.
+
 Only ``__init__`` and the method bodies import the runtime; this module itself is stdlib-only
 and never imports ``ray``. Parses under Python 3.8.
 """
@@ -28,6 +38,7 @@ and never imports ``ray``. Parses under Python 3.8.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -40,6 +51,30 @@ if TYPE_CHECKING:
 # Side frames (LOG between and during calls, EVENT during calls) kept until the host drains
 # them; the oldest are dropped beyond this (a chatty background thread while nobody calls).
 SIDE_MAX = 4096
+# The actor's last words on its stderr (Ray's worker ``.err`` log) as it dies of SIGTERM: the
+# host finds them in the log's tail and reports the signal (``comfy_env._ray``).
+SIGTERM_WORDS = "comfy-env: the Ray actor received SIGTERM and dies of it"
+
+
+def _die_of_sigterm(signum: int, frame: Any) -> None:
+    """The actor's SIGTERM handler (main thread): say so, then die of the signal (see the
+    module docstring for why Ray's own handler would wedge the actor)."""
+    try:
+        os.write(2, ("\n%s (pid %d)\n" % (SIGTERM_WORDS, os.getpid())).encode())
+    except OSError:
+        pass  # no stderr: the death is still reported, without its signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGTERM)  # delivered to this thread before it returns
+    os._exit(128 + signal.SIGTERM)  # not reached; never outlive the signal
+
+
+def own_sigterm() -> bool:
+    """Put ``_die_of_sigterm`` in place of Ray's SIGTERM handler; False where this thread may
+    not (only the main thread sets handlers; Ray creates an actor there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _die_of_sigterm)
+    return True
 
 
 def install_runtime(files: Dict[str, bytes], digest: str) -> str:
@@ -97,6 +132,9 @@ class RayWorkerActor:
     drain, a cancel and the death sentinel run at the same time)."""
 
     def __init__(self, files: Dict[str, bytes], digest: str) -> None:
+        # First: Ray's handler is in place from the worker's start, and a SIGTERM from here
+        # on must kill the actor rather than wedge it.
+        own_sigterm()
         path = install_runtime(files, digest)
         if path not in sys.path:
             sys.path.insert(0, path)
