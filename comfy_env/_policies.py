@@ -11,6 +11,9 @@ event; none of them assigns a state)::
                     ping(entry, slot, process) -> False: gate(PingFailed), a fresh worker runs it
     breaker       reactor, once a death's exit code and output are final:
                     record_death(...) -> lc.record_death -> EnvAbandoned (event + log) or not
+                    (the env's own ``Pool.set_breaker`` settings, else the pool's; with
+                    ``abandon_for`` the block carries its end, and the call path's
+                    ``EnvEntry.abandoned_locked(now)`` lifts it on the first look after it)
     dropped refs  call path, before a call on the worker holding them:
                     release_dropped_refs(entry, slot, process) -> one release frame
 
