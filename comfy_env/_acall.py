@@ -228,10 +228,12 @@ def _lease_now(
         if pool.closed:
             raise pool.closed_error()
         entry.submitted += 1
-        if isinstance(entry.env_state, lc.EnvAbandoned):
+        if isinstance(entry.env_state, lc.EnvAbandoned) and (
+            abandoned := entry.abandoned_locked(pool.clock())
+        ):
             ticket.stage = "in_flight"
             entry.in_flight += 1
-            raise abandoned_error(entry.spec.key, entry.env_state)
+            raise abandoned_error(entry.spec.key, abandoned)
         slot = lease_at_once_locked(entry, ticket)
         if slot is not None:
             if (

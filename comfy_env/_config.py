@@ -139,10 +139,18 @@ class PoolConfig(BaseModel):
         5,
         ge=0,
         description="Crash-loop breaker: more than this many worker deaths (start-up "
-        "failures included) within restart_window abandon the env until Pool.reset(env).",
+        "failures included) within restart_window abandon the env until Pool.reset(env) "
+        "(or for abandon_for seconds).",
     )
     restart_window: float = Field(
         60.0, le=MAX_SECONDS, gt=0, description="The breaker's window in seconds."
+    )
+    abandon_for: float | None = Field(
+        None,
+        le=MAX_SECONDS,
+        gt=0,
+        description="Seconds an abandoned env stays cut off before the block lifts by itself "
+        "(the next call then starts a fresh worker). None: until Pool.reset(env).",
     )
     reap_with_refs: bool = Field(
         False, description="Let the idle reaper retire a worker that holds live RemoteRefs."

@@ -10,7 +10,10 @@ Data flow (what each piece holds, and who writes it)::
       counters                        submitted/ok/raised/..., read by ``snapshot()``
       env_state                       the crash-loop breaker (``_lifecycle.EnvActive``/
                                       ``EnvAbandoned``), written by
-                                      ``_policies.record_death`` and ``Pool.reset``
+                                      ``_policies.record_death``, ``Pool.reset`` and
+                                      ``abandoned_locked`` (a timed block that ran out)
+      breaker                         this env's own breaker settings (``Pool.set_breaker``),
+                                      None: the pool's
       dropped_refs                    RemoteRefs garbage collected, appended lock-free
 
     any thread --event--> EnvEntry.apply(slot, event)      the gate, the only writer of
@@ -137,6 +140,7 @@ class EnvEntry:
         self.pings = 0
         self.ping_failures = 0
         self.env_state: lc.EnvState = lc.EnvActive()  # the crash-loop breaker
+        self.breaker: lc.Breaker | None = None  # set_breaker's, e.g. a ComfyUI pack's own
         self.log_lines_dropped = 0  # of processes no longer in a slot
         self.unsupported: WorkerStartError | None = None  # its Python can never run a worker
         # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
@@ -260,8 +264,23 @@ class EnvEntry:
 
         self.call_later(effect.grace, fire)
 
-    def snapshot(self) -> EnvStats:
+    def abandoned_locked(self, now: float) -> lc.EnvAbandoned | None:
+        """The abandonment in force as of ``now`` (entry lock held), or None. A timed one
+        (``abandon_for``) whose time has come is lifted here, on the first look after it: no
+        timer, and the check and the next spawn happen under the same lock, so two callers
+        cannot both see the block and one of them start a worker."""
+        state = self.env_state
+        if not isinstance(state, lc.EnvAbandoned):
+            return None
+        self.env_state = lc.lift_expired(state, now)
+        return self.env_state if isinstance(self.env_state, lc.EnvAbandoned) else None
+
+    def snapshot(self, now: float | None = None) -> EnvStats:
+        """Frozen counters; ``now`` (the pool's clock) lifts a timed abandonment that ran out,
+        so ``abandoned`` says what the next call would meet."""
         with self.lock:
+            if now is not None:
+                self.abandoned_locked(now)
             workers = tuple(worker_stats(s) for s in self.slots)
             primary = workers[0]
             return EnvStats(

@@ -226,18 +226,57 @@ def not_the_reply(
     )
 
 
+def crash_frame(output: str) -> str | None:
+    """The line of a ``faulthandler`` dump in ``output`` that names the innermost frame of the
+    crashing thread (``File "/pack/nodes.py", line 12 in crash``), or None without one. The
+    dump lists the crashing thread under ``Current thread ...`` (``Stack`` when only one
+    thread is dumped), most recent call first; the last output line is the dump's
+    ``Extension modules: ...`` list, which says nothing about where the worker died."""
+    lines = output.splitlines()
+    for i in range(len(lines) - 1, -1, -1):  # the last dump: a worker may have printed one before
+        head = lines[i].lstrip()
+        if head.startswith(("Current thread ", "Stack (most recent call first)")):
+            for line in lines[i + 1 :]:
+                frame = line.strip()
+                if frame.startswith('File "'):
+                    return frame
+                if frame:  # "<no Python frame>" or the dump ended: no frame to name
+                    return None
+            return None
+    return None
+
+
 def abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
-    """The error of every call to an env the crash-loop breaker cut off: the recent deaths."""
+    """The error of every call to an env the crash-loop breaker cut off: the recent deaths
+    (each with the crashing frame its ``faulthandler`` dump names, else its last output
+    lines) and how to recover."""
     lines = []
     for d in state.deaths:
         how = f"signal {d.signal}" if d.signal else f"exit code {d.exitcode}"
         when = time.strftime("%H:%M:%S", time.localtime(d.when))
-        tail = d.stderr_tail.strip().splitlines()[-3:] if d.stderr_tail else []
-        detail = ("; last output: " + " | ".join(tail)) if tail else ""
+        frame = crash_frame(d.stderr_tail) if d.stderr_tail else None
+        if frame is not None:
+            detail = f"; crashed in {frame}"
+        else:
+            tail = d.stderr_tail.strip().splitlines()[-3:] if d.stderr_tail else []
+            detail = ("; last output: " + " | ".join(tail)) if tail else ""
         lines.append(f"  {when} generation {d.generation} {d.reason.value} ({how}){detail}")
+    if state.until is not None:
+        last = state.deaths[-1]
+        lifts = time.strftime("%H:%M:%S", time.localtime(last.when + state.until - state.at))
+        recover = (
+            f"calls fail until {lifts} (abandon_for={state.until - state.at:g}s), then the next "
+            "call starts a fresh worker; pool.reset(env) lifts it now"
+        )
+    else:
+        recover = (
+            "calls fail until pool.reset(env) or a restart of this process; to have the block "
+            "lift by itself after N seconds, set PoolConfig.abandon_for (environment variable "
+            "COMFY_ENV_ABANDON_FOR=N)"
+        )
     return EnvAbandonedError(
         f"env {env} was abandoned after {len(state.deaths)} worker deaths within the restart "
-        "window (PoolConfig.max_restarts/restart_window); calls fail until pool.reset(env). "
+        f"window (PoolConfig.max_restarts/restart_window); {recover}. "
         "Recent deaths:\n" + "\n".join(lines),
         env=env,
     )

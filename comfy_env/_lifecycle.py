@@ -492,23 +492,52 @@ class EnvActive:
 
 @value
 class EnvAbandoned:
-    """Terminal until reset: the env died too often; calls fail fast."""
+    """The env died too often; calls fail fast. Terminal until reset when ``until`` is None
+    (the default); else the block lifts by itself once the pool's clock reaches ``until``
+    (``PoolConfig.abandon_for`` seconds after the death that tripped the breaker)."""
 
     deaths: tuple[Death, ...]
     at: float
+    until: float | None = None
+
+
+@value
+class Breaker:
+    """One env's crash-loop breaker settings (``PoolConfig.max_restarts``, ``restart_window``,
+    ``abandon_for``, or an env's own from ``Pool.set_breaker``)."""
+
+    max_restarts: int
+    restart_window: float
+    abandon_for: float | None = None
 
 
 EnvState = EnvActive | EnvAbandoned
 
 
+def lift_expired(state: EnvState, now: float) -> EnvState:
+    """``state``, or a fresh ``EnvActive`` if it is an abandonment whose ``until`` has come
+    (the deaths that tripped it are forgotten, as ``Pool.reset`` forgets them: one more death
+    must not trip the breaker again at once)."""
+    if isinstance(state, EnvAbandoned) and state.until is not None and now >= state.until:
+        return EnvActive()
+    return state
+
+
 def record_death(
-    state: EnvState, death: Death, max_restarts: int, restart_window: float
+    state: EnvState,
+    death: Death,
+    max_restarts: int,
+    restart_window: float,
+    abandon_for: float | None = None,
 ) -> EnvState:
     """The breaker: more than ``max_restarts`` deaths within ``restart_window`` seconds abandon
-    the env. Abandoned is sticky: later deaths (late exit notices) change nothing."""
+    the env (for ``abandon_for`` seconds, None: until reset). Abandoned is sticky while it is
+    in force: later deaths (late exit notices) change nothing."""
+    state = lift_expired(state, death.at)
     if isinstance(state, EnvAbandoned):
         return state
     recent = (*(d for d in state.deaths if death.at - d.at <= restart_window), death)
     if len(recent) > max_restarts:
-        return EnvAbandoned(recent, death.at)
+        until = None if abandon_for is None else death.at + abandon_for
+        return EnvAbandoned(recent, death.at, until)
     return EnvActive(recent)

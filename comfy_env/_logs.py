@@ -32,6 +32,13 @@ emitted; lines over budget are dropped and counted, with one warning per worker.
 stops, so a worker printing megabytes can neither block on a full pipe nor starve a reply.
 
 The last lines of all streams are kept (``tail``) for crash reports.
+
+**Package names shown.** ``comfy_env.comfyui`` imports a pack in its worker under a hashed
+package name (``comfy_env_pack_<hash>``) and registers, per env key, the name to show instead
+(``show_package_as``: the pack directory's name); a record whose ``worker_logger`` is that
+package or one of its modules gets the shown name (``my_pack.impl.nodes``). Envs nobody
+registered are untouched. The table is replaced whole under a lock and read without one (a
+reader sees the old or the new table, never a half-built one).
 """
 
 from __future__ import annotations
@@ -55,6 +62,32 @@ BYTE_BURST = 16.0 * 1024 * 1024
 _MAX_PIPE_FRAME = 16 * 1024 * 1024
 _print_lock = threading.Lock()  # lines of different workers never interleave mid-line
 LINE_CAP = 64 * 1024  # native output lines are cut into pieces of this many bytes
+
+# env key -> {package name in the worker: name shown}; see "Package names shown" above.
+_shown_names: dict[str, dict[str, str]] = {}
+_shown_names_lock = threading.Lock()
+
+
+def show_package_as(env_key: str, package: str, shown: str) -> None:
+    """Show records that env ``env_key``'s workers log on ``package`` or its modules as logged
+    on ``shown`` (same module path below it), in ``worker_logger``: for a package whose name
+    in the worker is an internal one. Idempotent; applies to workers already running too."""
+    global _shown_names
+    with _shown_names_lock:
+        table = dict(_shown_names)
+        table[env_key] = {**table.get(env_key, {}), package: shown}
+        _shown_names = table  # replaced whole: ``WorkerLog.emit`` reads it without the lock
+
+
+def shown_logger_name(env_key: str, name: str) -> str:
+    """``name`` as ``show_package_as`` asked records of ``env_key`` to show it."""
+    names = _shown_names.get(env_key)
+    if names:
+        head = name.partition(".")[0]
+        shown = names.get(head)
+        if shown is not None:
+            return shown + name[len(head) :]
+    return name
 
 
 class WorkerLog:
@@ -133,7 +166,7 @@ class WorkerLog:
             (message,),
             None,
             extra={
-                "worker_logger": worker_logger,
+                "worker_logger": shown_logger_name(self.env, worker_logger),
                 "stream": stream,
                 "pid": self.pid,
                 "generation": self.generation,

@@ -11,6 +11,9 @@ event; none of them assigns a state)::
                     ping(entry, slot, process) -> False: gate(PingFailed), a fresh worker runs it
     breaker       reactor, once a death's exit code and output are final:
                     record_death(...) -> lc.record_death -> EnvAbandoned (event + log) or not
+                    (the env's own ``Pool.set_breaker`` settings, else the pool's; with
+                    ``abandon_for`` the block carries its end, and the call path's
+                    ``EnvEntry.abandoned_locked(now)`` lifts it on the first look after it)
     dropped refs  call path, before a call on the worker holding them:
                     release_dropped_refs(entry, slot, process) -> one release frame
 
@@ -217,9 +220,14 @@ def record_death(
         signal=signal_name(returncode),
         stderr_tail=stderr_tail,
     )
+    breaker = entry.breaker or lc.Breaker(
+        config.max_restarts, config.restart_window, config.abandon_for
+    )
     with entry.lock:
-        before = entry.env_state
-        entry.env_state = lc.record_death(before, death, config.max_restarts, config.restart_window)
+        before = lc.lift_expired(entry.env_state, at)  # a timed block that ran out is over
+        entry.env_state = lc.record_death(
+            before, death, breaker.max_restarts, breaker.restart_window, breaker.abandon_for
+        )
         tripped = entry.env_state if before is not entry.env_state else None
     if isinstance(tripped, lc.EnvAbandoned) and not isinstance(before, lc.EnvAbandoned):
         _log.error("comfy-env: %s", abandoned_error(entry.spec.key, tripped))

@@ -96,6 +96,7 @@ from ._entry import (
 )
 from ._envs import EnvSpec, resolve_env
 from ._errors import (
+    ArgumentError,
     CallCancelled,
     CallTimeout,
     HostResourceError,
@@ -242,6 +243,35 @@ class Pool:
         if was_abandoned:
             self._events.emit(EnvReset(entry.spec.key))
 
+    def set_breaker(
+        self,
+        env: str | os.PathLike[str] | None = None,
+        *,
+        max_restarts: int | None = None,
+        restart_window: float | None = None,
+        abandon_for: float | None = None,
+    ) -> None:
+        """Give ``env`` crash-loop breaker settings of its own, in place of the pool's
+        ``PoolConfig.max_restarts``, ``restart_window`` and ``abandon_for`` (each argument left
+        None keeps the pool's value). They count from the next death; deaths already counted
+        stay, an abandonment in force keeps its end. ``comfy_env.comfyui.isolate`` uses it for a
+        pack's own settings. Raises ``ArgumentError`` for a value ``PoolConfig`` would refuse."""
+        if max_restarts is not None and (
+            isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0
+        ):
+            raise ArgumentError(f"max_restarts must be an int >= 0, not {max_restarts!r}")
+        window = check_timeout(restart_window, "restart_window")
+        lasting = check_timeout(abandon_for, "abandon_for")
+        settings = self.settings
+        breaker = lc.Breaker(
+            settings.max_restarts if max_restarts is None else max_restarts,
+            settings.restart_window if window is None else window,
+            settings.abandon_for if lasting is None else lasting,
+        )
+        entry = self._entry(resolve_env(env))
+        with entry.lock:
+            entry.breaker = breaker
+
     def retire_idle(self, env: str | os.PathLike[str] | None = None) -> int:
         """Retire ``env``'s idle workers now instead of after ``idle_timeout`` (None: the
         current interpreter's env); returns how many. For a worker nobody will call again soon
@@ -260,7 +290,8 @@ class Pool:
         """Frozen per-env snapshots, keyed by env key."""
         with self._lock:
             entries = list(self._entries.values())
-        return {e.spec.key: e.snapshot() for e in entries}
+        now = self.clock()
+        return {e.spec.key: e.snapshot(now) for e in entries}
 
     @property
     def config(self) -> PoolConfig:
@@ -362,10 +393,12 @@ class Pool:
                 raise CallCancelled(
                     "the call was cancelled before it was queued", env=entry.spec.key
                 )
-            if isinstance(entry.env_state, lc.EnvAbandoned):
+            if isinstance(entry.env_state, lc.EnvAbandoned) and (
+                abandoned := entry.abandoned_locked(self.clock())
+            ):
                 ticket.stage = "in_flight"
                 entry.in_flight += 1
-                raise abandoned_error(entry.spec.key, entry.env_state)
+                raise abandoned_error(entry.spec.key, abandoned)
             slot = lease_at_once_locked(entry, ticket)
             if slot is not None:
                 if eager and ticket.wanted is None and not entry.dropped_refs:
@@ -600,7 +633,10 @@ class Pool:
                 self._closed
                 or entry.waiters
                 or entry.dropped_refs
-                or isinstance(entry.env_state, lc.EnvAbandoned)
+                or (
+                    isinstance(entry.env_state, lc.EnvAbandoned)
+                    and entry.abandoned_locked(self.clock())
+                )
             ):
                 return None
             for slot in entry.slots:  # ``free_slot``'s first choice: an idle worker, not held
@@ -945,8 +981,10 @@ class Pool:
                 raise chained(error, exc)  # noqa: B904
             reactor, runtime_dir = self._reactor, self._runtime_dir
         with entry.lock:
-            if isinstance(entry.env_state, lc.EnvAbandoned):
-                raise abandoned_error(entry.spec.key, entry.env_state)
+            if isinstance(entry.env_state, lc.EnvAbandoned) and (
+                abandoned := entry.abandoned_locked(self.clock())
+            ):
+                raise abandoned_error(entry.spec.key, abandoned)
             if entry.unsupported is not None:  # said once; never started again
                 raise WorkerStartError(str(entry.unsupported), env=entry.spec.key, unsupported=True)
             generation = entry.generation + 1

@@ -51,6 +51,7 @@ FIELDS = (
     "ping_timeout",
     "max_restarts",
     "restart_window",
+    "abandon_for",
     "reap_with_refs",
     "shared_memory",
     "shm_threshold_bytes",
@@ -85,6 +86,7 @@ class Settings:
     ping_timeout: float
     max_restarts: int
     restart_window: float
+    abandon_for: float | None
     reap_with_refs: bool
     shared_memory: bool
     shm_threshold_bytes: int
@@ -141,6 +143,7 @@ def _defaults() -> dict[str, Any]:
         "ping_timeout": 5.0,
         "max_restarts": 5,
         "restart_window": 60.0,
+        "abandon_for": None,
         "reap_with_refs": False,
         "shared_memory": True,
         "shm_threshold_bytes": 64 * 1024,  # measured: shared memory beats inline from 64 KiB

@@ -142,7 +142,7 @@ class Worker:
 
     def stats(self) -> EnvStats:
         """A frozen snapshot of this env's counters."""
-        return self._entry.snapshot()
+        return self._entry.snapshot(self._pool.clock())
 
     def call(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``target(*args, **kwargs)`` in a worker and return its result.

@@ -115,6 +115,14 @@ def count_then_crash(path: str) -> None:
     ctypes.string_at(0)
 
 
+def crash_in_this_frame() -> None:
+    """A SIGSEGV whose innermost Python frame is this function (``ctypes.memset`` is a C
+    function: it adds no Python frame of its own)."""
+    import ctypes
+
+    ctypes.memset(0, 0, 1)
+
+
 def write_garbage() -> None:
     """Writes bytes that are not a frame onto the channel, then returns normally."""
     from comfy_env_worker import main

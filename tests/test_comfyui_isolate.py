@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +281,91 @@ def test_a_crash_loop_says_how_to_reset(
         assert "To reset" in str(info.value) and "restart ComfyUI" in str(info.value)
         pool.reset(None)
         assert asyncio.run(mappings["Counter"]().count()) == (1,)
+
+
+LOUD = """
+import ctypes
+import logging
+
+import numpy
+
+
+class Loud:
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "go"
+    CATEGORY = "t"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"crash": ("BOOLEAN", {})}}
+
+    def go(self, crash):
+        logging.getLogger(__name__).warning("said by the pack")
+        if crash:
+            ctypes.memset(0, 0, 1)  # a C function: this method is the innermost frame
+        return (1,)
+
+
+NODE_CLASS_MAPPINGS = {"Loud": Loud}
+"""
+
+
+def test_a_pack_s_breaker_settings_lift_a_crash_loop_by_themselves(
+    pack: Path, tmp_path: Path, config: comfy_env.PoolConfig
+) -> None:
+    (pack / "loud.py").write_text(LOUD)
+    offset = [0.0]
+    clock = lambda: time.monotonic() + offset[0]  # noqa: E731
+    # The pool's own breaker would allow 100 deaths and block until reset; the pack's wins.
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 100}), clock=clock) as pool:
+        mappings, _ = isolate(
+            str(pack / "__init__.py"),
+            None,
+            "loud",
+            pool=pool,
+            cache_dir=str(tmp_path / "cache"),
+            max_restarts=1,
+            restart_window=10.0,
+            abandon_for=120.0,
+        )
+        loud = mappings["Loud"]()
+        for _ in range(2):
+            with pytest.raises(comfy_env.WorkerCrashed) as crashed:
+                asyncio.run(loud.go(crash=True))
+        assert crashed.value.stderr_tail.splitlines()[-1].startswith("Extension modules")
+        with pytest.raises(comfy_env.EnvAbandonedError) as info:
+            asyncio.run(loud.go(crash=False))
+        message = str(info.value)
+        assert "abandon_for=120s" in message and "To reset" in message
+        deaths = message.split("Recent deaths:\n", 1)[1].splitlines()[:2]
+        for line in deaths:  # the frame in the pack's file, not "Extension modules: numpy..."
+            assert "crashed in File " in line and line.endswith('loud.py", line 20 in go'), line
+        offset[0] += 121.0
+        assert asyncio.run(loud.go(crash=False)) == (1,)
+
+
+def test_a_pack_s_bad_breaker_setting_fails_the_import(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    with pytest.raises(comfy_env.ArgumentError, match="abandon_for"):
+        _isolate(pack, pool, tmp_path / "cache", abandon_for=-1.0)
+
+
+def test_pack_modules_log_under_the_pack_directory_s_name(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (pack / "loud.py").write_text(LOUD)
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    mappings, _ = isolate(
+        str(pack / "__init__.py"), None, "loud", pool=pool, cache_dir=str(tmp_path / "cache")
+    )
+    assert asyncio.run(mappings["Loud"]().go(crash=False)) == (1,)
+    said = [r for r in caplog.records if r.getMessage() == "said by the pack"]
+    assert len(said) == 1
+    assert said[0].worker_logger == "pack.loud"  # type: ignore[attr-defined]
+    # Other envs' records, and this env's other loggers, keep their names.
+    pool.get_worker().call("remote_tasks:log_things", 1)
+    assert any(getattr(r, "worker_logger", None) == "mylib.sub" for r in caplog.records)
 
 
 def test_importing_comfy_env_does_not_import_the_comfyui_layer_nor_comfyui_or_torch() -> None:

@@ -1043,6 +1043,7 @@ TIME_FIELDS = (
     "ping_after_idle",
     "ping_timeout",
     "restart_window",
+    "abandon_for",
     "shm_pinned_ttl",
 )
 

@@ -783,6 +783,21 @@ def test_deaths_outside_the_window_are_forgotten() -> None:
     assert [d.at for d in state.deaths] == [100.0]
 
 
+def test_a_timed_abandonment_lifts_at_its_end_and_forgets_its_deaths() -> None:
+    state: lc.EnvState = lc.EnvActive()
+    for at in (10.0, 11.0):
+        state = lc.record_death(state, _death(at), 1, 60.0, abandon_for=30.0)
+    assert isinstance(state, lc.EnvAbandoned) and state.until == 41.0
+    assert lc.lift_expired(state, 40.9) is state
+    assert lc.record_death(state, _death(40.0), 1, 60.0, 30.0) is state  # sticky while in force
+    assert lc.lift_expired(state, 41.0) == lc.EnvActive()
+    after = lc.record_death(state, _death(50.0), 1, 60.0, 30.0)  # a death after its end
+    assert after == lc.EnvActive((_death(50.0),))
+    untimed = lc.record_death(lc.EnvActive((_death(1.0),)), _death(2.0), 1, 60.0)
+    assert isinstance(untimed, lc.EnvAbandoned) and untimed.until is None
+    assert lc.lift_expired(untimed, 1e9) is untimed
+
+
 def test_abandoned_is_sticky() -> None:
     abandoned = lc.EnvAbandoned((_death(1.0),), at=1.0)
     assert lc.record_death(abandoned, _death(2.0), 0, 60.0) is abandoned

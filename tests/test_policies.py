@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -263,6 +264,96 @@ def test_a_crash_loop_abandons_the_env_until_reset(
         pool.reset(w.env)
         assert w.call("remote_tasks:add", 1) == 1
         assert w.generation == 4 and not w.stats().abandoned
+
+
+def test_an_untimed_abandonment_outlasts_any_time_and_says_how_to_recover(
+    config: comfy_env.PoolConfig,
+) -> None:
+    offset = [0.0]
+    update = {"max_restarts": 1, "restart_window": 60.0}
+    with comfy_env.Pool(
+        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
+    ) as pool:
+        w = pool.get_worker()
+        for _ in range(2):
+            with pytest.raises(WorkerCrashed):
+                w.call("comfy_env_worker.tasks:crash")
+        offset[0] += 10_000.0  # far past the window: the default block is until reset
+        with pytest.raises(EnvAbandonedError) as info:
+            w.call("remote_tasks:add", 1)
+        assert "pool.reset(env)" in str(info.value)
+        assert "COMFY_ENV_ABANDON_FOR" in str(info.value)  # what an operator can set
+        assert w.stats().abandoned and w.stats().spawns == 2
+
+
+def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_worker(
+    config: comfy_env.PoolConfig,
+) -> None:
+    offset = [0.0]
+    update = {"max_restarts": 1, "abandon_for": 30.0}
+    with comfy_env.Pool(
+        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
+    ) as pool:
+        events: list[object] = []
+        pool.subscribe(events.append)
+        w = pool.get_worker()
+        for _ in range(2):
+            with pytest.raises(WorkerCrashed):
+                w.call("comfy_env_worker.tasks:crash")
+        with pytest.raises(EnvAbandonedError) as info:
+            w.call("remote_tasks:add", 1)
+        assert "abandon_for=30s" in str(info.value) and "fresh worker" in str(info.value)
+        offset[0] += 29.0
+        with pytest.raises(EnvAbandonedError):  # still in force
+            w.call("remote_tasks:add", 1)
+        offset[0] += 2.0
+        assert not w.stats().abandoned
+        assert w.call("remote_tasks:add", 1) == 1
+        assert w.generation == 3 and w.stats().restarts_in_window == 0
+        # The deaths that tripped it are forgotten: one more crash does not trip it again.
+        with pytest.raises(WorkerCrashed):
+            w.call("comfy_env_worker.tasks:crash")
+        assert w.call("remote_tasks:add", 2) == 2
+
+
+def test_set_breaker_gives_one_env_its_own_settings(
+    config: comfy_env.PoolConfig, foreign_venv: Path
+) -> None:
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 100})) as pool:
+        w = pool.get_worker()
+        other = pool.get_worker(foreign_venv)
+        pool.set_breaker(None, max_restarts=1, abandon_for=600.0)
+        for _ in range(2):
+            with pytest.raises(WorkerCrashed):
+                w.call("comfy_env_worker.tasks:crash")
+        with pytest.raises(EnvAbandonedError, match="abandon_for=600s"):
+            w.call("remote_tasks:add", 1)
+        for _ in range(2):  # the other env keeps the pool's max_restarts=100
+            with pytest.raises(WorkerCrashed):
+                other.call("comfy_env_worker.tasks:crash")
+        assert other.call("comfy_env_worker.tasks:echo", 5) == 5
+        for bad in ({"max_restarts": -1}, {"restart_window": 0}, {"abandon_for": float("inf")}):
+            with pytest.raises(comfy_env.ArgumentError, match=next(iter(bad))):
+                pool.set_breaker(None, **bad)  # type: ignore[arg-type]
+
+
+def test_recent_deaths_quote_the_crashing_frame_not_the_last_output_line(
+    config: comfy_env.PoolConfig,
+) -> None:
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+        w = pool.get_worker()
+        for _ in range(2):
+            with pytest.raises(WorkerCrashed) as crashed:
+                w.call("remote_tasks:crash_in_this_frame")
+        last_lines = crashed.value.stderr_tail.splitlines()[-3:]  # what was quoted before
+        assert not any("crash_in_this_frame" in line for line in last_lines)
+        with pytest.raises(EnvAbandonedError) as info:
+            w.call("remote_tasks:add", 1)
+        deaths = str(info.value).split("Recent deaths:\n", 1)[1].splitlines()
+        assert len(deaths) == 2
+        for line in deaths:
+            assert "crashed in File " in line and "remote_tasks.py" in line, line
+            assert line.endswith(" in crash_in_this_frame") and "Extension modules" not in line
 
 
 def test_a_deterministic_start_failure_is_reported_once_per_call_without_a_respawn_loop(

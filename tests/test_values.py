@@ -126,6 +126,7 @@ def test_replace_and_as_dict_do_what_the_dataclasses_helpers_did() -> None:
             },
         ),
         "at": 4.0,
+        "until": None,
     }
     assert as_dict({"k": [Point(1)]}) == {"k": [{"x": 1, "y": 0, "label": None}]}
 

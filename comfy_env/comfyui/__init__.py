@@ -27,6 +27,7 @@ from typing import Any
 
 from .._envs import resolve_env
 from .._errors import EnvError
+from .._logs import show_package_as
 from .._pool import Pool
 from .._worker import Worker
 from ._proxy import CROSSING_TYPES, KeptOutput, make_v1_proxy, make_v3_proxy
@@ -55,8 +56,14 @@ class _Pack:
         crossing_types: frozenset[str],
         scan: dict[str, Any],
         register_models: bool = True,
+        breaker: dict[str, Any] | None = None,
     ) -> None:
         self.spec = spec
+        # The pack's own crash-loop breaker settings (``Pool.set_breaker`` arguments), given
+        # to each pool the pack's calls go to, once: the default pool may be closed and
+        # recreated under a running server, and a new pool knows nothing of the old one's.
+        self.breaker = breaker
+        self._breaker_pool: Pool | None = None
         self.register_models = register_models
         self._pool = pool
         self.timeout = timeout
@@ -76,11 +83,15 @@ class _Pack:
     @property
     def worker(self) -> Worker:
         # Resolved per call: the default pool may have been closed and recreated meanwhile.
-        if self._pool is not None:
-            return self._pool.get_worker(self.spec.env.key)
-        import comfy_env
+        return self.configured_pool().get_worker(self.spec.env.key)
 
-        return comfy_env.get_worker(self.spec.env.key)
+    def configured_pool(self) -> Pool:
+        """The pool, told the pack's breaker settings if it was not yet."""
+        pool = self.pool
+        if self.breaker and pool is not self._breaker_pool:
+            pool.set_breaker(self.spec.env.key, **self.breaker)
+            self._breaker_pool = pool
+        return pool
 
 
 def _retire_scan_worker(pack: _Pack) -> None:
@@ -110,6 +121,9 @@ def isolate(
     pool: Pool | None = None,
     cache_dir: str | None = None,
     register_models: bool = True,
+    max_restarts: int | None = None,
+    restart_window: float | None = None,
+    abandon_for: float | None = None,
 ) -> tuple[dict[str, type], dict[str, str]]:
     """Register a node pack whose nodes run in ``env``; returns
     ``(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)``.
@@ -129,8 +143,14 @@ def isolate(
     model manager (``comfy.model_management``), sized as measured in the worker, so ComfyUI
     counts it and ``free_memory`` / ``unload_all_models`` / ``POST /free`` evict it (the
     producing node then runs again on next use); see ``comfy_env.comfyui._models``.
+    ``max_restarts``, ``restart_window``, ``abandon_for``: the crash-loop breaker of the pack's
+    env, in place of the pool's ``PoolConfig`` fields of those names (None: the pool's; see
+    ``Pool.set_breaker``). ``abandon_for=N`` lifts a block by itself N seconds after the death
+    that tripped it, so a batch of crashing prompts does not disable the pack until the server
+    restarts.
 
-    Raises ``NodePackError`` when the env is missing or the scan fails.
+    Raises ``NodePackError`` when the env is missing or the scan fails, ``ArgumentError`` for
+    a breaker setting ``PoolConfig`` would refuse.
     """
     pack_dir = os.path.abspath(
         pack_file if os.path.isdir(pack_file) else os.path.dirname(pack_file)
@@ -150,9 +170,21 @@ def isolate(
             env=str(env_path),
         ) from exc
     spec = PackSpec(pack_dir, module, env_spec, cache_dir or default_cache_dir())
+    # The pack's modules log as ``<pack dir>.impl.nodes`` in the server's logging, the name
+    # ``readable`` gives them in messages, not as the hashed package they are in the worker.
+    show_package_as(env_spec.key, spec.worker_package, spec.shown_package)
     key = cache_key(spec)
     scan = read_cached(spec, key)
     types = frozenset(crossing_types) if crossing_types is not None else CROSSING_TYPES
+    breaker = {
+        name: given
+        for name, given in (
+            ("max_restarts", max_restarts),
+            ("restart_window", restart_window),
+            ("abandon_for", abandon_for),
+        )
+        if given is not None
+    }
     pack = _Pack(
         spec,
         pool,
@@ -161,7 +193,10 @@ def isolate(
         types | frozenset(extra_crossing_types),
         scan or {},
         register_models,
+        breaker,
     )
+    if breaker:  # now: a bad setting fails the import, and the scan runs under it too
+        pack.configured_pool()
     scanned = scan is None
     if scan is None:
         try:

@@ -72,7 +72,17 @@ class PackSpec:
         tracebacks the author reads. The hashed name stays in the worker, where it keeps
         two packs of the same directory name, or a pack named like an installed package,
         apart."""
-        return text.replace(package_name(self.pack_dir), os.path.basename(self.pack_dir))
+        return text.replace(self.worker_package, self.shown_package)
+
+    @property
+    def worker_package(self) -> str:
+        """The pack's package name in the worker: ``comfy_env_pack_<hash of its path>``."""
+        return package_name(self.pack_dir)
+
+    @property
+    def shown_package(self) -> str:
+        """The name shown for it (``readable``, worker log records): the directory's name."""
+        return os.path.basename(self.pack_dir)
 
 
 def default_cache_dir() -> str:
