@@ -7,7 +7,12 @@ An env is named by one of:
 - an interpreter path: its env directory is the parent of ``bin``/``Scripts``, else its folder.
 
 The env key (the pool's key) is the absolute env directory, not symlink-resolved: two venvs
-sharing a base interpreter are two envs. The interpreter path is kept as found, never
+sharing a base interpreter are two envs. An interpreter path keys on its env directory only when
+that directory is an env (``pyvenv.cfg``, ``conda-meta``, a pixi layout) and the path is the
+same file (by realpath) as the directory's own interpreter, the one resolving the directory
+picks: ``venv/bin/python3.11`` and ``venv`` are one env. Any other interpreter path is its own
+key: ``/usr/bin/python3.10`` and ``/usr/bin/python3.12`` must not share the key ``/usr``, where
+the pool's entry for the first would silently run every call meant for the second. The interpreter path is kept as found, never
 ``realpath``-ed, because a venv's ``bin/python`` symlink is what makes Python pick up the venv's
 ``pyvenv.cfg``; launching the resolved base binary would silently run the base env.
 """
@@ -119,9 +124,13 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
                 env=str(path),
                 tried=(str(path),),
             )
+        if str(path) == os.path.abspath(sys.executable):
+            return current_env()  # one entry for the host's interpreter, however it is named
         folder = path.parent
         env_dir = folder.parent if folder.name in ("bin", "Scripts") else folder
-        return _spec(env_dir, path)
+        if _is_env_dir(env_dir) and _same_file(_default_interpreter(env_dir), path):
+            return _spec(env_dir, path)
+        return _spec(path, path)
     try:
         os.stat(path)
     except PermissionError:
@@ -133,6 +142,34 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
     except (OSError, ValueError):
         pass
     raise EnvError(f"env {path} does not exist", env=str(path), tried=(str(path),))
+
+
+def _is_env_dir(path: Path) -> bool:
+    """Whether ``path`` is an env's own directory: a venv, a conda env, a pixi env. A folder
+    that merely holds interpreters (``/usr``, a pyenv shims dir) is not."""
+    return (
+        (path / "pyvenv.cfg").is_file()
+        or (path / "conda-meta").is_dir()
+        or (path.parent.name == "envs" and path.parent.parent.name == ".pixi")
+    )
+
+
+def _default_interpreter(env_dir: Path) -> Path | None:
+    """The interpreter resolving ``env_dir`` itself would launch, if any."""
+    for rel in INTERPRETER_CANDIDATES:
+        candidate = env_dir / rel
+        if _is_interpreter(candidate):
+            return candidate
+    return None
+
+
+def _same_file(a: Path | str | None, b: Path | str) -> bool:
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def same_interpreter(a: str, b: str) -> bool:
+    """Whether two interpreter paths are the same file (compared by realpath)."""
+    return _same_file(a, b)
 
 
 def _spec(env_dir: Path, interpreter: Path) -> EnvSpec:

@@ -74,11 +74,54 @@ def test_venv_interpreter_path_is_kept_unresolved(foreign_venv: Path) -> None:
 
 
 def _env_at(path: Path) -> Path:
-    """An env directory at ``path`` whose ``bin/python`` runs this interpreter."""
+    """An env directory at ``path`` (with a venv's ``pyvenv.cfg``) whose ``bin/python`` runs
+    this interpreter."""
     interp = path / "bin" / "python"
     interp.parent.mkdir(parents=True)
     interp.symlink_to(sys.executable)
+    (path / "pyvenv.cfg").write_text(f"home = {os.path.dirname(sys.executable)}\n")
     return path
+
+
+def test_two_interpreters_in_one_folder_are_two_envs(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    # Like /usr/bin/python3.10 beside /usr/bin/python3.12: not one env keyed /usr.
+    folder = tmp_path / "multi" / "bin"
+    folder.mkdir(parents=True)
+    plain = folder / "python3.8"
+    plain.symlink_to(os.path.realpath(sys.executable))
+    wrapped = _script(folder / "python3.12", f'WRAPPED_PYTHON=yes exec "{plain}" "$@"\n')
+    assert resolve_env(plain).key == str(plain)
+    assert resolve_env(wrapped).key == str(wrapped)
+    with comfy_env.Pool(config) as pool:
+        assert pool.get_worker(plain).call("os:getenv", "WRAPPED_PYTHON") is None
+        assert pool.get_worker(wrapped).call("os:getenv", "WRAPPED_PYTHON") == "yes"
+        assert sorted(pool.stats()) == sorted([str(plain), str(wrapped)])
+
+
+def test_a_venvs_own_interpreter_and_its_directory_are_one_env(tmp_path: Path) -> None:
+    env = _env_at(tmp_path / "venv")
+    (env / "bin" / "python3.11").symlink_to("python")
+    foreign = _script(env / "bin" / "python3.8", f'exec "{sys.executable}" "$@"\n')
+    assert resolve_env(env / "bin" / "python3.11").key == str(env)
+    assert resolve_env(env / "bin" / "python").key == str(env)
+    assert resolve_env(env).key == str(env)
+    # Another interpreter in the venv's bin/ is not the venv's own: a key of its own.
+    assert resolve_env(foreign).key == str(foreign)
+
+
+def test_an_env_whose_interpreter_changed_is_refused_not_silently_reused(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    env = _env_at(tmp_path / "venv")
+    (env / "bin" / "python").rename(env / "bin" / "python3")  # the env's interpreter, for now
+    with comfy_env.Pool(config) as pool:
+        assert pool.get_worker(env).call("os:getenv", "WRAPPED_PYTHON") is None
+        # bin/python appears (another file): the env's interpreter is no longer the entry's.
+        _script(env / "bin" / "python", f'WRAPPED_PYTHON=yes exec "{sys.executable}" "$@"\n')
+        with pytest.raises(EnvError, match="already in this pool with the interpreter"):
+            pool.get_worker(env)
 
 
 @pytest.mark.parametrize(
