@@ -731,6 +731,16 @@ class WorkerProcess:
                     )
                 if before_launch is not None:
                     before_launch()
+                cwd = self.config.cwd
+                if cwd is not None and not os.path.isdir(cwd):
+                    # Popen's FileNotFoundError names no field and reads like a missing
+                    # interpreter.
+                    raise WorkerStartError(
+                        f"cannot launch a worker for env {self.spec.key}: its cwd {cwd!r} "
+                        "(PoolConfig.cwd) is not an existing directory",
+                        env=self.spec.key,
+                        generation=self.generation,
+                    )
                 proc = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
@@ -740,7 +750,7 @@ class WorkerProcess:
                     close_fds=True,
                     start_new_session=True,
                     env=worker_environment(self.config, self.worker_id),
-                    cwd=self.config.cwd,
+                    cwd=cwd,
                 )
                 self.popen = proc
                 # The launched process's pid until the hello names the interpreter's own

@@ -206,6 +206,38 @@ def test_worker_cwd_comes_from_the_config(config: comfy_env.PoolConfig, tmp_path
         assert pool.get_worker().call(os.getcwd) == str(tmp_path)
 
 
+def test_a_relative_cwd_is_the_hosts_directory_of_that_name(
+    config: comfy_env.PoolConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "some dir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with comfy_env.Pool(config.model_copy(update={"cwd": "some dir"})) as pool:
+        assert pool.config.cwd == str(tmp_path / "some dir")
+        assert pool.get_worker().call(os.getcwd) == str(tmp_path / "some dir")
+
+
+def test_relative_sys_path_entries_are_relative_to_the_hosts_directory(
+    config: comfy_env.PoolConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "relative_mod.py").write_text("VALUE = 42\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    update = {"sys_path": ("lib",), "cwd": str(tmp_path / "elsewhere")}
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        assert pool.config.sys_path == (str(tmp_path / "lib"),)
+        assert pool.get_worker().call("relative_mod:VALUE.__int__") == 42
+
+
+def test_a_missing_cwd_is_a_start_error_naming_cwd(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no such cwd"
+    with comfy_env.Pool(config.model_copy(update={"cwd": str(missing)})) as pool:
+        with pytest.raises(WorkerStartError, match=r"its cwd .*no such cwd.* \(PoolConfig.cwd\)"):
+            pool.get_worker().call(os.getcwd)
+
+
 def test_oldest_supported_env_python_runs_the_worker(pool: comfy_env.Pool, tmp_path: Path) -> None:
     py38 = other_python(8)
     if py38 is None:
