@@ -123,7 +123,10 @@ _log = logging.getLogger("comfy_env")
 # recognisable exit code, before the runtime (which needs 3.8) is imported. Then the worker
 # waits for GO, the one byte the host writes on the channel once the runtime dir is complete
 # (``RuntimeDir``): the first worker's interpreter starts while the host fills the dir. No GO
-# (the host closed the channel first) is a quiet exit.
+# (the host closed the channel first) is a quiet exit. The runtime dir takes the place of the
+# ``''`` entry ``-c`` puts first in ``sys.path`` (the worker's cwd must not shadow the runtime),
+# or goes before the rest where there is none (``PYTHONSAFEPATH``, ``-P``): overwriting the
+# first entry then would drop a stdlib entry (the zip).
 TOO_OLD_EXIT = 87
 GO = b"\x01"
 BOOT = (
@@ -131,7 +134,9 @@ BOOT = (
     "if sys.version_info[:2]<(3,8):"
     "sys.stderr.write('comfy-env: unsupported Python %d.%d\\n'%sys.version_info[:2]);sys.exit(87)\n"
     "if os.read(int(sys.argv[2]),1)!=b'\\x01':os._exit(0)\n"
-    "sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
+    "if sys.path[:1]==['']:sys.path[0]=sys.argv[1]\n"
+    "else:sys.path.insert(0,sys.argv[1])\n"
+    "from comfy_env_worker.main import main;main(sys.argv[2:])"
 )
 
 # Variables that would make the env's interpreter import the host's packages or run host code.

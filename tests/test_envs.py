@@ -201,6 +201,24 @@ def test_host_pythonpath_does_not_leak_into_workers(
         assert path[0].startswith(comfy_env._process.runtime_root())
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11+")
+def test_a_worker_with_pythonsafepath_keeps_its_stdlib_on_sys_path(
+    config: comfy_env.PoolConfig,
+) -> None:
+    # env_vars wins over the host's stripping of PYTHONSAFEPATH: no '' entry for BOOT to take.
+    with comfy_env.Pool(config) as pool:
+        normal = pool.get_worker().call("remote_tasks:sys_path")
+    safe_config = config.model_copy(update={"env_vars": {"PYTHONSAFEPATH": "1"}})
+    with comfy_env.Pool(safe_config) as pool:
+        w = pool.get_worker()
+        assert w.call("remote_tasks:environ", "PYTHONSAFEPATH") == "1"
+        path = w.call("remote_tasks:sys_path")
+        # The runtime dir first (each pool has its own), then exactly a normal worker's entries.
+        assert path[0].startswith(comfy_env._process.runtime_root())
+        assert path[1:] == normal[1:]
+        assert w.call("json:dumps", [1]) == "[1]"
+
+
 def test_worker_cwd_comes_from_the_config(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
     with comfy_env.Pool(config.model_copy(update={"cwd": str(tmp_path)})) as pool:
         assert pool.get_worker().call(os.getcwd) == str(tmp_path)
