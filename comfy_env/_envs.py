@@ -12,9 +12,11 @@ that directory is an env (``pyvenv.cfg``, ``conda-meta``, a pixi layout) and the
 same file (by realpath) as the directory's own interpreter, the one resolving the directory
 picks: ``venv/bin/python3.11`` and ``venv`` are one env. Any other interpreter path is its own
 key: ``/usr/bin/python3.10`` and ``/usr/bin/python3.12`` must not share the key ``/usr``, where
-the pool's entry for the first would silently run every call meant for the second. The interpreter path is kept as found, never
-``realpath``-ed, because a venv's ``bin/python`` symlink is what makes Python pick up the venv's
-``pyvenv.cfg``; launching the resolved base binary would silently run the base env.
+the pool's entry for the first would silently run every call meant for the second.
+
+The interpreter path is kept as found, never ``realpath``-ed, because a venv's ``bin/python``
+symlink is what makes Python pick up the venv's ``pyvenv.cfg``; launching the resolved base
+binary would silently run the base env.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
     raw = os.fspath(env)
     if not raw:
         raise EnvError("env is an empty string; pass None for the current interpreter")
-    path = Path(os.path.abspath(os.path.expanduser(raw)))
+    path = Path(_absolute(os.path.expanduser(raw)))
     if path.is_dir():
         if not os.access(path, os.R_OK | os.X_OK):
             raise EnvError(
@@ -142,6 +144,22 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
     except (OSError, ValueError):
         pass
     raise EnvError(f"env {path} does not exist", env=str(path), tried=(str(path),))
+
+
+def _absolute(raw: str) -> str:
+    """``raw`` made absolute, symlinks kept, except that ``..`` means what the OS makes of it.
+
+    ``os.path.abspath`` collapses ``lnk/..`` by string rules, but the kernel follows ``lnk``
+    first: ``/tmp/lnk/../venv`` with ``lnk -> /tmp/deep/a`` is ``/tmp/deep/venv``. So the part
+    before the last ``..`` is realpath-ed and the rest (no ``..`` in it) appended.
+    """
+    joined = os.path.join(os.getcwd(), raw)
+    parts = joined.split(os.sep)
+    if os.pardir not in parts:
+        return os.path.abspath(joined)
+    last = len(parts) - 1 - parts[::-1].index(os.pardir)
+    head = os.path.realpath(os.sep.join(parts[:last]) or os.sep)
+    return os.path.normpath(os.path.join(head, *parts[last:]))
 
 
 def _is_env_dir(path: Path) -> bool:

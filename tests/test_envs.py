@@ -83,6 +83,20 @@ def _env_at(path: Path) -> Path:
     return path
 
 
+def test_dotdot_after_a_symlink_is_the_directory_the_os_opens(tmp_path: Path) -> None:
+    (tmp_path / "deep" / "a").mkdir(parents=True)
+    meant = _env_at(tmp_path / "deep" / "venvX")
+    _env_at(tmp_path / "venvX")  # what collapsing "lnk/.." as a string would pick
+    (tmp_path / "lnk").symlink_to(tmp_path / "deep" / "a")
+    spec = resolve_env(tmp_path / "lnk" / ".." / "venvX")
+    assert (spec.key, spec.interpreter) == (str(meant), str(meant / "bin" / "python"))
+    # Without "..", the path stays as spelled (symlinks are not resolved).
+    assert resolve_env(tmp_path / "lnk" / ".." / "venvX" / "bin" / "python").key == str(meant)
+    link = tmp_path / "link-to-venv"
+    link.symlink_to(meant)
+    assert resolve_env(link).key == str(link)
+
+
 def test_two_interpreters_in_one_folder_are_two_envs(
     config: comfy_env.PoolConfig, tmp_path: Path
 ) -> None:
