@@ -66,7 +66,9 @@ class EnvSpec:
         label = path.name
         if label in GENERIC_ENV_DIRS and path.parent.name:
             label = path.parent.name
-        return (label or self.key).replace(".", "_")
+        if not label:  # the root directory: "/" would make the logger "comfy_env.worker./"
+            label = Path(self.interpreter).name
+        return label.replace(".", "_")
 
 
 def current_env() -> EnvSpec:
@@ -115,7 +117,8 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
             if _is_interpreter(candidate):
                 return _spec(path, candidate)
         raise EnvError(
-            f"no Python interpreter found in env directory {path}; tried:\n  " + "\n  ".join(tried),
+            f"no Python interpreter found in env directory {path}{_dangling(path)}; tried:\n  "
+            + "\n  ".join(tried),
             env=str(path),
             tried=tuple(tried),
         )
@@ -160,6 +163,19 @@ def _absolute(raw: str) -> str:
     last = len(parts) - 1 - parts[::-1].index(os.pardir)
     head = os.path.realpath(os.sep.join(parts[:last]) or os.sep)
     return os.path.normpath(os.path.join(head, *parts[last:]))
+
+
+def _dangling(env_dir: Path) -> str:
+    """A note on the first candidate that is a dangling symlink (a venv whose base Python was
+    removed or upgraded away), else ``""``."""
+    for rel in INTERPRETER_CANDIDATES:
+        candidate = env_dir / rel
+        if candidate.is_symlink() and not candidate.exists():
+            return (
+                f" ({rel} is a dangling symlink to {os.readlink(candidate)}: was its base "
+                "Python removed?)"
+            )
+    return ""
 
 
 def _is_env_dir(path: Path) -> bool:

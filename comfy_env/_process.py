@@ -884,7 +884,9 @@ class WorkerProcess:
             rc = self.wait_exit(1.0)
             if rc == TOO_OLD_EXIT:
                 raise self._too_old_error() from None
-            raise self._start_error(f"{describe_exit(rc)} during start-up") from exc
+            # Silent and gone before its HELLO: likely no Python at all (``/bin/true``).
+            hint = "" if self.hello else f" (is {self.spec.interpreter} a Python interpreter?)"
+            raise self._start_error(f"{describe_exit(rc)} during start-up", hint) from exc
         except (FrameError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as exc:
             raise self._start_error(f"failed its handshake: {exc}") from exc
         self.startup_seconds = time.monotonic() - started
@@ -1199,7 +1201,8 @@ class WorkerProcess:
             unsupported=True,
         )
 
-    def _start_error(self, what: str) -> WorkerStartError:
+    def _start_error(self, what: str, silent_hint: str = "") -> WorkerStartError:
+        """The start-up failure ``what``; ``silent_hint`` is added when the worker said nothing."""
         self.kill(Stop.KILL)
         self.wait_output(1.0)
         tail = self.log.tail()
@@ -1207,6 +1210,8 @@ class WorkerProcess:
             f"worker for env {self.spec.key} (interpreter {self.spec.interpreter}, "
             f"generation {self.generation}) {what}"
         )
+        if not tail:
+            message += silent_hint
         if tail:
             message += "\n--- worker output (last lines) ---\n" + tail
         return WorkerStartError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from conftest import other_python
 from pydantic import ValidationError
 
 import comfy_env
+import comfy_env._envs
 import comfy_env._settings
 from comfy_env import EnvError, SerializationError, WorkerStartError
 from comfy_env._envs import resolve_env
@@ -314,8 +316,43 @@ def test_interpreter_that_dies_at_start_is_reported_at_once_with_its_output(
     err = info.value
     assert "exited with code 3 during start-up" in str(err)
     assert "boom: cannot start" in err.stderr_tail
+    assert "a Python interpreter?" not in str(err)  # it said something: no guessing
     assert err.generation == 1
     assert elapsed < 30, "start-up death must not wait for start_timeout"
+
+
+def test_a_silent_non_python_interpreter_is_asked_about(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    true = shutil.which("true")
+    if true is None:
+        pytest.skip("no true(1) on this machine")
+    interp = tmp_path / "env" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.symlink_to(true)
+    with comfy_env.Pool(config) as pool:
+        with pytest.raises(WorkerStartError) as info:
+            pool.get_worker(tmp_path / "env").call("comfy_env_worker.tasks:echo", 1)
+    assert "exited with code 0 during start-up" in str(info.value)
+    assert f"(is {interp} a Python interpreter?)" in str(info.value)
+
+
+def test_an_env_at_the_root_directory_is_named_after_its_interpreter() -> None:
+    spec = comfy_env._envs.EnvSpec(key="/", interpreter="/bin/python3.12", is_current=False)
+    assert spec.name == "python3_12"
+
+
+def test_a_venv_whose_base_python_was_removed_says_so(tmp_path: Path) -> None:
+    env = tmp_path / "venv"
+    (env / "bin").mkdir(parents=True)
+    (env / "pyvenv.cfg").write_text("home = /gone/bin\n")
+    (env / "bin" / "python").symlink_to(tmp_path / "gone" / "python3.8")
+    with pytest.raises(EnvError) as info:
+        resolve_env(env)
+    assert (
+        f"(bin/python is a dangling symlink to {tmp_path / 'gone' / 'python3.8'}: was its base "
+        "Python removed?)"
+    ) in str(info.value)
 
 
 def test_interpreter_that_hangs_at_start_hits_the_start_timeout(
