@@ -172,7 +172,7 @@ def _dangling(env_dir: Path) -> str:
         candidate = env_dir / rel
         if candidate.is_symlink() and not candidate.exists():
             return (
-                f" ({rel} is a dangling symlink to {os.readlink(candidate)}: was its base "
+                f" ({rel} is a dangling symlink to {os.path.realpath(candidate)}: was its base "
                 "Python removed?)"
             )
     return ""
