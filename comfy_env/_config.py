@@ -259,14 +259,19 @@ class PoolConfig(BaseModel):
         for entry in value:
             if "\0" in entry:
                 raise ValueError(f"sys_path: entry {entry!r} contains a NUL character")
-        return value
+        # Relative entries are relative to the host's working directory now, as ``cwd``: the
+        # worker runs in ``cwd`` and would read them from there, a surprise either way.
+        return tuple(os.path.abspath(entry) for entry in value)
 
     @field_validator("cwd")
     @classmethod
     def _check_cwd(cls, value: str | None) -> str | None:
         if value is not None and ("\0" in value or not value):
             raise ValueError(f"cwd {value!r} must be a non-empty path without NUL characters")
-        return value
+        # Absolute against the host's working directory now: the worker is launched in cwd
+        # (Popen) and then changes to it again from its CONFIG, so a relative one would be
+        # looked for inside itself (FileNotFoundError, or a same-named nested directory).
+        return None if value is None else os.path.abspath(value)
 
 
 def holds_defaults(config: PoolConfig) -> bool:

@@ -7,9 +7,16 @@ An env is named by one of:
 - an interpreter path: its env directory is the parent of ``bin``/``Scripts``, else its folder.
 
 The env key (the pool's key) is the absolute env directory, not symlink-resolved: two venvs
-sharing a base interpreter are two envs. The interpreter path is kept as found, never
-``realpath``-ed, because a venv's ``bin/python`` symlink is what makes Python pick up the venv's
-``pyvenv.cfg``; launching the resolved base binary would silently run the base env.
+sharing a base interpreter are two envs. An interpreter path keys on its env directory only when
+that directory is an env (``pyvenv.cfg``, ``conda-meta``, a pixi layout) and the path is the
+same file (by realpath) as the directory's own interpreter, the one resolving the directory
+picks: ``venv/bin/python3.11`` and ``venv`` are one env. Any other interpreter path is its own
+key: ``/usr/bin/python3.10`` and ``/usr/bin/python3.12`` must not share the key ``/usr``, where
+the pool's entry for the first would silently run every call meant for the second.
+
+The interpreter path is kept as found, never ``realpath``-ed, because a venv's ``bin/python``
+symlink is what makes Python pick up the venv's ``pyvenv.cfg``; launching the resolved base
+binary would silently run the base env.
 """
 
 from __future__ import annotations
@@ -59,7 +66,9 @@ class EnvSpec:
         label = path.name
         if label in GENERIC_ENV_DIRS and path.parent.name:
             label = path.parent.name
-        return (label or self.key).replace(".", "_")
+        if not label:  # the root directory: "/" would make the logger "comfy_env.worker./"
+            label = Path(self.interpreter).name
+        return label.replace(".", "_")
 
 
 def current_env() -> EnvSpec:
@@ -93,7 +102,7 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
     raw = os.fspath(env)
     if not raw:
         raise EnvError("env is an empty string; pass None for the current interpreter")
-    path = Path(os.path.abspath(os.path.expanduser(raw)))
+    path = Path(_absolute(os.path.expanduser(raw)))
     if path.is_dir():
         if not os.access(path, os.R_OK | os.X_OK):
             raise EnvError(
@@ -108,7 +117,8 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
             if _is_interpreter(candidate):
                 return _spec(path, candidate)
         raise EnvError(
-            f"no Python interpreter found in env directory {path}; tried:\n  " + "\n  ".join(tried),
+            f"no Python interpreter found in env directory {path}{_dangling(path)}; tried:\n  "
+            + "\n  ".join(tried),
             env=str(path),
             tried=tuple(tried),
         )
@@ -119,9 +129,13 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
                 env=str(path),
                 tried=(str(path),),
             )
+        if str(path) == os.path.abspath(sys.executable):
+            return current_env()  # one entry for the host's interpreter, however it is named
         folder = path.parent
         env_dir = folder.parent if folder.name in ("bin", "Scripts") else folder
-        return _spec(env_dir, path)
+        if _is_env_dir(env_dir) and _same_file(_default_interpreter(env_dir), path):
+            return _spec(env_dir, path)
+        return _spec(path, path)
     try:
         os.stat(path)
     except PermissionError:
@@ -133,6 +147,63 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
     except (OSError, ValueError):
         pass
     raise EnvError(f"env {path} does not exist", env=str(path), tried=(str(path),))
+
+
+def _absolute(raw: str) -> str:
+    """``raw`` made absolute, symlinks kept, except that ``..`` means what the OS makes of it.
+
+    ``os.path.abspath`` collapses ``lnk/..`` by string rules, but the kernel follows ``lnk``
+    first: ``/tmp/lnk/../venv`` with ``lnk -> /tmp/deep/a`` is ``/tmp/deep/venv``. So the part
+    before the last ``..`` is realpath-ed and the rest (no ``..`` in it) appended.
+    """
+    joined = os.path.join(os.getcwd(), raw)
+    parts = joined.split(os.sep)
+    if os.pardir not in parts:
+        return os.path.abspath(joined)
+    last = len(parts) - 1 - parts[::-1].index(os.pardir)
+    head = os.path.realpath(os.sep.join(parts[:last]) or os.sep)
+    return os.path.normpath(os.path.join(head, *parts[last:]))
+
+
+def _dangling(env_dir: Path) -> str:
+    """A note on the first candidate that is a dangling symlink (a venv whose base Python was
+    removed or upgraded away), else ``""``."""
+    for rel in INTERPRETER_CANDIDATES:
+        candidate = env_dir / rel
+        if candidate.is_symlink() and not candidate.exists():
+            return (
+                f" ({rel} is a dangling symlink to {os.path.realpath(candidate)}: was its base "
+                "Python removed?)"
+            )
+    return ""
+
+
+def _is_env_dir(path: Path) -> bool:
+    """Whether ``path`` is an env's own directory: a venv, a conda env, a pixi env. A folder
+    that merely holds interpreters (``/usr``, a pyenv shims dir) is not."""
+    return (
+        (path / "pyvenv.cfg").is_file()
+        or (path / "conda-meta").is_dir()
+        or (path.parent.name == "envs" and path.parent.parent.name == ".pixi")
+    )
+
+
+def _default_interpreter(env_dir: Path) -> Path | None:
+    """The interpreter resolving ``env_dir`` itself would launch, if any."""
+    for rel in INTERPRETER_CANDIDATES:
+        candidate = env_dir / rel
+        if _is_interpreter(candidate):
+            return candidate
+    return None
+
+
+def _same_file(a: Path | str | None, b: Path | str) -> bool:
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def same_interpreter(a: str, b: str) -> bool:
+    """Whether two interpreter paths are the same file (compared by realpath)."""
+    return _same_file(a, b)
 
 
 def _spec(env_dir: Path, interpreter: Path) -> EnvSpec:

@@ -94,11 +94,12 @@ from ._entry import (
     queue_locked,
     release_locked,
 )
-from ._envs import EnvSpec, resolve_env
+from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
     ArgumentError,
     CallCancelled,
     CallTimeout,
+    EnvError,
     HostResourceError,
     PoolClosedError,
     SerializationError,
@@ -362,6 +363,16 @@ class Pool:
                 entry = EnvEntry(spec, self.settings.max_workers_per_env)
                 entry.call_later = self._call_later
                 self._entries[spec.key] = entry
+            elif not same_interpreter(entry.spec.interpreter, spec.interpreter):
+                # Never hand out an entry that runs another interpreter than the one asked
+                # for (the env changed on disk since, or two spellings met on one key).
+                raise EnvError(
+                    f"env {spec.key} is already in this pool with the interpreter "
+                    f"{entry.spec.interpreter}, which is not {spec.interpreter} (the env "
+                    "changed on disk?); a new Pool starts it afresh",
+                    env=spec.key,
+                    tried=(spec.interpreter,),
+                )
             return entry
 
     def _call_later(self, delay: float, fn: Callable[[], None]) -> None:

@@ -123,7 +123,10 @@ _log = logging.getLogger("comfy_env")
 # recognisable exit code, before the runtime (which needs 3.8) is imported. Then the worker
 # waits for GO, the one byte the host writes on the channel once the runtime dir is complete
 # (``RuntimeDir``): the first worker's interpreter starts while the host fills the dir. No GO
-# (the host closed the channel first) is a quiet exit.
+# (the host closed the channel first) is a quiet exit. The runtime dir takes the place of the
+# ``''`` entry ``-c`` puts first in ``sys.path`` (the worker's cwd must not shadow the runtime),
+# or goes before the rest where there is none (``PYTHONSAFEPATH``, ``-P``): overwriting the
+# first entry then would drop a stdlib entry (the zip).
 TOO_OLD_EXIT = 87
 GO = b"\x01"
 BOOT = (
@@ -131,7 +134,9 @@ BOOT = (
     "if sys.version_info[:2]<(3,8):"
     "sys.stderr.write('comfy-env: unsupported Python %d.%d\\n'%sys.version_info[:2]);sys.exit(87)\n"
     "if os.read(int(sys.argv[2]),1)!=b'\\x01':os._exit(0)\n"
-    "sys.path[0]=sys.argv[1];from comfy_env_worker.main import main;main(sys.argv[2:])"
+    "if sys.path[:1]==['']:sys.path[0]=sys.argv[1]\n"
+    "else:sys.path.insert(0,sys.argv[1])\n"
+    "from comfy_env_worker.main import main;main(sys.argv[2:])"
 )
 
 # Variables that would make the env's interpreter import the host's packages or run host code.
@@ -731,6 +736,16 @@ class WorkerProcess:
                     )
                 if before_launch is not None:
                     before_launch()
+                cwd = self.config.cwd
+                if cwd is not None and not os.path.isdir(cwd):
+                    # Popen's FileNotFoundError names no field and reads like a missing
+                    # interpreter.
+                    raise WorkerStartError(
+                        f"cannot launch a worker for env {self.spec.key}: its cwd {cwd!r} "
+                        "(PoolConfig.cwd) is not an existing directory",
+                        env=self.spec.key,
+                        generation=self.generation,
+                    )
                 proc = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
@@ -740,7 +755,7 @@ class WorkerProcess:
                     close_fds=True,
                     start_new_session=True,
                     env=worker_environment(self.config, self.worker_id),
-                    cwd=self.config.cwd,
+                    cwd=cwd,
                 )
                 self.popen = proc
                 # The launched process's pid until the hello names the interpreter's own
@@ -869,7 +884,9 @@ class WorkerProcess:
             rc = self.wait_exit(1.0)
             if rc == TOO_OLD_EXIT:
                 raise self._too_old_error() from None
-            raise self._start_error(f"{describe_exit(rc)} during start-up") from exc
+            # Silent and gone before its HELLO: likely no Python at all (``/bin/true``).
+            hint = "" if self.hello else f" (is {self.spec.interpreter} a Python interpreter?)"
+            raise self._start_error(f"{describe_exit(rc)} during start-up", hint) from exc
         except (FrameError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as exc:
             raise self._start_error(f"failed its handshake: {exc}") from exc
         self.startup_seconds = time.monotonic() - started
@@ -1184,7 +1201,8 @@ class WorkerProcess:
             unsupported=True,
         )
 
-    def _start_error(self, what: str) -> WorkerStartError:
+    def _start_error(self, what: str, silent_hint: str = "") -> WorkerStartError:
+        """The start-up failure ``what``; ``silent_hint`` is added when the worker said nothing."""
         self.kill(Stop.KILL)
         self.wait_output(1.0)
         tail = self.log.tail()
@@ -1192,6 +1210,8 @@ class WorkerProcess:
             f"worker for env {self.spec.key} (interpreter {self.spec.interpreter}, "
             f"generation {self.generation}) {what}"
         )
+        if not tail:
+            message += silent_hint
         if tail:
             message += "\n--- worker output (last lines) ---\n" + tail
         return WorkerStartError(

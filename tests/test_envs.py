@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from conftest import other_python
 from pydantic import ValidationError
 
 import comfy_env
+import comfy_env._envs
 import comfy_env._settings
 from comfy_env import EnvError, SerializationError, WorkerStartError
 from comfy_env._envs import resolve_env
@@ -74,11 +76,68 @@ def test_venv_interpreter_path_is_kept_unresolved(foreign_venv: Path) -> None:
 
 
 def _env_at(path: Path) -> Path:
-    """An env directory at ``path`` whose ``bin/python`` runs this interpreter."""
+    """An env directory at ``path`` (with a venv's ``pyvenv.cfg``) whose ``bin/python`` runs
+    this interpreter."""
     interp = path / "bin" / "python"
     interp.parent.mkdir(parents=True)
     interp.symlink_to(sys.executable)
+    (path / "pyvenv.cfg").write_text(f"home = {os.path.dirname(sys.executable)}\n")
     return path
+
+
+def test_dotdot_after_a_symlink_is_the_directory_the_os_opens(tmp_path: Path) -> None:
+    (tmp_path / "deep" / "a").mkdir(parents=True)
+    meant = _env_at(tmp_path / "deep" / "venvX")
+    _env_at(tmp_path / "venvX")  # what collapsing "lnk/.." as a string would pick
+    (tmp_path / "lnk").symlink_to(tmp_path / "deep" / "a")
+    spec = resolve_env(tmp_path / "lnk" / ".." / "venvX")
+    assert (spec.key, spec.interpreter) == (str(meant), str(meant / "bin" / "python"))
+    # Without "..", the path stays as spelled (symlinks are not resolved).
+    assert resolve_env(tmp_path / "lnk" / ".." / "venvX" / "bin" / "python").key == str(meant)
+    link = tmp_path / "link-to-venv"
+    link.symlink_to(meant)
+    assert resolve_env(link).key == str(link)
+
+
+def test_two_interpreters_in_one_folder_are_two_envs(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    # Like /usr/bin/python3.10 beside /usr/bin/python3.12: not one env keyed /usr.
+    folder = tmp_path / "multi" / "bin"
+    folder.mkdir(parents=True)
+    plain = folder / "python3.8"
+    plain.symlink_to(os.path.realpath(sys.executable))
+    wrapped = _script(folder / "python3.12", f'WRAPPED_PYTHON=yes exec "{plain}" "$@"\n')
+    assert resolve_env(plain).key == str(plain)
+    assert resolve_env(wrapped).key == str(wrapped)
+    with comfy_env.Pool(config) as pool:
+        assert pool.get_worker(plain).call("os:getenv", "WRAPPED_PYTHON") is None
+        assert pool.get_worker(wrapped).call("os:getenv", "WRAPPED_PYTHON") == "yes"
+        assert sorted(pool.stats()) == sorted([str(plain), str(wrapped)])
+
+
+def test_a_venvs_own_interpreter_and_its_directory_are_one_env(tmp_path: Path) -> None:
+    env = _env_at(tmp_path / "venv")
+    (env / "bin" / "python3.11").symlink_to("python")
+    foreign = _script(env / "bin" / "python3.8", f'exec "{sys.executable}" "$@"\n')
+    assert resolve_env(env / "bin" / "python3.11").key == str(env)
+    assert resolve_env(env / "bin" / "python").key == str(env)
+    assert resolve_env(env).key == str(env)
+    # Another interpreter in the venv's bin/ is not the venv's own: a key of its own.
+    assert resolve_env(foreign).key == str(foreign)
+
+
+def test_an_env_whose_interpreter_changed_is_refused_not_silently_reused(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    env = _env_at(tmp_path / "venv")
+    (env / "bin" / "python").rename(env / "bin" / "python3")  # the env's interpreter, for now
+    with comfy_env.Pool(config) as pool:
+        assert pool.get_worker(env).call("os:getenv", "WRAPPED_PYTHON") is None
+        # bin/python appears (another file): the env's interpreter is no longer the entry's.
+        _script(env / "bin" / "python", f'WRAPPED_PYTHON=yes exec "{sys.executable}" "$@"\n')
+        with pytest.raises(EnvError, match="already in this pool with the interpreter"):
+            pool.get_worker(env)
 
 
 @pytest.mark.parametrize(
@@ -158,9 +217,59 @@ def test_host_pythonpath_does_not_leak_into_workers(
         assert path[0].startswith(comfy_env._process.runtime_root())
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11+")
+def test_a_worker_with_pythonsafepath_keeps_its_stdlib_on_sys_path(
+    config: comfy_env.PoolConfig,
+) -> None:
+    # env_vars wins over the host's stripping of PYTHONSAFEPATH: no '' entry for BOOT to take.
+    with comfy_env.Pool(config) as pool:
+        normal = pool.get_worker().call("remote_tasks:sys_path")
+    safe_config = config.model_copy(update={"env_vars": {"PYTHONSAFEPATH": "1"}})
+    with comfy_env.Pool(safe_config) as pool:
+        w = pool.get_worker()
+        assert w.call("remote_tasks:environ", "PYTHONSAFEPATH") == "1"
+        path = w.call("remote_tasks:sys_path")
+        # The runtime dir first (each pool has its own), then exactly a normal worker's entries.
+        assert path[0].startswith(comfy_env._process.runtime_root())
+        assert path[1:] == normal[1:]
+        assert w.call("json:dumps", [1]) == "[1]"
+
+
 def test_worker_cwd_comes_from_the_config(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
     with comfy_env.Pool(config.model_copy(update={"cwd": str(tmp_path)})) as pool:
         assert pool.get_worker().call(os.getcwd) == str(tmp_path)
+
+
+def test_a_relative_cwd_is_the_hosts_directory_of_that_name(
+    config: comfy_env.PoolConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "some dir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with comfy_env.Pool(config.model_copy(update={"cwd": "some dir"})) as pool:
+        assert pool.config.cwd == str(tmp_path / "some dir")
+        assert pool.get_worker().call(os.getcwd) == str(tmp_path / "some dir")
+
+
+def test_relative_sys_path_entries_are_relative_to_the_hosts_directory(
+    config: comfy_env.PoolConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "relative_mod.py").write_text("VALUE = 42\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    update = {"sys_path": ("lib",), "cwd": str(tmp_path / "elsewhere")}
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        assert pool.config.sys_path == (str(tmp_path / "lib"),)
+        assert pool.get_worker().call("relative_mod:VALUE.__int__") == 42
+
+
+def test_a_missing_cwd_is_a_start_error_naming_cwd(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no such cwd"
+    with comfy_env.Pool(config.model_copy(update={"cwd": str(missing)})) as pool:
+        with pytest.raises(WorkerStartError, match=r"its cwd .*no such cwd.* \(PoolConfig.cwd\)"):
+            pool.get_worker().call(os.getcwd)
 
 
 def test_oldest_supported_env_python_runs_the_worker(pool: comfy_env.Pool, tmp_path: Path) -> None:
@@ -207,8 +316,44 @@ def test_interpreter_that_dies_at_start_is_reported_at_once_with_its_output(
     err = info.value
     assert "exited with code 3 during start-up" in str(err)
     assert "boom: cannot start" in err.stderr_tail
+    assert "a Python interpreter?" not in str(err)  # it said something: no guessing
     assert err.generation == 1
     assert elapsed < 30, "start-up death must not wait for start_timeout"
+
+
+def test_a_silent_non_python_interpreter_is_asked_about(
+    config: comfy_env.PoolConfig, tmp_path: Path
+) -> None:
+    true = shutil.which("true")
+    if true is None:
+        pytest.skip("no true(1) on this machine")
+    interp = tmp_path / "env" / "bin" / "python"
+    interp.parent.mkdir(parents=True)
+    interp.symlink_to(true)
+    with comfy_env.Pool(config) as pool:
+        with pytest.raises(WorkerStartError) as info:
+            pool.get_worker(tmp_path / "env").call("comfy_env_worker.tasks:echo", 1)
+    assert "exited with code 0 during start-up" in str(info.value)
+    assert f"(is {interp} a Python interpreter?)" in str(info.value)
+
+
+def test_an_env_at_the_root_directory_is_named_after_its_interpreter() -> None:
+    spec = comfy_env._envs.EnvSpec(key="/", interpreter="/bin/python3.12", is_current=False)
+    assert spec.name == "python3_12"
+
+
+def test_a_venv_whose_base_python_was_removed_says_so(tmp_path: Path) -> None:
+    env = tmp_path / "venv"
+    (env / "bin").mkdir(parents=True)
+    (env / "pyvenv.cfg").write_text("home = /gone/bin\n")
+    # As venv makes it: python -> python3 -> the base interpreter (now gone).
+    (env / "bin" / "python3").symlink_to(tmp_path / "gone" / "python3.8")
+    (env / "bin" / "python").symlink_to("python3")
+    gone = os.path.realpath(tmp_path / "gone" / "python3.8")
+    with pytest.raises(EnvError) as info:
+        resolve_env(env)
+    note = f"(bin/python is a dangling symlink to {gone}: was its base Python removed?)"
+    assert note in str(info.value)
 
 
 def test_interpreter_that_hangs_at_start_hits_the_start_timeout(
