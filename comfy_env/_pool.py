@@ -363,7 +363,9 @@ class Pool:
                 entry = EnvEntry(spec, self.settings.max_workers_per_env)
                 entry.call_later = self._call_later
                 self._entries[spec.key] = entry
-            elif not same_interpreter(entry.spec.interpreter, spec.interpreter):
+            elif entry.spec.interpreter != spec.interpreter and not same_interpreter(
+                entry.spec.interpreter, spec.interpreter
+            ):  # (the same spelling, the common case, costs no realpath)
                 # Never hand out an entry that runs another interpreter than the one asked
                 # for (the env changed on disk since, or two spellings met on one key).
                 raise EnvError(
