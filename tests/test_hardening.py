@@ -104,10 +104,15 @@ def _run_in_small_shm(size: str, fill_mib: int, nbytes: int) -> dict[str, object
         env=env,
     )
     # Before the fix the host died of SIGBUS (rc -7) writing its argument into the block.
+    return _host_result(proc)
+
+
+def _host_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The ``RESULT <json>`` line a host script printed, once it exited 0."""
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, proc.stdout + proc.stderr
-    result: dict[str, object] = json.loads(line[0][len("RESULT ") :])
+    result: dict[str, Any] = json.loads(line[0][len("RESULT ") :])
     return result
 
 
@@ -870,10 +875,7 @@ def test_a_pid_namespace_sharing_our_proc_never_signals_a_process_by_the_wrong_p
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, proc.stdout + proc.stderr
-    out = json.loads(line[0][len("RESULT ") :])
+    out = _host_result(proc)
     if out["innocent"] != out["R"]:
         pytest.skip("could not give the innocent process the marked one's /proc pid")
     # Before the fix the scan opened pidfd_open(R), the innocent process, read /proc/R's
@@ -951,10 +953,7 @@ def test_a_sweep_removes_only_what_is_ours_and_dry_run_lists_exactly_that(tmp_pa
         timeout=120,
         env=dict(os.environ, XDG_RUNTIME_DIR=str(xdg)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, proc.stdout + proc.stderr
-    out = json.loads(line[0][len("RESULT ") :])
+    out = _host_result(proc)
     owner = out["owner"]
     # Before the fix root unlinked another user's file named like a dead host's block, and the
     # dry run listed a directory and symlinks the real sweep then could not (or must not) remove.
@@ -1223,10 +1222,7 @@ def test_a_host_out_of_descriptors_gets_typed_errors_and_keeps_its_worker() -> N
         timeout=120,
         env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, proc.stdout + proc.stderr
-    out = json.loads(line[0][len("RESULT ") :])
+    out = _host_result(proc)
     assert out["reply"] == "HostResourceError"  # was ProtocolError, and the worker retired
     assert out["after_reply"] == [1, 0, 1, 1]  # same worker, nothing counted as a death
     assert out["spawn"] == "WorkerStartError"
