@@ -41,7 +41,6 @@ from comfy_env_worker import shm
 from ._descendants import environ_of, pidfd_is, pids
 from ._errors import RuntimeRootError
 from ._identity import owner_dead, owner_of, pid_namespace, proc_stat
-from ._leftovers import ours_to_remove as ours_to_remove  # (its public home was here)
 from ._leftovers import private_root_removable, remove_blocks, remove_runtime_dirs
 from ._process import HOST_ID_VAR
 from ._rundir import private_root_parent, runtime_root
@@ -82,7 +81,7 @@ def sweep(*, dry_run: bool = False) -> SweepReport:
 
     Safe to call at any time from any process of the same user; returns what was removed
     (``dry_run``: what would be removed, and nothing is changed). Only what this user owns is
-    touched (``ours_to_remove``), root included."""
+    touched (``_leftovers.ours_to_remove``), root included."""
     processes = _kill_stray_workers(dry_run)
     blocks = remove_blocks(shm.SHM_DIR, shm.NAME_PREFIX, dry_run=dry_run)
     dirs = remove_runtime_dirs(runtime_root(), dry_run=dry_run)

@@ -107,6 +107,17 @@ def _run_in_small_shm(size: str, fill_mib: int, nbytes: int) -> dict[str, object
     return _host_result(proc)
 
 
+def _reap_host(host: subprocess.Popen[Any], group: bool = False) -> None:
+    """Kill a host subprocess a test left running (its whole process group with ``group``)
+    and reap it."""
+    if host.poll() is None:
+        if group:
+            os.killpg(host.pid, 9)
+        else:
+            host.kill()
+        host.communicate(timeout=30)
+
+
 def _host_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     """The ``RESULT <json>`` line a host script printed, once it exited 0."""
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
@@ -629,9 +640,7 @@ def test_the_private_root_of_a_killed_host_is_swept_and_a_live_ones_never(
         assert not os.path.exists(live_root)  # its own atexit removed it
     finally:
         for host in hosts:
-            if host.poll() is None:
-                os.killpg(host.pid, 9)
-                host.communicate(timeout=30)
+            _reap_host(host, group=True)
         shutil.rmtree(runtime_root(), ignore_errors=True)  # this process's own private root
 
 
@@ -679,9 +688,7 @@ def test_the_private_root_of_a_killed_host_goes_with_its_watcher(shared_tmp: Pat
         assert wait_until(lambda: not os.path.exists(root), 5), os.listdir(root)
         assert wait_until(lambda: not alive(watcher), 10)
     finally:
-        if host.poll() is None:
-            os.killpg(host.pid, 9)
-            host.communicate(timeout=30)
+        _reap_host(host, group=True)
         shutil.rmtree(runtime_root(), ignore_errors=True)  # this process's own private root
 
 
@@ -761,9 +768,7 @@ def test_a_wall_clock_step_never_makes_a_live_host_look_dead(
         assert set(blocks) <= set(os.listdir("/dev/shm"))
         out = _finish_live_host(host)
     finally:
-        if host.poll() is None:
-            host.kill()
-            host.communicate(timeout=30)
+        _reap_host(host)
     assert "AFTER 1 0 1" in out  # the same worker served both calls: nothing was killed
 
 
@@ -800,9 +805,7 @@ def test_a_host_in_another_pid_namespace_is_never_swept(mount_proc: bool) -> Non
         assert set(blocks) <= set(os.listdir("/dev/shm"))
         out = _finish_live_host(host)
     finally:
-        if host.poll() is None:
-            os.killpg(host.pid, 9)
-            host.communicate(timeout=30)
+        _reap_host(host, group=True)
     assert "AFTER 1 0 1" in out
 
 
@@ -1555,9 +1558,7 @@ def test_a_setsid_descendant_is_stopped_the_moment_its_host_dies() -> None:
         assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived its host"
         assert wait_until(lambda: _gone(watcher_pid), 10), "the watcher outlived its job"
     finally:
-        if host.poll() is None:
-            host.kill()
-            host.communicate(timeout=30)
+        _reap_host(host)
         _kill_quietly(descendant)
         _kill_quietly(watcher_pid)
 
@@ -1575,9 +1576,7 @@ def test_a_setsid_descendant_of_a_host_killed_with_its_watcher_is_swept() -> Non
         assert descendant in report.processes
         assert wait_until(lambda: _gone(descendant), 10)
     finally:
-        if host.poll() is None:
-            host.kill()
-            host.communicate(timeout=30)
+        _reap_host(host)
         _kill_quietly(descendant)
 
 
@@ -1695,9 +1694,7 @@ def test_a_dead_hosts_blocks_runtime_dir_and_status_file_go_at_once_without_a_sw
         assert survivors == look_alikes, "the watcher removed another host's things"
         assert os.path.isdir(tmp_path)  # a symlink is removed at most, never followed
     finally:
-        if host.poll() is None:
-            host.kill()
-            host.communicate(timeout=30)
+        _reap_host(host)
         _kill_quietly(watcher_pid)
         _remove_look_alikes(look_alikes)
 
@@ -1720,9 +1717,7 @@ def test_a_host_that_execs_keeps_its_leftovers_until_its_death_is_proven() -> No
         )
         assert wait_until(lambda: _gone(watcher_pid), 10)
     finally:
-        if host.poll() is None:
-            host.kill()
-            host.communicate(timeout=30)
+        _reap_host(host)
         _kill_quietly(watcher_pid)
 
 
