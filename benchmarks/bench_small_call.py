@@ -25,6 +25,14 @@ process and back, after every worker is started and warmed up:
     polling), with none of the pool's work (no gate, lease, deadline, stats, idle-channel
     check, log frames). What any host-side trim can reach with this worker and transport; the
     gap to the raw socketpairs is the worker's own work.
+``minimal host, minimal worker``
+    The protocol's own floor: the same minimal host on a hand-written worker (``python -c``,
+    two socketpairs) that speaks comfy_env's frames and nothing else: it reads a CALL frame
+    (the 20-byte header, then the pickled ``(target, args, kwargs)``), looks the target up in
+    a dict of resolved functions, calls it and writes a REPLY_OK frame; no lifecycle, no
+    shared memory, no log frames, no cancellation, no threads. What comfy_env's wire format
+    costs over the raw references when neither end does anything else; the gap from here to
+    ``minimal host, comfy_env worker`` is the worker's own work.
 ``comfy_env``
     ``pool.get_worker(None).call("comfy_env_worker.tasks:echo", x)``: the real protocol, target
     lookup and the pool's bookkeeping.
@@ -71,6 +79,8 @@ import math
 import os
 import pickle
 import random
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -101,9 +111,17 @@ RAW_SOCKETPAIR = "raw socketpair"
 RAW_SOCKETPAIRS = "raw socketpairs"
 RAW_SOCKETPAIR_POLLING = "raw socketpair, polling"
 MINIMAL_HOST = "minimal host, comfy_env worker"
+MINIMAL_BOTH = "minimal host, minimal worker"
 COMFY_ENV = "comfy_env"
 COMFY_ENV_ACALL = "comfy_env acall"
-REFERENCES = (RAW_PIPE, RAW_SOCKETPAIR, RAW_SOCKETPAIRS, RAW_SOCKETPAIR_POLLING, MINIMAL_HOST)
+REFERENCES = (
+    RAW_PIPE,
+    RAW_SOCKETPAIR,
+    RAW_SOCKETPAIRS,
+    RAW_SOCKETPAIR_POLLING,
+    MINIMAL_BOTH,
+    MINIMAL_HOST,
+)
 PEERS = (
     "ProcessPoolExecutor",
     "multiprocessing.Pool",
@@ -233,9 +251,12 @@ class MinimalHost:
         if worker.call(ECHO_TARGET, 12345) != 12345:
             raise RuntimeError("comfy_env did not echo its argument")
         process = pool._entries[worker.env].slots[0].process
-        self.sock = process.sock  # the requests half of the channel
-        self.replies = process.reply_sock
-        self.pid: int = worker.pid
+        self._channel(process.sock, process.reply_sock, worker.pid)  # requests, replies
+
+    def _channel(self, requests: socket.socket, replies: socket.socket, pid: int) -> None:
+        self.sock = requests
+        self.replies = replies
+        self.pid: int = pid
         self._call_id = 1 << 40  # far from the pool's own call ids
         self._buf = bytearray(1 << 16)
         self._view = memoryview(self._buf)
@@ -253,12 +274,92 @@ class MinimalHost:
             except BlockingIOError:  # (the channel's receive timeout: a stalled machine)
                 continue
             if not n:
-                raise RuntimeError("the comfy_env worker closed its channel")
+                raise RuntimeError("the worker closed its channel")
             got += n
         _magic, ftype, _flags, length, call_id = HEADER.unpack_from(self._buf)
         if ftype != FrameType.REPLY_OK or call_id != self._call_id:
             raise RuntimeError(f"unexpected frame {ftype} for call {call_id}")
         return pickle.loads(self._view[HEADER_SIZE : HEADER_SIZE + length])
+
+
+# The worker side of ``minimal host, minimal worker``. argv: requests fd, replies fd, header
+# format, header size, REPLY_OK's frame type. Blocking reads, one frame in flight at a time.
+_MINIMAL_WORKER = r"""
+import importlib, pickle, socket, struct, sys
+requests = socket.socket(fileno=int(sys.argv[1]))
+replies = socket.socket(fileno=int(sys.argv[2]))
+H, size, reply_ok = struct.Struct(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+functions = {}
+buf = bytearray(1 << 16)
+mv = memoryview(buf)
+while True:
+    got = 0
+    while got < size or got < size + H.unpack_from(buf)[3]:
+        n = requests.recv_into(mv[got:])
+        if not n:
+            sys.exit(0)
+        got += n
+    magic, _ftype, _flags, length, call_id = H.unpack_from(buf)
+    target, args, kwargs = pickle.loads(mv[size : size + length])
+    fn = functions.get(target)
+    if fn is None:
+        module, _, name = target.partition(":")
+        fn = functions[target] = getattr(importlib.import_module(module), name)
+    body = pickle.dumps(fn(*args, **kwargs), 5)
+    replies.sendall(H.pack(magic, reply_ok, 0, len(body), call_id) + body)
+"""
+
+
+class MinimalWorker(MinimalHost):
+    """``minimal host, minimal worker``: the minimal host's frames on ``_MINIMAL_WORKER``, a
+    child of this interpreter that can import ``comfy_env_worker`` (for the echo target)."""
+
+    def __init__(self) -> None:
+        from comfy_env_worker.protocol import HEADER, HEADER_SIZE, FrameType
+
+        requests, child_in = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        replies, child_out = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        worker_dir = os.path.dirname(os.path.dirname(_worker_package_file()))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (worker_dir, env.get("PYTHONPATH", "")) if p)
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _MINIMAL_WORKER,
+                    str(child_in.fileno()),
+                    str(child_out.fileno()),
+                    HEADER.format,
+                    str(HEADER_SIZE),
+                    str(int(FrameType.REPLY_OK)),
+                ],
+                pass_fds=(child_in.fileno(), child_out.fileno()),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            child_in.close()
+            child_out.close()
+        self._channel(requests, replies, self.proc.pid)
+        if self.call(12345) != 12345:
+            self.close()
+            raise RuntimeError("the minimal worker did not echo its argument")
+
+    def close(self) -> None:
+        self.sock.close()
+        self.replies.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _worker_package_file() -> str:
+    import comfy_env_worker
+
+    return str(comfy_env_worker.__file__)
 
 
 def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
@@ -279,6 +380,12 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
         return minimal.call, [minimal.pid], pool.close
 
     methods.append(_local(MINIMAL_HOST, minimal_host, stack))
+
+    def minimal_both() -> Started:
+        minimal = MinimalWorker()
+        return minimal.call, [minimal.pid], minimal.close
+
+    methods.append(_local(MINIMAL_BOTH, minimal_both, stack))
 
     # ``acall`` runs on comfy_env's current worker, made anew with it each round: the two
     # are compared on one pair (their ratio is issue 12's target), never across layouts.
@@ -522,6 +629,30 @@ def run(ctx: Context, rounds: int | None = None, max_batch: int | None = None) -
                 )
             else:
                 line += " (It blocks in recv where comfy_env polls: not a floor here.)"
+            section.lines += ["", line]
+        if MINIMAL_BOTH in results:
+            frames = results[MINIMAL_BOTH].median
+            raw = results[RAW_PIPE].median
+            line = (
+                f"The frames alone (a minimal host and a minimal worker speaking comfy_env's "
+                f"frame format, nothing else at either end): {fmt_x(ratio(frames, raw))} the "
+                f"raw pipe; comfy_env is {fmt_x(ratio(ce, frames))} them"
+            )
+            if MINIMAL_HOST in results:
+                line += (
+                    f", and comfy_env's worker under the minimal host "
+                    f"{fmt_x(ratio(results[MINIMAL_HOST].median, frames))}"
+                )
+            line += "."
+            if label == "same CPU":
+                budget = limits[label] * raw - frames
+                line += (
+                    f" Under the {limits[label]}x target ({fmt(limits[label] * raw, 1)} "
+                    f"us/call) that leaves {fmt(budget, 1)} us/call for everything the host "
+                    "and the worker do beyond the frames themselves."
+                )
+            else:
+                line += " (Both block in recv where comfy_env polls: not a floor here.)"
             section.lines += ["", line]
         section.targets.append(
             target_at_most(

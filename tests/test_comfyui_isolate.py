@@ -508,6 +508,12 @@ class Fail:
             raise FieldError("width")
         if how == "file":
             open("/nonexistent-comfy-env/x")
+        if how == "decode":
+            b"ab\\xffcd".decode("utf-8")
+        if how == "import":
+            raise ImportError("no mesh backend", name="mesh_backend", path="/opt/mesh")
+        if how == "syntax":
+            compile("x = (", "<node expr>", "exec")
         raise AuditError("audit says no")
 
 
@@ -579,6 +585,33 @@ def test_an_exception_with_its_own_str_keeps_its_name_and_gets_the_worker_traceb
     _readable_with_traceback(
         missing, "[Errno 2] No such file or directory: '/nonexistent-comfy-env/x'"
     )
+
+
+def test_an_exception_with_fields_keeps_them_on_the_node_s_copy(
+    failing_pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    # Built-in exceptions whose text comes from fields set by their __init__ (not in .args
+    # or __dict__): the copy that shows the worker traceback has those fields too.
+    mappings, _ = _isolate(failing_pack, pool, tmp_path / "cache")
+    decode = _node_error(mappings, "decode")
+    assert isinstance(decode, UnicodeDecodeError)
+    assert (decode.encoding, decode.object, decode.start, decode.end) == (
+        "utf-8",
+        b"ab\xffcd",
+        2,
+        3,
+    )
+    assert decode.reason == "invalid start byte"
+    _readable_with_traceback(
+        decode, "'utf-8' codec can't decode byte 0xff in position 2: invalid start byte"
+    )
+    missing = _node_error(mappings, "import")
+    assert isinstance(missing, ImportError)
+    assert (missing.name, missing.path) == ("mesh_backend", "/opt/mesh")
+    _readable_with_traceback(missing, "no mesh backend")
+    syntax = _node_error(mappings, "syntax")
+    assert isinstance(syntax, SyntaxError)
+    assert (syntax.filename, syntax.lineno) == ("<node expr>", 1) and syntax.msg
 
 
 def test_a_pack_s_own_exception_is_named_after_the_pack_directory(

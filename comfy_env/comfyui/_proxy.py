@@ -52,6 +52,7 @@ import inspect
 import itertools
 import keyword
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -357,6 +358,7 @@ def _shown_as(exc: BaseException, message: str) -> BaseException | None:
         if isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[0] is base:
             args = tuple(reduced[1])  # OSError's include the file name, not in .args
         shown: BaseException = cls.__new__(cls, *args)
+        _copy_builtin_fields(exc, shown)
         shown.__dict__.update(getattr(exc, "__dict__", {}))
         shown.__dict__["_comfy_env_message"] = message
         shown.__dict__["_comfy_env_original"] = exc
@@ -366,6 +368,27 @@ def _shown_as(exc: BaseException, message: str) -> BaseException | None:
         return shown.with_traceback(exc.__traceback__)
     except Exception:  # noqa: BLE001 - any failure: the caller falls back to RemoteError
         return None
+
+
+def _copy_builtin_fields(source: BaseException, target: BaseException) -> None:
+    """Copy the fields that built-in exception classes keep in C slots, set by their
+    ``__init__`` (``UnicodeDecodeError.encoding``/``object``/``start``, ``ImportError.name``,
+    ``SyntaxError.lineno``, ``StopIteration.value``...): ``__new__`` alone leaves them empty,
+    and they are in neither ``args`` nor ``__dict__``. Calling the node class's ``__init__``
+    again instead could run a pack's own code. A field that cannot be read or set (an
+    ``OSError.characters_written`` never set) is left as ``__new__`` made it."""
+    for klass in type(source).__mro__:
+        if klass.__module__ != "builtins" or klass in (BaseException, object):
+            continue
+        for name, field in vars(klass).items():
+            if name.startswith("__") or not isinstance(
+                field, (types.MemberDescriptorType, types.GetSetDescriptorType)
+            ):
+                continue
+            try:
+                setattr(target, name, getattr(source, name))
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
 
 
 def with_remote_traceback(exc: BaseException, pack: _Pack) -> tuple[BaseException, Any]:
