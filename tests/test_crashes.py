@@ -511,3 +511,24 @@ def test_a_timer_due_after_the_reactors_own_wake_up_needs_no_wake_up_byte() -> N
             assert fired[name] >= handle.when
     finally:
         reactor.stop()
+
+
+def test_a_timer_too_far_for_the_os_to_wait_on_never_stops_the_reactor() -> None:
+    """A timer due further away than the OS's longest wait (epoll: about 24.8 days) is slept
+    for in bounded steps: the loop lives on and runs what comes after it (once, a grace timer
+    of 1e30 s raised OverflowError in select and ended the pool's only service thread)."""
+    reactor = Reactor()
+    reactor.start()
+    try:
+        far = reactor.call_later(1e30, lambda: None)
+        assert wait_until(lambda: reactor._sleep_until > 0, 5)  # asleep with the far timer
+        ran = threading.Event()
+        reactor.call_soon(ran.set)
+        assert ran.wait(5)
+        soon = threading.Event()
+        reactor.call_later(0.01, soon.set)
+        assert soon.wait(5)
+        assert reactor._thread is not None and reactor._thread.is_alive()
+        far.cancel()
+    finally:
+        reactor.stop()

@@ -1039,6 +1039,7 @@ def test_a_look_alike_of_a_dead_hosts_worker_is_never_signalled(tmp_path: Path) 
 TIME_FIELDS = (
     "call_timeout",
     "start_timeout",
+    "cancel_grace",
     "kill_grace",
     "close_timeout",
     "idle_timeout",
