@@ -2,7 +2,8 @@
 
 A handle names an env in a pool; it holds no process. Every call leases one of the env's slots,
 so a handle never points at a dead worker: after a crash the next call simply lands on the
-fresh generation. ``generation`` and ``pid`` report the env's first slot as of now.
+fresh generation. ``generation`` is the latest generation spawned for the env and ``pid`` the
+env's first slot's, as of now.
 
 Data flow: ``Worker`` holds a ``CallSite`` (the pool, typed by ``_callsite``) and the env's
 ``EnvEntry`` (``_entry``); every method is one call into the site (``call``/``run``: the sync
