@@ -291,8 +291,8 @@ class Pool:
         """Frozen per-env snapshots, keyed by env key."""
         with self._lock:
             entries = list(self._entries.values())
-        now = self.clock()
-        return {e.spec.key: e.snapshot(now) for e in entries}
+        now, window = self.clock(), self.settings.restart_window
+        return {e.spec.key: e.snapshot(now, window) for e in entries}
 
     @property
     def config(self) -> PoolConfig:

@@ -143,7 +143,7 @@ class Worker:
 
     def stats(self) -> EnvStats:
         """A frozen snapshot of this env's counters."""
-        return self._entry.snapshot(self._pool.clock())
+        return self._entry.snapshot(self._pool.clock(), self._pool.settings.restart_window)
 
     def call(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``target(*args, **kwargs)`` in a worker and return its result.

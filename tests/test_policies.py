@@ -316,6 +316,36 @@ def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_
         assert w.call("remote_tasks:add", 2) == 2
 
 
+def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
+    config: comfy_env.PoolConfig,
+) -> None:
+    """``restarts_in_window`` is what the breaker would count now: a death older than
+    ``restart_window`` (the pool's, or the env's own from ``set_breaker``) no longer counts,
+    though no later death has come to prune it."""
+    offset = [0.0]
+    update = {"max_restarts": 5, "restart_window": 60.0}
+    with comfy_env.Pool(
+        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
+    ) as pool:
+        w = pool.get_worker()
+        for _ in range(2):
+            with pytest.raises(WorkerCrashed):
+                w.call("comfy_env_worker.tasks:crash")
+        assert _wait(lambda: w.stats().restarts_in_window == 2)
+        offset[0] += 59.0
+        assert w.stats().restarts_in_window == 2
+        offset[0] += 2.0  # both deaths are now older than the window
+        assert w.stats().restarts_in_window == 0
+        assert pool.stats()[w.env].restarts_in_window == 0
+        with pytest.raises(WorkerCrashed):
+            w.call("comfy_env_worker.tasks:crash")
+        assert _wait(lambda: w.stats().restarts_in_window == 1)
+        pool.set_breaker(None, restart_window=5.0)  # the env's own window counts from now on
+        offset[0] += 6.0
+        assert w.stats().restarts_in_window == 0
+        assert w.call("remote_tasks:add", 1) == 1
+
+
 def test_set_breaker_gives_one_env_its_own_settings(
     config: comfy_env.PoolConfig, foreign_venv: Path
 ) -> None:
