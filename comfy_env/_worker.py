@@ -94,16 +94,23 @@ def check_on_event(on_event: object) -> None:
     hand each event on (``loop.create_task``, ``queue.put_nowait``)."""
     if on_event is None:
         return
-    if not callable(on_event):
-        raise ArgumentError(f"on_event must be a callable or None, not {type(on_event).__name__}")
+    check_plain_callable(on_event, "on_event", " or None")
+
+
+def check_plain_callable(fn: object, what: str, alternative: str = "") -> None:
+    """``ArgumentError`` naming ``what`` unless ``fn`` is a plain (not ``async def``)
+    callable: a callback the pool calls and does not await (``on_event``, a ``subscribe``
+    callback, a reap hook). Refused when it is given, not when the first event finds out."""
+    if not callable(fn):
+        raise ArgumentError(f"{what} must be a callable{alternative}, not {type(fn).__name__}")
     import inspect
 
-    if inspect.iscoroutinefunction(on_event) or inspect.iscoroutinefunction(
-        type(on_event).__call__  # an instance whose __call__ is an async def
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        type(fn).__call__  # an instance whose __call__ is an async def
     ):
         raise ArgumentError(
-            f"on_event must be a plain function, not a coroutine function ({on_event!r}): "
-            "events are delivered synchronously and a coroutine would never be awaited; "
+            f"{what} must be a plain function, not a coroutine function ({fn!r}): "
+            "it is called synchronously and a coroutine would never be awaited; "
             "from a plain callback, schedule the work (loop.create_task(handle(ev)))"
         )
 

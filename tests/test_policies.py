@@ -85,6 +85,26 @@ def test_a_reaper_decision_is_dropped_when_a_call_ran_in_between(
         assert pool.reap_idle(clock.now) == 1
 
 
+@pytest.mark.parametrize("now", [float("nan"), float("inf"), True, "1e9", None])
+def test_reap_idle_refuses_a_now_that_is_no_time_and_reaps_nothing(
+    config: comfy_env.PoolConfig, now: object
+) -> None:
+    """``reap_idle(now)`` takes a time on the pool's clock; NaN compared as "idle long
+    enough" and retired every idle worker. Anything but a finite number is an
+    ``ArgumentError`` and the idle worker stays (``now=None`` means the pool's clock)."""
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 30.0})) as pool:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        pid = w.pid
+        if now is None:
+            assert pool.reap_idle(now) == 0  # idle for less than 30 s on the pool's clock
+        else:
+            with pytest.raises(comfy_env.ArgumentError, match="now"):
+                pool.reap_idle(now)  # type: ignore[arg-type]
+        assert w.stats().reaped == 0 and w.stats().state == "idle" and w.pid == pid
+        assert w.call("comfy_env_worker.tasks:echo", 1) == 1 and w.generation == 1
+
+
 def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
     config: comfy_env.PoolConfig,
 ) -> None:
@@ -489,6 +509,30 @@ def test_events_tell_the_lifecycle_in_order(config: comfy_env.PoolConfig) -> Non
             ready.generation = 3  # type: ignore[misc]
     closed = [e for e in events if isinstance(e, comfy_env.WorkerRetired)]
     assert closed[-1].reason == "closed"
+
+
+async def _async_callback(*_args: object) -> None:
+    pass
+
+
+@pytest.mark.parametrize("bad", [5, None, "print", _async_callback])
+def test_a_subscriber_or_reap_hook_that_cannot_be_called_is_refused_when_given(
+    config: comfy_env.PoolConfig, bad: object
+) -> None:
+    """A callback that is not a plain callable is an ``ArgumentError`` when it is given, not a
+    logged ``TypeError`` on every later event (or a coroutine nobody awaits, for an
+    ``async def``); the pool goes on as before."""
+    with comfy_env.Pool(config) as pool:
+        with pytest.raises(comfy_env.ArgumentError, match="callback"):
+            pool.subscribe(bad)  # type: ignore[arg-type]
+        with pytest.raises(comfy_env.ArgumentError, match="hook"):
+            pool.add_reap_hook(bad)  # type: ignore[arg-type]
+        assert not pool._events.subscribed and not pool._reap_hooks._hooks
+        events: list[object] = []
+        pool.subscribe(events.append)
+        w = pool.get_worker()
+        assert w.call("comfy_env_worker.tasks:echo", 2) == 2
+        assert _wait(lambda: len(events) >= 2)
 
 
 def test_callbacks_may_call_back_into_the_pool_and_their_errors_never_break_it(
