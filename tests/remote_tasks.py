@@ -392,6 +392,24 @@ def report(n: int, kinds: tuple[str, ...] = ()) -> int:
     return n
 
 
+def emit_too_big(size: int, progress: bool = False) -> str:
+    """An event (or a progress update) whose data is ``size`` bytes, then one small event;
+    returns what the oversized one raised in the worker."""
+    import comfy_env_worker
+
+    try:
+        if progress:
+            comfy_env_worker.progress(1, 1, blob=b"p" * size)
+        else:
+            comfy_env_worker.emit("big", b"e" * size)
+    except Exception as exc:  # noqa: BLE001 - the test reads what it was
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = "sent"
+    comfy_env_worker.emit("small", 1)
+    return outcome
+
+
 def events_in_order(n: int) -> int:
     """Interleaves emit and progress; every emit flushes the progress before it."""
     import comfy_env_worker

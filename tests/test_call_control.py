@@ -264,6 +264,27 @@ def test_a_progress_flood_is_coalesced_and_the_latest_wins(grace_pool: comfy_env
     assert seen[-1].kind == "done"  # the emit after the flood comes after its last progress
 
 
+@pytest.mark.parametrize("progress", [False, True])
+def test_an_event_too_large_for_a_frame_raises_in_the_worker_and_keeps_it(
+    progress: bool,
+) -> None:
+    """An ``emit``/``progress`` whose data pickles to more than ``max_frame_bytes`` raises
+    ``OverflowError`` in the env's code, as a result that large does; it was sent anyway, and
+    the host retired the worker with a ``ProtocolError`` (a death for the breaker)."""
+    cfg = comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), max_frame_bytes=1024 * 1024)
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        seen: list[CallEvent] = []
+        outcome = w.run(
+            "remote_tasks:emit_too_big", (2 * 1024 * 1024, progress), on_event=seen.append
+        )
+        assert outcome.startswith("OverflowError") and "max_frame_bytes" in outcome, outcome
+        assert [e.kind for e in seen] == ["small"]
+        stats = w.stats()
+        assert (stats.generation, stats.ok, stats.failed, stats.restarts_in_window) == (1, 1, 0, 0)
+        assert w.call("remote_tasks:add", 1, 2) == 3 and w.generation == 1
+
+
 def test_a_failing_event_callback_does_not_break_the_call(
     grace_pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
