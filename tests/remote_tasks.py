@@ -138,6 +138,20 @@ def write_oversized_header() -> None:
     main.CHANNEL.sendall(protocol.encode_header(protocol.FrameType.REPLY_OK, 0, 2**61))
 
 
+def close_channel_and_linger(seconds: float) -> None:
+    """Lets go of the channel (both directions; ``/dev/null`` takes their descriptors, so the
+    watchdog sees no closed descriptor) and lives on, as code that closes descriptors it does
+    not own might."""
+    from comfy_env_worker import main
+
+    assert main.CHANNEL is not None and main.WORKER is not None
+    null = os.open(os.devnull, os.O_RDWR)
+    for sock in {main.CHANNEL, main.WORKER.requests}:
+        os.dup2(null, sock.fileno())
+    os.close(null)
+    time.sleep(seconds)
+
+
 def reply_then_die() -> None:
     """Writes a complete reply for the running call, then dies before returning."""
     import pickle

@@ -173,6 +173,20 @@ def test_os_exit_reports_the_exit_code(pool: comfy_env.Pool, code: int) -> None:
     assert f"exited with code {code}" in str(info.value)
 
 
+def test_a_worker_that_closes_its_channel_and_lives_on_is_not_said_to_be_killed_from_outside(
+    pool: comfy_env.Pool,
+) -> None:
+    """The host kills a worker whose channel closed while it still ran: its SIGKILL is the
+    host's, so the story is "closed its channel", not "the OOM killer or a kill -9"."""
+    w = pool.get_worker()
+    with pytest.raises(WorkerCrashed) as info:
+        w.call("remote_tasks:close_channel_and_linger", 30.0)
+    message = str(info.value)
+    assert "closed its channel while still running" in message, message
+    assert "from outside" not in message and "OOM" not in message, message
+    assert w.call("remote_tasks:add", 1, 2) == 3 and w.generation == 2
+
+
 def test_abort_is_reported_as_sigabrt(pool: comfy_env.Pool) -> None:
     with pytest.raises(WorkerCrashed) as info:
         pool.get_worker().call(os.abort)
