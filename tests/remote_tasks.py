@@ -152,6 +152,15 @@ def close_channel_and_linger(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def write_junk_on_the_log_pipe() -> None:
+    """Writes bytes that are not a log frame on the worker's log pipe (as code writing on a
+    descriptor it does not own might)."""
+    from comfy_env_worker import main
+
+    assert main.WORKER is not None and main.WORKER.outbox.log_fd is not None
+    os.write(main.WORKER.outbox.log_fd, b"this is not a log frame at all, nor its header")
+
+
 def reply_then_die() -> None:
     """Writes a complete reply for the running call, then dies before returning."""
     import pickle
