@@ -58,6 +58,11 @@ def stamp(i: int) -> tuple[int, int]:
     return time.monotonic_ns(), i
 
 
+def sleep_then(seconds: float, value: Any) -> Any:
+    time.sleep(seconds)
+    return value
+
+
 def getpid() -> int:
     return os.getpid()
 

@@ -14,6 +14,7 @@ Every test uses real worker processes. What they prove:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -337,6 +338,32 @@ def test_submit_with_events_and_a_deadline(grace_pool: comfy_env.Pool) -> None:
     late = w.submit("remote_tasks:cooperative_loop", (30,), timeout=0.5)
     with pytest.raises(comfy_env.CallTimeout):
         late.result(timeout=10)
+
+
+def test_a_wait_for_a_call_takes_any_number_and_refuses_what_is_no_time(
+    grace_pool: comfy_env.Pool,
+) -> None:
+    """``call.result(timeout)`` and ``call.exception(timeout)`` bound the wait only: a
+    timeout too long for the clock (inf, 1e300, past ``threading.TIMEOUT_MAX``) waits for
+    the call, as None does (it raised ``OverflowError``); one that is no number (NaN, a
+    string, a bool) is an ``ArgumentError`` (it raised ``TypeError`` or timed out at once).
+    The call itself goes on untouched."""
+    w = grace_pool.get_worker()
+    for forever in (math.inf, 1e300, threading.TIMEOUT_MAX * 2):
+        call = w.submit("remote_tasks:sleep_then", (0.2, "done"))
+        assert call.exception(timeout=forever) is None
+        assert call.result(timeout=forever) == "done"
+    call = w.submit("remote_tasks:sleep_then", (0.2, "late"))
+    for bad in (math.nan, "1", True):
+        with pytest.raises(comfy_env.ArgumentError, match="timeout"):
+            call.result(timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(comfy_env.ArgumentError, match="timeout"):
+            call.exception(timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError):
+        call.result(timeout=0)  # a zero or negative wait still just looks, as in futures
+    assert call.result(timeout=10) == "late"
+    stats = w.stats()
+    assert (stats.ok, stats.in_flight, stats.generation) == (4, 0, 1)
 
 
 def test_ctrl_c_while_waiting_asks_the_worker_first(grace_pool: comfy_env.Pool) -> None:
