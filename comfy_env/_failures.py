@@ -258,7 +258,14 @@ def abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
     lines) and how to recover."""
     lines = []
     for d in state.deaths:
-        how = f"signal {d.signal}" if d.signal else f"exit code {d.exitcode}"
+        if d.signal:
+            how = f"signal {d.signal}"
+        elif d.exitcode is not None:
+            how = f"exit code {d.exitcode}"
+        elif d.reason is lc.RetireReason.START_FAILED:
+            how = "never launched"  # the launch itself failed: no process, no exit status
+        else:
+            how = "no exit status"  # a backend without one (a Ray actor)
         when = time.strftime("%H:%M:%S", time.localtime(d.when))
         frame = crash_frame(d.stderr_tail) if d.stderr_tail else None
         if frame is not None:

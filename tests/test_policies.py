@@ -476,6 +476,11 @@ def test_env_abandoned_follows_the_failed_launch_that_tripped_the_breaker(
         assert w.stats().abandoned
         assert _wait(lambda: any(isinstance(e, comfy_env.EnvAbandoned) for e in events))
         _retired_then_abandoned(events, w.env, 2, "start_failed")
+        with pytest.raises(EnvAbandonedError) as info:
+            w.call("comfy_env_worker.tasks:echo", 1)
+        # Each death says it never launched, not "exit code None".
+        assert str(info.value).count("start_failed (never launched)") == 2, str(info.value)
+        assert "exit code None" not in str(info.value)
 
 
 # ---- lifecycle events ---------------------------------------------------------------------------
