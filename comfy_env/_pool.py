@@ -264,8 +264,8 @@ class Pool:
             isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0
         ):
             raise ArgumentError(f"max_restarts must be an int >= 0, not {max_restarts!r}")
-        window = check_timeout(restart_window, "restart_window")
-        lasting = check_timeout(abandon_for, "abandon_for")
+        window = check_timeout(restart_window, "restart_window", "the pool's value")
+        lasting = check_timeout(abandon_for, "abandon_for", "the pool's value")
         settings = self.settings
         breaker = lc.Breaker(
             settings.max_restarts if max_restarts is None else max_restarts,
