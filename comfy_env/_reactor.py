@@ -45,6 +45,12 @@ _log = logging.getLogger("comfy_env.reactor")
 
 T = TypeVar("T")
 
+# The longest the loop sleeps in one select (seconds). A timer due later is waited for in
+# several sleeps: the OS bounds a wait (epoll takes at most INT_MAX ms, about 24.8 days, and
+# raises OverflowError past it), and an exception from select would end this thread, and with
+# it every exit notice and timer of the pool.
+LONGEST_SLEEP = 3600.0
+
 
 class TimerHandle:
     """A scheduled callback; ``cancel()`` is safe from any thread and idempotent."""
@@ -205,7 +211,7 @@ class Reactor:
             timeout: float | None = None
             if timers:
                 now = time.monotonic()
-                timeout = max(0.0, timers[0][0] - now)
+                timeout = min(max(0.0, timers[0][0] - now), LONGEST_SLEEP)
                 self._sleep_until = now + timeout
             else:
                 self._sleep_until = math.inf
