@@ -164,16 +164,20 @@ class Call:
 
     def result(self, timeout: float | None = None) -> Any:
         """The call's result (or its error raised). ``timeout`` bounds this wait only
-        (``TimeoutError``); Ctrl-C while waiting cancels the call, then re-raises."""
+        (``TimeoutError``; a wait too long for the clock, such as ``math.inf``, is no bound);
+        Ctrl-C while waiting cancels the call, then re-raises."""
+        wait = _wait_bound(timeout)
         try:
-            return self._future.result(timeout)
+            return self._future.result(wait)
         except KeyboardInterrupt:
             self.cancel()
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The call's error, or None if it returned; ``timeout`` as for ``result``."""
+        wait = _wait_bound(timeout)
         try:
-            return self._future.exception(timeout)
+            return self._future.exception(wait)
         except KeyboardInterrupt:
             self.cancel()
             raise
@@ -186,3 +190,19 @@ class Call:
     def __repr__(self) -> str:
         state = "done" if self.done() else self._ticket.stage
         return f"<comfy_env.Call {state} env={self.env!r} call_id={self.call_id}>"
+
+
+def _wait_bound(timeout: object) -> float | None:
+    """What ``Call.result``/``exception`` pass to the future: None for no bound (also for a
+    wait longer than the clock can take, which made the lock raise ``OverflowError``); an
+    ``ArgumentError`` for what is no number of seconds (NaN, a string, a bool). Zero or less
+    only looks, as in ``concurrent.futures``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+        from ._errors import ArgumentError
+
+        raise ArgumentError(f"timeout must be seconds (a number) or None, not {timeout!r}")
+    if timeout >= threading.TIMEOUT_MAX:
+        return None
+    return float(timeout)

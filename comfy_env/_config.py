@@ -79,7 +79,7 @@ class PoolConfig(BaseModel):
     )
     cancel_grace: float = Field(
         5.0,
-        le=MAX_SECONDS,  # a grace timer past what the reactor's poll takes killed the reactor
+        le=MAX_SECONDS,  # its grace timer goes on the reactor, whose wait the OS bounds
         ge=0,
         description="Seconds a cancelled call gets to end by itself (the worker is asked first: "
         "comfy_env_worker.cancelled() turns true, and after half the grace pure-Python code is "

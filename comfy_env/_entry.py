@@ -275,9 +275,11 @@ class EnvEntry:
         self.env_state = lc.lift_expired(state, now)
         return self.env_state if isinstance(self.env_state, lc.EnvAbandoned) else None
 
-    def snapshot(self, now: float | None = None) -> EnvStats:
+    def snapshot(self, now: float | None = None, restart_window: float | None = None) -> EnvStats:
         """Frozen counters; ``now`` (the pool's clock) lifts a timed abandonment that ran out,
-        so ``abandoned`` says what the next call would meet."""
+        so ``abandoned`` says what the next call would meet, and with ``restart_window`` (the
+        pool's; the env's own ``breaker`` wins) ``restarts_in_window`` counts only the deaths
+        the breaker would still count now."""
         with self.lock:
             if now is not None:
                 self.abandoned_locked(now)
@@ -303,13 +305,24 @@ class EnvEntry:
                 reaped=self.reaped,
                 pings=self.pings,
                 ping_failures=self.ping_failures,
-                restarts_in_window=len(self.env_state.deaths),
+                restarts_in_window=self._deaths_in_window(now, restart_window),
                 live_refs=sum(w.live_refs for w in workers),
                 abandoned=isinstance(self.env_state, lc.EnvAbandoned),
                 log_lines_dropped=self.log_lines_dropped
                 + sum(s.process.log.dropped for s in self.slots if s.process is not None),
                 shared_memory=primary.shared_memory,
             )
+
+    def _deaths_in_window(self, now: float | None, restart_window: float | None) -> int:
+        """Deaths the breaker counts as of ``now`` (lock held). The deaths kept are pruned only
+        when the next one is recorded, so an old one would otherwise count for ever. An
+        abandonment keeps the deaths that tripped it, all of them."""
+        state = self.env_state
+        if self.breaker is not None:
+            restart_window = self.breaker.restart_window
+        if isinstance(state, lc.EnvAbandoned) or now is None or restart_window is None:
+            return len(state.deaths)
+        return sum(1 for death in state.deaths if now - death.at <= restart_window)
 
 
 def worker_stats(slot: Slot) -> WorkerStats:

@@ -100,8 +100,15 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
             f"env must be None, an env directory or an interpreter path, not {type(env).__name__}"
         )
     raw = os.fspath(env)
+    if not isinstance(raw, str):  # an os.PathLike may give bytes
+        raise EnvError(
+            f"env must be None, an env directory or an interpreter path, not a path of bytes "
+            f"({raw!r}); pass it decoded (os.fsdecode)"
+        )
     if not raw:
         raise EnvError("env is an empty string; pass None for the current interpreter")
+    if "\0" in raw:  # no file can be named so; the OS would refuse it at the launch
+        raise EnvError(f"env {raw!r} contains a NUL character, so it names no path", env=raw)
     path = Path(_absolute(os.path.expanduser(raw)))
     if path.is_dir():
         if not os.access(path, os.R_OK | os.X_OK):

@@ -27,6 +27,7 @@ is dropped; the message then names the reason that actually won.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -90,6 +91,11 @@ def crash_error(
     # down) and what it wrote is in the pipes; both are read here, before the gate's kill,
     # which then has nothing to signal. The reactor reaps and reports a moment later.
     rc = process.status_at_eof()
+    # Still running although its channel closed (it closed or replaced the descriptors): the
+    # gate's SIGKILL below is then the host's, and the story must not blame "a kill -9 from
+    # outside" for it. (A process being torn down has its status set before its descriptors
+    # close, so ``status_at_eof`` knows a real death already.)
+    alive_at_eof = rc is None and not process.exited.is_set()
     entry.apply(slot, lc.ChannelClosed(process.generation))
     reason = retire_reason(slot, process.generation)
     if reason is lc.RetireReason.CLOSED or closed:
@@ -117,7 +123,7 @@ def crash_error(
     # Reported (the breaker, ``WorkerRetired``) before the caller hears of it, so a caller
     # that calls again at once meets the breaker's verdict (else the reactor reports, once).
     report_death(rc, tail)
-    if still_running:
+    if still_running or (alive_at_eof and rc == -signal.SIGKILL):
         what = "closed its channel while still running (it was killed)"
     elif rc is None and process.death_detail:
         what = process.death_detail
@@ -252,7 +258,14 @@ def abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
     lines) and how to recover."""
     lines = []
     for d in state.deaths:
-        how = f"signal {d.signal}" if d.signal else f"exit code {d.exitcode}"
+        if d.signal:
+            how = f"signal {d.signal}"
+        elif d.exitcode is not None:
+            how = f"exit code {d.exitcode}"
+        elif d.reason is lc.RetireReason.START_FAILED:
+            how = "never launched"  # the launch itself failed: no process, no exit status
+        else:
+            how = "no exit status"  # a backend without one (a Ray actor)
         when = time.strftime("%H:%M:%S", time.localtime(d.when))
         frame = crash_frame(d.stderr_tail) if d.stderr_tail else None
         if frame is not None:

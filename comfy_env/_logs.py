@@ -108,6 +108,7 @@ class WorkerLog:
         self._warned = False
         self._partial: dict[str, bytearray] = {}
         self._pipe_buf = bytearray()
+        self._pipe_warned = False  # junk on the log pipe was reported (once per worker)
 
     # ---- budget and emission ----
 
@@ -272,14 +273,31 @@ class WorkerLog:
     # ---- the log pipe (reactor thread) ----
 
     def feed_pipe(self, data: bytes) -> bool:
-        """Parse LOG frames from the log pipe. False if the stream is corrupt (it is then
-        ignored from here on; the channel, not this pipe, decides the worker's fate)."""
+        """Parse LOG frames from the log pipe. False if what is buffered is not a LOG frame
+        (something in the worker wrote on the pipe's descriptor): it is dropped, with one
+        warning per worker, and parsing starts again with the next read (the worker writes a
+        frame in one write, so the stream usually falls back in step there; a read that does
+        not start a frame is dropped the same way). The channel, not this pipe, decides the
+        worker's fate: junk here retires nothing."""
         buf = self._pipe_buf
         buf += data
         while len(buf) >= HEADER_SIZE:
             magic, ftype, _flags, length, _call = HEADER.unpack_from(buf)
             if magic != MAGIC or ftype != FrameType.LOG or length > _MAX_PIPE_FRAME:
+                dropped = len(buf)
                 buf.clear()
+                if not self._pipe_warned:
+                    self._pipe_warned = True
+                    _log.warning(
+                        "comfy-env: worker of env %s (pid %s, generation %d) wrote %d bytes "
+                        "that are not log records on its log pipe (code in the worker writing "
+                        "on a descriptor it does not own?); they and any record among them "
+                        "were dropped",
+                        self.env,
+                        self.pid,
+                        self.generation,
+                        dropped,
+                    )
                 return False
             end = HEADER_SIZE + length
             if len(buf) < end:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import shutil
 import threading
@@ -139,7 +140,7 @@ from ._watcher import HostWatcher
 
 # Imported with the pool, not on first use: a first call made when the host is out of
 # descriptors must fail as WorkerStartError, not as an import's EMFILE.
-from ._worker import Worker
+from ._worker import Worker, check_plain_callable
 
 if TYPE_CHECKING:
     from ._config import PoolConfig
@@ -220,6 +221,7 @@ class Pool:
         event thread, outside every pool lock. Returns a function that unsubscribes."""
         if self._closed:
             raise self.closed_error()
+        check_plain_callable(callback, "a subscribe callback")
         return self._events.subscribe(callback)
 
     def add_reap_hook(self, hook: Callable[[str, int], object]) -> Callable[[], None]:
@@ -231,6 +233,7 @@ class Pool:
         reactor, or the caller of ``reap_idle``) outside every pool lock: keep them short and do
         not call workers from them. A call that starts meanwhile keeps the worker (the reaper's
         decision names the ``idle_since`` it saw). Returns a function that removes the hook."""
+        check_plain_callable(hook, "a reap hook")
         return self._reap_hooks.add(hook)
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
@@ -261,8 +264,8 @@ class Pool:
             isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0
         ):
             raise ArgumentError(f"max_restarts must be an int >= 0, not {max_restarts!r}")
-        window = check_timeout(restart_window, "restart_window")
-        lasting = check_timeout(abandon_for, "abandon_for")
+        window = check_timeout(restart_window, "restart_window", "the pool's value")
+        lasting = check_timeout(abandon_for, "abandon_for", "the pool's value")
         settings = self.settings
         breaker = lc.Breaker(
             settings.max_restarts if max_restarts is None else max_restarts,
@@ -291,8 +294,8 @@ class Pool:
         """Frozen per-env snapshots, keyed by env key."""
         with self._lock:
             entries = list(self._entries.values())
-        now = self.clock()
-        return {e.spec.key: e.snapshot(now) for e in entries}
+        now, window = self.clock(), self.settings.restart_window
+        return {e.spec.key: e.snapshot(now, window) for e in entries}
 
     @property
     def config(self) -> PoolConfig:
@@ -1130,9 +1133,15 @@ class Pool:
 
         The decision and its application happen under the env's lock, and the decision names
         the ``idle_since`` it observed, so a worker that ran a call in between (or is leased by
-        a caller right now) is never reaped."""
+        a caller right now) is never reaped. A ``now`` that is no finite number is an
+        ``ArgumentError`` (NaN compared as "idle long enough" for every worker)."""
         if now is None:
             now = self.clock()
+        elif isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise ArgumentError(
+                f"now must be a finite time on the pool's clock (time.monotonic() unless the "
+                f"pool was given another) or None, not {now!r}"
+            )
         with self._lock:
             entries = list(self._entries.values())
         return _policies.reap_idle(entries, now, self.settings, self._reap_hooks)

@@ -50,6 +50,11 @@ _log = logging.getLogger("comfy_env.reactor")
 
 T = TypeVar("T")
 
+# The longest the loop sleeps in one select (seconds). A timer due later is waited for in
+# several sleeps: the OS bounds a wait (epoll takes at most INT_MAX ms, about 24.8 days, and
+# raises OverflowError past it).
+LONGEST_SLEEP = 3600.0
+
 # A select that fails (it never should) is logged and retried after a pause; this many
 # failures in a row end the loop (a selector that cannot work any more), with ``failure`` set.
 _SELECT_FAILURES = 50
@@ -260,7 +265,7 @@ class Reactor:
             timeout: float | None = None
             if timers:
                 now = time.monotonic()
-                timeout = max(0.0, timers[0][0] - now)
+                timeout = min(max(0.0, timers[0][0] - now), LONGEST_SLEEP)
                 self._sleep_until = now + timeout
             else:
                 self._sleep_until = math.inf

@@ -235,9 +235,12 @@ def warn_unknown_variables() -> list[tuple[str, str | None]]:
     return unknown
 
 
-def check_timeout(value: object, what: str = "timeout") -> float | None:
+def check_timeout(
+    value: object, what: str = "timeout", none_means: str = "no deadline"
+) -> float | None:
     """A per-call timeout: None, or a finite number of seconds in (0, MAX_SECONDS]. Anything
-    else is an ``ArgumentError`` naming it (inf, nan and huge values included)."""
+    else is an ``ArgumentError`` naming it (inf, nan and huge values included); the message
+    says what None would mean (``none_means``)."""
     from ._errors import ArgumentError
 
     if value is None:
@@ -247,7 +250,7 @@ def check_timeout(value: object, what: str = "timeout") -> float | None:
     seconds = float(value)
     if not (0 < seconds <= MAX_SECONDS):  # also false for nan
         raise ArgumentError(
-            f"{what} must be positive seconds up to {MAX_SECONDS:g} (or None for no "
-            f"deadline), not {value!r}"
+            f"{what} must be positive seconds up to {MAX_SECONDS:g} (or None for "
+            f"{none_means}), not {value!r}"
         )
     return seconds

@@ -36,8 +36,9 @@ class EnvStats:
     """Counters of one env. Invariant: ``submitted == ok + raised + crashed + timed_out +
     cancelled + failed + in_flight + queued``.
 
-    ``generation``, ``pid``, ``state`` and ``shared_memory`` are the first slot's
-    (``workers[0]``); with ``max_workers_per_env > 1`` the other slots are in ``workers``.
+    ``generation`` is the latest generation spawned for the env (any slot's spawn bumps it);
+    ``pid``, ``state`` and ``shared_memory`` are the first slot's (``workers[0]``). With
+    ``max_workers_per_env > 1`` each slot's own generation, pid and state are in ``workers``.
 
     ``raised``: the function raised (or its result did not unpickle). ``crashed``: the worker
     died during the call. ``failed``: the call could not run for another reason (the worker did

@@ -2,7 +2,8 @@
 
 A handle names an env in a pool; it holds no process. Every call leases one of the env's slots,
 so a handle never points at a dead worker: after a crash the next call simply lands on the
-fresh generation. ``generation`` and ``pid`` report the env's first slot as of now.
+fresh generation. ``generation`` is the latest generation spawned for the env and ``pid`` the
+env's first slot's, as of now.
 
 Data flow: ``Worker`` holds a ``CallSite`` (the pool, typed by ``_callsite``) and the env's
 ``EnvEntry`` (``_entry``); every method is one call into the site (``call``/``run``: the sync
@@ -93,16 +94,23 @@ def check_on_event(on_event: object) -> None:
     hand each event on (``loop.create_task``, ``queue.put_nowait``)."""
     if on_event is None:
         return
-    if not callable(on_event):
-        raise ArgumentError(f"on_event must be a callable or None, not {type(on_event).__name__}")
+    check_plain_callable(on_event, "on_event", " or None")
+
+
+def check_plain_callable(fn: object, what: str, alternative: str = "") -> None:
+    """``ArgumentError`` naming ``what`` unless ``fn`` is a plain (not ``async def``)
+    callable: a callback the pool calls and does not await (``on_event``, a ``subscribe``
+    callback, a reap hook). Refused when it is given, not when the first event finds out."""
+    if not callable(fn):
+        raise ArgumentError(f"{what} must be a callable{alternative}, not {type(fn).__name__}")
     import inspect
 
-    if inspect.iscoroutinefunction(on_event) or inspect.iscoroutinefunction(
-        type(on_event).__call__  # an instance whose __call__ is an async def
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        type(fn).__call__  # an instance whose __call__ is an async def
     ):
         raise ArgumentError(
-            f"on_event must be a plain function, not a coroutine function ({on_event!r}): "
-            "events are delivered synchronously and a coroutine would never be awaited; "
+            f"{what} must be a plain function, not a coroutine function ({fn!r}): "
+            "it is called synchronously and a coroutine would never be awaited; "
             "from a plain callback, schedule the work (loop.create_task(handle(ev)))"
         )
 
@@ -142,7 +150,7 @@ class Worker:
 
     def stats(self) -> EnvStats:
         """A frozen snapshot of this env's counters."""
-        return self._entry.snapshot(self._pool.clock())
+        return self._entry.snapshot(self._pool.clock(), self._pool.settings.restart_window)
 
     def call(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``target(*args, **kwargs)`` in a worker and return its result.

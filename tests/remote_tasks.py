@@ -58,6 +58,11 @@ def stamp(i: int) -> tuple[int, int]:
     return time.monotonic_ns(), i
 
 
+def sleep_then(seconds: float, value: Any) -> Any:
+    time.sleep(seconds)
+    return value
+
+
 def getpid() -> int:
     return os.getpid()
 
@@ -136,6 +141,29 @@ def write_oversized_header() -> None:
 
     assert main.CHANNEL is not None
     main.CHANNEL.sendall(protocol.encode_header(protocol.FrameType.REPLY_OK, 0, 2**61))
+
+
+def close_channel_and_linger(seconds: float) -> None:
+    """Lets go of the channel (both directions; ``/dev/null`` takes their descriptors, so the
+    watchdog sees no closed descriptor) and lives on, as code that closes descriptors it does
+    not own might."""
+    from comfy_env_worker import main
+
+    assert main.CHANNEL is not None and main.WORKER is not None
+    null = os.open(os.devnull, os.O_RDWR)
+    for sock in {main.CHANNEL, main.WORKER.requests}:
+        os.dup2(null, sock.fileno())
+    os.close(null)
+    time.sleep(seconds)
+
+
+def write_junk_on_the_log_pipe() -> None:
+    """Writes bytes that are not a log frame on the worker's log pipe (as code writing on a
+    descriptor it does not own might)."""
+    from comfy_env_worker import main
+
+    assert main.WORKER is not None and main.WORKER.outbox.log_fd is not None
+    os.write(main.WORKER.outbox.log_fd, b"this is not a log frame at all, nor its header")
 
 
 def reply_then_die() -> None:
@@ -390,6 +418,24 @@ def report(n: int, kinds: tuple[str, ...] = ()) -> int:
     for kind in kinds:
         comfy_env_worker.emit(kind, {"kind": kind})
     return n
+
+
+def emit_too_big(size: int, progress: bool = False) -> str:
+    """An event (or a progress update) whose data is ``size`` bytes, then one small event;
+    returns what the oversized one raised in the worker."""
+    import comfy_env_worker
+
+    try:
+        if progress:
+            comfy_env_worker.progress(1, 1, blob=b"p" * size)
+        else:
+            comfy_env_worker.emit("big", b"e" * size)
+    except Exception as exc:  # noqa: BLE001 - the test reads what it was
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = "sent"
+    comfy_env_worker.emit("small", 1)
+    return outcome
 
 
 def events_in_order(n: int) -> int:

@@ -14,6 +14,7 @@ Every test uses real worker processes. What they prove:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -264,6 +265,27 @@ def test_a_progress_flood_is_coalesced_and_the_latest_wins(grace_pool: comfy_env
     assert seen[-1].kind == "done"  # the emit after the flood comes after its last progress
 
 
+@pytest.mark.parametrize("progress", [False, True])
+def test_an_event_too_large_for_a_frame_raises_in_the_worker_and_keeps_it(
+    progress: bool,
+) -> None:
+    """An ``emit``/``progress`` whose data pickles to more than ``max_frame_bytes`` raises
+    ``OverflowError`` in the env's code, as a result that large does; it was sent anyway, and
+    the host retired the worker with a ``ProtocolError`` (a death for the breaker)."""
+    cfg = comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), max_frame_bytes=1024 * 1024)
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        seen: list[CallEvent] = []
+        outcome = w.run(
+            "remote_tasks:emit_too_big", (2 * 1024 * 1024, progress), on_event=seen.append
+        )
+        assert outcome.startswith("OverflowError") and "max_frame_bytes" in outcome, outcome
+        assert [e.kind for e in seen] == ["small"]
+        stats = w.stats()
+        assert (stats.generation, stats.ok, stats.failed, stats.restarts_in_window) == (1, 1, 0, 0)
+        assert w.call("remote_tasks:add", 1, 2) == 3 and w.generation == 1
+
+
 def test_a_failing_event_callback_does_not_break_the_call(
     grace_pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -316,6 +338,32 @@ def test_submit_with_events_and_a_deadline(grace_pool: comfy_env.Pool) -> None:
     late = w.submit("remote_tasks:cooperative_loop", (30,), timeout=0.5)
     with pytest.raises(comfy_env.CallTimeout):
         late.result(timeout=10)
+
+
+def test_a_wait_for_a_call_takes_any_number_and_refuses_what_is_no_time(
+    grace_pool: comfy_env.Pool,
+) -> None:
+    """``call.result(timeout)`` and ``call.exception(timeout)`` bound the wait only: a
+    timeout too long for the clock (inf, 1e300, past ``threading.TIMEOUT_MAX``) waits for
+    the call, as None does (it raised ``OverflowError``); one that is no number (NaN, a
+    string, a bool) is an ``ArgumentError`` (it raised ``TypeError`` or timed out at once).
+    The call itself goes on untouched."""
+    w = grace_pool.get_worker()
+    for forever in (math.inf, 1e300, threading.TIMEOUT_MAX * 2):
+        call = w.submit("remote_tasks:sleep_then", (0.2, "done"))
+        assert call.exception(timeout=forever) is None
+        assert call.result(timeout=forever) == "done"
+    call = w.submit("remote_tasks:sleep_then", (0.2, "late"))
+    for bad in (math.nan, "1", True):
+        with pytest.raises(comfy_env.ArgumentError, match="timeout"):
+            call.result(timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(comfy_env.ArgumentError, match="timeout"):
+            call.exception(timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError):
+        call.result(timeout=0)  # a zero or negative wait still just looks, as in futures
+    assert call.result(timeout=10) == "late"
+    stats = w.stats()
+    assert (stats.ok, stats.in_flight, stats.generation) == (4, 0, 1)
 
 
 def test_ctrl_c_while_waiting_asks_the_worker_first(grace_pool: comfy_env.Pool) -> None:

@@ -173,6 +173,20 @@ def test_os_exit_reports_the_exit_code(pool: comfy_env.Pool, code: int) -> None:
     assert f"exited with code {code}" in str(info.value)
 
 
+def test_a_worker_that_closes_its_channel_and_lives_on_is_not_said_to_be_killed_from_outside(
+    pool: comfy_env.Pool,
+) -> None:
+    """The host kills a worker whose channel closed while it still ran: its SIGKILL is the
+    host's, so the story is "closed its channel", not "the OOM killer or a kill -9"."""
+    w = pool.get_worker()
+    with pytest.raises(WorkerCrashed) as info:
+        w.call("remote_tasks:close_channel_and_linger", 30.0)
+    message = str(info.value)
+    assert "closed its channel while still running" in message, message
+    assert "from outside" not in message and "OOM" not in message, message
+    assert w.call("remote_tasks:add", 1, 2) == 3 and w.generation == 2
+
+
 def test_abort_is_reported_as_sigabrt(pool: comfy_env.Pool) -> None:
     with pytest.raises(WorkerCrashed) as info:
         pool.get_worker().call(os.abort)
@@ -509,5 +523,26 @@ def test_a_timer_due_after_the_reactors_own_wake_up_needs_no_wake_up_byte() -> N
         assert fired["sooner"] < fired["first"] < fired["later"]
         for name, handle in (("first", first), ("later", later), ("sooner", sooner)):
             assert fired[name] >= handle.when
+    finally:
+        reactor.stop()
+
+
+def test_a_timer_too_far_for_the_os_to_wait_on_never_stops_the_reactor() -> None:
+    """A timer due further away than the OS's longest wait (epoll: about 24.8 days) is slept
+    for in bounded steps: the loop lives on and runs what comes after it (once, a grace timer
+    of 1e30 s raised OverflowError in select and ended the pool's only service thread)."""
+    reactor = Reactor()
+    reactor.start()
+    try:
+        far = reactor.call_later(1e30, lambda: None)
+        assert wait_until(lambda: reactor._sleep_until > 0, 5)  # asleep with the far timer
+        ran = threading.Event()
+        reactor.call_soon(ran.set)
+        assert ran.wait(5)
+        soon = threading.Event()
+        reactor.call_later(0.01, soon.set)
+        assert soon.wait(5)
+        assert reactor._thread is not None and reactor._thread.is_alive()
+        far.cancel()
     finally:
         reactor.stop()

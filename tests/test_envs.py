@@ -68,6 +68,28 @@ def test_wrong_type_is_an_env_error() -> None:
         resolve_env(3)  # type: ignore[arg-type]
 
 
+class _BytesPath(os.PathLike):  # type: ignore[type-arg]
+    def __fspath__(self) -> bytes:
+        return b"/tmp"
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [("venv\0x", "NUL character"), (_BytesPath(), "bytes"), (b"/tmp", "not bytes")],
+)
+def test_an_env_no_path_can_name_is_an_env_error_saying_why(
+    pool: comfy_env.Pool, env: object, needle: str
+) -> None:
+    """A NUL in the env, or an ``os.PathLike`` that gives bytes, is an ``EnvError`` saying so
+    (not "does not exist" with the NUL printed raw, nor a bare ``TypeError`` from path
+    arithmetic); the pool goes on serving other envs."""
+    with pytest.raises(EnvError, match=needle) as info:
+        pool.get_worker(env)  # type: ignore[arg-type]
+    assert "\0" not in str(info.value)
+    assert pool.get_worker().call("comfy_env_worker.tasks:echo", 1) == 1
+    assert len(pool.stats()) == 1
+
+
 def test_venv_interpreter_path_is_kept_unresolved(foreign_venv: Path) -> None:
     spec = resolve_env(foreign_venv)
     assert spec.interpreter == str(foreign_venv / "bin" / "python")

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import remote_tasks
-from conftest import TESTS_DIR, run_host
+from conftest import TESTS_DIR, run_host, wait_until
 
 import comfy_env
 from comfy_env._logs import WorkerLog
@@ -79,6 +79,33 @@ def test_output_between_calls_arrives_without_a_call(
     assert found, "a record logged between calls never arrived"
     assert found[0].levelno == logging.ERROR
     assert found[0].worker_logger == "background"  # type: ignore[attr-defined]
+
+
+def test_junk_on_the_log_pipe_is_said_once_and_later_records_still_arrive(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes on the log pipe that are not log frames are skipped with one warning naming the
+    worker (they were dropped without a word); the worker is not harmed, and what it logs
+    between calls afterwards arrives."""
+    caplog.set_level(logging.INFO, logger="comfy_env")
+    w = pool.get_worker()
+    for round_ in (1, 2):
+        w.call("remote_tasks:write_junk_on_the_log_pipe")
+        w.call(remote_tasks.log_later, 0.2)
+
+        def arrived(n: int = round_) -> bool:
+            found = [r for r in _records(caplog) if r.getMessage() == "logged between calls"]
+            return len(found) >= n
+
+        assert wait_until(arrived, 5), "a record logged after the junk never arrived"
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "comfy_env" and "log pipe" in r.getMessage()
+    ]
+    assert len(warnings) == 1, warnings  # once per worker, not per junk
+    assert f"pid {w.pid}" in warnings[0] and "generation 1" in warnings[0], warnings
+    assert w.generation == 1 and w.stats().crashed == 0 and w.stats().failed == 0
 
 
 def test_print_to_a_file_still_writes_the_file(

@@ -85,6 +85,26 @@ def test_a_reaper_decision_is_dropped_when_a_call_ran_in_between(
         assert pool.reap_idle(clock.now) == 1
 
 
+@pytest.mark.parametrize("now", [float("nan"), float("inf"), True, "1e9", None])
+def test_reap_idle_refuses_a_now_that_is_no_time_and_reaps_nothing(
+    config: comfy_env.PoolConfig, now: object
+) -> None:
+    """``reap_idle(now)`` takes a time on the pool's clock; NaN compared as "idle long
+    enough" and retired every idle worker. Anything but a finite number is an
+    ``ArgumentError`` and the idle worker stays (``now=None`` means the pool's clock)."""
+    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 30.0})) as pool:
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)
+        pid = w.pid
+        if now is None:
+            assert pool.reap_idle(now) == 0  # idle for less than 30 s on the pool's clock
+        else:
+            with pytest.raises(comfy_env.ArgumentError, match="now"):
+                pool.reap_idle(now)  # type: ignore[arg-type]
+        assert w.stats().reaped == 0 and w.stats().state == "idle" and w.pid == pid
+        assert w.call("comfy_env_worker.tasks:echo", 1) == 1 and w.generation == 1
+
+
 def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
     config: comfy_env.PoolConfig,
 ) -> None:
@@ -316,6 +336,36 @@ def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_
         assert w.call("remote_tasks:add", 2) == 2
 
 
+def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
+    config: comfy_env.PoolConfig,
+) -> None:
+    """``restarts_in_window`` is what the breaker would count now: a death older than
+    ``restart_window`` (the pool's, or the env's own from ``set_breaker``) no longer counts,
+    though no later death has come to prune it."""
+    offset = [0.0]
+    update = {"max_restarts": 5, "restart_window": 60.0}
+    with comfy_env.Pool(
+        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
+    ) as pool:
+        w = pool.get_worker()
+        for _ in range(2):
+            with pytest.raises(WorkerCrashed):
+                w.call("comfy_env_worker.tasks:crash")
+        assert _wait(lambda: w.stats().restarts_in_window == 2)
+        offset[0] += 59.0
+        assert w.stats().restarts_in_window == 2
+        offset[0] += 2.0  # both deaths are now older than the window
+        assert w.stats().restarts_in_window == 0
+        assert pool.stats()[w.env].restarts_in_window == 0
+        with pytest.raises(WorkerCrashed):
+            w.call("comfy_env_worker.tasks:crash")
+        assert _wait(lambda: w.stats().restarts_in_window == 1)
+        pool.set_breaker(None, restart_window=5.0)  # the env's own window counts from now on
+        offset[0] += 6.0
+        assert w.stats().restarts_in_window == 0
+        assert w.call("remote_tasks:add", 1) == 1
+
+
 def test_set_breaker_gives_one_env_its_own_settings(
     config: comfy_env.PoolConfig, foreign_venv: Path
 ) -> None:
@@ -333,8 +383,9 @@ def test_set_breaker_gives_one_env_its_own_settings(
                 other.call("comfy_env_worker.tasks:crash")
         assert other.call("comfy_env_worker.tasks:echo", 5) == 5
         for bad in ({"max_restarts": -1}, {"restart_window": 0}, {"abandon_for": float("inf")}):
-            with pytest.raises(comfy_env.ArgumentError, match=next(iter(bad))):
+            with pytest.raises(comfy_env.ArgumentError, match=next(iter(bad))) as info:
                 pool.set_breaker(None, **bad)  # type: ignore[arg-type]
+            assert "deadline" not in str(info.value)  # None keeps the pool's value here
 
 
 def test_recent_deaths_quote_the_crashing_frame_not_the_last_output_line(
@@ -426,6 +477,11 @@ def test_env_abandoned_follows_the_failed_launch_that_tripped_the_breaker(
         assert w.stats().abandoned
         assert _wait(lambda: any(isinstance(e, comfy_env.EnvAbandoned) for e in events))
         _retired_then_abandoned(events, w.env, 2, "start_failed")
+        with pytest.raises(EnvAbandonedError) as info:
+            w.call("comfy_env_worker.tasks:echo", 1)
+        # Each death says it never launched, not "exit code None".
+        assert str(info.value).count("start_failed (never launched)") == 2, str(info.value)
+        assert "exit code None" not in str(info.value)
 
 
 # ---- lifecycle events ---------------------------------------------------------------------------
@@ -459,6 +515,30 @@ def test_events_tell_the_lifecycle_in_order(config: comfy_env.PoolConfig) -> Non
             ready.generation = 3  # type: ignore[misc]
     closed = [e for e in events if isinstance(e, comfy_env.WorkerRetired)]
     assert closed[-1].reason == "closed"
+
+
+async def _async_callback(*_args: object) -> None:
+    pass
+
+
+@pytest.mark.parametrize("bad", [5, None, "print", _async_callback])
+def test_a_subscriber_or_reap_hook_that_cannot_be_called_is_refused_when_given(
+    config: comfy_env.PoolConfig, bad: object
+) -> None:
+    """A callback that is not a plain callable is an ``ArgumentError`` when it is given, not a
+    logged ``TypeError`` on every later event (or a coroutine nobody awaits, for an
+    ``async def``); the pool goes on as before."""
+    with comfy_env.Pool(config) as pool:
+        with pytest.raises(comfy_env.ArgumentError, match="callback"):
+            pool.subscribe(bad)  # type: ignore[arg-type]
+        with pytest.raises(comfy_env.ArgumentError, match="hook"):
+            pool.add_reap_hook(bad)  # type: ignore[arg-type]
+        assert not pool._events.subscribed and not pool._reap_hooks._hooks
+        events: list[object] = []
+        pool.subscribe(events.append)
+        w = pool.get_worker()
+        assert w.call("comfy_env_worker.tasks:echo", 2) == 2
+        assert _wait(lambda: len(events) >= 2)
 
 
 def test_callbacks_may_call_back_into_the_pool_and_their_errors_never_break_it(

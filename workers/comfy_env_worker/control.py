@@ -78,6 +78,9 @@ class CallControl:
         self.armed = False  # an asynchronous Cancelled is pending or landed for this call
         self.pending: Optional[Tuple[int, bytes]] = None  # coalesced progress (call id, data)
         self.last_progress = 0.0
+        # The largest EVENT payload the host reads (its max_frame_bytes, from CONFIG): a larger
+        # one would be a protocol error there, which retires this worker.
+        self.max_payload = 2**62
 
     # ---- main thread ----
 
@@ -148,6 +151,13 @@ class CallControl:
         if not call_id:
             return  # outside a call nobody would read it
         payload = pickle.dumps((kind, data), protocol=4)
+        if len(payload) > self.max_payload:
+            # Raised in the env's code, as an unpicklable ``data`` is: the call decides.
+            raise OverflowError(
+                "the %s event's data pickles to %d bytes, over the frame limit of %d bytes "
+                "(PoolConfig.max_frame_bytes); send a small summary instead"
+                % ("progress" if progress else repr(kind), len(payload), self.max_payload)
+            )
         now = time.monotonic()
         with self.lock:  # one sender at a time, so frames keep the order of the calls
             if call_id != self.call_id:

@@ -270,6 +270,7 @@ class Worker:
         self.max_frame_bytes = limit
         self.reader.limit = limit
         self.outbox.max_payload = min(logs.RECORD_CAP, limit - 4096)
+        self.control.max_payload = limit
         self.threshold = int(config.get("shm_threshold_bytes") or shm.MIN_BLOCK)
         # Buffers this large leave the pickle; all of a reply's go through shared memory when
         # they add up to ``threshold``, else inline (never a mix of the two paths).
