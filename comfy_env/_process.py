@@ -104,7 +104,7 @@ from ._errors import HostResourceError, SerializationError, WorkerStartError, de
 from ._identity import host_id, host_token
 from ._lifecycle import CancelKill, RetireReason, Stop
 from ._logs import WorkerLog
-from ._reactor import Reactor
+from ._reactor import Reactor, ReactorFailed
 from ._rundir import (
     check_private_dir,
     copy_tree,
@@ -772,7 +772,7 @@ class WorkerProcess:
 
             try:
                 self.reactor.run_sync(popen)
-            except OSError as exc:
+            except (OSError, ReactorFailed) as exc:
                 raise WorkerStartError(
                     f"cannot launch {self.spec.interpreter} for env {self.spec.key}: {exc}",
                     env=self.spec.key,
@@ -1754,9 +1754,16 @@ class WorkerProcess:
 
     def wait_exit(self, timeout: float) -> int | None:
         """The return code once the process is reaped, or None if it is still running."""
-        if self.exited.wait(timeout):
-            return self.returncode
-        return None
+        popen = self.popen
+        if popen is None or self.reactor.running:
+            return self.returncode if self.exited.wait(timeout) else None
+        # The reactor, which reaps, has ended (or was stopped): this thread reaps instead.
+        try:
+            returncode = popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reaped(returncode)
+        return self.returncode
 
     def wait_output(self, timeout: float) -> None:
         self.output_done.wait(timeout)

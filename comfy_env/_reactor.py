@@ -13,8 +13,13 @@ One ``Reactor`` per pool, started when the pool first spawns a worker and stoppe
   thread ends. The reactor thread lives as long as the pool.
 
 Callbacks run on the reactor thread and must be short and never block; they report to the pool
-by submitting events to its gate. Channels are never read here: a call's caller reads its own
-reply, so the hot path has no thread hand-off.
+by submitting events to its gate. The loop outlives what goes wrong in it: a callback that
+raises (anything, ``SystemExit`` included: it would end this thread silently) is logged, and a
+``select`` that fails is logged and retried after a pause; only ``_SELECT_FAILURES`` failures
+in a row end the thread. If it ends anyway, ``running`` says so at once (callers then take
+their no-reactor paths) and ``run_sync`` raises ``ReactorFailed`` instead of waiting for ever.
+Channels are never read here: a call's caller reads its own reply, so the hot path has no
+thread hand-off.
 
 Thread safety: every mutation of the selector or the heap happens on the reactor thread; other
 threads enqueue a closure and write one byte to a wake-up socket. A timer due no earlier than
@@ -47,9 +52,19 @@ T = TypeVar("T")
 
 # The longest the loop sleeps in one select (seconds). A timer due later is waited for in
 # several sleeps: the OS bounds a wait (epoll takes at most INT_MAX ms, about 24.8 days, and
-# raises OverflowError past it), and an exception from select would end this thread, and with
-# it every exit notice and timer of the pool.
+# raises OverflowError past it).
 LONGEST_SLEEP = 3600.0
+
+# A select that fails (it never should) is logged and retried after a pause; this many
+# failures in a row end the loop (a selector that cannot work any more), with ``failure`` set.
+_SELECT_FAILURES = 50
+_FAILURE_PAUSE = 0.02
+# How often ``run_sync`` looks whether the thread it waits for is still there.
+_RUN_SYNC_CHECK = 0.5
+
+
+class ReactorFailed(RuntimeError):
+    """The pool's service thread has ended without being stopped (see ``Reactor.failure``)."""
 
 
 class TimerHandle:
@@ -84,6 +99,8 @@ class Reactor:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
+        # Why the loop ended without ``stop`` (None while it runs or after a clean stop).
+        self.failure: BaseException | None = None
         # When the loop wakes by itself (monotonic seconds): -inf while it is awake, inf while
         # it sleeps with no timer (see the module docstring).
         self._sleep_until = -math.inf
@@ -102,7 +119,9 @@ class Reactor:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and not self._closed
+        """Started, not stopped, and its thread still there to run what is scheduled."""
+        thread = self._thread
+        return thread is not None and not self._closed and thread.is_alive()
 
     def in_reactor_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -170,7 +189,28 @@ class Reactor:
                 future.set_exception(exc)
 
         self.call_soon(run)
-        return future.result(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = _RUN_SYNC_CHECK
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            try:
+                return future.result(wait)
+            except concurrent.futures.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                thread = self._thread
+                if thread is None or not thread.is_alive():
+                    future.cancel()
+                    raise ReactorFailed(self._failure_text()) from self.failure
+
+    def _failure_text(self) -> str:
+        if self._closed:
+            return "the pool's service thread was stopped (the pool is closed)"
+        return (
+            f"the pool's service thread ({self._name}) has ended: {self.failure!r}; "
+            "close this pool and make a new one"
+        )
 
     def add_reader(self, fileobj: Any, callback: Callable[[], None]) -> None:
         def register() -> None:
@@ -204,9 +244,23 @@ class Reactor:
     # ---- the loop ----
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded, logged; the thread ends
+            self.failure = exc
+        if self.failure is not None and not self._stopping:
+            _log.critical(
+                "comfy-env: the pool's service thread (%s) has ended; workers' exits, output "
+                "and timers are no longer watched: close this pool and make a new one",
+                self._name,
+                exc_info=self.failure,
+            )
+
+    def _loop(self) -> None:
         select = self._selector.select
         timers = self._timers
         pending = self._pending
+        failures = 0
         while not self._stopping:
             timeout: float | None = None
             if timers:
@@ -221,8 +275,23 @@ class Reactor:
                 timeout = 0
             try:
                 ready = select(timeout)
-            except OSError:  # pragma: no cover - selector closed under us during stop
-                break
+            except Exception as exc:  # noqa: BLE001 - see the module docstring
+                if self._stopping:
+                    break  # the selector closed under us during stop
+                failures += 1
+                if failures >= _SELECT_FAILURES:
+                    self.failure = exc
+                    return
+                _log.error(
+                    "comfy-env reactor: select failed (%d in a row); retrying",
+                    failures,
+                    exc_info=failures == 1,
+                )
+                self._sleep_until = -math.inf
+                time.sleep(_FAILURE_PAUSE)
+                ready = []
+            else:
+                failures = 0
             self._sleep_until = -math.inf
             for key, _mask in ready:
                 if key.data is None:
@@ -248,5 +317,6 @@ class Reactor:
     def _safely(fn: Callable[[], None]) -> None:
         try:
             fn()
-        except Exception:  # noqa: BLE001 - one bad callback must not stop exit watching
+        except BaseException:  # noqa: BLE001 - one bad callback must not stop exit watching
+            # (SystemExit too: on this thread it would end the loop without a word.)
             _log.exception("comfy-env reactor callback failed")

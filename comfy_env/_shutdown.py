@@ -160,9 +160,16 @@ def stop_workers(
     """Stop every worker of a closing pool and release their channels (see the module
     docstring). ``tracked`` lists the processes forked and not yet reaped; ``lock`` is the
     pool's lock, which guards the slots' leases against a caller that still ends its call."""
+    from ._reactor import ReactorFailed  # (loaded with the reactor: costs nothing here)
+
     # Barrier: after this, no fork can start (the pool refuses before launching), and every
-    # process forked so far is tracked.
-    reactor.run_sync(lambda: None)
+    # process forked so far is tracked. (A reactor whose thread has ended forks nothing, and
+    # from here on this thread does its work: reaping in ``wait_exit``, the release below.)
+    if reactor.running:
+        try:
+            reactor.run_sync(lambda: None)
+        except ReactorFailed:
+            pass  # it ended just now: as above
     with lock:
         processes = tracked()
     for process in processes:
@@ -191,7 +198,10 @@ def stop_workers(
         for p in all_processes:
             p.force_close()
 
-    reactor.run_sync(release_all)
+    try:
+        reactor.run_sync(release_all) if reactor.running else release_all()
+    except ReactorFailed:
+        release_all()
     reactor.stop()
     for process in all_processes:
         with lock:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import signal
 import socket
@@ -12,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import remote_tasks
@@ -546,3 +549,111 @@ def test_a_timer_too_far_for_the_os_to_wait_on_never_stops_the_reactor() -> None
         far.cancel()
     finally:
         reactor.stop()
+
+
+def _failing_select(reactor: Reactor, failures: int | None) -> list[int]:
+    """Make ``reactor``'s select raise ``failures`` times (None: always) before it works again;
+    returns the list whose length counts the failures so far. Set before ``start``."""
+    real_select = reactor._selector.select
+    raised: list[int] = []
+
+    def select(timeout: float | None = None) -> Any:
+        if failures is None or len(raised) < failures:
+            raised.append(1)
+            raise OSError(errno.EINVAL, "select failed (test)")
+        return real_select(timeout)
+
+    reactor._selector.select = select  # type: ignore[method-assign]
+    return raised
+
+
+def test_a_failing_select_is_retried_and_the_reactor_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A select that fails is logged and retried: the pool's only service thread (exit
+    notices, output, timers) lives on and runs what is scheduled after it."""
+    reactor = Reactor()
+    raised = _failing_select(reactor, 3)
+    with caplog.at_level(logging.ERROR, logger="comfy_env.reactor"):
+        reactor.start()
+        try:
+            fired = threading.Event()
+            reactor.call_later(0.01, fired.set)
+            assert fired.wait(5)
+            assert reactor.run_sync(lambda: 42, timeout=5) == 42
+            assert len(raised) == 3 and reactor.running and reactor.failure is None
+        finally:
+            reactor.stop()
+    assert "select failed" in caplog.text
+
+
+def test_a_callback_raising_system_exit_does_not_end_the_reactor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a thread that is not the main one, SystemExit ends the thread without a word: a
+    callback raising it (a subscriber calling sys.exit) is logged like any other failure."""
+    reactor = Reactor()
+    reactor.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="comfy_env.reactor"):
+            reactor.call_soon(lambda: sys.exit(3))
+            assert reactor.run_sync(lambda: "after", timeout=5) == "after"
+        assert reactor.running
+        assert "reactor callback failed" in caplog.text
+    finally:
+        reactor.stop()
+
+
+def test_run_sync_raises_once_the_reactor_thread_has_ended(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A selector that never works again ends the loop (its failure kept and logged as
+    critical): ``running`` turns false, and a spawn waiting in ``run_sync`` gets
+    ``ReactorFailed`` instead of waiting for ever."""
+    from comfy_env import _reactor
+
+    monkeypatch.setattr(_reactor, "_FAILURE_PAUSE", 0.001)
+    monkeypatch.setattr(_reactor, "_RUN_SYNC_CHECK", 0.05)
+    reactor = Reactor()
+    _failing_select(reactor, None)
+    try:
+        with caplog.at_level(logging.ERROR, logger="comfy_env.reactor"):
+            reactor.start()
+            assert reactor._thread is not None
+            reactor._thread.join(10)
+            assert not reactor._thread.is_alive()
+        assert not reactor.running
+        assert isinstance(reactor.failure, OSError)
+        assert "service thread (comfy-env-reactor) has ended" in caplog.text
+        with pytest.raises(_reactor.ReactorFailed, match="has ended") as info:
+            reactor.run_sync(lambda: None)  # no timeout: would have waited for ever
+        assert info.value.__cause__ is reactor.failure
+    finally:
+        reactor.stop()
+
+
+def test_a_spawn_after_the_reactor_ended_is_a_start_error_not_a_hang(
+    config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool whose service thread has ended (here: a bug in its loop, made to happen) cannot
+    launch a worker: the caller gets ``WorkerStartError`` saying why, at once, instead of a
+    call that waits for ever for the thread to launch it."""
+    import heapq
+
+    from comfy_env import WorkerStartError, _reactor
+
+    monkeypatch.setattr(_reactor, "_RUN_SYNC_CHECK", 0.05)
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker(None)
+        assert w.call("remote_tasks:add", 1, 2) == 3
+        reactor = pool._reactor
+        assert reactor is not None and reactor._thread is not None
+        # A timer entry the loop cannot read: its next turn raises TypeError outside any
+        # callback, which ends the thread.
+        reactor.call_soon(lambda: heapq.heappush(reactor._timers, (None, -1, None)))  # type: ignore[arg-type]
+        reactor._thread.join(10)
+        assert not reactor.running and isinstance(reactor.failure, TypeError)
+        os.kill(w.pid, signal.SIGKILL)  # the next call finds the channel closed: a spawn
+        assert wait_until(lambda: not alive(w.pid))
+        with pytest.raises(WorkerStartError, match="service thread"):
+            w.call("remote_tasks:add", 1, 2, timeout=30)
