@@ -29,6 +29,10 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
                                            on_event (on the loop), REPLY -> future; one read
                                            per callback, a frame's payload received in place
                                            (``FrameBuffer``: one copy however large)
+        a large reply (its header, read    the rest of it is received and unpickled on a
+        on the spot or through the loop,   thread of the call's own (``_BigReply``); the
+        announces _BIG_REPLY bytes or      coroutine keeps the deadline and answers cancels
+        more)                              meanwhile, and waits for the thread's end
         gate(Replied) via settle           the slot goes to the next waiter (``settle_ok``
                                            for an ok reply: one step of the gate)
     otherwise (a worker must start, a ping is due, a large in-band request, out-of-band
@@ -36,6 +40,14 @@ Data flow of one ``arun`` (everything on the event loop unless said otherwise)::
     unavailable), RemoteRefs):
         the sync exchange runs on a thread of its own (never the loop's default executor),
         and the coroutine awaits its outcome; a worker start never blocks the loop.
+
+A large reply off the loop: the loop would hold, for each one, the zero-fill of a buffer of
+the payload's size (in the GIL: 40-60 ms at 64 MiB here, where glibc maps fresh memory for
+it), a readiness callback per read and the unpickling. The thread receives into memory the
+kernel faults in during ``recv_into`` (``_MappedFrame``, from _MAPPED_REPLY), with the GIL
+released, and unpickles there. The unpickling of one big object (a ``str``, ``bytes``) is one
+C call that holds the GIL all along, so the loop still waits for that part wherever it runs
+(about 0.8 ms per MiB here): a thread cannot take it off the loop's critical path.
 
 The spin blocks the loop for at most _REPLY_SPIN (select's timeout counts from the first
 read). The one-CPU yield is no wait on I/O: it hands the CPU to a worker that could only run
@@ -74,6 +86,7 @@ comes) and marks shared memory unavailable, so the next such call takes the thre
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import select
 import threading
@@ -89,6 +102,7 @@ from comfy_env_worker.protocol import (
     MAGIC,
     SPIN_RECHECK,
     FrameBuffer,
+    FrameError,
     FrameReader,
     FrameType,
     Payload,
@@ -125,6 +139,20 @@ _OOB_LOOP_MAX = 16 << 20
 # the call runs on a thread of its own (whose copy lets go of the GIL: ``shm.Block.write``).
 _FRESH_LOOP_MAX = 4 << 20
 _REPLY_SPIN = 0.0002  # seconds a warm call waits for its reply before yielding to the loop
+# A reply frame whose header announces at least this many payload bytes is received and
+# unpickled on a thread of the call's own (``_BigReply``), never on the loop. At 1 MiB both
+# ways measured alike (the loop's worst stall and the call's time, within this machine's
+# noise); above, the loop's share grows with the size: the buffer's zero-fill (0.6-0.9 ms per
+# MiB where its pages are fresh) and a callback per read (HISTORY.md, fifteenth round).
+_BIG_REPLY = 1 << 20
+# From this size on, that thread receives the payload into memory mapped for it
+# (``_MappedFrame``), whose pages the kernel faults in during ``recv_into``, the GIL released.
+# A ``bytearray``'s zero-fill holds the GIL, and where glibc hands it fresh pages (always from
+# 32 MiB, where its mmap threshold stops; often below) it costs about 0.6 ms per MiB: a loop
+# stall, from any thread. Up to this size that is about one GIL switch interval (5 ms), which
+# any other thread may cost the loop anyway, and memory freed before is often reused (16 MiB:
+# 1.5 ms), where a mapping faults in every page again (HISTORY.md, fifteenth round).
+_MAPPED_REPLY = 8 << 20
 
 
 async def arun(
@@ -345,10 +373,14 @@ class _ReplyReader:
 
     Each readiness callback does one read. Frames that arrive whole are parsed from that read;
     a frame whose header has come but whose payload has not is then received in place into
-    one buffer of the frame's size (``FrameBuffer``), so a large reply costs one copy and a
+    one buffer of the frame's size (``FrameBuffer``), so a large frame costs one copy and a
     callback at most one read's worth of work (joining every read to what came before instead
     re-copied the whole reply at each 64 KiB read: quadratic, seconds of blocked loop for tens
-    of MiB). Only an incomplete header (under ``HEADER_SIZE`` bytes) is ever joined."""
+    of MiB). Only an incomplete header (under ``HEADER_SIZE`` bytes) is ever joined.
+
+    It stops at the header of a reply to its call of _BIG_REPLY bytes or more: outcome
+    ``("big", (type, flags, length, the payload's start))``; the rest stays on the channel for
+    ``_BigReply``."""
 
     __slots__ = (
         "buf",
@@ -432,6 +464,17 @@ class _ReplyReader:
                 return
             end = start + HEADER_SIZE + length
             if size < end:
+                if (
+                    length >= _BIG_REPLY
+                    and frame_call_id == self.call_id
+                    and (ftype == FrameType.REPLY_OK or ftype == FrameType.REPLY_ERR)
+                ):
+                    # Our large reply: the loop reads no more of it; the coroutine hands the
+                    # rest to a thread of the call's own (``_BigReply``). It is the call's
+                    # last frame, so nothing after it is ours to read.
+                    self.buf = b""
+                    self.finish("big", (ftype, flags, length, buf[start + HEADER_SIZE :]))
+                    return
                 # The rest of this payload is read straight into its own buffer (on_readable).
                 self.head = (ftype, flags, frame_call_id)
                 self.frame = FrameBuffer(length, buf[start + HEADER_SIZE :])
@@ -457,6 +500,234 @@ class _ReplyReader:
             self.finish("frame", (ftype, flags, frame_call_id, payload, rest))
             return True
         return False
+
+
+class _MappedFrame:
+    """A large reply's payload, received in place into private anonymous memory: the kernel
+    hands out zeroed pages as ``recv_into`` first writes them, with the GIL released, where a
+    ``bytearray`` is zero-filled by ``memset`` with the GIL held (0.6-0.9 ms per MiB of fresh
+    pages here, a stall of the loop from any thread). Memory is taken only as bytes arrive, as
+    with ``FrameBuffer`` beyond its eager size. ``FrameBuffer``'s ``space``/``wrote``/``data``."""
+
+    __slots__ = ("data", "have", "length", "memory")
+
+    def __init__(self, length: int, head: bytes) -> None:
+        self.memory = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+        self.data = memoryview(self.memory)  # the payload once whole (no copy)
+        self.data[: len(head)] = head
+        self.have = len(head)
+        self.length = length
+
+    def space(self) -> memoryview:
+        return self.data[self.have :]
+
+    def wrote(self, n: int) -> bool:
+        self.have += n
+        return self.have >= self.length
+
+
+class _BigReply:
+    """The rest of one large reply frame, received and opened on a thread of the call's own.
+
+    The loop read the frame's header (``_ReplyReader.feed``: a reply to this call of at least
+    _BIG_REPLY bytes) and reads no more of the channel. Data flow::
+
+        loop: wait()            starts the thread; arms the deadline (``stop``); a cancel of
+                                the task asks the worker (``pool.cancel``) and marks the reply
+                                dropped, and the coroutine waits on (as on the loop)
+        thread: run()           poll(channel, stop pipe) -> recv_into the payload's buffer
+                                (``_MappedFrame``), until whole, EOF, reset or stopped; then
+                                ``open_reply`` (out-of-band table) and, unless dropped, the
+                                unpickling (``decode_reply``); hands its outcome to the loop
+                                (``call_soon_threadsafe``) and ends
+        loop: wait() returns    ("opened", (replied_at, retained or the open's error,
+                                (ok, value) or None)) or ("eof" | "reset" | "deadline", None):
+                                ``_warm_call`` settles the call, exactly as on the loop
+
+    The thread owns the channel until it ends, and the coroutine never returns before it has
+    (``join``): a retired worker's sockets are disposed of only once its slot is released
+    (``settle``), after that. The stop pipe is the coroutine's: it closes it after the join,
+    so no byte is ever written to a closed (or reused) descriptor. A stop that comes once the
+    payload is whole is ignored: the reply arrived before the deadline was acted on, as a
+    reply read on the loop wins over a timer that has not run yet. The unpickling itself is
+    one C call where a result is one big object (a ``str``, ``bytes``): it holds the GIL, so
+    the loop still waits for it (HISTORY.md, fifteenth round)."""
+
+    __slots__ = (
+        "call_id",
+        "clock",
+        "done",
+        "dropped",
+        "flags",
+        "ftype",
+        "head",
+        "length",
+        "loop",
+        "process",
+        "stop_r",
+        "stop_w",
+        "stopped",
+        "target",
+    )
+
+    def __init__(
+        self,
+        process: WorkerProcess,
+        call_id: int,
+        target: str | Callable[..., Any],
+        clock: Callable[[], float],
+        dropped: bool,
+        ftype: int,
+        flags: int,
+        length: int,
+        head: bytes,
+    ) -> None:
+        self.process = process
+        self.call_id = call_id
+        self.target = target
+        self.clock = clock  # the pool's clock: when the whole reply arrived (replied_at)
+        self.dropped = dropped  # the task was cancelled: the reply is opened, not unpickled
+        self.ftype = ftype
+        self.flags = flags
+        self.length = length
+        self.head = head  # the start of the payload, read on the loop with the header
+        self.stopped: str | None = None  # why the loop stopped the receiving ("deadline")
+        self.stop_r = self.stop_w = -1
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.done: asyncio.Future[tuple[str, Any]] | None = None
+
+    async def wait(
+        self,
+        pool: CallSite,
+        entry: EnvEntry,
+        slot: Slot,
+        ticket: Ticket,
+        deadline: float | None,
+        cancels: int,
+    ) -> tuple[tuple[str, Any], int]:
+        """Run the thread and wait for its outcome (and the thread's end); the deadline and
+        cancellation of the task act as on the loop. Returns (the outcome, cancels)."""
+        loop = self.loop = asyncio.get_running_loop()
+        done = self.done = loop.create_future()
+        self.stop_r, self.stop_w = os.pipe()
+        thread = threading.Thread(target=self.run, name="comfy-env-acall-reply", daemon=True)
+        started = False
+        timer = None
+        try:
+            thread.start()
+            started = True
+            if deadline is not None:
+                delay = max(0.0, deadline - time.monotonic())
+                timer = loop.call_later(delay, self.stop, "deadline")
+            while True:
+                try:
+                    kind, value = await asyncio.shield(done)
+                    break
+                except asyncio.CancelledError:
+                    # As on the loop: ask the worker, keep waiting for the call's end (the
+                    # grace kills a worker that does not end it); a second cancel kills now.
+                    cancels += 1
+                    self.dropped = True
+                    pool.cancel(entry, ticket, force=cancels > 1)
+        except BaseException:
+            # The thread could not start, or the coroutine is closed while it reads: the
+            # channel is out of step, so the worker is stopped, as a sync read's interrupt.
+            entry.apply(slot, lc.CallCancelled(self.process.generation, self.call_id))
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if started:
+                self.stop("closed")  # (ignored by a thread that has ended or is unpickling)
+                thread.join()
+            os.close(self.stop_r)
+            os.close(self.stop_w)
+            self.stop_r = self.stop_w = -1
+        if kind == "raised":  # not the call's outcome: the thread itself failed (MemoryError)
+            entry.apply(slot, lc.CallCancelled(self.process.generation, self.call_id))
+            raise value
+        return (kind, value), cancels
+
+    def stop(self, why: str) -> None:
+        """Loop thread: end the receiving now (the thread polls the stop pipe); no-op once
+        the payload is whole."""
+        if self.stopped is None and self.stop_w >= 0:
+            self.stopped = why
+            os.write(self.stop_w, b"x")
+
+    def run(self) -> None:
+        """The thread: receive and open the reply, then hand the outcome to the loop."""
+        try:
+            outcome = self.receive()
+        except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
+            outcome = ("raised", exc)
+        loop, done = self.loop, self.done
+        assert loop is not None and done is not None
+        try:
+            loop.call_soon_threadsafe(_resolve, done, outcome)
+        except RuntimeError:  # the loop is closed: its coroutine will never run again
+            pass
+
+    def receive(self) -> tuple[str, Any]:
+        length, head = self.length, self.head
+        frame: _MappedFrame | FrameBuffer | None = None
+        if length >= _MAPPED_REPLY:
+            try:
+                frame = _MappedFrame(length, head)
+            except (OSError, OverflowError, ValueError):  # no address space (overcommit)
+                pass
+        if frame is None:
+            frame = FrameBuffer(length, head)
+        self.head = b""
+        process = self.process
+        reader = process.reader
+        channel = process.reply_sock
+        assert reader is not None and channel is not None
+        stop_r = self.stop_r
+        poller = select.poll()
+        poller.register(channel.fileno(), select.POLLIN)
+        poller.register(stop_r, select.POLLIN)
+        recv_into = reader.recv_into_nowait
+        while True:
+            # Poll first: a reply that streams for long still sees the stop at once.
+            for fd, _events in poller.poll():
+                if fd == stop_r:
+                    return (self.stopped or "closed", None)
+            with frame.space() as view:
+                try:
+                    n = recv_into(view)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except ConnectionResetError:
+                    return ("reset", None)
+                except OSError:
+                    return ("eof", None)
+            if not n:
+                return ("eof", None)
+            if frame.wrote(n):
+                break
+        replied_at = self.clock()
+        payload: Any = frame.data
+        del frame
+        buffers = None
+        opened: list[str] | str | HostResourceError = []
+        if self.flags:
+            try:
+                payload, buffers, opened = process.open_reply(self.call_id, self.flags, payload)
+            except FrameError as exc:
+                return ("opened", (replied_at, str(exc), None))
+            except HostResourceError as exc:
+                return ("opened", (replied_at, exc, None))
+        if self.dropped:
+            return ("opened", (replied_at, opened, None))
+        try:
+            decoded: tuple[bool, Any] = (
+                True,
+                decode_reply(self.ftype, payload, self.target, buffers),
+            )
+        except BaseException as exc:  # noqa: BLE001 - the call's outcome, raised on the loop
+            decoded = (False, exc)
+        return ("opened", (replied_at, opened, decoded))
 
 
 async def _warm_call(
@@ -611,6 +882,31 @@ async def _warm_call(
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
+        if kind == "big":
+            # A large reply: its rest is received and unpickled on a thread of the call's own,
+            # while the coroutine keeps the deadline and answers cancellation as above.
+            big = _BigReply(process, call_id, target, pool.clock, cancels > 0, *value)
+            (kind, value), cancels = await big.wait(pool, entry, slot, ticket, deadline, cancels)
+        if kind == "opened":
+            replied_at, opened, decoded = value
+            frames.note_wait(time.monotonic() - now)
+            if isinstance(opened, str):  # open_reply's FrameError
+                raise protocol_error(entry, slot, process, opened)
+            if isinstance(opened, HostResourceError):
+                # The host's fault: the worker replied whole and stays, idle (replied_at).
+                process.finish_request(block, [block.name] if block is not None else [])
+                raise opened
+            process.finish_request(block, opened)
+            if cancels:
+                outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
+                raise asyncio.CancelledError
+            outcome = "raised"
+            assert decoded is not None  # (not decoded only once cancelled)
+            ok, result = decoded
+            if not ok:
+                raise result
+            outcome = "ok"
+            return True, result
         if kind == "frame":
             ftype, flags, reply_id, payload, rest = value
             if rest:
@@ -624,8 +920,6 @@ async def _warm_call(
             reply_buffers = None
             retained: list[str] = []
             if flags:
-                from comfy_env_worker.protocol import FrameError
-
                 try:
                     payload, reply_buffers, retained = process.open_reply(call_id, flags, payload)
                 except FrameError as exc:

@@ -511,6 +511,46 @@ def text(n: int) -> str:
     return "".join(chr(97 + i % 26) for i in range(26)) * (n // 26) + "z" * (n % 26)
 
 
+UNPICKLED_ON: list[int] = []  # host side: the threads that unpickled a ``Recorded``, in order
+
+
+def _unpickle_recorded(payload: str) -> Recorded:
+    UNPICKLED_ON.append(threading.get_ident())
+    return Recorded(payload)
+
+
+class Recorded:
+    """A result that notes which of the host's threads unpickled it (``UNPICKLED_ON``)."""
+
+    def __init__(self, payload: str) -> None:
+        self.payload = payload
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle_recorded, (self.payload,))
+
+
+def recorded(n: int) -> Recorded:
+    """A ``Recorded`` of ``n`` characters, pickled in band."""
+    return Recorded(text(n))
+
+
+def raise_big(n: int) -> None:
+    """Raises an error whose message is ``n`` characters: a large REPLY_ERR frame."""
+    raise CustomError(n, text(n))
+
+
+def events_then_recorded(n: int, size: int) -> Recorded:
+    """``n`` events and a log line each (in band, before the reply), then a large result."""
+    import logging
+
+    import comfy_env_worker
+
+    for i in range(n):
+        comfy_env_worker.emit("step", i)
+        logging.getLogger("remote_tasks").warning("step %d", i)
+    return recorded(size)
+
+
 # ---- backends (tests/test_contract.py, tests/test_ray.py) ----
 
 

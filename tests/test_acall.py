@@ -601,15 +601,22 @@ def test_a_frame_buffer_grows_by_doubling_past_its_eager_size() -> None:
     assert (len(small.data), small.allocations, small.data[:100]) == (1000, 1, b"x" * 100)
 
 
-def test_a_large_reply_on_the_loop_is_received_into_one_buffer() -> None:
+def test_a_large_reply_on_the_loop_is_received_into_one_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Each readiness callback reads once; a frame's payload goes straight into one buffer
     # of its size. Joining every 64 KiB read to what came before (the old reader) held the
-    # reply twice at the end and copied it again at every read: quadratic time.
+    # reply twice at the end and copied it again at every read: quadratic time. (A reply of
+    # _BIG_REPLY bytes or more is left to a thread of its own, test_acall_big_reply.py: the
+    # bound is raised here so that the loop's reader receives these.)
     import socket
     import tracemalloc
 
+    from comfy_env import _acall
     from comfy_env._acall import _ReplyReader
     from comfy_env_worker.protocol import HEADER, MAGIC, FrameReader, FrameType
+
+    monkeypatch.setattr(_acall, "_BIG_REPLY", 1 << 62)
 
     size = 8 << 20
     payload = bytes(range(256)) * (size // 256)
@@ -658,14 +665,49 @@ def test_a_large_reply_on_the_loop_is_received_into_one_buffer() -> None:
         b.close()
 
 
-def test_large_in_band_replies_round_trip_through_acall_on_the_loop(
+def test_a_reply_reader_on_the_loop_stops_at_the_header_of_its_large_reply() -> None:
+    # From _BIG_REPLY bytes on, the loop reads nothing of a reply to its call past the
+    # header (and what came with it): the rest is the receiving thread's. Events before it
+    # are handled; a large frame of another kind, or for another call, is not handed over.
+    import socket
+
+    from comfy_env._acall import _BIG_REPLY, _ReplyReader
+    from comfy_env_worker.protocol import HEADER, MAGIC, FrameReader, FrameType
+
+    size = _BIG_REPLY
+    head = HEADER.pack(MAGIC, FrameType.REPLY_OK, 0, size, 7)
+    a, b = socket.socketpair()
+    try:
+        frames = FrameReader(a, 4 << 30)
+        events: list[tuple[int, bytes]] = []
+        reader = _ReplyReader(frames, lambda _p: None, 7, lambda c, p: events.append((c, p)))
+        b.sendall(HEADER.pack(MAGIC, FrameType.EVENT, 0, 5, 7) + b"event" + head + b"abc")
+        reader.on_readable()
+        assert events == [(7, b"event")]
+        assert reader.outcome == ("big", (FrameType.REPLY_OK, 0, size, b"abc"))
+        b.sendall(b"rest")
+        reader.on_readable()  # ended: reads nothing more
+        assert frames.recv_nowait() == b"rest"
+        for ftype, call_id in ((FrameType.EVENT, 7), (FrameType.REPLY_OK, 8)):
+            other = _ReplyReader(frames, lambda _p: None, 7, None)
+            b.sendall(HEADER.pack(MAGIC, ftype, 0, size, call_id) + b"abc")
+            other.on_readable()
+            assert other.outcome is None and other.frame is not None  # received on the loop
+    finally:
+        a.close()
+        b.close()
+
+
+def test_large_in_band_replies_round_trip_through_a_warm_acall(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     np = pytest.importorskip("numpy")
     cfg = comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), shared_memory=False)
     with comfy_env.Pool(cfg) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:getpid")  # warm: both calls below are read on the loop
+        # Warm: both calls below run on the loop (their large replies are received and
+        # unpickled on a thread of their own, never through the sync path on a thread).
+        w.call("remote_tasks:getpid")
         used = _thread_path_counter(monkeypatch)
 
         async def main() -> tuple[str, Any]:
