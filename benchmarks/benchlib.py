@@ -841,12 +841,13 @@ def rounds_order(rng: Any, names: Sequence[str]) -> list[str]:
 class ArmProcess:
     """One arm of an interleaved A/B script (``ab_hotpath``, ``ab_crash``): a long-lived child
     running ``child_code`` that answers one line per command line. ``spec`` is ``tree:PATH``
-    (that source tree first on ``PYTHONPATH``) or a name the child understands."""
+    or ``atree:PATH`` (that source tree first on ``PYTHONPATH``; ``ab_hotpath``'s asyncio
+    arm) or a name the child understands."""
 
     def __init__(self, spec: str, child_code: str, bench_dir: str) -> None:
         self.spec = spec
         env = dict(os.environ)
-        path = [spec.split(":", 1)[1]] if spec.startswith("tree:") else []
+        path = [spec.split(":", 1)[1]] if spec.startswith(("tree:", "atree:")) else []
         env["PYTHONPATH"] = os.pathsep.join([*path, bench_dir])
         self.proc = subprocess.Popen(
             [sys.executable, "-c", child_code, spec, bench_dir],
