@@ -424,6 +424,22 @@ class _ReplyReader:
     def on_readable(self) -> None:
         if self.outcome is not None:
             return
+        try:
+            self._read_some()
+        except Exception as exc:  # noqa: BLE001 - handed to the coroutine
+            # The host's own failure (no memory for a frame's buffer): left registered, the
+            # next callback would read on from the middle of a frame and call it garbage.
+            self.finish("raised", exc)
+
+    def take(self, data: bytes) -> None:
+        """``feed`` for what a read outside ``on_readable`` got (the on-the-spot wait), with
+        the same guard: a failure of the host's own ends the call (outcome "raised")."""
+        try:
+            self.feed(data)
+        except Exception as exc:  # noqa: BLE001 - handed to the coroutine
+            self.finish("raised", exc)
+
+    def _read_some(self) -> None:
         frame = self.frame
         try:
             if frame is not None:
@@ -844,7 +860,7 @@ async def _warm_call(
                 sink = event_handler(ticket.on_event, call_id, generation)
             reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink)
             if data is not None:  # a partial frame, or frames before the reply
-                reader.feed(data)
+                reader.take(data)
                 if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
                     while reader.outcome is None:
                         left = spin_end - time.monotonic()
@@ -887,6 +903,11 @@ async def _warm_call(
             # while the coroutine keeps the deadline and answers cancellation as above.
             big = _BigReply(process, call_id, target, pool.clock, cancels > 0, *value)
             (kind, value), cancels = await big.wait(pool, entry, slot, ticket, deadline, cancels)
+        if kind == "raised":
+            # The reader failed on the host's side (``on_readable``): the channel is left in
+            # the middle of a frame, so the worker is stopped, as an interrupted sync read.
+            entry.apply(slot, lc.CallCancelled(generation, call_id))
+            raise value
         if kind == "opened":
             replied_at, opened, decoded = value
             frames.note_wait(time.monotonic() - now)

@@ -361,3 +361,38 @@ def test_a_receiving_thread_that_fails_stops_the_worker_and_fails_the_call_once(
     assert remote_tasks.UNPICKLED_ON == []
     assert _counts(w) == (1, 0, 0, 0, 0, 1, 0)
     assert w.call("remote_tasks:getpid") != pid and w.generation == 2
+
+
+@pytest.mark.parametrize("where", ["loop", "on the spot"])
+def test_a_reply_reader_that_fails_stops_the_worker_and_fails_the_call_once(
+    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # The same failure on the reader of a reply of many reads under _BIG_REPLY, through the
+    # loop or in the on-the-spot wait (made long here so that it reads the reply's start): it
+    # must end the call with the host's error and stop the worker. Through the loop the reader
+    # stayed registered and read on from the middle of a frame (a ProtocolError blaming the
+    # worker); on the spot the error left the slot in its call, and the next call waited for
+    # ever.
+    from comfy_env import ProtocolError, _acall
+
+    if where == "on the spot":
+        monkeypatch.setattr(_acall, "_REPLY_SPIN", 30.0)
+    w = apool.get_worker()
+    pid = w.call("remote_tasks:getpid")
+
+    class NoMemory:
+        def __init__(self, *args: Any) -> None:
+            raise MemoryError("no buffer for the reply")
+
+    monkeypatch.setattr(_acall, "FrameBuffer", NoMemory)
+
+    async def main() -> None:
+        with pytest.raises(MemoryError, match="no buffer for the reply") as info:
+            await w.acall("remote_tasks:recorded", MEDIUM)
+        assert not isinstance(info.value, ProtocolError)
+
+    run_small(main)
+    monkeypatch.undo()
+    assert remote_tasks.UNPICKLED_ON == []
+    assert _counts(w) == (1, 0, 0, 0, 0, 1, 0)
+    assert w.call("remote_tasks:getpid") != pid and w.generation == 2
