@@ -989,6 +989,20 @@ async def _warm_call(
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise
+    except BaseException:
+        # Anything else ending the call before its reply arrived whole (a failure of the
+        # host's own, a bug): if the call is still its slot's running call, no event will ever
+        # end it, and every later call on the env would wait for that slot. Its channel may be
+        # mid-frame: the worker is stopped, as an interrupted sync read stops it.
+        state = slot.state
+        if (
+            replied_at is None
+            and type(state) is lc.InCall
+            and state.generation == generation
+            and state.call_id == call_id
+        ):
+            entry.apply(slot, lc.CallCancelled(generation, call_id))
+        raise
     finally:
         if registered:
             assert loop is not None

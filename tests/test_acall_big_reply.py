@@ -396,3 +396,29 @@ def test_a_reply_reader_that_fails_stops_the_worker_and_fails_the_call_once(
     assert remote_tasks.UNPICKLED_ON == []
     assert _counts(w) == (1, 0, 0, 0, 0, 1, 0)
     assert w.call("remote_tasks:getpid") != pid and w.generation == 2
+
+
+def test_any_host_failure_before_the_reply_stops_the_worker_and_frees_the_slot(
+    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failure of the host's own anywhere between the request and its reply (here: setting
+    # up the call's on_event sink) must not leave the slot in its call: the call fails with
+    # that error, the worker is stopped, and the next call on the env runs on a fresh one.
+    from comfy_env import _acall
+
+    w = apool.get_worker()
+    pid = w.call("remote_tasks:getpid")
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no sink today")
+
+    monkeypatch.setattr(_acall, "event_handler", broken)
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="no sink today"):
+            await w.arun("remote_tasks:sleep_then", (0.2, 1), on_event=lambda e: None)
+
+    run_small(main)
+    monkeypatch.undo()
+    assert _counts(w) == (1, 0, 0, 0, 0, 1, 0)
+    assert w.run("remote_tasks:getpid", timeout=30) != pid and w.generation == 2
