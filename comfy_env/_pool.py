@@ -1127,7 +1127,7 @@ class Pool:
         self.reap_idle()
         self._schedule_reaper()
 
-    def reap_idle(self, now: float | None = None) -> int:
+    def reap_idle(self, now: object = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
         ``now`` defaults to the pool's clock). Returns how many were retired.
 
@@ -1135,16 +1135,20 @@ class Pool:
         the ``idle_since`` it observed, so a worker that ran a call in between (or is leased by
         a caller right now) is never reaped. A ``now`` that is no finite number is an
         ``ArgumentError`` (NaN compared as "idle long enough" for every worker)."""
+        # (``object``, checked here: compiled, a ``float | None`` parameter would refuse a
+        # str with a bare TypeError and take True as 1.0 before this check.)
         if now is None:
-            now = self.clock()
+            at = self.clock()
         elif isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
             raise ArgumentError(
                 f"now must be a finite time on the pool's clock (time.monotonic() unless the "
                 f"pool was given another) or None, not {now!r}"
             )
+        else:
+            at = float(now)
         with self._lock:
             entries = list(self._entries.values())
-        return _policies.reap_idle(entries, now, self.settings, self._reap_hooks)
+        return _policies.reap_idle(entries, at, self.settings, self._reap_hooks)
 
     def _record_death(
         self,
