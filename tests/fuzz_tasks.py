@@ -145,17 +145,17 @@ def misbehave(specs: list[Any], then: str, plant: Any = None) -> str:
     return "the real reply"
 
 
-def replace_block_then_reply(how: str) -> Any:
-    """Reply with a real shared-memory result, but first change the block the reply will
-    use behind the envelope's back: ``"unlink"`` (gone), ``"shrink"`` (truncated to one
-    page before the envelope is read)."""
+def replace_block_then_reply(how: str, size: int) -> Any:
+    """Reply with a ``size``-byte array through shared memory, but first change the block the
+    reply will use behind the envelope's back: ``"unlink"`` (its name is gone; a host that
+    mapped the block before still has its memory), ``"shrink"`` (truncated to one page: the
+    worker's own copy into it faults)."""
     import numpy as np
 
     from comfy_env_worker import main, shm
 
     assert main.WORKER is not None and main.WORKER.pool is not None
     pool = main.WORKER.pool
-    size = 1 << 20
     block = pool.acquire(size)  # the block the reply will get back from the pool
     pool.release(block)
     path = os.path.join(shm.SHM_DIR, block.name)

@@ -511,3 +511,30 @@ def test_a_log_handler_that_raises_ends_the_call_and_never_leaves_it_waiting(
     finally:
         comfy_log.removeHandler(handler)
     assert_next_call_works(worker, generation=2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("how", "size", "error", "names"),
+    [
+        # The canary's reply went through the worker's first 1 MiB block: the host still maps
+        # it, so its memory (which the worker writes) is read, whatever the name now names.
+        ("unlink", 1 << 20, None, ""),
+        ("unlink", 4 << 20, ProtocolError, "No such file"),  # a block the host never mapped
+        ("shrink", 1 << 20, WorkerCrashed, "SIGBUS"),
+    ],
+)
+def test_a_reply_block_changed_behind_the_envelope_fails_that_call_only(
+    fuzz_pool: comfy_env.Pool, mode: str, how: str, size: int, error: Any, names: str
+) -> None:
+    """The worker's reply block is unlinked or shrunk before its envelope is read: the
+    result arrives whole, or the call fails with a typed error; the next call works."""
+    worker = warm(fuzz_pool)
+    target = "fuzz_tasks:replace_block_then_reply"
+    if error is None:
+        assert call_target(worker, mode, target, how, size).sum() == size // 8
+        assert_next_call_works(worker, generation=1)
+        return
+    with pytest.raises(error, match=names):
+        call_target(worker, mode, target, how, size)
+    assert_next_call_works(worker, generation=2)
