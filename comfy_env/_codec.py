@@ -286,9 +286,8 @@ def error_record(
     try:
         record = pickle.loads(payload)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a record that is no pickle
-        raise FrameError(
-            f"malformed error record: {type(exc).__name__}: {_text(exc)[:200]}"
-        ) from None
+        error = FrameError(f"malformed error record: {type(exc).__name__}: {_text(exc)[:200]}")
+        raise chained(error, None)  # noqa: B904 - see chained
     if type(record) is not tuple or len(record) != 5:
         shape = f"a {len(record)}-tuple" if type(record) is tuple else type(record).__name__
         raise FrameError(f"malformed error record: {shape}, not the runtime's 5-tuple")
