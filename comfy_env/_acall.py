@@ -506,12 +506,19 @@ class _ReplyReader:
         self, ftype: int, flags: int, frame_call_id: int, payload: Payload, rest: bytes
     ) -> bool:
         """Hand on one whole frame; True if it ended the call (``rest``: the bytes after it,
-        which the channel's own reader gets back)."""
-        if ftype == FrameType.LOG:
-            self.emit_log(payload)
-        elif ftype == FrameType.EVENT:
-            if self.sink is not None:
-                self.sink(frame_call_id, payload)
+        which the channel's own reader gets back). A LOG or EVENT handler that raises (a
+        host logging filter, say) ends the call with that error ("error"), as the sync read
+        does: raised out of a loop callback it would only be logged, and the call would wait
+        for a reply its reader no longer reads."""
+        if ftype == FrameType.LOG or ftype == FrameType.EVENT:
+            try:
+                if ftype == FrameType.LOG:
+                    self.emit_log(payload)
+                elif self.sink is not None:
+                    self.sink(frame_call_id, payload)
+            except Exception as exc:  # noqa: BLE001 - handed to the call
+                self.finish("error", exc)
+                return True
         else:
             self.finish("frame", (ftype, flags, frame_call_id, payload, rest))
             return True
@@ -954,11 +961,20 @@ async def _warm_call(
                 outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
                 raise asyncio.CancelledError
             outcome = "raised"
-            result = decode_reply(ftype, payload, target, reply_buffers)
+            try:
+                result = decode_reply(ftype, payload, target, reply_buffers)
+            except FrameError as exc:  # an error record that is not the runtime's
+                outcome = "failed"
+                raise protocol_error(entry, slot, process, str(exc)) from None
             outcome = "ok"
             return True, result
         if kind == "bad":
             raise protocol_error(entry, slot, process, value)
+        if kind == "error":
+            # A side frame's handler raised: the reply can no longer be read in order. The
+            # worker is stopped, as the sync path's read stops it.
+            entry.apply(slot, lc.CallCancelled(generation, call_id))
+            raise value
         label = target_label(target)  # only on failure: the success path names nothing
         if kind == "deadline" and entry.apply(slot, lc.DeadlineHit(generation, call_id)):
             raise CallTimeout(

@@ -60,7 +60,8 @@ def event_handler(
             return
         try:
             kind, data = pickle.loads(payload)
-        except Exception:  # noqa: BLE001 - a bad event must not break the call
+        except (Exception, SystemExit):  # noqa: BLE001 - a bad event must not break the call
+            # (SystemExit: a reducer in the event; it must not unwind the reading caller.)
             _log.warning("comfy-env: an event of call %d could not be unpickled", call_id)
             return
         deliver(callback, CallEvent(kind, data, call_id, generation))

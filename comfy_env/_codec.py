@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from comfy_env_worker import shm
-from comfy_env_worker.protocol import FrameType
+from comfy_env_worker.protocol import FrameError, FrameType
 from comfy_env_worker.shm import MIN_BLOCK
 
 from ._errors import (
@@ -249,7 +249,12 @@ def decode_reply(
     buffers: list[Any] | None = None,
 ) -> Any:
     """Return the call's result, or raise what the function raised. ``buffers`` are the
-    reply's out-of-band buffers (already private copies)."""
+    reply's out-of-band buffers (already private copies).
+
+    A result that does not unpickle here is a ``SerializationError`` (the function's value:
+    a class the host lacks, a reducer that raises); an error record that is not the one the
+    worker runtime writes raises ``FrameError``, which the caller turns into
+    ``ProtocolError`` (the worker broke the protocol)."""
     if ftype == FrameType.REPLY_OK:
         try:
             return pickle.loads(payload, buffers=buffers)
@@ -271,8 +276,36 @@ def _text(exc: BaseException) -> str:
         return f"<unprintable {type(exc).__name__}>"
 
 
+def error_record(
+    payload: bytes | bytearray | memoryview,
+) -> tuple[str, str | None, str, str, bytes | None]:
+    """A REPLY_ERR payload as the worker runtime writes it (``comfy_env_worker.main.
+    error_record``): (type name, module, message, traceback text, pickled exception or
+    None), made of plain strings and bytes by the runtime itself, whatever the exception.
+    Anything else raises ``FrameError`` (a ``SystemExit`` from a reducer in it included)."""
+    try:
+        record = pickle.loads(payload)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a record that is no pickle
+        error = FrameError(f"malformed error record: {type(exc).__name__}: {_text(exc)[:200]}")
+        raise chained(error, None)  # noqa: B904 - see chained
+    if type(record) is not tuple or len(record) != 5:
+        shape = f"a {len(record)}-tuple" if type(record) is tuple else type(record).__name__
+        raise FrameError(f"malformed error record: {shape}, not the runtime's 5-tuple")
+    qualname, module, message, tb_text, pickled = record
+    if not (
+        isinstance(qualname, str)
+        and (module is None or isinstance(module, str))
+        and isinstance(message, str)
+        and isinstance(tb_text, str)
+        and (pickled is None or isinstance(pickled, bytes))
+    ):
+        types = ", ".join(type(field).__name__ for field in record)
+        raise FrameError(f"malformed error record: fields of types ({types})")
+    return qualname, module, message, tb_text, pickled
+
+
 def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
-    qualname, module, message, tb_text, pickled = pickle.loads(payload)
+    qualname, module, message, tb_text, pickled = error_record(payload)
     cause = RemoteTraceback(tb_text)
     if (module, qualname) == ("comfy_env_worker.control", "Cancelled"):
         # The call stopped on a cancel (cooperatively or interrupted) and its worker lives on.

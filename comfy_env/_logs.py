@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import pickle
 import sys
 import threading
@@ -109,6 +110,7 @@ class WorkerLog:
         self._partial: dict[str, bytearray] = {}
         self._pipe_buf = bytearray()
         self._pipe_warned = False  # junk on the log pipe was reported (once per worker)
+        self._record_warned = False  # an unreadable log record was reported (once per worker)
 
     # ---- budget and emission ----
 
@@ -230,12 +232,41 @@ class WorkerLog:
             on_event(call_id, payload)
 
     def emit_frame(self, payload: bytes | bytearray | memoryview) -> None:
-        """A LOG frame's payload: (level, logger, message, exc text, created, stream)."""
+        """A LOG frame's payload: (level, logger, message, exc text, created, stream).
+
+        A record that does not unpickle (a ``SystemExit`` from a reducer in it included) or
+        has fields of the wrong types is dropped, with one warning per worker: never an
+        exception for the thread or loop that reads the frame (a caller's reply read, the
+        asyncio reader, the reactor on the log pipe), which would leave its call hanging or
+        unwind it."""
         try:
             level, name, message, exc_text, created, stream = pickle.loads(payload)
-        except Exception:  # noqa: BLE001 - a broken record is dropped, never fatal
+            level, name, message, stream = int(level), str(name), str(message), str(stream)
+            exc_text = None if exc_text is None else str(exc_text)
+            when = None if created is None else float(created)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - dropped, never fatal
+            self._bad_record(exc)
             return
-        self.emit(int(level), str(name), str(message), exc_text, created, str(stream))
+        if when is not None and not math.isfinite(when):
+            when = None  # no such time: the record takes the host's clock
+        self.emit(level, name, message, exc_text, when, stream)
+
+    def _bad_record(self, exc: BaseException) -> None:
+        if self._record_warned:
+            return
+        self._record_warned = True
+        try:
+            why = f"{type(exc).__name__}: {exc}"[:200]
+        except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+            why = type(exc).__name__
+        _log.warning(
+            "comfy-env: worker of env %s (pid %s, generation %d) sent a log record that "
+            "could not be read (%s); it and any other such record of this worker are dropped",
+            self.env,
+            self.pid,
+            self.generation,
+            why,
+        )
 
     # ---- native output (reactor thread) ----
 

@@ -94,6 +94,7 @@ from ._entry import (
     outcome_of,
     queue_locked,
     release_locked,
+    run_effects,
 )
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
@@ -516,6 +517,8 @@ class Pool:
         worker's whole reply arrived; None if it did not), release its slot (to the next
         waiter, if any) and count its outcome."""
         retired = None
+        stop: tuple[lc.Effect, ...] | None = None
+        stopped: WorkerGeneration | None = None
         with entry.lock:
             slot = ticket.slot
             if slot is not None:
@@ -523,6 +526,16 @@ class Pool:
                     # A reply that raced a kill is still delivered (the function completed);
                     # the gate drops this late Replied if the worker was retired meanwhile.
                     entry.replied_locked(slot, ticket.generation, ticket.call_id, replied_at)
+                elif type(slot.state) is lc.InCall and slot.state.call_id == ticket.call_id:
+                    # The call ended with neither its reply read nor its worker retired (an
+                    # error nobody foresaw while it held the slot): what the worker still
+                    # writes is unknown, and a slot left in the call would never be free
+                    # again (every later call would queue until its deadline). Stopped at
+                    # once, as the sync path stops a worker whose wait an exception broke.
+                    stop = entry.apply_locked(
+                        slot, lc.CallCancelled(ticket.generation, ticket.call_id)
+                    )
+                    stopped = slot.process
                 ticket.slot = None
                 retired = release_locked(entry, slot)
             stage = ticket.stage
@@ -536,6 +549,8 @@ class Pool:
                     entry.ok += 1
                 else:
                     setattr(entry, outcome, getattr(entry, outcome) + 1)
+        if stop:
+            run_effects(stop, stopped, True)
         if retired is not None:
             self._dispose_later(retired)
         self._status_changed()
@@ -812,7 +827,13 @@ class Pool:
             if ticket.interrupted:
                 raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
             outcome = "raised"
-            result = decode_reply(ftype, reply, target, reply_buffers)
+            try:
+                result = decode_reply(ftype, reply, target, reply_buffers)
+            except FrameError as exc:  # an error record that is not the runtime's
+                outcome = "failed"
+                process = slot.process
+                assert process is not None and process.generation == ticket.generation
+                raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
             outcome = "ok"
             return result
         except HostFault as fault:

@@ -163,6 +163,9 @@ MAX_LOANS = 64
 # replies still go back at once instead of pinning a 1 MiB block each. (A ComfyUI 512x512
 # IMAGE is 3 MiB.)
 LOAN_MIN = 256 << 10
+# What failing to open a reply's blocks means the *host* ran out of (``open_reply``: the worker
+# is kept); any other error opening them is a block the worker named that is none.
+_HOST_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 # Seconds a caller whose read saw the worker's EOF waits for the exit itself (collect_exit)
 # before it leaves the rest to the reactor; a closed channel means the exit is moments away.
 _COLLECT_WAIT = 0.1
@@ -1017,6 +1020,8 @@ class WorkerProcess:
         in our own argument block (``echo`` entries) are views of a loan root of that block,
         which stays out of our pool until they die (``_lend_own``, ``finish_request``). A
         forged or malformed table raises ``FrameError``."""
+        if flags & ~FLAG_OOB:
+            raise FrameError(f"unknown frame flags 0x{flags:x} on the reply of call {call_id}")
         if not flags & FLAG_OOB:
             return payload, None, []
         # Beyond MAX_LOANS live loans (a caller collecting many results) replies are copied
@@ -1036,19 +1041,16 @@ class WorkerProcess:
             )
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
-        except FileNotFoundError as exc:  # a block the worker never made: a forged table
-            raise FrameError(f"bad out-of-band reply: {exc}") from None
-        except (OSError, MemoryError) as exc:
-            # Out of descriptors or address space *here* (EMFILE, ENOMEM): the host's fault.
-            # The frame was read whole, so the channel is in sync; the worker gets its blocks
-            # back and stays, and only this call fails.
+        except OSError as exc:
+            if exc.errno not in _HOST_OUT_OF_RESOURCES:
+                # A block the worker never made (ENOENT), or a name it planted that is no
+                # block: a directory (EISDIR), a symlink (ELOOP), another's file (EACCES).
+                raise FrameError(f"bad out-of-band reply: {exc}") from None
             self._send_consumed(call_id)
-            raise HostResourceError(
-                f"the host could not open the reply of call {call_id} from env "
-                f"{self.spec.key}: {exc} (out of file descriptors or memory in the host? see "
-                "ulimit -n); the worker is fine and was kept",
-                errno=getattr(exc, "errno", None),
-            ) from None
+            raise self._host_fault(call_id, exc) from None
+        except MemoryError as exc:
+            self._send_consumed(call_id)
+            raise self._host_fault(call_id, exc) from None
         if self.mappings is not None and buffers:
             if echoed or any(source is not None for source in sources):
                 self.shm_state = "on"
@@ -1065,6 +1067,17 @@ class WorkerProcess:
         elif any(source is not None for source in sources):
             self._send_consumed(call_id)  # copied out (few bytes, or too many loans)
         return body, buffers, retained
+
+    def _host_fault(self, call_id: int, exc: BaseException) -> HostResourceError:
+        """Out of descriptors or address space *here* (EMFILE, ENOMEM): the host's fault. The
+        frame was read whole, so the channel is in sync; the worker got its blocks back
+        (``_send_consumed``) and stays, and only this call fails."""
+        return HostResourceError(
+            f"the host could not open the reply of call {call_id} from env "
+            f"{self.spec.key}: {exc} (out of file descriptors or memory in the host? see "
+            "ulimit -n); the worker is fine and was kept",
+            errno=getattr(exc, "errno", None),
+        )
 
     def _lend(self, call_id: int, roots: list[Any]) -> None:
         """Queue ``CONSUMED(call_id)`` for when every loan root of the reply has died."""

@@ -727,6 +727,8 @@ class RayWorker:
     ) -> tuple[Payload | memoryview, list[Any] | None, list[str]]:
         """Split a reply. Out-of-band buffers are rebuilt on a private, writable copy of the
         payload: a result never aliases Ray's object store (read-only, pinned)."""
+        if flags & ~FLAG_OOB:
+            raise FrameError(f"unknown frame flags 0x{flags:x} on the reply of call {call_id}")
         if not flags & FLAG_OOB:
             return payload, None, []
         private = bytearray(payload)

@@ -701,9 +701,15 @@ class PeerMappings:
 
     @staticmethod
     def _open(name: str) -> mmap.mmap:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        # Only a regular file of ours is a block: a symlink the peer planted under one of its
+        # names is not followed (it could point anywhere), a FIFO does not block the open, a
+        # directory fails it (EISDIR), another user's file is refused.
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | _O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise ValueError("%s is not a block (no regular file of ours)" % name)
+            size = info.st_size
             if size <= 0:
                 raise ValueError("block %s is empty" % name)
             try:
@@ -875,6 +881,42 @@ def loan_root(mm: mmap.mmap) -> Any:
     return array_type.from_buffer(mm)
 
 
+def _is_index(value: Any) -> bool:
+    """An offset or length as ``place`` writes it: a plain int (not a bool, not a float)."""
+    return type(value) is int and value >= 0
+
+
+def check_envelope(table: Any, retained: Any, dropped: Any) -> None:
+    """Raise ``ValueError`` unless an unpickled envelope has exactly the shapes ``place``,
+    ``echo_table`` and ``frame_parts`` write: a list of ``("inline", offset, length)`` and
+    ``("shm" | "echo", name, offset, length)`` tuples (names str, offsets and lengths ints of
+    at least 0), and lists of block names. A forged envelope then fails here with one clear
+    message, never later with a ``TypeError`` or ``IndexError`` from deep in ``unpack``.
+    Messages name types, never the peer's objects (whose repr could be anything)."""
+    for what, names in (("retained", retained), ("dropped", dropped)):
+        if type(names) is not list or any(type(n) is not str for n in names):
+            raise ValueError("the %s blocks are not a list of names" % what)
+    if type(table) is not list:
+        raise ValueError("the table is a %s, not a list" % type(table).__name__)
+    for entry in table:
+        if type(entry) is not tuple or not entry or type(entry[0]) is not str:
+            raise ValueError("a table entry is a %s, not a tagged tuple" % type(entry).__name__)
+        kind = entry[0]
+        if kind == "inline":
+            if len(entry) != 3 or not (_is_index(entry[1]) and _is_index(entry[2])):
+                raise ValueError("malformed inline entry (offset and length must be ints)")
+        elif kind == "shm" or kind == "echo":
+            if len(entry) != 4 or type(entry[1]) is not str:
+                raise ValueError("malformed %s entry (a block name, offset, length)" % kind)
+            if not (_is_index(entry[2]) and _is_index(entry[3])):
+                raise ValueError(
+                    "the range in block %s is not two ints of at least 0 (%s, %s)"
+                    % (entry[1][:200], type(entry[2]).__name__, type(entry[3]).__name__)
+                )
+        else:
+            raise ValueError("unknown out-of-band entry %r" % (kind[:40],))
+
+
 def unpack(
     payload: Any,
     mappings: Optional[PeerMappings],
@@ -897,7 +939,8 @@ def unpack(
     appended with the block to ``echoed`` (the caller keeps the block out of its pool until
     the root dies), else copies (the block is appended with None). Without ctypes a fresh
     mapping of the block stands in for the root. Raises ``ValueError`` on a malformed or
-    forged table."""
+    forged table (``check_envelope``), ``OSError`` when a block it names cannot be opened
+    (no such block, not a block, or out of descriptors or memory here)."""
     view = memoryview(payload)
     if len(view) < 4:
         raise ValueError("out-of-band payload shorter than its header")
@@ -908,9 +951,10 @@ def unpack(
         table, retained, dropped = pickle.loads(view[4 : 4 + head_len])
     except Exception as exc:  # noqa: BLE001 - a forged table is a protocol error
         raise ValueError("unreadable out-of-band table: %s" % exc) from None
+    check_envelope(table, retained, dropped)
     if mappings is not None and dropped:
         mappings.forget(dropped)
-    inline_total = sum(e[2] for e in table if e and e[0] == "inline")
+    inline_total = sum(e[2] for e in table if e[0] == "inline")
     body_end = len(view) - inline_total
     if body_end < 4 + head_len:
         raise ValueError("inline buffers overrun the frame")
@@ -920,8 +964,8 @@ def unpack(
     sources: List[Optional[str]] = []
     loaned_names: List[str] = []
     if loaned is not None and loan_min > 0:
-        shared = sum(e[3] for e in table if e and e[0] in ("shm", "echo") and len(e) == 4)
-        if not isinstance(shared, int) or shared < loan_min:
+        shared = sum(e[3] for e in table if e[0] != "inline")
+        if shared < loan_min:
             loaned, copy_out = None, True
     for entry in table:
         if entry[0] == "inline":
@@ -954,7 +998,7 @@ def unpack(
             sources.append(name)
         elif entry[0] == "echo":
             _, name, offset, length = entry
-            block = own.get(name) if own is not None and isinstance(name, str) else None
+            block = own.get(name) if own is not None else None
             if block is None or echoed is None:
                 raise ValueError("echo entry names %r, not one of our blocks" % (name,))
             if loaned is None:
