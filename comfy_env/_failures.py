@@ -125,6 +125,10 @@ def crash_error(
     report_death(rc, tail)
     if still_running or (alive_at_eof and rc == -signal.SIGKILL):
         what = "closed its channel while still running (it was killed)"
+    elif alive_at_eof and rc is not None:
+        # It ended by itself once its channel was gone (its watchdog exits when the host lets
+        # go of the cancel pipe, which a busy machine may get to first).
+        what = f"closed its channel while still running, then {describe_exit(rc)}"
     elif rc is None and process.death_detail:
         what = process.death_detail
     else:
