@@ -15,14 +15,17 @@ no actor that comfy-env created during the test is alive afterwards.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 import pytest
@@ -305,3 +308,29 @@ def other_python(minor: int) -> str | None:
             if out.returncode == 0 and out.stdout.strip() == str(minor):
                 return found
     return None
+
+
+_T = TypeVar("_T")
+
+
+def run_small(main: Callable[[], Awaitable[_T]]) -> _T:
+    """Run ``main()`` on a fresh loop whose default executor has 2 threads (the asyncio
+    tests: a path that borrowed the loop's executor would show as a third thread)."""
+
+    async def wrapper() -> _T:
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        )
+        return await main()
+
+    return asyncio.run(wrapper())
+
+
+@pytest.fixture
+def apool() -> Iterator[comfy_env.Pool]:
+    """A pool for the asyncio tests: short grace and close times, tests/ importable."""
+    cfg = comfy_env.PoolConfig(
+        sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0, cancel_grace=3.0
+    )
+    with comfy_env.Pool(cfg) as p:
+        yield p

@@ -15,44 +15,19 @@ they prove:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-from conftest import TESTS_DIR, alive, wait_until
+from conftest import TESTS_DIR, alive, run_small, wait_until
 
 import comfy_env
 from comfy_env import CallEvent, CallTimeout, RemoteError, WorkerCrashed
-
-T = TypeVar("T")
-
-
-def run_small(main: Callable[[], Awaitable[T]]) -> T:
-    """Run ``main()`` on a fresh loop whose default executor has 2 threads."""
-
-    async def wrapper() -> T:
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(max_workers=2)
-        )
-        return await main()
-
-    return asyncio.run(wrapper())
-
-
-@pytest.fixture
-def apool() -> Iterator[comfy_env.Pool]:
-    cfg = comfy_env.PoolConfig(
-        sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0, cancel_grace=3.0
-    )
-    with comfy_env.Pool(cfg) as p:
-        yield p
 
 
 def _script(path: Path, body: str) -> None:

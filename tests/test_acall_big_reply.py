@@ -18,47 +18,23 @@ No timing is asserted: what is checked is which thread did what, and the call's 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import remote_tasks
-from conftest import TESTS_DIR
+from conftest import run_small
 
 import comfy_env
 from comfy_env import CallEvent, CallTimeout, WorkerCrashed
 from comfy_env_worker.protocol import FrameReader
 
-T = TypeVar("T")
-
 BIG = 4 << 20  # characters: a reply frame well above _BIG_REPLY and the channel's buffers
 MEDIUM = 512 << 10  # characters: a reply of many reads, under _BIG_REPLY
-
-
-def run_small(main: Callable[[], Awaitable[T]]) -> T:
-    """Run ``main()`` on a fresh loop whose default executor has 2 threads."""
-
-    async def wrapper() -> T:
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(max_workers=2)
-        )
-        return await main()
-
-    return asyncio.run(wrapper())
-
-
-@pytest.fixture
-def apool() -> Iterator[comfy_env.Pool]:
-    cfg = comfy_env.PoolConfig(
-        sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0, cancel_grace=3.0
-    )
-    with comfy_env.Pool(cfg) as p:
-        yield p
 
 
 @pytest.fixture(autouse=True)
@@ -336,43 +312,17 @@ def test_a_large_reply_is_received_whether_or_not_its_memory_can_be_mapped(
     assert _counts(w) == (3, 0, 0, 0, 0, 0, 0)
 
 
-def test_a_receiving_thread_that_fails_stops_the_worker_and_fails_the_call_once(
-    apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # No memory for the payload's buffer: the channel is left mid-frame, out of step, so the
-    # worker is stopped (as a sync read's interrupt stops it); the error is the call's.
-    from comfy_env import _acall
-
-    w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
-
-    class NoMemory:
-        def __init__(self, *args: Any) -> None:
-            raise MemoryError("no buffer for the reply")
-
-    monkeypatch.setattr(_acall, "FrameBuffer", NoMemory)
-
-    async def main() -> None:
-        with pytest.raises(MemoryError, match="no buffer for the reply"):
-            await w.acall("remote_tasks:recorded", BIG)
-
-    run_small(main)
-    monkeypatch.undo()
-    assert remote_tasks.UNPICKLED_ON == []
-    assert _counts(w) == (1, 0, 0, 0, 0, 1, 0)
-    assert w.call("remote_tasks:getpid") != pid and w.generation == 2
-
-
-@pytest.mark.parametrize("where", ["loop", "on the spot"])
+@pytest.mark.parametrize("where", ["thread", "loop", "on the spot"])
 def test_a_reply_reader_that_fails_stops_the_worker_and_fails_the_call_once(
     apool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    # The same failure on the reader of a reply of many reads under _BIG_REPLY, through the
-    # loop or in the on-the-spot wait (made long here so that it reads the reply's start): it
-    # must end the call with the host's error and stop the worker. Through the loop the reader
-    # stayed registered and read on from the middle of a frame (a ProtocolError blaming the
-    # worker); on the spot the error left the slot in its call, and the next call waited for
-    # ever.
+    # No memory for the payload's buffer, in each of the three readers: the big reply's
+    # thread, the loop's reader of a reply of many reads under _BIG_REPLY, and the on-the-spot
+    # wait (made long here so that it reads the reply's start). The channel is left mid-frame,
+    # so the worker is stopped (as a sync read's interrupt stops it); the error is the call's,
+    # not a ProtocolError. Through the loop the reader used to stay registered and read on from
+    # the middle of the frame (a ProtocolError blaming the worker); on the spot the error left
+    # the slot in its call, and the next call waited for ever.
     from comfy_env import ProtocolError, _acall
 
     if where == "on the spot":
@@ -387,8 +337,9 @@ def test_a_reply_reader_that_fails_stops_the_worker_and_fails_the_call_once(
     monkeypatch.setattr(_acall, "FrameBuffer", NoMemory)
 
     async def main() -> None:
+        size = BIG if where == "thread" else MEDIUM
         with pytest.raises(MemoryError, match="no buffer for the reply") as info:
-            await w.acall("remote_tasks:recorded", MEDIUM)
+            await w.acall("remote_tasks:recorded", size)
         assert not isinstance(info.value, ProtocolError)
 
     run_small(main)
