@@ -431,14 +431,6 @@ class _ReplyReader:
             # next callback would read on from the middle of a frame and call it garbage.
             self.finish("raised", exc)
 
-    def take(self, data: bytes) -> None:
-        """``feed`` for what a read outside ``on_readable`` got (the on-the-spot wait), with
-        the same guard: a failure of the host's own ends the call (outcome "raised")."""
-        try:
-            self.feed(data)
-        except Exception as exc:  # noqa: BLE001 - handed to the coroutine
-            self.finish("raised", exc)
-
     def _read_some(self) -> None:
         frame = self.frame
         try:
@@ -867,7 +859,7 @@ async def _warm_call(
                 sink = event_handler(ticket.on_event, call_id, generation)
             reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink)
             if data is not None:  # a partial frame, or frames before the reply
-                reader.take(data)
+                reader.feed(data)
                 if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
                     while reader.outcome is None:
                         left = spin_end - time.monotonic()
@@ -911,9 +903,9 @@ async def _warm_call(
             big = _BigReply(process, call_id, target, pool.clock, cancels > 0, *value)
             (kind, value), cancels = await big.wait(pool, entry, slot, ticket, deadline, cancels)
         if kind == "raised":
-            # The reader failed on the host's side (``on_readable``): the channel is left in
-            # the middle of a frame, so the worker is stopped, as an interrupted sync read.
-            entry.apply(slot, lc.CallCancelled(generation, call_id))
+            # The reader failed on the host's side (``on_readable``): the channel is
+            # left in the middle of a frame. ``settle`` (below) finds the slot still in this
+            # call with no reply and stops the worker, as after any error before the reply.
             raise value
         if kind == "opened":
             replied_at, opened, decoded = value
@@ -1004,20 +996,6 @@ async def _warm_call(
         raise
     except asyncio.CancelledError:
         outcome = "cancelled"
-        raise
-    except BaseException:
-        # Anything else ending the call before its reply arrived whole (a failure of the
-        # host's own, a bug): if the call is still its slot's running call, no event will ever
-        # end it, and every later call on the env would wait for that slot. Its channel may be
-        # mid-frame: the worker is stopped, as an interrupted sync read stops it.
-        state = slot.state
-        if (
-            replied_at is None
-            and type(state) is lc.InCall
-            and state.generation == generation
-            and state.call_id == call_id
-        ):
-            entry.apply(slot, lc.CallCancelled(generation, call_id))
         raise
     finally:
         if registered:
