@@ -429,7 +429,7 @@ class _ReplyReader:
         except Exception as exc:  # noqa: BLE001 - handed to the coroutine
             # The host's own failure (no memory for a frame's buffer): left registered, the
             # next callback would read on from the middle of a frame and call it garbage.
-            self.finish("raised", exc)
+            self.finish("error", exc)
 
     def _read_some(self) -> None:
         frame = self.frame
@@ -621,7 +621,10 @@ class _BigReply:
         cancels: int,
     ) -> tuple[tuple[str, Any], int]:
         """Run the thread and wait for its outcome (and the thread's end); the deadline and
-        cancellation of the task act as on the loop. Returns (the outcome, cancels)."""
+        cancellation of the task act as on the loop. Returns (the outcome, cancels). Whatever
+        raises here (the thread could not start or failed, the coroutine was closed while it
+        read) leaves the channel out of step: the caller's ``settle`` then finds the slot
+        still in this call with no reply and stops the worker."""
         loop = self.loop = asyncio.get_running_loop()
         done = self.done = loop.create_future()
         self.stop_r, self.stop_w = os.pipe()
@@ -644,11 +647,6 @@ class _BigReply:
                     cancels += 1
                     self.dropped = True
                     pool.cancel(entry, ticket, force=cancels > 1)
-        except BaseException:
-            # The thread could not start, or the coroutine is closed while it reads: the
-            # channel is out of step, so the worker is stopped, as a sync read's interrupt.
-            entry.apply(slot, lc.CallCancelled(self.process.generation, self.call_id))
-            raise
         finally:
             if timer is not None:
                 timer.cancel()
@@ -659,7 +657,6 @@ class _BigReply:
             os.close(self.stop_w)
             self.stop_r = self.stop_w = -1
         if kind == "raised":  # not the call's outcome: the thread itself failed (MemoryError)
-            entry.apply(slot, lc.CallCancelled(self.process.generation, self.call_id))
             raise value
         return (kind, value), cancels
 
@@ -902,11 +899,6 @@ async def _warm_call(
             # while the coroutine keeps the deadline and answers cancellation as above.
             big = _BigReply(process, call_id, target, pool.clock, cancels > 0, *value)
             (kind, value), cancels = await big.wait(pool, entry, slot, ticket, deadline, cancels)
-        if kind == "raised":
-            # The reader failed on the host's side (``on_readable``): the channel is
-            # left in the middle of a frame. ``settle`` (below) finds the slot still in this
-            # call with no reply and stops the worker, as after any error before the reply.
-            raise value
         if kind == "opened":
             replied_at, opened, decoded = value
             frames.note_wait(time.monotonic() - now)
@@ -963,9 +955,10 @@ async def _warm_call(
         if kind == "bad":
             raise protocol_error(entry, slot, process, value)
         if kind == "error":
-            # A side frame's handler raised: the reply can no longer be read in order. The
-            # worker is stopped, as the sync path's read stops it.
-            entry.apply(slot, lc.CallCancelled(generation, call_id))
+            # The host's own failure while reading (a side frame's handler raised, no memory
+            # for a frame's buffer): the reply can no longer be read in order. ``settle``
+            # (below) finds the slot still in this call with no reply and stops the worker,
+            # as after any error before the reply (the sync read stops it the same way).
             raise value
         label = target_label(target)  # only on failure: the success path names nothing
         if kind == "deadline" and entry.apply(slot, lc.DeadlineHit(generation, call_id)):

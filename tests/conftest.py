@@ -328,7 +328,8 @@ def run_small(main: Callable[[], Awaitable[_T]]) -> _T:
 
 @pytest.fixture
 def apool() -> Iterator[comfy_env.Pool]:
-    """A pool for the asyncio tests: short grace and close times, tests/ importable."""
+    """A pool with short grace and close times (cancel 3 s, kill 0.5 s, close 3 s), tests/
+    importable: the asyncio and call-control tests."""
     cfg = comfy_env.PoolConfig(
         sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0, cancel_grace=3.0
     )

@@ -19,7 +19,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from conftest import TESTS_DIR, wait_until
@@ -30,15 +29,6 @@ from comfy_env import CallCancelled, CallEvent
 from comfy_env import _lifecycle as lc
 
 
-@pytest.fixture
-def grace_pool() -> Iterator[comfy_env.Pool]:
-    cfg = comfy_env.PoolConfig(
-        sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0, cancel_grace=3.0
-    )
-    with comfy_env.Pool(cfg) as p:
-        yield p
-
-
 def _started(w: comfy_env.Worker, call: comfy_env.Call) -> None:
     """Wait until ``call`` runs in the worker (it was sent; the worker reads it at once)."""
     assert wait_until(lambda: call.call_id != 0 and w.stats().in_flight == 1)
@@ -47,9 +37,9 @@ def _started(w: comfy_env.Worker, call: comfy_env.Call) -> None:
 
 @pytest.mark.parametrize("target", ["cooperative_loop", "polite_loop", "busy_loop"])
 def test_a_call_that_stops_in_time_keeps_its_worker_and_caches(
-    grace_pool: comfy_env.Pool, target: str
+    apool: comfy_env.Pool, target: str
 ) -> None:
-    w = grace_pool.get_worker()
+    w = apool.get_worker()
     assert w.call("remote_tasks:count_calls") == 1
     pid = w.pid
     call = w.submit(f"remote_tasks:{target}", (30,))
@@ -106,8 +96,8 @@ def test_cancel_grace_zero_kills_at_once(config: comfy_env.PoolConfig) -> None:
         assert w.generation == 2
 
 
-def test_a_second_cancel_kills_at_once(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_a_second_cancel_kills_at_once(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     call = w.submit("remote_tasks:ignore_cancel", (30,))
     _started(w, call)
     call.cancel()
@@ -121,8 +111,8 @@ def test_a_second_cancel_kills_at_once(grace_pool: comfy_env.Pool) -> None:
     assert w.generation == 2
 
 
-def test_a_forced_cancel_says_it_killed_at_once(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_a_forced_cancel_says_it_killed_at_once(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     call = w.submit("remote_tasks:ignore_cancel", (30,))
     _started(w, call)
     call._cancel(True)  # what a cancel with force=True does: no asking first
@@ -144,11 +134,11 @@ def test_the_kill_with_cancel_grace_zero_names_the_setting(config: comfy_env.Poo
 
 
 def test_an_interrupted_calls_cancel_message_has_no_empty_parentheses(
-    grace_pool: comfy_env.Pool,
+    apool: comfy_env.Pool,
 ) -> None:
     # Pure Python that never checks is interrupted after half the grace by a bare
     # ``Cancelled`` with no text of its own.
-    w = grace_pool.get_worker()
+    w = apool.get_worker()
     call = w.submit("remote_tasks:busy_loop", (30,))
     _started(w, call)
     call.cancel()
@@ -159,8 +149,8 @@ def test_an_interrupted_calls_cancel_message_has_no_empty_parentheses(
     assert w.generation == 1
 
 
-def test_cancelling_a_queued_call_removes_it_from_the_queue(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_cancelling_a_queued_call_removes_it_from_the_queue(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     first = w.submit("remote_tasks:cooperative_loop", (1.0,))
     _started(w, first)
     queued = w.submit("remote_tasks:count_calls")
@@ -175,11 +165,11 @@ def test_cancelling_a_queued_call_removes_it_from_the_queue(grace_pool: comfy_en
 
 
 def test_cancelling_a_queued_call_settles_it_before_cancel_returns(
-    grace_pool: comfy_env.Pool,
+    apool: comfy_env.Pool,
 ) -> None:
     # As concurrent.futures promises: once cancel() returned True for a call that had not
     # started, the call is cancelled and done, its callbacks ran, result() raises at once.
-    w = grace_pool.get_worker()
+    w = apool.get_worker()
     first = w.submit("remote_tasks:cooperative_loop", (1.0,))
     _started(w, first)
     queued = w.submit("remote_tasks:count_calls")
@@ -200,8 +190,8 @@ def test_cancelling_a_queued_call_settles_it_before_cancel_returns(
     assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 2, 0, 0)
 
 
-def test_a_late_cancel_never_affects_the_next_call(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_a_late_cancel_never_affects_the_next_call(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     done = w.submit("remote_tasks:cooperative_loop", (0.05,))
     assert done.result(timeout=10) == "finished"
     old_call_id = done.call_id
@@ -224,9 +214,9 @@ def test_a_late_cancel_never_affects_the_next_call(grace_pool: comfy_env.Pool) -
 
 
 def test_a_cancel_that_arrives_before_its_call_is_read_still_applies(
-    grace_pool: comfy_env.Pool,
+    apool: comfy_env.Pool,
 ) -> None:
-    w = grace_pool.get_worker()
+    w = apool.get_worker()
     w.call("remote_tasks:count_calls")
     process = w._entry.slots[0].process
     assert process is not None
@@ -240,8 +230,8 @@ def test_a_cancel_that_arrives_before_its_call_is_read_still_applies(
     assert w.generation == 1
 
 
-def test_events_arrive_in_order_before_the_result(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_events_arrive_in_order_before_the_result(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     seen: list[CallEvent] = []
     assert w.run("remote_tasks:events_in_order", (5,), on_event=seen.append) == 5
     kinds = [(e.kind, e.data if e.kind == "step" else e.data["done"]) for e in seen]
@@ -253,8 +243,8 @@ def test_events_arrive_in_order_before_the_result(grace_pool: comfy_env.Pool) ->
         seen[0].kind = "x"  # type: ignore[misc]  # frozen
 
 
-def test_a_progress_flood_is_coalesced_and_the_latest_wins(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_a_progress_flood_is_coalesced_and_the_latest_wins(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     seen: list[CallEvent] = []
     assert w.run("remote_tasks:report", (20000, ("done",)), on_event=seen.append) == 20000
     progress = [e.data for e in seen if e.kind == "progress"]
@@ -287,9 +277,9 @@ def test_an_event_too_large_for_a_frame_raises_in_the_worker_and_keeps_it(
 
 
 def test_a_failing_event_callback_does_not_break_the_call(
-    grace_pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+    apool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    w = grace_pool.get_worker()
+    w = apool.get_worker()
 
     def broken(event: CallEvent) -> None:
         raise RuntimeError("callback bug")
@@ -307,8 +297,8 @@ def test_events_are_dropped_outside_a_call_and_helpers_are_inert_in_the_host() -
     comfy_env_worker.emit("kind", {"x": 1})
 
 
-def test_submit_follows_future_conventions(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_submit_follows_future_conventions(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     call = w.submit("remote_tasks:add", (2,), {"b": 3})
     assert call.result(timeout=10) == 5
     assert call.done() and not call.running() and not call.cancelled()
@@ -330,8 +320,8 @@ def test_submit_follows_future_conventions(grace_pool: comfy_env.Pool) -> None:
     assert slow.result(timeout=10) == "finished"
 
 
-def test_submit_with_events_and_a_deadline(grace_pool: comfy_env.Pool) -> None:
-    w = grace_pool.get_worker()
+def test_submit_with_events_and_a_deadline(apool: comfy_env.Pool) -> None:
+    w = apool.get_worker()
     seen: list[CallEvent] = []
     call = w.submit("remote_tasks:events_in_order", (3,), on_event=seen.append)
     assert call.result(timeout=10) == 3 and len(seen) == 6
@@ -341,14 +331,14 @@ def test_submit_with_events_and_a_deadline(grace_pool: comfy_env.Pool) -> None:
 
 
 def test_a_wait_for_a_call_takes_any_number_and_refuses_what_is_no_time(
-    grace_pool: comfy_env.Pool,
+    apool: comfy_env.Pool,
 ) -> None:
     """``call.result(timeout)`` and ``call.exception(timeout)`` bound the wait only: a
     timeout too long for the clock (inf, 1e300, past ``threading.TIMEOUT_MAX``) waits for
     the call, as None does (it raised ``OverflowError``); one that is no number (NaN, a
     string, a bool) is an ``ArgumentError`` (it raised ``TypeError`` or timed out at once).
     The call itself goes on untouched."""
-    w = grace_pool.get_worker()
+    w = apool.get_worker()
     for forever in (math.inf, 1e300, threading.TIMEOUT_MAX * 2):
         call = w.submit("remote_tasks:sleep_then", (0.2, "done"))
         assert call.exception(timeout=forever) is None
@@ -366,12 +356,12 @@ def test_a_wait_for_a_call_takes_any_number_and_refuses_what_is_no_time(
     assert (stats.ok, stats.in_flight, stats.generation) == (4, 0, 1)
 
 
-def test_ctrl_c_while_waiting_asks_the_worker_first(grace_pool: comfy_env.Pool) -> None:
+def test_ctrl_c_while_waiting_asks_the_worker_first(apool: comfy_env.Pool) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("needs the main thread")
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         pytest.skip("SIGINT is ignored in this process (a background job)")
-    w = grace_pool.get_worker()
+    w = apool.get_worker()
     pid = w.call("remote_tasks:getpid")
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
