@@ -233,6 +233,36 @@ class PoolConfig(BaseModel):
             merged[name] = _parse_env_value(var, raw, field.annotation, name)
         return merged
 
+    @field_validator(
+        "call_timeout",
+        "start_timeout",
+        "cancel_grace",
+        "max_workers_per_env",
+        "max_frame_bytes",
+        "kill_grace",
+        "close_timeout",
+        "stderr_tail_lines",
+        "idle_timeout",
+        "ping_after_idle",
+        "ping_timeout",
+        "max_restarts",
+        "restart_window",
+        "abandon_for",
+        "shm_threshold_bytes",
+        "shm_pool_bytes",
+        "shm_pinned_ttl",
+        "spin_wait",
+        mode="before",
+    )
+    @classmethod
+    def _refuse_booleans(cls, value: Any) -> Any:
+        """``True`` is an ``int`` to Python and pydantic would take it as 1 (``call_timeout=True``
+        a one-second deadline): refused, as per-call timeouts refuse it (``check_timeout``).
+        Environment values arrive as strings and never meet this."""
+        if isinstance(value, bool):
+            raise ValueError(f"must be a number, not the boolean {value!r}")
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _check_log_level(cls, value: str) -> str:

@@ -658,9 +658,12 @@ def test_a_pool_takes_a_default_config_as_is_and_checks_any_other(
     default = comfy_env.PoolConfig()
     with comfy_env.Pool(default) as pool:
         assert pool.config is default
-    # Equal to a default but of another type (model_copy skips validation): validated.
+    # Equal to a default but of another type (model_copy skips validation): validated, so
+    # refused (a boolean is no number of workers) rather than taken as the default 1.
     odd = default.model_copy(update={"max_workers_per_env": True})
-    with comfy_env.Pool(odd) as pool:
+    with pytest.raises(comfy_env.ConfigError, match=r"max_workers_per_env.*boolean"):
+        comfy_env.Pool(odd)
+    with comfy_env.Pool(default.model_copy(update={"max_workers_per_env": 1.0})) as pool:
         assert type(pool.config.max_workers_per_env) is int
     with pytest.raises(comfy_env.ConfigError, match="max_workers_per_env"):
         comfy_env.Pool(default.model_copy(update={"max_workers_per_env": 0}))

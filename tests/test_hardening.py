@@ -1076,6 +1076,25 @@ def test_a_config_copied_past_validation_is_checked_when_the_pool_takes_it(
         comfy_env.Pool(bad)
 
 
+def _numeric_fields() -> list[str]:
+    """Every ``PoolConfig`` field that holds a number (``int``, ``float``, or one of them or
+    None), read from the model: a new numeric field is covered without editing this test."""
+    numbers = {int, float, int | None, float | None}
+    return [n for n, f in comfy_env.PoolConfig.model_fields.items() if f.annotation in numbers]
+
+
+@pytest.mark.parametrize("field", _numeric_fields())
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_no_number_for_any_numeric_config_field(field: str, value: bool) -> None:
+    # pydantic would take True as 1: call_timeout=True was a one-second deadline.
+    with pytest.raises(comfy_env.ConfigError, match=f"{field}.*boolean"):
+        comfy_env.PoolConfig(**{field: value})
+
+
+def test_the_numeric_config_fields_are_the_ones_expected() -> None:
+    assert len(_numeric_fields()) == 18  # the list above is not empty by accident
+
+
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e300, -1.0, 0, True, "5"])
 def test_per_call_timeouts_the_clock_cannot_take_are_argument_errors(
     pool: comfy_env.Pool, value: object
