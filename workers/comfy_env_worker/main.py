@@ -22,6 +22,12 @@ control has due: see ``control`` for cancellation, progress and events. ``PR_SET
 the second line of defence on Linux. Together they close the race "host killed while the worker
 is inside a long native call".
 
+The env's code may fork this process during a call (``os.fork``, ``multiprocessing``): an
+``os.register_at_fork`` hook (``_forked_by_env_code``) gives the child a dead copy of the
+channel, so only the worker ever reads a request or answers a call, and sends the child's
+records to the log pipe. Code that closes the channel's descriptors ends the worker with a
+line on fd 2 that says so (``_channel_failed``, the watchdog's ``POLLNVAL``).
+
 The worker never writes to fd 1/2 on behalf of the protocol: those are pipes the host reads as
 plain output. ``faulthandler`` writes there on a fatal signal, which is how a segfault's Python
 stack reaches the host.
