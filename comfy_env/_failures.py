@@ -123,12 +123,20 @@ def crash_error(
     # Reported (the breaker, ``WorkerRetired``) before the caller hears of it, so a caller
     # that calls again at once meets the breaker's verdict (else the reactor reports, once).
     report_death(rc, tail)
+    # Nothing of ours closes a live worker's channel: the env's code closed or replaced its
+    # descriptors. The worker says so itself when it gets to (``_channel_failed`` in
+    # comfy_env_worker.main), but the gate's kill, or its watchdog seeing the host let go,
+    # may come first: the hint makes the story the same either way.
+    hint = (
+        " (did code in the worker close or replace descriptors it does not own: "
+        "os.closerange, os.dup2, a daemonising library?)"
+    )
     if still_running or (alive_at_eof and rc == -signal.SIGKILL):
-        what = "closed its channel while still running (it was killed)"
+        what = "closed its channel while still running (it was killed)" + hint
     elif alive_at_eof and rc is not None:
         # It ended by itself once its channel was gone (its watchdog exits when the host lets
         # go of the cancel pipe, which a busy machine may get to first).
-        what = f"closed its channel while still running, then {describe_exit(rc)}"
+        what = f"closed its channel while still running, then {describe_exit(rc)}" + hint
     elif rc is None and process.death_detail:
         what = process.death_detail
     else:

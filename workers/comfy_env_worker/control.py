@@ -36,6 +36,10 @@ import _thread
 import pickle
 import time
 
+# Bound at import: the env's code may replace the module attributes (see protocol._monotonic).
+_dumps = pickle.dumps
+_monotonic = time.monotonic
+
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
     from typing import Any, Callable, Optional, Set, Tuple
@@ -150,7 +154,7 @@ class CallControl:
         call_id = self.call_id
         if not call_id:
             return  # outside a call nobody would read it
-        payload = pickle.dumps((kind, data), protocol=4)
+        payload = _dumps((kind, data), protocol=4)
         if len(payload) > self.max_payload:
             # Raised in the env's code, as an unpicklable ``data`` is: the call decides.
             raise OverflowError(
@@ -158,7 +162,7 @@ class CallControl:
                 "(PoolConfig.max_frame_bytes); send a small summary instead"
                 % ("progress" if progress else repr(kind), len(payload), self.max_payload)
             )
-        now = time.monotonic()
+        now = _monotonic()
         with self.lock:  # one sender at a time, so frames keep the order of the calls
             if call_id != self.call_id:
                 return

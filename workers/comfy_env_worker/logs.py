@@ -35,6 +35,11 @@ import time
 
 from .protocol import FrameType, encode_header
 
+# Bound at import: the env's code may replace ``pickle.dumps`` or ``time.time`` (a frozen
+# clock, a patched pickler); a record must still go out.
+_dumps = pickle.dumps
+_time = time.time
+
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
     from typing import Any, Optional, Tuple
@@ -74,9 +79,9 @@ class Outbox:
 
     def send_record(self, record: Tuple[Any, ...]) -> None:
         try:
-            payload = pickle.dumps(record, protocol=4)
+            payload = _dumps(record, protocol=4)
             if len(payload) > self.max_payload:
-                payload = pickle.dumps(self._clipped(record), protocol=4)
+                payload = _dumps(self._clipped(record), protocol=4)
         except Exception:  # noqa: BLE001 - never let logging break the worker
             return
         frame = encode_header(FrameType.LOG, 0, len(payload)) + payload
@@ -152,6 +157,10 @@ class LineStream(io.TextIOBase):
         self._size = 0
         self._lock = _thread.allocate_lock()
 
+    def renew_lock(self) -> None:
+        """A new lock, in a process forked while another thread may have held the old one."""
+        self._lock = _thread.allocate_lock()
+
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return "utf-8"
@@ -197,7 +206,7 @@ class LineStream(io.TextIOBase):
             self._emit(rest)
 
     def _emit(self, line: str) -> None:
-        self.outbox.send_record((self.level, self.stream, line, None, time.time(), self.stream))
+        self.outbox.send_record((self.level, self.stream, line, None, _time(), self.stream))
 
 
 def _pieces(line: str) -> "list[str]":

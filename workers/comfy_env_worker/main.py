@@ -22,6 +22,12 @@ control has due: see ``control`` for cancellation, progress and events. ``PR_SET
 the second line of defence on Linux. Together they close the race "host killed while the worker
 is inside a long native call".
 
+The env's code may fork this process during a call (``os.fork``, ``multiprocessing``): an
+``os.register_at_fork`` hook (``_forked_by_env_code``) gives the child a dead copy of the
+channel, so only the worker ever reads a request or answers a call, and sends the child's
+records to the log pipe. Code that closes the channel's descriptors ends the worker with a
+line on fd 2 that says so (``_channel_failed``, the watchdog's ``POLLNVAL``).
+
 The worker never writes to fd 1/2 on behalf of the protocol: those are pipes the host reads as
 plain output. ``faulthandler`` writes there on a fatal signal, which is how a segfault's Python
 stack reaches the host.
@@ -67,8 +73,11 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 _PICKLE_PROTOCOL = 5
+# Bound at import, like everything the serve loop calls on a module: the env's code may
+# replace ``pickle.dumps`` or ``time.monotonic`` in its own process.
 _loads = pickle.loads
 _dumps = pickle.dumps
+_monotonic = time.monotonic
 
 # Resolved "module:qualname" targets. Bounded: a host that sends many distinct names
 # must not grow the worker without limit.
@@ -150,16 +159,16 @@ def error_record(exc: BaseException, limit: Optional[int] = None) -> bytes:
         tb_text = _salvage(stack_only, "%s: %s\n" % (qualname, message))
     pickled: Optional[bytes]
     try:
-        pickled = pickle.dumps(exc, protocol=_PICKLE_PROTOCOL)
+        pickled = _dumps(exc, protocol=_PICKLE_PROTOCOL)
     except BaseException:  # noqa: BLE001 - a raising __reduce__: the text fields carry it
         pickled = None
-    record = pickle.dumps((qualname, module, message, tb_text, pickled), protocol=_PICKLE_PROTOCOL)
+    record = _dumps((qualname, module, message, tb_text, pickled), protocol=_PICKLE_PROTOCOL)
     budget = None if limit is None else limit - HEADER_SIZE - 1024
     if budget is None or len(record) <= budget:
         return record
     # Too large for one frame (a 2 MiB message under a 1 MiB limit): clip what is text.
     chars = max(256, budget // 10)
-    return pickle.dumps(
+    return _dumps(
         (qualname[:256], module[:256], logs.clip(message, chars), logs.clip(tb_text, chars), None),
         protocol=_PICKLE_PROTOCOL,
     )
@@ -167,7 +176,7 @@ def error_record(exc: BaseException, limit: Optional[int] = None) -> bytes:
 
 def _dumps_result(result: Any) -> bytes:
     try:
-        return pickle.dumps(result, protocol=_PICKLE_PROTOCOL)
+        return _dumps(result, protocol=_PICKLE_PROTOCOL)
     except Exception as plain_exc:  # noqa: BLE001
         try:
             import cloudpickle  # copied into the runtime dir by the host
@@ -246,14 +255,14 @@ class Worker:
             % (sys.platform, os.uname().machine if hasattr(os, "uname") else ""),
             "shm": shm.shm_available(),
         }
-        self.send(FrameType.HELLO, 0, pickle.dumps(hello, protocol=_PICKLE_PROTOCOL))
+        self.send(FrameType.HELLO, 0, _dumps(hello, protocol=_PICKLE_PROTOCOL))
 
     def configure(self) -> None:
         """Read CONFIG, apply it, answer READY."""
         ftype, _flags, _call_id, payload = self.reader.read()
         if ftype != FrameType.CONFIG:
             raise FrameError("expected CONFIG, got frame type %d" % ftype)
-        config = pickle.loads(payload)
+        config = _loads(payload)
         self.apply_config(config)
         self.send(FrameType.READY, 0)
 
@@ -301,7 +310,7 @@ class Worker:
             elif ftype == FrameType.CONSUMED:
                 self.consumed(call_id)
             elif ftype == FrameType.RELEASE_REFS:
-                refs.release(pickle.loads(payload))
+                refs.release(_loads(payload))
             elif ftype == FrameType.PING:
                 self.send(FrameType.PONG, call_id)
             elif ftype == FrameType.SHUTDOWN:
@@ -434,7 +443,7 @@ class Worker:
             return
         if block is not None:
             with self.pin_lock:
-                self.pinned[call_id] = (block, time.monotonic() + self.pinned_ttl)
+                self.pinned[call_id] = (block, _monotonic() + self.pinned_ttl)
         header = encode_header(FrameType.REPLY_OK, call_id, length, FLAG_OOB)
         with self.outbox.lock:
             send_parts(self.sock, [header, *parts])
@@ -500,7 +509,7 @@ class Worker:
     def expire_pins(self) -> float:
         """Give up reply blocks the host never acknowledged (TTL). Returns seconds until the
         next expiry (or 1.0)."""
-        now = time.monotonic()
+        now = _monotonic()
         expired = []
         with self.pin_lock:
             for call_id, (block, deadline) in list(self.pinned.items()):
@@ -555,11 +564,100 @@ def _name_this_thread(name: str) -> None:
         os.close(fd)
 
 
-def _exit_orphaned(worker: Worker) -> None:
+def _exit_orphaned(worker: Worker, code: int = 0) -> None:
     """The host is gone: unlink our shared-memory blocks (nobody will ack them) and leave."""
     if worker.pool is not None:
         worker.pool.destroy_all()
-    os._exit(0)
+    os._exit(code)
+
+
+# The exit code of a worker whose channel the env's code closed or replaced (see
+# ``_channel_failed``); 70 is a protocol error.
+EXIT_CHANNEL_TAKEN = 71
+
+
+def _say(text: str) -> None:
+    """Write a line on fd 2 itself: ``sys.stderr`` sends records on the channel, which may be
+    what failed. The host shows it as native stderr and in a crash report's last lines."""
+    try:
+        os.write(2, text.encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _channel_failed(exc: OSError) -> int:
+    """The channel failed under the serve loop: say why (on fd 2) and return the exit code.
+
+    A process the env's code forked during a call and that returned from it lands here, its
+    channel dead (``_forked_by_env_code``): it leaves without a word to the host. A worker
+    whose channel descriptor was closed or replaced by the env's code (``os.closerange``, a
+    daemonising library) says so, so that the host's crash report names the cause instead
+    of a bare traceback; any other error is the host hanging up."""
+    if _FORKED_CHILD:
+        _say(
+            "comfy-env worker: process %d, forked by the env's code during a call, returned "
+            "from the call; it exits here (only the worker answers a call)\n" % os.getpid()
+        )
+        return 0
+    import errno
+
+    if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+        _say(
+            "comfy-env worker: the worker's channel was closed or replaced by code in the "
+            "worker (os.closerange, os.close or os.dup2 on a descriptor it does not own, a "
+            "daemonising library?): %s; the worker exits\n" % (exc,)
+        )
+        return EXIT_CHANNEL_TAKEN
+    return 0  # the host hung up (EPIPE, ECONNRESET): nobody is left to tell
+
+
+# True in a process forked from a worker by the env's code (``_forked_by_env_code``).
+_FORKED_CHILD = False
+
+
+def _forked_by_env_code() -> None:
+    """``os.register_at_fork(after_in_child=...)``: the env's code forked this process from a
+    worker (``os.fork()``, ``multiprocessing`` with the fork start method).
+
+    The child is a copy of the worker in the middle of a call: without this it would share
+    the worker's channel, and a child that returns from the call (instead of ``os._exit``)
+    would answer it, with its own result, and then read the host's next requests in a race
+    with the worker: wrong results, then a ``ProtocolError``. Here its copies of the channel
+    become a dead socket (reads see EOF, writes fail; the worker's own descriptors are
+    untouched), so the child can never read a request or write a frame: one that returns
+    from the call exits (``_channel_failed``). Its output and log records go to the log pipe
+    (never in band, where they would interleave with the worker's frames), its locks are new
+    (another thread may have held one at the fork), and it forgets the worker's
+    shared-memory blocks, which stay the worker's to reuse and unlink."""
+    global _FORKED_CHILD
+    _FORKED_CHILD = True
+    worker = WORKER
+    if worker is None:
+        return
+    worker.pool = None
+    worker.mappings = None
+    worker.pinned = {}
+    worker.pin_lock = _thread.allocate_lock()
+    outbox = worker.outbox
+    outbox.lock = _thread.allocate_lock()
+    outbox.in_call = False
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, logs.LineStream):
+            stream.renew_lock()
+    fds = {worker.requests.fileno(), worker.sock.fileno()}
+    try:
+        dead, peer = _socket.socketpair()
+    except OSError:  # out of descriptors: no dead socket to put there, so no channel at all
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        return
+    peer.close()
+    for fd in fds:
+        os.dup2(dead.fileno(), fd, inheritable=False)
+    dead.close()
 
 
 def _read_cancels(fd: int, buf: bytearray, calls: control.CallControl) -> bool:
@@ -573,7 +671,7 @@ def _read_cancels(fd: int, buf: bytearray, calls: control.CallControl) -> bool:
     if not data:
         return False
     buf += data
-    now = time.monotonic()
+    now = _monotonic()
     while len(buf) >= HEADER_SIZE:
         _magic, ftype, _flags, _length, call_id = HEADER.unpack_from(buf)
         del buf[:HEADER_SIZE]
@@ -598,7 +696,7 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
         # a few ms of CPU (and the GIL) that would otherwise land on the canary and the first
         # call. Until then a host that dies is seen as a hang-up of the channel (polled here,
         # during calls too) or an EOF between calls, as afterwards.
-        arm_at: Optional[float] = time.monotonic() + _ARM_PDEATHSIG_AFTER
+        arm_at: Optional[float] = _monotonic() + _ARM_PDEATHSIG_AFTER
         poller = select.poll()
         poller.register(fd, poll_hup)
         if cancel_fd is not None:
@@ -607,7 +705,7 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
         wait = 1.0
         while True:
             if arm_at is not None:
-                now = time.monotonic()
+                now = _monotonic()
                 if now >= arm_at:
                     arm_at = None
                     _set_parent_death_signal()
@@ -619,9 +717,17 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
                     if not _read_cancels(cancel_fd, pending, calls):
                         poller.unregister(cancel_fd)  # the host closed it: it is going away
                     continue
-                if ev & (poll_hup | select.POLLERR | select.POLLNVAL):
+                if ev & select.POLLNVAL:
+                    # Our descriptor is gone: the env's code closed it (os.closerange).
+                    _say(
+                        "comfy-env worker: the worker's channel was closed by code in the "
+                        "worker (os.closerange, os.close on a descriptor it does not own, "
+                        "a daemonising library?); the worker exits\n"
+                    )
+                    _exit_orphaned(worker, EXIT_CHANNEL_TAKEN)
+                if ev & (poll_hup | select.POLLERR):
                     _exit_orphaned(worker)
-            wait = min(worker.expire_pins(), calls.tick(time.monotonic()))
+            wait = min(worker.expire_pins(), calls.tick(_monotonic()))
             # Fallback for the case a descriptor copy keeps the channel open: the host is gone.
             if host_pid and os.getppid() != host_pid and not _launched_via_wrapper:
                 _exit_orphaned(worker)
@@ -709,6 +815,8 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
         logs.install(worker.outbox, worker.log_level)
         WORKER = worker
         control.CONTROL = worker.control
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_forked_by_env_code)
         if host_pid:
             # From the first call on (the handshake waits on the host's start-up, not on a
             # reply). Not in a Ray actor (host_pid 0): its peer is a thread of this process,
@@ -720,6 +828,8 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
     except FrameError as exc:
         sys.stderr.write("comfy-env worker: protocol error: %s\n" % exc)
         code = 70
+    except OSError as exc:  # the channel itself failed (run_call catches the env's errors)
+        code = _channel_failed(exc)
     finally:
         if worker.pool is not None:
             worker.pool.destroy_all()

@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 
 PROTOCOL_VERSION = 1
 
+# Bound at import: code in a worker may replace ``time.monotonic`` (a frozen test clock) or
+# delete ``select.poll`` (green-thread monkeypatching) long after the channel was set up, and
+# the serve loop must neither spin forever on a clock that never moves nor break.
+_monotonic = time.monotonic
+_poll = select.poll
+
 HEADER = struct.Struct("<2sBBQQ")
 HEADER_SIZE = HEADER.size  # 20
 MAGIC = b"CE"
@@ -303,7 +309,7 @@ class FrameReader:
         The descriptors stay the owner's (closed by it once no thread reads any more). Any
         thread may call this while another waits: the wait picks the alarms up within
         ``after`` seconds."""
-        poller = select.poll()
+        poller = _poll()
         poller.register(self._sock.fileno(), select.POLLIN)
         for fd in fds:
             poller.register(fd, select.POLLIN)
@@ -350,7 +356,7 @@ class FrameReader:
                 cap = self._alarm_after
             else:
                 cap = ALARM_RECHECK if self._alarm_rechecks else 0.0
-            wait = -1.0 if deadline is None else deadline - time.monotonic()
+            wait = -1.0 if deadline is None else deadline - _monotonic()
             if deadline is not None and wait <= 0:
                 raise TimeoutError("deadline passed")
             if cap and (wait < 0 or wait > cap):
@@ -363,7 +369,7 @@ class FrameReader:
                     if not self._alarm_rechecks:
                         self._forget_suspects()
                     continue
-                if cap and (deadline is None or time.monotonic() < deadline):
+                if cap and (deadline is None or _monotonic() < deadline):
                     continue
                 raise TimeoutError("deadline passed")
             rang = []
@@ -426,7 +432,7 @@ class FrameReader:
             self._spin_budget > 0
             and self._spin_short
             and len(CALLS_IN_FLIGHT) <= 1
-            and self._spin_allowed(time.monotonic())
+            and self._spin_allowed(_monotonic())
         )
 
     def on_one_cpu(self, now: float) -> bool:
@@ -452,7 +458,7 @@ class FrameReader:
         """Poll the socket (never blocking) until it is readable, the spin budget is spent or
         ``deadline`` passes; the caller then reads (or waits) as usual. A wait that does not
         end here is timed (``_spin_since``) up to the read that ends it (``_waited``)."""
-        now = time.monotonic()
+        now = _monotonic()
         if not self._spin_allowed(now):
             return  # one pinned CPU now: no polling, no timing
         if self._spin_short and len(CALLS_IN_FLIGHT) <= 1:
@@ -469,13 +475,13 @@ class FrameReader:
         readable (True) or ``time.monotonic()`` reaches ``end`` (False)."""
         poller = self._poller
         if poller is None:
-            poller = self._poller = select.poll()
+            poller = self._poller = _poll()
             poller.register(self._sock.fileno(), select.POLLIN)
         # poll(0), not a non-blocking recv: its EAGAIN exception costs 2 us a turn.
         poll = poller.poll
         while not poll(0):
             os.sched_yield()
-            if time.monotonic() >= end:
+            if _monotonic() >= end:
                 return False
         return True
 
@@ -491,7 +497,7 @@ class FrameReader:
 
     def _waited(self) -> None:
         """A wait that did not end while polling ended (see ``note_wait``)."""
-        self.note_wait(time.monotonic() - self._spin_since)
+        self.note_wait(_monotonic() - self._spin_since)
         self._spin_since = 0.0
 
     @property
@@ -538,14 +544,14 @@ class FrameReader:
     def _sock_poller(self) -> select.poll:
         """A poll object of the socket alone, made once."""
         if self._poller is None:
-            self._poller = select.poll()
+            self._poller = _poll()
             self._poller.register(self._sock.fileno(), select.POLLIN)
         return self._poller
 
     def _wait_readable(self, deadline: Optional[float], partial: bool = False) -> None:
         if deadline is None:
             return
-        remaining = deadline - time.monotonic()
+        remaining = deadline - _monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline passed")
         if self._alarm_after:
@@ -581,7 +587,7 @@ class FrameReader:
                 # the masks are looked at again every SPIN_RECHECK_READS frames.
                 self._spin_pinned_reads -= 1
                 if self._spin_pinned_reads <= 0:
-                    self._recheck_affinity(time.monotonic())
+                    self._recheck_affinity(_monotonic())
             if deadline is not None:
                 self._wait_readable(deadline)
             try:

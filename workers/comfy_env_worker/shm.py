@@ -57,6 +57,10 @@ import stat
 import struct
 import sys
 
+# Bound at import: the env's code may replace ``pickle.dumps``/``pickle.loads`` in a worker.
+_dumps = pickle.dumps
+_loads = pickle.loads
+
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -792,7 +796,7 @@ def frame_parts(
     blocks given up since the peer last heard (``pool``'s dropped list) ride along, so the
     peer can unmap them."""
     dropped = pool.take_dropped() if pool is not None else []
-    head = pickle.dumps((table, list(retained), dropped), protocol=5)
+    head = _dumps((table, list(retained), dropped), protocol=5)
     parts: List[Any] = [_U32.pack(len(head)), head, body]
     parts.extend(inline)
     length = 4 + len(head) + len(body) + sum(b.nbytes for b in inline)
@@ -948,7 +952,7 @@ def unpack(
     if head_len > len(view) - 4:
         raise ValueError("out-of-band table overruns the frame")
     try:
-        table, retained, dropped = pickle.loads(view[4 : 4 + head_len])
+        table, retained, dropped = _loads(view[4 : 4 + head_len])
     except Exception as exc:  # noqa: BLE001 - a forged table is a protocol error
         raise ValueError("unreadable out-of-band table: %s" % exc) from None
     check_envelope(table, retained, dropped)
