@@ -238,6 +238,19 @@ def kept_sum(index: int) -> float:
     return float(_KEPT[index].sum())
 
 
+def kept_count() -> int:
+    return len(_KEPT)
+
+
+def keep_then_fail(arr: Any, how: str) -> Any:
+    """Stores the argument (a view of the host's block) beyond the call, then fails: raises
+    (``how="raise"``), or returns a result over the frame limit (``how="too-big"``)."""
+    _KEPT.append(arr)
+    if how == "raise":
+        raise ValueError("kept the argument, then failed")
+    return list(range(400_000))  # pickles to about 1.8 MB: over a 1 MiB frame limit
+
+
 def forge_oob_reply(name_kind: str) -> None:
     """Writes an out-of-band reply whose table points somewhere it must not."""
     import pickle

@@ -116,6 +116,30 @@ def test_a_block_the_worker_keeps_is_never_reused_by_the_host(pool: comfy_env.Po
     assert w.call(remote_tasks.kept_sum, index) == float(2 * MiB)
 
 
+@pytest.mark.parametrize("how", ["raise", "too-big"])
+@pytest.mark.parametrize("path", ["call", "acall"])
+def test_a_block_the_worker_keeps_is_never_reused_when_the_call_then_fails(
+    config: comfy_env.PoolConfig, how: str, path: str
+) -> None:
+    # The function caches its argument (a view of our block), then raises or returns what
+    # cannot be sent: the error reply must still say the block was kept, or our next
+    # request is written into memory the worker's cache shows.
+    import asyncio
+
+    with comfy_env.Pool(config.model_copy(update={"max_frame_bytes": MiB})) as pool:
+        w = pool.get_worker()
+        ones = np.ones(2 * MiB // 8, dtype=np.float64)
+        expected = ValueError if how == "raise" else OverflowError
+        with pytest.raises(expected):
+            if path == "call":
+                w.call(remote_tasks.keep_then_fail, ones, how)
+            else:
+                asyncio.run(w.acall(remote_tasks.keep_then_fail, ones, how))
+        index = w.call(remote_tasks.kept_count) - 1
+        w.call("comfy_env_worker.tasks:echo", np.full(2 * MiB // 8, 2.0))  # same size class
+        assert w.call(remote_tasks.kept_sum, index) == float(2 * MiB // 8)
+
+
 @pytest.fixture
 def copies_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """Copy every shared-memory reply out (no loans): the plain consumed-ack protocol."""
