@@ -569,6 +569,27 @@ def test_shared_memory_off_streams_buffers_inline(config: comfy_env.PoolConfig) 
         assert _worker_shm(w)["blocks"] == 0
 
 
+def test_inline_buffers_arrive_writable_however_the_frame_was_read(
+    config: comfy_env.PoolConfig,
+) -> None:
+    # A small threshold sends 8 KiB arrays out of band; without shared memory they travel
+    # inline in a frame small enough to be read whole with others: the asyncio reader's
+    # ``bytes``, on which the result was a read-only array (writable through ``call``).
+    import asyncio
+
+    update = {"shared_memory": False, "shm_threshold_bytes": 4096}
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        w = pool.get_worker()
+        arr = np.arange(1024, dtype=np.float64)
+        for out in (
+            w.call(remote_tasks.add_in_place, arr, 1.0),  # the argument arrived writable too
+            asyncio.run(w.acall(remote_tasks.add_in_place, arr, 1.0)),
+        ):
+            assert np.array_equal(out, arr + 1.0)
+            assert out.flags.writeable
+            out += 1.0
+
+
 def test_buffers_under_the_threshold_inline_are_no_shared_memory_failure(
     config: comfy_env.PoolConfig,
 ) -> None:

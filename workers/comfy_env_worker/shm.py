@@ -960,6 +960,13 @@ def unpack(
         raise ValueError("inline buffers overrun the frame")
     body = view[4 + head_len : body_end]
     inline_area = view[body_end:]
+    if inline_total and inline_area.readonly:
+        # A frame read whole together with others (the host's asyncio reader; a reader that
+        # met two frames in one read) is ``bytes``: arrays built on it would be read-only,
+        # where the same value read alone (into a bytearray) is writable. Such a frame is at
+        # most one read of 64 KiB, so one copy makes the rule simple: inline buffers are
+        # writable whichever way the frame was read.
+        inline_area = memoryview(bytearray(inline_area))
     buffers: List[Any] = []
     sources: List[Optional[str]] = []
     loaned_names: List[str] = []
