@@ -85,6 +85,54 @@ def test_memoryview_arrives_as_an_equal_memoryview(pool: comfy_env.Pool) -> None
     assert isinstance(out, memoryview) and out.tobytes() == data
 
 
+@pytest.mark.parametrize("size", [4096, 2 * MiB], ids=["small", "large"])
+def test_a_memoryview_keeps_its_format_shape_order_and_writability(
+    pool: comfy_env.Pool, size: int
+) -> None:
+    # Pickle refuses memoryviews: a small one went through cloudpickle and came back as
+    # bytes (and only to a worker on the host's Python), a large one as flat bytes in the
+    # *memory* order, so a Fortran-ordered view came back scrambled.
+    w = pool.get_worker()
+    grid = np.arange(size // 8, dtype=np.float64).reshape(-1, 4)
+    views = {
+        "2-d": memoryview(grid),
+        "fortran": memoryview(np.asfortranarray(grid)),
+        "strided": memoryview(grid)[::2],
+        "read-only": memoryview(grid.tobytes()),
+        "ints": memoryview(bytearray(size)).cast("i"),
+    }
+    for name, view in views.items():
+        for out in (
+            w.call("comfy_env_worker.tasks:echo", view),
+            w.call(lambda v: v, view),  # by value: cloudpickle's own path
+        ):
+            assert isinstance(out, memoryview), name
+            assert (out.format, out.shape, out.readonly) == (
+                view.format,
+                view.shape,
+                view.readonly,
+            ), name
+            assert out.tolist() == view.tolist(), name
+
+
+def test_an_object_met_twice_in_one_call_arrives_as_one_object(pool: comfy_env.Pool) -> None:
+    # As pickle's memo keeps it: a large bytes object passed twice travels once and arrives
+    # as one object, a list passed twice stays one list, a dict that holds itself still does.
+    w = pool.get_worker()
+    big = bytes(range(256)) * (8 * 1024)
+    shared = [big]
+    looped: dict[str, object] = {"data": big}
+    looped["self"] = looped
+    from comfy_env._codec import encode_call
+
+    _, buffers, _ = encode_call(remote_tasks.identities, (big, big, shared, shared, looped), {})
+    assert [b.nbytes for b in buffers] == [len(big)]  # out of band, once
+    seen, (a, b, c, d, e) = w.call(remote_tasks.identities, big, big, shared, shared, looped)
+    assert seen == (True, True, True, True)  # in the worker
+    assert a is b and c is d and c[0] is a and e["self"] is e and e["data"] is a  # back here
+    assert a == big
+
+
 def test_large_buffers_travel_through_shared_memory(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     arr = np.ones(4 * MiB, dtype=np.uint8)
