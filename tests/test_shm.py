@@ -69,6 +69,82 @@ def test_arrays_round_trip_both_directions(pool: comfy_env.Pool, name: str) -> N
     assert out.flags.writeable
 
 
+def _every_kind_of_array(n: int) -> dict[str, np.ndarray]:
+    """One array of each kind with ``n`` elements (or rows): what a pickle round trip keeps."""
+    base = np.arange(4 * n, dtype=np.float64)
+    read_only = np.arange(n, dtype=np.float32)
+    read_only.flags.writeable = False
+    arrays = {
+        f"dtype {code}": (np.arange(n) % 100).astype(code) for code in ("i1", "u8", "f2", "c16")
+    }
+    arrays.update(
+        {
+            "bool": np.arange(n) % 3 == 0,
+            "datetime64": np.arange(n).astype("M8[ns]"),
+            "timedelta64": np.arange(n).astype("m8[s]"),
+            "big-endian": np.arange(n, dtype=">i4"),
+            "bytes S": np.array([b"ab%d" % (i % 100) for i in range(n)], dtype="S7"),
+            "str U": np.array([f"x{i % 100}" for i in range(n)], dtype="U5"),
+            "structured": np.zeros(n, dtype=[("x", "<f8"), ("y", ">i4"), ("s", "S3")]),
+            "record": np.rec.array(np.zeros(n, dtype=[("x", "<f8"), ("y", "<i4")])),
+            "object": np.array([i if i % 2 else str(i) for i in range(min(n, 2000))], object),
+            "0-d": np.array(3.5),
+            "empty (0, 5)": np.zeros((0, 5)),
+            "zero-size dtype, 2**40 elements": np.empty(2**40, dtype=np.dtype([])),
+            "strided": base[::3],
+            "transpose": base.reshape(-1, 4).T,
+            "negative strides": base[::-1],
+            "fortran": np.asfortranarray(base.reshape(-1, 4)),
+            "broadcast": np.broadcast_to(np.arange(4.0), (n, 4)),
+            "view of a bigger array": base[n : 2 * n],
+            "read-only": read_only,
+            "over bytes": np.frombuffer(bytes(4 * n), dtype=np.float32),
+            "masked": np.ma.masked_array(np.arange(n, dtype=np.float64), mask=np.arange(n) % 2),
+            "matrix": np.asmatrix(base.reshape(-1, 4)),
+        }
+    )
+    return arrays
+
+
+def _same_as_pickled(out: np.ndarray, ref: np.ndarray) -> bool:
+    flags = ("c_contiguous", "f_contiguous", "writeable")
+    return (
+        type(out) is type(ref)
+        and (out.dtype, out.shape, out.strides) == (ref.dtype, ref.shape, ref.strides)
+        and all(getattr(out.flags, f) == getattr(ref.flags, f) for f in flags)
+        and (
+            out.tolist() == ref.tolist() if ref.dtype.hasobject else out.tobytes() == ref.tobytes()
+        )
+        and (
+            not isinstance(ref, np.ma.MaskedArray)
+            or np.array_equal(np.ma.getmaskarray(out), np.ma.getmaskarray(ref))
+        )
+    )
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize(
+    "update",
+    [{}, {"shared_memory": False}, {"shared_memory": False, "shm_threshold_bytes": 4096}],
+    ids=["shared-memory", "inline", "inline-4k-threshold"],
+)
+def test_every_kind_of_array_arrives_as_a_pickle_round_trip_gives_it(
+    config: comfy_env.PoolConfig, update: dict[str, object]
+) -> None:
+    import asyncio
+    import pickle
+
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        w = pool.get_worker()
+        for n in (50, 1000, 300_000):  # in band; out of band at 4 KiB; in shared memory
+            for name, arr in _every_kind_of_array(n).items():
+                ref = pickle.loads(pickle.dumps(arr, protocol=5))
+                out = w.call("comfy_env_worker.tasks:echo", arr)
+                assert _same_as_pickled(out, ref), (n, name, "call")
+                out = asyncio.run(w.acall("comfy_env_worker.tasks:echo", arr))
+                assert _same_as_pickled(out, ref), (n, name, "acall")
+
+
 @pytest.mark.parametrize(
     "value",
     [b"\x01" * (3 * MiB), bytearray(b"\x02" * (3 * MiB)), [b"\x03" * (2 * MiB), 7]],
