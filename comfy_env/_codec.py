@@ -210,7 +210,10 @@ def encode_call(
         if ref is None:
             # By value: the whole message goes through cloudpickle (code and arguments).
             body, buffers = _cloudpickle(
-                (target, args, kwargs), f"the callable {target_label(target)}", threshold
+                (target, args, kwargs),
+                f"the callable {target_label(target)}",
+                threshold,
+                (target, *args, *kwargs.values()),  # (the code is no scalar: scanned for buffers)
             )
             return body, buffers, True
         wire_target = ref
@@ -227,15 +230,21 @@ def encode_call(
         body, buffers = shm.encode(message, threshold, pickle.dumps, scan)
         return body, buffers, False
     except Exception:  # noqa: BLE001 - retry with cloudpickle, which knows lambdas and closures
-        body, buffers = _cloudpickle(message, f"the arguments of {target_label(target)}", threshold)
+        what = f"the arguments of {target_label(target)}"
+        body, buffers = _cloudpickle(message, what, threshold, scan)
         return body, buffers, True
 
 
-def _cloudpickle(obj: Any, what: str, threshold: int) -> tuple[bytes, list[memoryview]]:
+def _cloudpickle(
+    obj: Any, what: str, threshold: int, scan: tuple[Any, ...]
+) -> tuple[bytes, list[memoryview]]:
+    """``obj`` pickled with cloudpickle; the arguments in ``scan`` are swapped for
+    out-of-band stand-ins as with the C pickler (``shm.encode``), so a large ``bytes`` or a
+    memoryview travels the same way whatever the target is."""
     import cloudpickle
 
     try:
-        return shm.encode(obj, threshold, cloudpickle.dumps)
+        return shm.encode(obj, threshold, cloudpickle.dumps, scan)
     except Exception as exc:  # noqa: BLE001 - re-raised, typed (chained)
         raise chained(  # noqa: B904 - see chained
             SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}"), exc

@@ -213,6 +213,12 @@ def buffer_owner(arr: Any) -> str:
     return type(base).__name__
 
 
+def identities(big: Any, again: Any, shared: Any, shared_again: Any, looped: Any) -> Any:
+    """What arrived as one object (``is``), and the arguments themselves, sent back."""
+    seen = (big is again, shared is shared_again, shared[0] is big, looped["self"] is looped)
+    return seen, (big, again, shared, shared_again, looped)
+
+
 def filled(value: float, n: int, dtype: str = "float32") -> Any:
     import numpy as np
 
@@ -236,6 +242,19 @@ def keep(arr: Any) -> int:
 
 def kept_sum(index: int) -> float:
     return float(_KEPT[index].sum())
+
+
+def kept_count() -> int:
+    return len(_KEPT)
+
+
+def keep_then_fail(arr: Any, how: str) -> Any:
+    """Stores the argument (a view of the host's block) beyond the call, then fails: raises
+    (``how="raise"``), or returns a result over the frame limit (``how="too-big"``)."""
+    _KEPT.append(arr)
+    if how == "raise":
+        raise ValueError("kept the argument, then failed")
+    return list(range(400_000))  # pickles to about 1.8 MB: over a 1 MiB frame limit
 
 
 def forge_oob_reply(name_kind: str) -> None:

@@ -69,6 +69,82 @@ def test_arrays_round_trip_both_directions(pool: comfy_env.Pool, name: str) -> N
     assert out.flags.writeable
 
 
+def _every_kind_of_array(n: int) -> dict[str, np.ndarray]:
+    """One array of each kind with ``n`` elements (or rows): what a pickle round trip keeps."""
+    base = np.arange(4 * n, dtype=np.float64)
+    read_only = np.arange(n, dtype=np.float32)
+    read_only.flags.writeable = False
+    arrays = {
+        f"dtype {code}": (np.arange(n) % 100).astype(code) for code in ("i1", "u8", "f2", "c16")
+    }
+    arrays.update(
+        {
+            "bool": np.arange(n) % 3 == 0,
+            "datetime64": np.arange(n).astype("M8[ns]"),
+            "timedelta64": np.arange(n).astype("m8[s]"),
+            "big-endian": np.arange(n, dtype=">i4"),
+            "bytes S": np.array([b"ab%d" % (i % 100) for i in range(n)], dtype="S7"),
+            "str U": np.array([f"x{i % 100}" for i in range(n)], dtype="U5"),
+            "structured": np.zeros(n, dtype=[("x", "<f8"), ("y", ">i4"), ("s", "S3")]),
+            "record": np.rec.array(np.zeros(n, dtype=[("x", "<f8"), ("y", "<i4")])),
+            "object": np.array([i if i % 2 else str(i) for i in range(min(n, 2000))], object),
+            "0-d": np.array(3.5),
+            "empty (0, 5)": np.zeros((0, 5)),
+            "zero-size dtype, 2**40 elements": np.empty(2**40, dtype=np.dtype([])),
+            "strided": base[::3],
+            "transpose": base.reshape(-1, 4).T,
+            "negative strides": base[::-1],
+            "fortran": np.asfortranarray(base.reshape(-1, 4)),
+            "broadcast": np.broadcast_to(np.arange(4.0), (n, 4)),
+            "view of a bigger array": base[n : 2 * n],
+            "read-only": read_only,
+            "over bytes": np.frombuffer(bytes(4 * n), dtype=np.float32),
+            "masked": np.ma.masked_array(np.arange(n, dtype=np.float64), mask=np.arange(n) % 2),
+            "matrix": np.asmatrix(base.reshape(-1, 4)),
+        }
+    )
+    return arrays
+
+
+def _same_as_pickled(out: np.ndarray, ref: np.ndarray) -> bool:
+    flags = ("c_contiguous", "f_contiguous", "writeable")
+    return (
+        type(out) is type(ref)
+        and (out.dtype, out.shape, out.strides) == (ref.dtype, ref.shape, ref.strides)
+        and all(getattr(out.flags, f) == getattr(ref.flags, f) for f in flags)
+        and (
+            out.tolist() == ref.tolist() if ref.dtype.hasobject else out.tobytes() == ref.tobytes()
+        )
+        and (
+            not isinstance(ref, np.ma.MaskedArray)
+            or np.array_equal(np.ma.getmaskarray(out), np.ma.getmaskarray(ref))
+        )
+    )
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize(
+    "update",
+    [{}, {"shared_memory": False}, {"shared_memory": False, "shm_threshold_bytes": 4096}],
+    ids=["shared-memory", "inline", "inline-4k-threshold"],
+)
+def test_every_kind_of_array_arrives_as_a_pickle_round_trip_gives_it(
+    config: comfy_env.PoolConfig, update: dict[str, object]
+) -> None:
+    import asyncio
+    import pickle
+
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        w = pool.get_worker()
+        for n in (50, 1000, 300_000):  # in band; out of band at 4 KiB; in shared memory
+            for name, arr in _every_kind_of_array(n).items():
+                ref = pickle.loads(pickle.dumps(arr, protocol=5))
+                out = w.call("comfy_env_worker.tasks:echo", arr)
+                assert _same_as_pickled(out, ref), (n, name, "call")
+                out = asyncio.run(w.acall("comfy_env_worker.tasks:echo", arr))
+                assert _same_as_pickled(out, ref), (n, name, "acall")
+
+
 @pytest.mark.parametrize(
     "value",
     [b"\x01" * (3 * MiB), bytearray(b"\x02" * (3 * MiB)), [b"\x03" * (2 * MiB), 7]],
@@ -83,6 +159,54 @@ def test_memoryview_arrives_as_an_equal_memoryview(pool: comfy_env.Pool) -> None
     data = bytes(range(256)) * (8 * 4096)
     out = pool.get_worker().call("comfy_env_worker.tasks:echo", memoryview(data))
     assert isinstance(out, memoryview) and out.tobytes() == data
+
+
+@pytest.mark.parametrize("size", [4096, 2 * MiB], ids=["small", "large"])
+def test_a_memoryview_keeps_its_format_shape_order_and_writability(
+    pool: comfy_env.Pool, size: int
+) -> None:
+    # Pickle refuses memoryviews: a small one went through cloudpickle and came back as
+    # bytes (and only to a worker on the host's Python), a large one as flat bytes in the
+    # *memory* order, so a Fortran-ordered view came back scrambled.
+    w = pool.get_worker()
+    grid = np.arange(size // 8, dtype=np.float64).reshape(-1, 4)
+    views = {
+        "2-d": memoryview(grid),
+        "fortran": memoryview(np.asfortranarray(grid)),
+        "strided": memoryview(grid)[::2],
+        "read-only": memoryview(grid.tobytes()),
+        "ints": memoryview(bytearray(size)).cast("i"),
+    }
+    for name, view in views.items():
+        for out in (
+            w.call("comfy_env_worker.tasks:echo", view),
+            w.call(lambda v: v, view),  # by value: cloudpickle's own path
+        ):
+            assert isinstance(out, memoryview), name
+            assert (out.format, out.shape, out.readonly) == (
+                view.format,
+                view.shape,
+                view.readonly,
+            ), name
+            assert out.tolist() == view.tolist(), name
+
+
+def test_an_object_met_twice_in_one_call_arrives_as_one_object(pool: comfy_env.Pool) -> None:
+    # As pickle's memo keeps it: a large bytes object passed twice travels once and arrives
+    # as one object, a list passed twice stays one list, a dict that holds itself still does.
+    w = pool.get_worker()
+    big = bytes(range(256)) * (8 * 1024)
+    shared = [big]
+    looped: dict[str, object] = {"data": big}
+    looped["self"] = looped
+    from comfy_env._codec import encode_call
+
+    _, buffers, _ = encode_call(remote_tasks.identities, (big, big, shared, shared, looped), {})
+    assert [b.nbytes for b in buffers] == [len(big)]  # out of band, once
+    seen, (a, b, c, d, e) = w.call(remote_tasks.identities, big, big, shared, shared, looped)
+    assert seen == (True, True, True, True)  # in the worker
+    assert a is b and c is d and c[0] is a and e["self"] is e and e["data"] is a  # back here
+    assert a == big
 
 
 def test_large_buffers_travel_through_shared_memory(pool: comfy_env.Pool) -> None:
@@ -114,6 +238,30 @@ def test_a_block_the_worker_keeps_is_never_reused_by_the_host(pool: comfy_env.Po
     twos = np.full(2 * MiB, 2.0, dtype=np.float32)
     w.call("comfy_env_worker.tasks:echo", twos)  # same size class: would reuse that block
     assert w.call(remote_tasks.kept_sum, index) == float(2 * MiB)
+
+
+@pytest.mark.parametrize("how", ["raise", "too-big"])
+@pytest.mark.parametrize("path", ["call", "acall"])
+def test_a_block_the_worker_keeps_is_never_reused_when_the_call_then_fails(
+    config: comfy_env.PoolConfig, how: str, path: str
+) -> None:
+    # The function caches its argument (a view of our block), then raises or returns what
+    # cannot be sent: the error reply must still say the block was kept, or our next
+    # request is written into memory the worker's cache shows.
+    import asyncio
+
+    with comfy_env.Pool(config.model_copy(update={"max_frame_bytes": MiB})) as pool:
+        w = pool.get_worker()
+        ones = np.ones(2 * MiB // 8, dtype=np.float64)
+        expected = ValueError if how == "raise" else OverflowError
+        with pytest.raises(expected):
+            if path == "call":
+                w.call(remote_tasks.keep_then_fail, ones, how)
+            else:
+                asyncio.run(w.acall(remote_tasks.keep_then_fail, ones, how))
+        index = w.call(remote_tasks.kept_count) - 1
+        w.call("comfy_env_worker.tasks:echo", np.full(2 * MiB // 8, 2.0))  # same size class
+        assert w.call(remote_tasks.kept_sum, index) == float(2 * MiB // 8)
 
 
 @pytest.fixture
@@ -543,6 +691,27 @@ def test_shared_memory_off_streams_buffers_inline(config: comfy_env.PoolConfig) 
         assert np.array_equal(out, arr)
         assert w.call(remote_tasks.buffer_owner, arr) == "bytearray"  # the received frame
         assert _worker_shm(w)["blocks"] == 0
+
+
+def test_inline_buffers_arrive_writable_however_the_frame_was_read(
+    config: comfy_env.PoolConfig,
+) -> None:
+    # A small threshold sends 8 KiB arrays out of band; without shared memory they travel
+    # inline in a frame small enough to be read whole with others: the asyncio reader's
+    # ``bytes``, on which the result was a read-only array (writable through ``call``).
+    import asyncio
+
+    update = {"shared_memory": False, "shm_threshold_bytes": 4096}
+    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+        w = pool.get_worker()
+        arr = np.arange(1024, dtype=np.float64)
+        for out in (
+            w.call(remote_tasks.add_in_place, arr, 1.0),  # the argument arrived writable too
+            asyncio.run(w.acall(remote_tasks.add_in_place, arr, 1.0)),
+        ):
+            assert np.array_equal(out, arr + 1.0)
+            assert out.flags.writeable
+            out += 1.0
 
 
 def test_buffers_under_the_threshold_inline_are_no_shared_memory_failure(

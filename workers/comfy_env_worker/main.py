@@ -369,9 +369,8 @@ class Worker:
                 data = error_record(exc, self.max_frame_bytes)
             finally:
                 del exc
-            if arg_views:
-                self.release_args(arg_views, sources)
-            self.reply(FrameType.REPLY_ERR, call_id, data)
+            retained = self.release_args(arg_views, sources) if arg_views else arg_views
+            self.reply_error(call_id, data, retained)
             return
         if not buffers:
             retained = self.release_args(arg_views, sources) if arg_views else arg_views
@@ -418,7 +417,7 @@ class Worker:
             return
         if not retained:
             if len(data) > self.max_frame_bytes:
-                self.reply_too_big(call_id, len(data))
+                self.reply_too_big(call_id, len(data), [])
                 return
             self.reply(FrameType.REPLY_OK, call_id, data)
             return
@@ -439,7 +438,7 @@ class Worker:
         if length > self.max_frame_bytes:
             if block is not None and pool is not None:
                 pool.release(block)
-            self.reply_too_big(call_id, length)
+            self.reply_too_big(call_id, length, retained)
             return
         if block is not None:
             with self.pin_lock:
@@ -475,12 +474,28 @@ class Worker:
 
         threading.Thread(target=make, name="comfy-env-spare", daemon=True).start()
 
-    def reply_too_big(self, call_id: int, length: int) -> None:
+    def reply_too_big(self, call_id: int, length: int, retained: List[str]) -> None:
         too_big = OverflowError(
             "the result pickles to %d bytes, over the frame limit of %d bytes "
             "(PoolConfig.max_frame_bytes)" % (length, self.max_frame_bytes)
         )
-        self.reply(FrameType.REPLY_ERR, call_id, error_record(too_big, self.max_frame_bytes))
+        self.reply_error(call_id, error_record(too_big, self.max_frame_bytes), retained)
+
+    def reply_error(self, call_id: int, record: bytes, retained: List[str]) -> None:
+        """Send a call's error reply. The host's argument blocks the call kept (``retained``:
+        a function that cached its argument, then raised) are named in an out-of-band
+        envelope around the record, as beside a result, so the host never writes a later
+        request into memory the worker still shows. (The envelope carries no dropped names:
+        a few dozen bytes, within the margin ``error_record`` leaves under the frame limit.)"""
+        if not retained:
+            self.reply(FrameType.REPLY_ERR, call_id, record)
+            return
+        parts, length = shm.frame_parts([], record, [], None, retained)
+        header = encode_header(FrameType.REPLY_ERR, call_id, length, FLAG_OOB)
+        outbox = self.outbox
+        with outbox.lock:
+            send_parts(self.sock, [header, *parts])
+            outbox.in_call = False
 
     @staticmethod
     def release_args(views: List[Any], sources: List[Optional[str]]) -> List[str]:

@@ -5,7 +5,9 @@ Both sides use this module (stdlib only, Python 3.8+).
 **Encoding.** ``encode`` pickles with protocol 5 and a buffer callback: every buffer of at least
 ``threshold`` bytes (numpy arrays at any depth; bytes, bytearray, memoryview and torch CPU
 tensors that are an argument or the result, or directly inside a tuple, list or dict that is)
-is taken out of band.
+is taken out of band. Those bytes-like objects are swapped for stand-ins first (``_swap``,
+with a memo, so an object met twice is still one object); a memoryview of any size is, since
+pickle refuses memoryviews, and it arrives with its format, shape and writability.
 The sender then places those buffers either in one shared-memory *block* from its own
 ``BlockPool`` (one memcpy), or, when shared memory is off, unavailable or full, inline after the
 pickle in the same frame (written straight from the caller's memory by ``sendmsg``: the
@@ -123,8 +125,25 @@ def rebuild_bytearray(buf: Any) -> bytearray:
     return bytearray(buf)
 
 
-def rebuild_memoryview(buf: Any) -> memoryview:
-    return memoryview(bytearray(buf))
+def rebuild_memoryview(
+    buf: Any, fmt: str = "B", shape: Optional[Tuple[int, ...]] = None, readonly: bool = False
+) -> memoryview:
+    """A private copy of a memoryview's bytes (C order), as a view of the original's format,
+    shape and writability where ``memoryview.cast`` can take them (native single-character
+    formats); else as flat bytes (``'B'``)."""
+    view = memoryview(bytes(buf) if readonly else bytearray(buf))
+    if fmt == "B" and (shape is None or len(shape) == 1):
+        return view
+    flat: Any = view  # (typeshed's cast takes only literal formats)
+    shaped: memoryview
+    try:
+        shaped = flat.cast(fmt, shape)
+    except (TypeError, ValueError):  # a shape with a zero, or a format cast refuses
+        try:
+            shaped = flat.cast(fmt)
+        except (TypeError, ValueError):
+            shaped = view
+    return shaped
 
 
 _REBUILD: Dict[type, Callable[[Any], Any]] = {
@@ -138,7 +157,9 @@ class _OutOfBand:
     """Stands in for a large bytes-like object while pickling, so that it travels out of band:
     the C pickler writes bytes and bytearray in band without asking anyone, but any other
     object reduces through ``__reduce_ex__``, and a ``PickleBuffer`` there reaches the buffer
-    callback."""
+    callback. A memoryview of any size stands in too, since pickle refuses memoryviews: it
+    goes as its bytes in C order (a copy where it is not C-contiguous), with its format,
+    shape and writability (``rebuild_memoryview``)."""
 
     __slots__ = ("obj",)
 
@@ -146,7 +167,11 @@ class _OutOfBand:
         self.obj = obj
 
     def __reduce_ex__(self, _protocol: Any) -> Any:
-        return _REBUILD[type(self.obj)], (pickle.PickleBuffer(self.obj),)
+        obj = self.obj
+        if type(obj) is memoryview:
+            data = pickle.PickleBuffer(obj if obj.c_contiguous else obj.tobytes())
+            return rebuild_memoryview, (data, obj.format, obj.shape, obj.readonly)
+        return _REBUILD[type(obj)], (pickle.PickleBuffer(obj),)
 
 
 def rebuild_tensor(buf: Any, dtype: str, shape: Tuple[int, ...], requires_grad: bool) -> Any:
@@ -205,32 +230,59 @@ def _is_torch_cpu_tensor(value: Any, threshold: int) -> bool:
 
 def _is_large_bytes(value: Any, threshold: int) -> bool:
     """Large bytes-like objects and torch CPU tensors, which need a stand-in to travel out of
-    band (numpy arrays do it on their own)."""
+    band (numpy arrays do it on their own), and memoryviews of any size (pickle refuses
+    them; see ``_OutOfBand``)."""
     kind = type(value)
     if kind is bytes or kind is bytearray:
         return len(value) >= threshold
     if kind is memoryview:
-        return bool(value.contiguous) and value.nbytes >= threshold
+        return True
     return _is_torch_cpu_tensor(value, threshold)
 
 
-def _swap(obj: Any, threshold: int, depth: int) -> Any:
+def _swap(obj: Any, threshold: int, depth: int, memo: Dict[int, Tuple[Any, Any]]) -> Any:
     """``obj`` with large bytes-like objects replaced by ``_OutOfBand`` stand-ins, looking
-    ``depth`` levels into tuples, lists and dicts (deeper ones travel in band)."""
-    if _is_large_bytes(obj, threshold):
-        kind = type(obj)
-        if kind is bytes or kind is bytearray or kind is memoryview:
-            return _OutOfBand(obj)
-        return _TensorOutOfBand(obj)
-    if depth <= 0:
-        return obj
+    ``depth`` levels into tuples, lists and dicts (deeper ones travel in band).
+
+    ``memo`` (id -> (original, replacement); the original is held so its id stays its own)
+    keeps what pickle's memo keeps: an object met twice is replaced by one object, so a
+    buffer found twice travels once and arrives as one object, a container shared by two
+    arguments stays shared, and one that holds itself still does (a list or dict is
+    remembered before its items are looked at)."""
+    key = id(obj)
+    seen = memo.get(key)
+    if seen is not None:
+        return seen[1]
     kind = type(obj)
+    if _is_large_bytes(obj, threshold):
+        if kind is bytes or kind is bytearray or kind is memoryview:
+            stand_in: Any = _OutOfBand(obj)
+        else:
+            stand_in = _TensorOutOfBand(obj)
+        memo[key] = (obj, stand_in)
+        return stand_in
+    if kind is tuple or kind is list or kind is dict:
+        if depth <= 0:
+            memo[key] = (obj, obj)  # met higher up again: still the same object
+            return obj
     if kind is tuple:
-        return tuple(_swap(v, threshold, depth - 1) for v in obj)
+        items = tuple([_swap(v, threshold, depth - 1, memo) for v in obj])
+        seen = memo.get(key)  # (an item's list or dict held this tuple: the one made there)
+        if seen is not None:
+            return seen[1]
+        memo[key] = (obj, items)
+        return items
     if kind is list:
-        return [_swap(v, threshold, depth - 1) for v in obj]
+        new_list: List[Any] = []
+        memo[key] = (obj, new_list)
+        new_list.extend([_swap(v, threshold, depth - 1, memo) for v in obj])
+        return new_list
     if kind is dict:
-        return {k: _swap(v, threshold, depth - 1) for k, v in obj.items()}
+        new_dict: Dict[Any, Any] = {}
+        memo[key] = (obj, new_dict)
+        for k, v in obj.items():
+            new_dict[k] = _swap(v, threshold, depth - 1, memo)
+        return new_dict
     return obj
 
 
@@ -292,7 +344,7 @@ def encode(
         return False
 
     if scan and _has_large_bytes(scan, threshold):
-        obj = _swap(obj, threshold, 3)
+        obj = _swap(obj, threshold, 3, {})
     return dumps(obj, protocol=5, buffer_callback=callback), buffers
 
 
@@ -964,6 +1016,13 @@ def unpack(
         raise ValueError("inline buffers overrun the frame")
     body = view[4 + head_len : body_end]
     inline_area = view[body_end:]
+    if inline_total and inline_area.readonly:
+        # A frame read whole together with others (the host's asyncio reader; a reader that
+        # met two frames in one read) is ``bytes``: arrays built on it would be read-only,
+        # where the same value read alone (into a bytearray) is writable. Such a frame is at
+        # most one read of 64 KiB, so one copy makes the rule simple: inline buffers are
+        # writable whichever way the frame was read.
+        inline_area = memoryview(bytearray(inline_area))
     buffers: List[Any] = []
     sources: List[Optional[str]] = []
     loaned_names: List[str] = []
