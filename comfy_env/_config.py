@@ -26,6 +26,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -233,33 +234,13 @@ class PoolConfig(BaseModel):
             merged[name] = _parse_env_value(var, raw, field.annotation, name)
         return merged
 
-    @field_validator(
-        "call_timeout",
-        "start_timeout",
-        "cancel_grace",
-        "max_workers_per_env",
-        "max_frame_bytes",
-        "kill_grace",
-        "close_timeout",
-        "stderr_tail_lines",
-        "idle_timeout",
-        "ping_after_idle",
-        "ping_timeout",
-        "max_restarts",
-        "restart_window",
-        "abandon_for",
-        "shm_threshold_bytes",
-        "shm_pool_bytes",
-        "shm_pinned_ttl",
-        "spin_wait",
-        mode="before",
-    )
+    @field_validator("*", mode="before")
     @classmethod
-    def _refuse_booleans(cls, value: Any) -> Any:
-        """``True`` is an ``int`` to Python and pydantic would take it as 1 (``call_timeout=True``
-        a one-second deadline): refused, as per-call timeouts refuse it (``check_timeout``).
-        Environment values arrive as strings and never meet this."""
-        if isinstance(value, bool):
+    def _refuse_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        """``True`` is an ``int`` to Python and pydantic would take it as 1 for a numeric field
+        (``call_timeout=True`` a one-second deadline): refused, as per-call timeouts refuse it
+        (``check_timeout``). Environment values arrive as strings and never meet this."""
+        if isinstance(value, bool) and info.field_name in _NUMERIC_FIELDS:
             raise ValueError(f"must be a number, not the boolean {value!r}")
         return value
 
@@ -303,6 +284,14 @@ class PoolConfig(BaseModel):
         # (Popen) and then changes to it again from its CONFIG, so a relative one would be
         # looked for inside itself (FileNotFoundError, or a same-named nested directory).
         return None if value is None else os.path.abspath(value)
+
+
+# The fields that hold a number (int or float, or one of them or None), read from the model.
+_NUMERIC_FIELDS = frozenset(
+    name
+    for name, field in PoolConfig.model_fields.items()
+    if field.annotation in (int, float, int | None, float | None)
+)
 
 
 def holds_defaults(config: PoolConfig) -> bool:
