@@ -1,0 +1,65 @@
+"""What libraries write in a worker, as it reaches the host: progress bars (tqdm's ``\\r``
+updates) on ``sys.stderr`` and on fd 2, and a host that turned logging off."""
+
+from __future__ import annotations
+
+import logging
+
+import output_tasks
+import pytest
+from conftest import TESTS_DIR, run_host, wait_until
+
+import comfy_env
+
+BAR_DONE = "100%|##########| 200/200"
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("comfy_env.worker")]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["sys.stderr", "fd2"])
+def test_a_progress_bar_arrives_as_a_few_states_and_its_final_line(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture, native: bool
+) -> None:
+    """tqdm writes ``"\\r" + bar`` and flushes, with no newline until it closes. The host
+    got one WARNING record per update (``sys.stderr``: 202 records, each starting with
+    ``\\r``, the last an empty line) or one line holding every state (fd 2). Now: the latest
+    state at most every PROGRESS_INTERVAL, then the final state as the line, no ``\\r``."""
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    assert pool.get_worker().call(output_tasks.progress, 200, native) == 200
+    assert wait_until(lambda: BAR_DONE in _messages(caplog)), _messages(caplog)
+    bar = _messages(caplog)
+    assert bar[-1] == BAR_DONE
+    assert all("\r" not in m and m.strip() for m in bar), bar
+    assert len(bar) < 20, bar  # 201 updates written in a few milliseconds
+
+
+def test_a_counter_printed_with_end_cr_leaves_its_last_state(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``print(i, end="\\r")`` then ``print()``: what a terminal shows, the last count."""
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    pool.get_worker().call(output_tasks.count_with_cr, 500)
+    lines = _messages(caplog)
+    assert lines[-1] == "500/500" and "\r" not in "".join(lines), lines
+    assert len(lines) < 20, lines
+
+
+def test_logging_disable_silences_worker_lines_in_an_unconfigured_host() -> None:
+    """A host that never configured logging gets worker lines printed with a prefix; after
+    ``logging.disable(logging.CRITICAL)`` it printed them anyway."""
+    code = """
+        import logging, comfy_env
+        logging.disable(logging.CRITICAL)
+        pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(%r,)))
+        w = pool.get_worker()
+        w.call("remote_tasks:log_things", 2)
+        print("PID", w.pid, flush=True)
+        pool.close()
+    """
+    host = run_host(code % (str(TESTS_DIR),))
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    assert "PID" in out
+    assert "info 0" not in err and "careful: warning" not in err, err
