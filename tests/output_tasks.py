@@ -48,14 +48,21 @@ def partial_then(how: str, text: str) -> str:
     return how
 
 
-def write_bytes(data: bytes) -> str:
-    """Bytes to ``sys.stdout.buffer`` if it has one, else the error's text."""
+def bytes_and_reconfigure() -> list[str]:
+    """What libraries do to ``sys.stdout`` beyond ``write(str)``: ``reconfigure`` at import,
+    bytes through ``.buffer`` (a character split across writes, an invalid byte), and a str
+    given to ``.buffer`` (a TypeError, as in CPython)."""
+    sys.stdout.reconfigure(encoding="utf-8")  # type: ignore[union-attr]
+    out = sys.stdout.buffer
+    out.write(b"caf\xc3")
+    out.write(b"\xa9 split\n")
+    out.write(memoryview(b"bad \xff byte\n"))
+    out.flush()
     try:
-        sys.stdout.buffer.write(data)  # type: ignore[attr-defined]
-        sys.stdout.flush()
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
+        out.write("text")  # type: ignore[arg-type]
+    except TypeError as exc:
+        return [type(exc).__name__]
+    return ["accepted"]
 
 
 def write_non_str(value: Any) -> str:

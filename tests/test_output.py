@@ -63,3 +63,15 @@ def test_logging_disable_silences_worker_lines_in_an_unconfigured_host() -> None
     assert host.returncode == 0, err
     assert "PID" in out
     assert "info 0" not in err and "careful: warning" not in err, err
+
+
+def test_sys_stdout_takes_bytes_through_buffer_and_reconfigure_like_a_real_one(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``sys.stdout.buffer`` and ``sys.stdout.reconfigure`` were missing: code that writes
+    bytes, or reconfigures stdout at import (as some node packs do), failed the call with
+    AttributeError."""
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    assert pool.get_worker().call(output_tasks.bytes_and_reconfigure) == ["TypeError"]
+    stdout = [r.getMessage() for r in caplog.records if getattr(r, "stream", None) == "stdout"]
+    assert stdout == ["caf\u00e9 split", "bad \ufffd byte"], stdout

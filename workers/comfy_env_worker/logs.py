@@ -177,6 +177,9 @@ class LineStream(io.TextIOBase):
     def renew_lock(self) -> None:
         """A new lock, in a process forked while another thread may have held the old one."""
         self._lock = _thread.allocate_lock()
+        buffer = self.__dict__.get("_buffer")
+        if buffer is not None:
+            buffer._lock = _thread.allocate_lock()
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -191,6 +194,20 @@ class LineStream(io.TextIOBase):
     def fileno(self) -> int:
         # Code that asks for the fd (faulthandler, subprocess) gets the real one.
         return int(self.original.fileno())
+
+    @property
+    def buffer(self) -> "_BytesToLines":
+        """What ``sys.stdout.buffer.write(b"...")`` writes to (as a real ``sys.stdout`` has):
+        UTF-8 decoded as it comes, a character split across writes included, invalid bytes
+        replaced, then the same lines as text written here."""
+        buffer = self.__dict__.get("_buffer")
+        if buffer is None:
+            buffer = self.__dict__["_buffer"] = _BytesToLines(self)
+        return buffer
+
+    def reconfigure(self, **_options: Any) -> None:
+        """Accepted and ignored (``sys.stdout.reconfigure(encoding="utf-8")`` at a module's
+        import must not fail): this stream is UTF-8 text, sent line by line, already."""
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):
@@ -270,6 +287,34 @@ class LineStream(io.TextIOBase):
 
     def _emit(self, line: str) -> None:
         self.outbox.send_record((self.level, self.stream, line, None, _time(), self.stream))
+
+
+class _BytesToLines(io.BufferedIOBase):
+    """The binary side of a ``LineStream`` (its ``buffer``)."""
+
+    def __init__(self, text: LineStream) -> None:
+        import codecs  # loaded at interpreter start-up already (the encodings need it)
+
+        self.text = text
+        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        self._lock = _thread.allocate_lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.text.fileno()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)  # bytes-like only, as a real buffer: str is a TypeError
+        with self._lock:
+            text = self._decode(view.tobytes())
+        if text:
+            self.text.write(text)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.text.flush()
 
 
 def _pieces(line: str) -> "list[str]":
