@@ -12,9 +12,9 @@ import logging
 import os
 import sys
 import threading
-import time
 import warnings
-from typing import Any
+
+import fault_tasks
 
 
 def progress(n: int, native: bool, close: bool = True) -> int:
@@ -35,17 +35,16 @@ def progress(n: int, native: bool, close: bool = True) -> int:
     return n
 
 
-def partial_then(how: str, text: str) -> str:
-    """Write ``text`` without a newline (``print(end="")``), then return or crash."""
+def partial_line_then_crash(how: str, text: str) -> None:
+    """Write ``text`` without a newline (``native``: on fd 1; ``flushed``: ``print(end="",
+    flush=True)``), then segfault. Only inside a worker (see tests/fault_tasks.py)."""
+    if not fault_tasks.in_worker():
+        raise RuntimeError("refusing to crash outside a worker")
     if how == "native":
         os.write(1, text.encode())
     else:
-        print(text, end="")
-    if how == "segfault":
-        ctypes.string_at(0)
-    elif how == "abort":
-        os.abort()
-    return how
+        print(text, end="", flush=True)
+    ctypes.string_at(0)
 
 
 def bytes_and_reconfigure() -> list[str]:
@@ -65,44 +64,8 @@ def bytes_and_reconfigure() -> list[str]:
     return ["accepted"]
 
 
-def write_non_str(value: Any) -> str:
-    try:
-        sys.stdout.write(value)
-    except Exception as exc:  # noqa: BLE001
-        return type(exc).__name__
-    return "accepted"
-
-
-def stream_facts() -> dict[str, Any]:
-    out = sys.stdout
-    return {
-        "encoding": out.encoding,
-        "errors": getattr(out, "errors", "<none>"),
-        "isatty": out.isatty(),
-        "fileno": out.fileno(),
-        "line_buffering": getattr(out, "line_buffering", "<none>"),
-        "has_buffer": hasattr(out, "buffer"),
-        "closed": out.closed,
-        "readable": out.readable(),
-        "seekable": out.seekable(),
-    }
-
-
-def native_text(chunks: list[bytes], stream: int = 2) -> int:
-    for chunk in chunks:
-        os.write(stream, chunk)
-        time.sleep(0.01)  # separate reads in the host
-    return len(chunks)
-
-
-def python_text(chunks: list[str]) -> int:
-    for chunk in chunks:
-        sys.stdout.write(chunk)
-        sys.stdout.flush()
-    return len(chunks)
-
-
-def warn_twice(category: str) -> int:
+def warn_three_times(category: str) -> int:
+    """The same warning from one place, three times (Python shows it once)."""
     cls = {"user": UserWarning, "deprecation": DeprecationWarning}[category]
     for _ in range(3):
         warnings.warn(f"careful with {category}", cls, stacklevel=1)
@@ -110,6 +73,8 @@ def warn_twice(category: str) -> int:
 
 
 def log_odd_records() -> str:
+    """Records beyond a plain message: an exception, a stack, extra fields, arguments that
+    fail to format, an argument that cannot be pickled."""
     log = logging.getLogger("odd")
     try:
         raise ValueError("exc boom")
@@ -120,42 +85,6 @@ def log_odd_records() -> str:
     log.info("bad format %d", "not a number")
     log.info("a lock as arg %s", threading.Lock())
     return "ok"
-
-
-def log_from_thread_after_return(delay: float) -> str:
-    def later() -> None:
-        time.sleep(delay)
-        logging.getLogger("late.thread").warning("after the return")
-
-    threading.Thread(target=later, name="late-logger").start()
-    logging.getLogger("in.thread").info("during the call")
-    return "ok"
-
-
-def own_handler_no_propagate(path: str) -> str:
-    log = logging.getLogger("private")
-    log.propagate = False
-    handler = logging.FileHandler(path)
-    log.addHandler(handler)
-    log.warning("kept private")
-    handler.close()
-    log.removeHandler(handler)
-    return "ok"
-
-
-def set_root_debug() -> str:
-    logging.getLogger().setLevel(logging.DEBUG)
-    logging.getLogger("dbg").debug("debug after setLevel")
-    return "ok"
-
-
-def mixed_order(n: int) -> int:
-    log = logging.getLogger("order")
-    for i in range(n):
-        print(f"print {i}")
-        log.info("log %d", i)
-        sys.stderr.write(f"err {i}\n")
-    return n
 
 
 def count_with_cr(n: int) -> int:

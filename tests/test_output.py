@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import fault_tasks
 import output_tasks
 import pytest
 from conftest import TESTS_DIR, run_host, wait_until
@@ -75,3 +76,41 @@ def test_sys_stdout_takes_bytes_through_buffer_and_reconfigure_like_a_real_one(
     assert pool.get_worker().call(output_tasks.bytes_and_reconfigure) == ["TypeError"]
     stdout = [r.getMessage() for r in caplog.records if getattr(r, "stream", None) == "stdout"]
     assert stdout == ["caf\u00e9 split", "bad \ufffd byte"], stdout
+
+
+@pytest.mark.parametrize("how", ["native", "flushed"])
+def test_an_unfinished_line_before_a_crash_is_in_the_crash_report(
+    config: comfy_env.PoolConfig, how: str
+) -> None:
+    """What README promises for a crash right after output without a newline: native
+    output's unfinished line, and a flushed ``print(..., end="")``, are the report's last
+    words."""
+    config = config.model_copy(update={"env_vars": {fault_tasks.FAULT_SIDE_VAR: "worker"}})
+    with comfy_env.Pool(config) as pool:
+        with pytest.raises(comfy_env.WorkerCrashed) as info:
+            pool.get_worker().call(output_tasks.partial_line_then_crash, how, f"step 17 {how} ")
+    assert f"step 17 {how} " in info.value.stderr_tail.splitlines(), info.value.stderr_tail
+
+
+def test_warnings_and_rich_records_arrive_as_readme_says(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """README ("Worker output in your logging"): a warning is shown once per location as
+    ``stderr`` lines, a DeprecationWarning not at all (Python's filters); a record's
+    exception and stack arrive as ``exc_text``, ``extra`` fields do not, a failed format is
+    Python's "--- Logging error ---" on stderr, any argument is rendered in the worker."""
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    w = pool.get_worker()
+    for category in ("user", "user", "deprecation"):
+        w.call(output_tasks.warn_three_times, category)
+    warned = [r for r in caplog.records if "Warning: careful with" in r.getMessage()]
+    assert [(r.levelno, r.stream) for r in warned] == [(logging.WARNING, "stderr")], warned  # type: ignore[attr-defined]
+    assert "UserWarning: careful with user" in warned[0].getMessage()
+    caplog.clear()
+    w.call(output_tasks.log_odd_records)
+    by_message = {r.getMessage(): r for r in caplog.records}
+    assert "ValueError: exc boom" in (by_message["with exception"].exc_text or "")
+    assert "Stack (most recent call last)" in (by_message["with stack"].exc_text or "")
+    assert not hasattr(by_message["with extra"], "request_id")
+    assert "--- Logging error ---" in by_message
+    assert any(m.startswith("a lock as arg <unlocked _thread.lock") for m in by_message)
