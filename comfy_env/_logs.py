@@ -24,8 +24,11 @@ its interpreter's; ``(<env name>) <line>`` while no pid is known at all). Once a
 configured (``logging.basicConfig``, or a ``NullHandler`` on ``comfy_env.worker`` to silence
 them), records go only through logging.
 
-**Long lines.** Native output without newlines (a progress bar, a binary dump) is cut into
-pieces of ``LINE_CAP`` bytes as it arrives, in linear time; each piece is a line.
+**Long lines.** Native output without newlines (a binary dump) is cut into pieces of
+``LINE_CAP`` bytes as it arrives, in linear time; each piece is a line. A line overwritten with
+carriage returns (a progress bar: ``"\r" + bar`` per update) keeps only its latest state, emitted
+at most every ``PROGRESS_INTERVAL`` seconds, and its final state when its newline comes (the
+worker does the same for ``sys.stdout``/``sys.stderr``).
 
 **Floods.** A token bucket per worker (lines and bytes per second, with a burst) bounds what is
 emitted; lines over budget are dropped and counted, with one warning per worker. Reading never
@@ -63,6 +66,14 @@ BYTE_BURST = 16.0 * 1024 * 1024
 _MAX_PIPE_FRAME = 16 * 1024 * 1024
 _print_lock = threading.Lock()  # lines of different workers never interleave mid-line
 LINE_CAP = 64 * 1024  # native output lines are cut into pieces of this many bytes
+PROGRESS_INTERVAL = 2.0  # a progress line's latest state is emitted at most this often
+
+
+def _final_state(line: bytes | bytearray) -> bytes:
+    """What a terminal would leave of ``line``: the bytes after its last carriage return (a
+    trailing one, as in ``\r\n`` line ends, is not a new state)."""
+    return bytes(line.rstrip(b"\r").rpartition(b"\r")[2])
+
 
 # env key -> {package name in the worker: name shown}; see "Package names shown" above.
 _shown_names: dict[str, dict[str, str]] = {}
@@ -108,6 +119,7 @@ class WorkerLog:
         self.dropped = 0
         self._warned = False
         self._partial: dict[str, bytearray] = {}
+        self._progress_at: dict[str, float] = {}  # stream -> when its progress was emitted
         self._pipe_buf = bytearray()
         self._pipe_warned = False  # junk on the log pipe was reported (once per worker)
         self._record_warned = False  # an unreadable log record was reported (once per worker)
@@ -152,8 +164,13 @@ class WorkerLog:
             self._tail.append(message if not exc_text else f"{message}\n{exc_text}")
         if not self.logger.hasHandlers():
             # The host never configured logging: Python would show warnings only, without
-            # env or pid. Print the line ourselves, prefixed (INFO and up).
-            if level >= logging.INFO and self._admit(len(message)):
+            # env or pid. Print the line ourselves, prefixed (INFO and up), unless the host
+            # turned logging off (``logging.disable``), as it would for its own records.
+            if (
+                level >= logging.INFO
+                and level > self.logger.manager.disable
+                and self._admit(len(message))
+            ):
                 self._print(message, exc_text)
             return
         if not self.logger.isEnabledFor(level):
@@ -274,7 +291,9 @@ class WorkerLog:
         """Complete lines of ``data`` (after what is pending) are emitted; a line longer than
         ``LINE_CAP`` bytes is emitted in pieces as it arrives. Only new bytes are searched and
         the pending part never exceeds ``LINE_CAP``: linear time, bounded memory, whatever
-        the worker writes (output without newlines included)."""
+        the worker writes (output without newlines included). A line overwritten with
+        carriage returns (a progress bar) is emitted as its final state when it ends, and
+        meanwhile as its latest state at most every ``PROGRESS_INTERVAL`` seconds."""
         pending = self._partial.setdefault(stream, bytearray())
         start = 0
         while True:
@@ -282,22 +301,46 @@ class WorkerLog:
             if end < 0:
                 break
             pending += data[start:end]
+            if b"\r" in pending:
+                pending[:] = _final_state(pending)
             for piece in range(0, max(1, len(pending)), LINE_CAP):
                 self._native_line(stream, bytes(pending[piece : piece + LINE_CAP]))
             pending.clear()
             start = end + 1
+        if data.find(b"\r", start) >= 0:
+            self._native_progress(stream, pending, data[start:])
+            return
         pending += data[start:]
         while len(pending) >= LINE_CAP:
             self._native_line(stream, bytes(pending[:LINE_CAP]))
             del pending[:LINE_CAP]
 
+    def _native_progress(self, stream: str, pending: bytearray, data: bytes) -> None:
+        """``data`` (no newline in it) updates a progress line: ``pending`` keeps only its
+        latest state (bounded memory, however long the bar runs), emitted now if no state of
+        this stream was for ``PROGRESS_INTERVAL``."""
+        pending += data
+        state = _final_state(pending)
+        if len(state) >= LINE_CAP:  # one state too long to keep: cut as any long line
+            pending[:] = state
+            while len(pending) >= LINE_CAP:
+                self._native_line(stream, bytes(pending[:LINE_CAP]))
+                del pending[:LINE_CAP]
+            return
+        pending[:] = b"\r" + state + (b"\r" if pending.endswith(b"\r") else b"")
+        now = time.monotonic()
+        if state.strip() and now - self._progress_at.get(stream, -math.inf) >= PROGRESS_INTERVAL:
+            self._progress_at[stream] = now
+            self._native_line(stream, state)
+
     def finish_native(self, stream: str) -> None:
         rest = self._partial.pop(stream, b"")
-        if rest:
-            self._native_line(stream, bytes(rest))
+        state = _final_state(rest)
+        if state.strip() or (state and len(state) == len(rest)):  # a bar cleared to blanks
+            self._native_line(stream, state)
 
     def _native_line(self, stream: str, raw: bytes) -> None:
-        line = raw.decode("utf-8", "replace").rstrip("\r")
+        line = raw.decode("utf-8", "replace")
         level = logging.WARNING if stream == "stderr" else logging.INFO
         self.emit(level, "native", line, None, None, f"native-{stream}")
 

@@ -14,7 +14,11 @@ the same lock, so a record can neither slip in after the reply (where no caller 
 nor interleave with the bytes of another frame.
 
 ``sys.stdout`` and ``sys.stderr`` are replaced by line-buffered text streams that emit records
-(``builtins.print`` is left alone, so ``print(x, file=fh)`` still writes ``fh``). The raw file
+(``builtins.print`` is left alone, so ``print(x, file=fh)`` still writes ``fh``). A line
+overwritten with carriage returns (tqdm writes ``"\r" + bar`` and flushes, with no newline
+until the bar closes) is a progress line: it is sent as its latest state at most every
+``PROGRESS_INTERVAL`` seconds and as its final state when its newline comes, never one record
+per update (a log is not a terminal). The raw file
 descriptors 1 and 2 stay what the host gave: pipes it reads line by line as native output (C
 ``printf``, ``os.write(2, ...)``, library warnings, child processes, faulthandler). Those bytes
 never travel in band: the host's reactor reads them apart from the channel, so they may reach
@@ -39,6 +43,7 @@ from .protocol import FrameType, encode_header
 # clock, a patched pickler); a record must still go out.
 _dumps = pickle.dumps
 _time = time.time
+_monotonic = time.monotonic
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
@@ -54,6 +59,17 @@ LINE_CAP = 64 * 1024
 # limit and the channel with max_frame_bytes; a record is clipped to the smaller budget.
 RECORD_CAP = 8 * 1024 * 1024
 _CUT = "\n[... comfy-env: %d characters cut ...]\n"
+# A progress bar (tqdm and the like: ``"\r" + bar``, flushed, no newline until it closes)
+# shows its latest state at most this often, and its final state when its line ends.
+PROGRESS_INTERVAL = 2.0
+
+
+def final_state(line: str) -> str:
+    """What a terminal would leave of ``line``: the text after its last carriage return
+    (a trailing one, as in ``\r\n`` line ends, is not a new state)."""
+    if "\r" not in line:
+        return line
+    return line.rstrip("\r").rpartition("\r")[2]
 
 
 def clip(text: str, max_chars: int) -> str:
@@ -156,10 +172,14 @@ class LineStream(io.TextIOBase):
         self._parts: "list[str]" = []  # text written since the last complete line
         self._size = 0
         self._lock = _thread.allocate_lock()
+        self._progress_at = float("-inf")  # when a progress state was last sent (_monotonic)
 
     def renew_lock(self) -> None:
         """A new lock, in a process forked while another thread may have held the old one."""
         self._lock = _thread.allocate_lock()
+        buffer = self.__dict__.get("_buffer")
+        if buffer is not None:
+            buffer._lock = _thread.allocate_lock()
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -175,6 +195,20 @@ class LineStream(io.TextIOBase):
         # Code that asks for the fd (faulthandler, subprocess) gets the real one.
         return int(self.original.fileno())
 
+    @property
+    def buffer(self) -> "_BytesToLines":
+        """What ``sys.stdout.buffer.write(b"...")`` writes to (as a real ``sys.stdout`` has):
+        UTF-8 decoded as it comes, a character split across writes included, invalid bytes
+        replaced, then the same lines as text written here."""
+        buffer = self.__dict__.get("_buffer")
+        if buffer is None:
+            buffer = self.__dict__["_buffer"] = _BytesToLines(self)
+        return buffer
+
+    def reconfigure(self, **_options: Any) -> None:
+        """Accepted and ignored (``sys.stdout.reconfigure(encoding="utf-8")`` at a module's
+        import must not fail): this stream is UTF-8 text, sent line by line, already."""
+
     def write(self, text: str) -> int:
         if not isinstance(text, str):
             raise TypeError("write() argument must be str, not %s" % type(text).__name__)
@@ -184,29 +218,103 @@ class LineStream(io.TextIOBase):
             # or megabytes at once) costs linear time and bounded memory.
             self._parts.append(text)
             self._size += len(text)
-            if "\n" not in text and self._size < LINE_CAP:
-                return len(text)
-            *lines, rest = "".join(self._parts).split("\n")
-            pieces = [piece for line in lines for piece in _pieces(line)]
-            tail = _pieces(rest)
-            keep = tail.pop() if len(tail[-1]) < LINE_CAP else ""
-            pieces.extend(tail)
-            self._parts = [keep] if keep else []
-            self._size = len(keep)
+            if "\n" not in text:
+                if "\r" in text:  # print(..., end="\r"): a terminal would show it now
+                    pieces = self._progress_locked()
+                elif self._size < LINE_CAP:
+                    return len(text)
+                else:
+                    pieces = self._lines_locked()
+            else:
+                pieces = self._lines_locked()
         for line in pieces:
             self._emit(line)
         return len(text)
 
+    def _lines_locked(self) -> "list[str]":
+        """The complete lines (and LINE_CAP pieces) of what is pending; the rest stays."""
+        *lines, rest = "".join(self._parts).split("\n")
+        # A line overwritten with carriage returns (a progress bar) is sent as its final
+        # state, never as every state it went through.
+        pieces = [piece for line in lines for piece in _pieces(final_state(line))]
+        tail = _pieces(rest)
+        keep = tail.pop() if len(tail[-1]) < LINE_CAP else ""
+        pieces.extend(tail)
+        self._parts = [keep] if keep else []
+        self._size = len(keep)
+        return pieces
+
+    def _progress_locked(self) -> "list[str]":
+        """A progress update (``\r`` + a state, tqdm's way): the pending line is reduced to
+        its latest state, which its newline sends as the final one. That state is returned to
+        be sent now only if none was for PROGRESS_INTERVAL: a bar makes a few records, not
+        one per update. A state too long to keep is cut into lines as any text is."""
+        rest = "".join(self._parts)
+        state = final_state(rest)
+        if len(state) >= LINE_CAP:
+            self._parts = [state]
+            return self._lines_locked()
+        self._parts = ["\r" + state + ("\r" if rest.endswith("\r") else "")]
+        self._size = len(self._parts[0])
+        now = _monotonic()
+        if not state.strip() or now - self._progress_at < PROGRESS_INTERVAL:
+            return []
+        self._progress_at = now
+        return [state]
+
     def flush(self) -> None:
+        with self._lock:
+            if any("\r" in part for part in self._parts):
+                pieces = self._progress_locked()
+            else:
+                pieces = ["".join(self._parts)]
+                self._parts = []
+                self._size = 0
+        for line in pieces:
+            if line:
+                self._emit(line)
+
+    def end_line(self) -> None:
+        """Send what is pending as a line, a progress bar's latest state included (the
+        worker is exiting: no newline will come)."""
         with self._lock:
             rest = "".join(self._parts)
             self._parts = []
             self._size = 0
-        if rest:
-            self._emit(rest)
+        state = final_state(rest)
+        if state.strip() or (state and state == rest):  # a bar cleared to blanks says nothing
+            self._emit(state)
 
     def _emit(self, line: str) -> None:
         self.outbox.send_record((self.level, self.stream, line, None, _time(), self.stream))
+
+
+class _BytesToLines(io.BufferedIOBase):
+    """The binary side of a ``LineStream`` (its ``buffer``)."""
+
+    def __init__(self, text: LineStream) -> None:
+        import codecs  # loaded at interpreter start-up already (the encodings need it)
+
+        self.text = text
+        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        self._lock = _thread.allocate_lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.text.fileno()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)  # bytes-like only, as a real buffer: str is a TypeError
+        with self._lock:
+            text = self._decode(view.tobytes())
+        if text:
+            self.text.write(text)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.text.flush()
 
 
 def _pieces(line: str) -> "list[str]":

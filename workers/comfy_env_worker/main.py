@@ -848,9 +848,12 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
     finally:
         if worker.pool is not None:
             worker.pool.destroy_all()
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except Exception:  # noqa: BLE001
-            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if isinstance(stream, logs.LineStream):
+                    stream.end_line()  # no newline will come: a pending line is a line
+                elif stream is not None:
+                    stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
     return code
