@@ -240,6 +240,8 @@ def _resolve(future: asyncio.Future[Any], value: Any = None) -> None:
 
 
 _NOT_EAGER = -1.0  # ``_lease_now``'s deadline when the call may not start in its lock section
+# What a deadline timer resolves a waiter's future with (``_queued``, ``_on_thread``).
+_PAST_DEADLINE: Any = object()
 
 
 def _lease_now(
@@ -292,20 +294,28 @@ async def _queued(pool: CallSite, entry: EnvEntry, ticket: Ticket, deadline: flo
     """Wait, costing no thread, until a slot is handed over (or give up: deadline, cancel)."""
     woken = ticket.woken
     assert woken is not None
+    # The deadline is a timer that resolves the same future, not ``asyncio.wait_for``: before
+    # Python 3.12, wait_for returns the result of a future that completed in the same turn of
+    # the loop as the task's cancellation, and the cancel is lost (a slot handed over as the
+    # task was cancelled: the call then ran in full and the task ended as if never cancelled).
+    timer = None
+    if deadline is not None:
+        delay = max(0.0, deadline - time.monotonic())
+        timer = asyncio.get_running_loop().call_later(delay, _resolve, woken, _PAST_DEADLINE)
     try:
-        if deadline is None:
-            await woken
-        else:
-            await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
-    except (asyncio.TimeoutError, TimeoutError):
-        pool.leave_queue(entry, ticket)
-        raise CallTimeout(
-            f"the call's deadline passed while it was queued for env {entry.spec.key}",
-            env=entry.spec.key,
-        ) from None
+        woke = await woken
     except BaseException:  # cancelled (or the coroutine closed): leave the queue
         pool.leave_queue(entry, ticket)
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if woke is _PAST_DEADLINE:
+        pool.leave_queue(entry, ticket)  # (passes on a slot handed over meanwhile)
+        raise CallTimeout(
+            f"the call's deadline passed while it was queued for env {entry.spec.key}",
+            env=entry.spec.key,
+        )
     if ticket.slot is not None:
         return ticket.slot
     pool.leave_queue(entry, ticket)
@@ -385,6 +395,7 @@ class _ReplyReader:
     __slots__ = (
         "buf",
         "call_id",
+        "deadline",
         "done",
         "emit_log",
         "frame",
@@ -401,8 +412,10 @@ class _ReplyReader:
         emit_log: Callable[[Payload], None],
         call_id: int,
         sink: Callable[[int, Any], None] | None,
+        deadline: float | None = None,
     ) -> None:
         self.reader = reader
+        self.deadline = deadline  # the call's (``time.monotonic()``), checked per side frame
         self.limit = reader.limit
         self.emit_log = emit_log  # LOG frames (the worker's ``LogSink.emit_frame``)
         self.call_id = call_id
@@ -499,17 +512,29 @@ class _ReplyReader:
     ) -> bool:
         """Hand on one whole frame; True if it ended the call (``rest``: the bytes after it,
         which the channel's own reader gets back). A LOG or EVENT handler that raises (a
-        host logging filter, say) ends the call with that error ("error"), as the sync read
-        does: raised out of a loop callback it would only be logged, and the call would wait
-        for a reply its reader no longer reads."""
+        host logging filter, say, or an ``on_event`` raising ``CancelledError``, which
+        ``deliver`` lets through) ends the call with that error ("error"), as the sync read
+        does: raised out of a loop callback it would only be logged, the frames after it in
+        the same read would be lost, and the call would wait for a reply its reader no
+        longer reads.
+
+        The deadline is looked at after each such frame: one read may hold many, and a slow
+        ``on_event`` (it runs on the loop) would otherwise keep the deadline's timer from
+        running until the whole read is handled, by which time the reply may be readable and
+        win over the timer (asyncio runs I/O callbacks before due timers): a call could then
+        run far past its deadline and succeed."""
         if ftype == FrameType.LOG or ftype == FrameType.EVENT:
             try:
                 if ftype == FrameType.LOG:
                     self.emit_log(payload)
                 elif self.sink is not None:
                     self.sink(frame_call_id, payload)
-            except Exception as exc:  # noqa: BLE001 - handed to the call
+            except BaseException as exc:  # noqa: BLE001 - handed to the call
                 self.finish("error", exc)
+                return True
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() >= deadline:
+                self.finish("deadline")
                 return True
         else:
             self.finish("frame", (ftype, flags, frame_call_id, payload, rest))
@@ -854,7 +879,7 @@ async def _warm_call(
             sink = None
             if ticket.on_event is not None:
                 sink = event_handler(ticket.on_event, call_id, generation)
-            reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink)
+            reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink, deadline)
             if data is not None:  # a partial frame, or frames before the reply
                 reader.feed(data)
                 if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
@@ -1088,29 +1113,36 @@ async def _on_thread(
             pass
 
     threading.Thread(target=run, name="comfy-env-acall", daemon=True).start()
+    # The deadline: a timer that resolves ``done`` first (the thread's own outcome then finds
+    # it settled), not ``asyncio.wait_for``, which before Python 3.12 loses a cancel that comes
+    # in the same turn of the loop as the outcome (``_queued``). The thread ends the call with
+    # the same deadline (and counts it); the caller does not wait for a worker still starting.
+    timer = None
+    if deadline is not None:
+        delay = max(0.0, deadline - time.monotonic())
+        timer = loop.call_later(delay, _resolve, done, _PAST_DEADLINE)
     cancels = 0
     while True:
         try:
-            if deadline is None or cancels:
-                ok, value = await asyncio.shield(done)
-            else:
-                remaining = max(0.0, deadline - time.monotonic())
-                ok, value = await asyncio.wait_for(asyncio.shield(done), remaining)
+            outcome = await asyncio.shield(done)
             break
-        except (asyncio.TimeoutError, TimeoutError):
-            # The thread ends the call with the same deadline (and counts it); the caller
-            # does not wait for a worker that is still starting.
-            raise CallTimeout(
-                f"the call's deadline passed before it ended on env {entry.spec.key} "
-                "(its worker was starting or the call was running)",
-                env=entry.spec.key,
-                call_id=ticket.call_id or None,
-            ) from None
         except asyncio.CancelledError:
             cancels += 1
+            if timer is not None:
+                timer.cancel()  # cancelled: wait for the call's end (the thread's deadline holds)
             pool.cancel(entry, ticket, force=cancels > 1)
+    if timer is not None:
+        timer.cancel()
     if cancels:
         raise asyncio.CancelledError
+    if outcome is _PAST_DEADLINE:
+        raise CallTimeout(
+            f"the call's deadline passed before it ended on env {entry.spec.key} "
+            "(its worker was starting or the call was running)",
+            env=entry.spec.key,
+            call_id=ticket.call_id or None,
+        )
+    ok, value = outcome
     if ok:
         return value
     raise value
