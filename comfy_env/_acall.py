@@ -324,6 +324,47 @@ async def _queued(pool: CallSite, entry: EnvEntry, ticket: Ticket, deadline: flo
     raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
 
 
+# ---- cancellation of the task -----------------------------------------------------------------
+
+
+class _Cancels:
+    """The cancellations a waiting call's task received: how many (a second kills the worker
+    at once) and the first one's message (``task.cancel(msg)``), which the ``CancelledError``
+    raised at the call's end carries on. Made only where a call waits (never on a warm call
+    whose reply came in the spin).
+
+    asyncio throws one ``CancelledError`` for any number of ``task.cancel()`` made before the
+    task runs again: two back-to-back cancels (the documented "cancel again to kill at once")
+    would count as one and wait out the grace. ``Task.cancelling()`` (Python 3.11+) counts
+    the requests themselves; only those since this wait began are ours (an outer scope may
+    have left its own uncounted)."""
+
+    __slots__ = ("base", "count", "message", "task")
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.base = self.requested()
+        self.count = 0
+        self.message: tuple[Any, ...] = ()
+
+    def requested(self) -> int:
+        cancelling = getattr(self.task, "cancelling", None)  # (Python 3.11+)
+        return cancelling() if cancelling is not None else 0
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def add(self, exc: asyncio.CancelledError) -> bool:
+        """Count a cancellation; True if the worker is to be killed at once."""
+        self.count = max(self.count + 1, self.requested() - self.base)
+        if not self.message:
+            self.message = exc.args
+        return self.count > 1
+
+    def error(self) -> asyncio.CancelledError:
+        return asyncio.CancelledError(*self.message)
+
+
 # ---- the warm path: on the loop ---------------------------------------------------------------
 
 
@@ -643,8 +684,8 @@ class _BigReply:
         slot: Slot,
         ticket: Ticket,
         deadline: float | None,
-        cancels: int,
-    ) -> tuple[tuple[str, Any], int]:
+        cancels: _Cancels | None,
+    ) -> tuple[tuple[str, Any], _Cancels]:
         """Run the thread and wait for its outcome (and the thread's end); the deadline and
         cancellation of the task act as on the loop. Returns (the outcome, cancels). Whatever
         raises here (the thread could not start or failed, the coroutine was closed while it
@@ -652,6 +693,8 @@ class _BigReply:
         still in this call with no reply and stops the worker."""
         loop = self.loop = asyncio.get_running_loop()
         done = self.done = loop.create_future()
+        if cancels is None:
+            cancels = _Cancels()
         self.stop_r, self.stop_w = os.pipe()
         thread = threading.Thread(target=self.run, name="comfy-env-acall-reply", daemon=True)
         started = False
@@ -666,12 +709,11 @@ class _BigReply:
                 try:
                     kind, value = await asyncio.shield(done)
                     break
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
                     # As on the loop: ask the worker, keep waiting for the call's end (the
                     # grace kills a worker that does not end it); a second cancel kills now.
-                    cancels += 1
                     self.dropped = True
-                    pool.cancel(entry, ticket, force=cancels > 1)
+                    pool.cancel(entry, ticket, force=cancels.add(exc))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -818,7 +860,7 @@ async def _warm_call(
         raise
     outcome = "failed"
     replied_at: float | None = None
-    cancels = 0
+    cancels: _Cancels | None = None  # made once the call waits through the loop
     frames = process.reader
     assert frames is not None
     fd = replies.fileno()
@@ -898,18 +940,19 @@ async def _warm_call(
             if deadline is not None:
                 delay = max(0.0, deadline - time.monotonic())
                 timer = loop.call_later(delay, reader.finish, "deadline")
+            cancels = _Cancels()
             while reader.outcome is None:
                 assert reader.done is not None
                 try:
                     await reader.done
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
                     # Ask the worker first; keep waiting for the call's end (the grace timer
                     # kills a worker that does not stop). A second cancellation kills at once.
-                    cancels += 1
+                    force = cancels.add(exc)
                     if reader.outcome is not None:
                         break  # it ended as the cancel came: the reply is dropped below
                     reader.done = loop.create_future()
-                    pool.cancel(entry, ticket, force=cancels > 1)
+                    pool.cancel(entry, ticket, force=force)
             ended = reader.outcome
             assert ended is not None
         kind, value = ended
@@ -922,7 +965,7 @@ async def _warm_call(
         if kind == "big":
             # A large reply: its rest is received and unpickled on a thread of the call's own,
             # while the coroutine keeps the deadline and answers cancellation as above.
-            big = _BigReply(process, call_id, target, pool.clock, cancels > 0, *value)
+            big = _BigReply(process, call_id, target, pool.clock, bool(cancels), *value)
             (kind, value), cancels = await big.wait(pool, entry, slot, ticket, deadline, cancels)
         if kind == "opened":
             replied_at, opened, decoded = value
@@ -936,7 +979,7 @@ async def _warm_call(
             process.finish_request(block, opened)
             if cancels:
                 outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
-                raise asyncio.CancelledError
+                raise cancels.error()
             outcome = "raised"
             assert decoded is not None  # (not decoded only once cancelled)
             ok, result = decoded
@@ -968,7 +1011,7 @@ async def _warm_call(
             process.finish_request(block, retained)
             if cancels:
                 outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
-                raise asyncio.CancelledError
+                raise cancels.error()
             outcome = "raised"
             try:
                 result = decode_reply(ftype, payload, target, reply_buffers)
@@ -1002,7 +1045,7 @@ async def _warm_call(
     except CallCancelled as exc:
         outcome = "cancelled"
         if cancels:
-            raise asyncio.CancelledError from exc
+            raise cancels.error() from exc
         if exc.env is None:
             exc.env, exc.generation, exc.pid = entry.spec.key, generation, process.pid
         raise
@@ -1121,20 +1164,24 @@ async def _on_thread(
     if deadline is not None:
         delay = max(0.0, deadline - time.monotonic())
         timer = loop.call_later(delay, _resolve, done, _PAST_DEADLINE)
-    cancels = 0
+    cancels = _Cancels()
     while True:
         try:
             outcome = await asyncio.shield(done)
             break
-        except asyncio.CancelledError:
-            cancels += 1
+        except asyncio.CancelledError as exc:
             if timer is not None:
                 timer.cancel()  # cancelled: wait for the call's end (the thread's deadline holds)
-            pool.cancel(entry, ticket, force=cancels > 1)
+            pool.cancel(entry, ticket, force=cancels.add(exc))
     if timer is not None:
         timer.cancel()
     if cancels:
-        raise asyncio.CancelledError
+        # From the thread's CallCancelled, if that is how the call ended: it says whether the
+        # worker stopped in time or was killed, and why (as on the loop).
+        ended = outcome is not _PAST_DEADLINE and not outcome[0]
+        raise cancels.error() from (
+            outcome[1] if ended and isinstance(outcome[1], CallCancelled) else None
+        )
     if outcome is _PAST_DEADLINE:
         raise CallTimeout(
             f"the call's deadline passed before it ended on env {entry.spec.key} "

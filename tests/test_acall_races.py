@@ -18,6 +18,7 @@ What they prove, with real workers:
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -243,3 +244,71 @@ def test_a_cancel_at_any_await_point_of_a_worker_start_leaves_the_pool_sound(
         assert outcomes == {"cancelled", "completed"}, outcomes
 
     run_small(main)
+
+
+async def _running(w: comfy_env.Worker) -> None:
+    for _ in range(2000):
+        if w.stats().workers and w.stats().workers[0].state == "in_call":
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the call never started")
+
+
+def _ignoring_call(w: comfy_env.Worker, path: str) -> Awaitable[Any]:
+    if path == "loop":  # a warm worker: sent and read on the loop
+        return w.acall("remote_tasks:ignore_cancel", 30)
+    if path == "thread":  # a cold worker: started and run on a thread of the call's own
+        return w.arun("remote_tasks:ignore_cancel", (30,), timeout=60)
+    return w.arun_ref("remote_tasks:ignore_cancel", (30,))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is Python 3.11+")
+@pytest.mark.parametrize("path", ["loop", "thread", "ref"])
+def test_two_cancels_before_the_task_runs_again_kill_at_once(
+    apool: comfy_env.Pool, path: str
+) -> None:
+    # asyncio throws one CancelledError for both; the second must still kill at once (the
+    # README: cancelling the task again), not wait out the 3 s grace.
+    w = apool.get_worker()
+    if path != "thread":
+        w.call("remote_tasks:add", 0)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_ignoring_call(w, path))
+        await _running(w)
+        task.cancel()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError) as info:
+            await task
+        assert "killed at once" in str(info.value.__cause__)
+
+    run_small(main)
+    assert w.call("remote_tasks:add", 1, 2) == 3
+    assert w.generation == 2
+    s = w.stats()
+    assert (s.cancelled, s.in_flight, s.queued) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("path", ["loop", "thread", "ref"])
+def test_the_cancel_message_reaches_the_awaiting_code(apool: comfy_env.Pool, path: str) -> None:
+    w = apool.get_worker()
+    if path != "thread":
+        w.call("remote_tasks:add", 0)
+
+    async def main() -> None:
+        if path == "loop":
+            call = w.acall("remote_tasks:cooperative_loop", 30)
+        elif path == "thread":
+            call = w.arun("remote_tasks:cooperative_loop", (30,), timeout=60)
+        else:
+            call = w.arun_ref("remote_tasks:cooperative_loop", (30,))
+        task = asyncio.ensure_future(call)
+        await _running(w)
+        task.cancel("the client went away")
+        with pytest.raises(asyncio.CancelledError) as info:
+            await task
+        assert info.value.args == ("the client went away",)
+
+    run_small(main)
+    assert w.generation == 1  # it stopped in time: the worker stays
+    assert w.stats().cancelled == 1
