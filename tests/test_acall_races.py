@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -312,3 +313,88 @@ def test_the_cancel_message_reaches_the_awaiting_code(apool: comfy_env.Pool, pat
     run_small(main)
     assert w.generation == 1  # it stopped in time: the worker stays
     assert w.stats().cancelled == 1
+
+
+def test_closing_the_pool_from_another_thread_ends_every_pending_acall_typed(
+    config: comfy_env.PoolConfig,
+) -> None:
+    pool = comfy_env.Pool(config)
+    w = pool.get_worker()
+    w.call("remote_tasks:add", 0)
+
+    async def main() -> list[Any]:
+        calls = [w.acall("remote_tasks:cooperative_loop", 30)]  # running, read on the loop
+        calls += [w.arun("remote_tasks:add", (1,), timeout=60) for _ in range(2)]  # queued
+        calls += [w.acall("remote_tasks:add", 1) for _ in range(2)]  # queued, no deadline
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        await _running(w)
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        closer.join()
+        with pytest.raises(comfy_env.PoolClosedError):
+            await w.acall("remote_tasks:add", 1)
+        return outcomes
+
+    outcomes = run_small(main)
+    assert [type(o) for o in outcomes] == [comfy_env.PoolClosedError] * 5
+    _counts(w)  # every call counted once
+    assert _counts(w)[-2:] == (0, 0)
+
+
+def test_loops_in_several_threads_and_repeated_asyncio_runs_share_one_env_soundly(
+    config: comfy_env.PoolConfig,
+) -> None:
+    cfg = config.model_copy(update={"max_workers_per_env": 2, "cancel_grace": 3.0})
+    with comfy_env.Pool(cfg) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:add", 0)
+        errors: list[BaseException] = []
+
+        def caller(i: int) -> None:
+            async def main() -> None:
+                for j in range(60):
+                    assert await w.acall("remote_tasks:add", i, j) == i + j
+                    if j % 20 == 0:  # a cancel now and then, on this thread's loop
+                        task = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 9))
+                        await asyncio.sleep(0.02)
+                        task.cancel()
+                        with pytest.raises(asyncio.CancelledError):
+                            await task
+
+            try:
+                for _ in range(2):  # a new loop each time: nothing of the last one is reused
+                    asyncio.run(main())
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        s = w.stats()
+        assert (s.ok, s.cancelled, s.crashed, s.in_flight, s.queued) == (1 + 360, 18, 0, 0, 0)
+        assert sorted(x.generation for x in s.workers) == [1, 2]  # both workers kept
+
+
+def test_asyncio_run_ending_with_acalls_in_flight_cancels_them_and_keeps_the_worker(
+    apool: comfy_env.Pool,
+) -> None:
+    w = apool.get_worker()
+    assert w.call("remote_tasks:count_calls") == 1
+
+    pending: list[asyncio.Future[Any]] = []
+
+    async def main() -> None:
+        for _ in range(3):  # one runs, two wait in the queue
+            pending.append(asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 30)))
+        await _running(w)
+
+    asyncio.run(main())  # cancels the pending tasks and waits for them
+    assert all(task.cancelled() for task in pending)
+    s = w.stats()
+    assert (s.cancelled, s.in_flight, s.queued) == (3, 0, 0)
+    assert w.call("remote_tasks:count_calls") == 2  # the same worker, its caches kept
+    assert w.generation == 1
