@@ -240,6 +240,8 @@ def _resolve(future: asyncio.Future[Any], value: Any = None) -> None:
 
 
 _NOT_EAGER = -1.0  # ``_lease_now``'s deadline when the call may not start in its lock section
+# What a deadline timer resolves a waiter's future with (``_queued``, ``_on_thread``).
+_PAST_DEADLINE: Any = object()
 
 
 def _lease_now(
@@ -292,26 +294,75 @@ async def _queued(pool: CallSite, entry: EnvEntry, ticket: Ticket, deadline: flo
     """Wait, costing no thread, until a slot is handed over (or give up: deadline, cancel)."""
     woken = ticket.woken
     assert woken is not None
+    # The deadline is a timer that resolves the same future, not ``asyncio.wait_for``: before
+    # Python 3.12, wait_for returns the result of a future that completed in the same turn of
+    # the loop as the task's cancellation, and the cancel is lost (a slot handed over as the
+    # task was cancelled: the call then ran in full and the task ended as if never cancelled).
+    timer = None
+    if deadline is not None:
+        delay = max(0.0, deadline - time.monotonic())
+        timer = asyncio.get_running_loop().call_later(delay, _resolve, woken, _PAST_DEADLINE)
     try:
-        if deadline is None:
-            await woken
-        else:
-            await asyncio.wait_for(woken, max(0.0, deadline - time.monotonic()))
-    except (asyncio.TimeoutError, TimeoutError):
-        pool.leave_queue(entry, ticket)
-        raise CallTimeout(
-            f"the call's deadline passed while it was queued for env {entry.spec.key}",
-            env=entry.spec.key,
-        ) from None
+        woke = await woken
     except BaseException:  # cancelled (or the coroutine closed): leave the queue
         pool.leave_queue(entry, ticket)
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if woke is _PAST_DEADLINE:
+        pool.leave_queue(entry, ticket)  # (passes on a slot handed over meanwhile)
+        raise CallTimeout(
+            f"the call's deadline passed while it was queued for env {entry.spec.key}",
+            env=entry.spec.key,
+        )
     if ticket.slot is not None:
         return ticket.slot
     pool.leave_queue(entry, ticket)
     if ticket.closed:
         raise PoolClosedError("the pool was closed while the call was queued")
     raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
+
+
+# ---- cancellation of the task -----------------------------------------------------------------
+
+
+class _Cancels:
+    """The cancellations a waiting call's task received: how many (a second kills the worker
+    at once) and the first one's message (``task.cancel(msg)``), which the ``CancelledError``
+    raised at the call's end carries on. Made only where a call waits (never on a warm call
+    whose reply came in the spin).
+
+    asyncio throws one ``CancelledError`` for any number of ``task.cancel()`` made before the
+    task runs again: two back-to-back cancels (the documented "cancel again to kill at once")
+    would count as one and wait out the grace. ``Task.cancelling()`` (Python 3.11+) counts
+    the requests themselves; only those since this wait began are ours (an outer scope may
+    have left its own uncounted)."""
+
+    __slots__ = ("base", "count", "message", "task")
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.base = self.requested()
+        self.count = 0
+        self.message: tuple[Any, ...] = ()
+
+    def requested(self) -> int:
+        cancelling = getattr(self.task, "cancelling", None)  # (Python 3.11+)
+        return cancelling() if cancelling is not None else 0
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def add(self, exc: asyncio.CancelledError) -> bool:
+        """Count a cancellation; True if the worker is to be killed at once."""
+        self.count = max(self.count + 1, self.requested() - self.base)
+        if not self.message:
+            self.message = exc.args
+        return self.count > 1
+
+    def error(self) -> asyncio.CancelledError:
+        return asyncio.CancelledError(*self.message)
 
 
 # ---- the warm path: on the loop ---------------------------------------------------------------
@@ -385,6 +436,7 @@ class _ReplyReader:
     __slots__ = (
         "buf",
         "call_id",
+        "deadline",
         "done",
         "emit_log",
         "frame",
@@ -401,8 +453,10 @@ class _ReplyReader:
         emit_log: Callable[[Payload], None],
         call_id: int,
         sink: Callable[[int, Any], None] | None,
+        deadline: float | None = None,
     ) -> None:
         self.reader = reader
+        self.deadline = deadline  # the call's (``time.monotonic()``), checked per side frame
         self.limit = reader.limit
         self.emit_log = emit_log  # LOG frames (the worker's ``LogSink.emit_frame``)
         self.call_id = call_id
@@ -499,17 +553,29 @@ class _ReplyReader:
     ) -> bool:
         """Hand on one whole frame; True if it ended the call (``rest``: the bytes after it,
         which the channel's own reader gets back). A LOG or EVENT handler that raises (a
-        host logging filter, say) ends the call with that error ("error"), as the sync read
-        does: raised out of a loop callback it would only be logged, and the call would wait
-        for a reply its reader no longer reads."""
+        host logging filter, say, or an ``on_event`` raising ``CancelledError``, which
+        ``deliver`` lets through) ends the call with that error ("error"), as the sync read
+        does: raised out of a loop callback it would only be logged, the frames after it in
+        the same read would be lost, and the call would wait for a reply its reader no
+        longer reads.
+
+        The deadline is looked at after each such frame: one read may hold many, and a slow
+        ``on_event`` (it runs on the loop) would otherwise keep the deadline's timer from
+        running until the whole read is handled, by which time the reply may be readable and
+        win over the timer (asyncio runs I/O callbacks before due timers): a call could then
+        run far past its deadline and succeed."""
         if ftype == FrameType.LOG or ftype == FrameType.EVENT:
             try:
                 if ftype == FrameType.LOG:
                     self.emit_log(payload)
                 elif self.sink is not None:
                     self.sink(frame_call_id, payload)
-            except Exception as exc:  # noqa: BLE001 - handed to the call
+            except BaseException as exc:  # noqa: BLE001 - handed to the call
                 self.finish("error", exc)
+                return True
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() >= deadline:
+                self.finish("deadline")
                 return True
         else:
             self.finish("frame", (ftype, flags, frame_call_id, payload, rest))
@@ -618,8 +684,8 @@ class _BigReply:
         slot: Slot,
         ticket: Ticket,
         deadline: float | None,
-        cancels: int,
-    ) -> tuple[tuple[str, Any], int]:
+        cancels: _Cancels | None,
+    ) -> tuple[tuple[str, Any], _Cancels]:
         """Run the thread and wait for its outcome (and the thread's end); the deadline and
         cancellation of the task act as on the loop. Returns (the outcome, cancels). Whatever
         raises here (the thread could not start or failed, the coroutine was closed while it
@@ -627,6 +693,8 @@ class _BigReply:
         still in this call with no reply and stops the worker."""
         loop = self.loop = asyncio.get_running_loop()
         done = self.done = loop.create_future()
+        if cancels is None:
+            cancels = _Cancels()
         self.stop_r, self.stop_w = os.pipe()
         thread = threading.Thread(target=self.run, name="comfy-env-acall-reply", daemon=True)
         started = False
@@ -641,12 +709,11 @@ class _BigReply:
                 try:
                     kind, value = await asyncio.shield(done)
                     break
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
                     # As on the loop: ask the worker, keep waiting for the call's end (the
                     # grace kills a worker that does not end it); a second cancel kills now.
-                    cancels += 1
                     self.dropped = True
-                    pool.cancel(entry, ticket, force=cancels > 1)
+                    pool.cancel(entry, ticket, force=cancels.add(exc))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -793,7 +860,7 @@ async def _warm_call(
         raise
     outcome = "failed"
     replied_at: float | None = None
-    cancels = 0
+    cancels: _Cancels | None = None  # made once the call waits through the loop
     frames = process.reader
     assert frames is not None
     fd = replies.fileno()
@@ -854,7 +921,7 @@ async def _warm_call(
             sink = None
             if ticket.on_event is not None:
                 sink = event_handler(ticket.on_event, call_id, generation)
-            reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink)
+            reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink, deadline)
             if data is not None:  # a partial frame, or frames before the reply
                 reader.feed(data)
                 if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
@@ -873,18 +940,19 @@ async def _warm_call(
             if deadline is not None:
                 delay = max(0.0, deadline - time.monotonic())
                 timer = loop.call_later(delay, reader.finish, "deadline")
+            cancels = _Cancels()
             while reader.outcome is None:
                 assert reader.done is not None
                 try:
                     await reader.done
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
                     # Ask the worker first; keep waiting for the call's end (the grace timer
                     # kills a worker that does not stop). A second cancellation kills at once.
-                    cancels += 1
+                    force = cancels.add(exc)
                     if reader.outcome is not None:
                         break  # it ended as the cancel came: the reply is dropped below
                     reader.done = loop.create_future()
-                    pool.cancel(entry, ticket, force=cancels > 1)
+                    pool.cancel(entry, ticket, force=force)
             ended = reader.outcome
             assert ended is not None
         kind, value = ended
@@ -897,7 +965,7 @@ async def _warm_call(
         if kind == "big":
             # A large reply: its rest is received and unpickled on a thread of the call's own,
             # while the coroutine keeps the deadline and answers cancellation as above.
-            big = _BigReply(process, call_id, target, pool.clock, cancels > 0, *value)
+            big = _BigReply(process, call_id, target, pool.clock, bool(cancels), *value)
             (kind, value), cancels = await big.wait(pool, entry, slot, ticket, deadline, cancels)
         if kind == "opened":
             replied_at, opened, decoded = value
@@ -911,7 +979,7 @@ async def _warm_call(
             process.finish_request(block, opened)
             if cancels:
                 outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
-                raise asyncio.CancelledError
+                raise cancels.error()
             outcome = "raised"
             assert decoded is not None  # (not decoded only once cancelled)
             ok, result = decoded
@@ -943,7 +1011,7 @@ async def _warm_call(
             process.finish_request(block, retained)
             if cancels:
                 outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
-                raise asyncio.CancelledError
+                raise cancels.error()
             outcome = "raised"
             try:
                 result = decode_reply(ftype, payload, target, reply_buffers)
@@ -977,7 +1045,7 @@ async def _warm_call(
     except CallCancelled as exc:
         outcome = "cancelled"
         if cancels:
-            raise asyncio.CancelledError from exc
+            raise cancels.error() from exc
         if exc.env is None:
             exc.env, exc.generation, exc.pid = entry.spec.key, generation, process.pid
         raise
@@ -1088,29 +1156,40 @@ async def _on_thread(
             pass
 
     threading.Thread(target=run, name="comfy-env-acall", daemon=True).start()
-    cancels = 0
+    # The deadline: a timer that resolves ``done`` first (the thread's own outcome then finds
+    # it settled), not ``asyncio.wait_for``, which before Python 3.12 loses a cancel that comes
+    # in the same turn of the loop as the outcome (``_queued``). The thread ends the call with
+    # the same deadline (and counts it); the caller does not wait for a worker still starting.
+    timer = None
+    if deadline is not None:
+        delay = max(0.0, deadline - time.monotonic())
+        timer = loop.call_later(delay, _resolve, done, _PAST_DEADLINE)
+    cancels = _Cancels()
     while True:
         try:
-            if deadline is None or cancels:
-                ok, value = await asyncio.shield(done)
-            else:
-                remaining = max(0.0, deadline - time.monotonic())
-                ok, value = await asyncio.wait_for(asyncio.shield(done), remaining)
+            outcome = await asyncio.shield(done)
             break
-        except (asyncio.TimeoutError, TimeoutError):
-            # The thread ends the call with the same deadline (and counts it); the caller
-            # does not wait for a worker that is still starting.
-            raise CallTimeout(
-                f"the call's deadline passed before it ended on env {entry.spec.key} "
-                "(its worker was starting or the call was running)",
-                env=entry.spec.key,
-                call_id=ticket.call_id or None,
-            ) from None
-        except asyncio.CancelledError:
-            cancels += 1
-            pool.cancel(entry, ticket, force=cancels > 1)
+        except asyncio.CancelledError as exc:
+            if timer is not None:
+                timer.cancel()  # cancelled: wait for the call's end (the thread's deadline holds)
+            pool.cancel(entry, ticket, force=cancels.add(exc))
+    if timer is not None:
+        timer.cancel()
     if cancels:
-        raise asyncio.CancelledError
+        # From the thread's CallCancelled, if that is how the call ended: it says whether the
+        # worker stopped in time or was killed, and why (as on the loop).
+        ended = outcome is not _PAST_DEADLINE and not outcome[0]
+        raise cancels.error() from (
+            outcome[1] if ended and isinstance(outcome[1], CallCancelled) else None
+        )
+    if outcome is _PAST_DEADLINE:
+        raise CallTimeout(
+            f"the call's deadline passed before it ended on env {entry.spec.key} "
+            "(its worker was starting or the call was running)",
+            env=entry.spec.key,
+            call_id=ticket.call_id or None,
+        )
+    ok, value = outcome
     if ok:
         return value
     raise value

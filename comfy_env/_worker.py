@@ -23,7 +23,7 @@ from . import _lifecycle as lc
 from ._callsite import GENERAL_PATH
 from ._codec import check_target
 from ._entry import Ticket
-from ._errors import ArgumentError
+from ._errors import ArgumentError, CallCancelled
 from ._refs import call_ref
 
 if TYPE_CHECKING:
@@ -271,21 +271,20 @@ class Worker:
                     ref.release()
 
         threading.Thread(target=body, name="comfy-env-call-ref", daemon=True).start()
-        cancels = 0
+        cancels = (_acall or _load_acall())._Cancels()  # (as arun counts them)
         while True:
             try:
                 ref = await asyncio.shield(done)
-            except asyncio.CancelledError:
-                cancels += 1
-                pool.cancel(entry, ticket, force=cancels > 1)
+            except asyncio.CancelledError as exc:
+                pool.cancel(entry, ticket, force=cancels.add(exc))
                 continue
-            except BaseException:
+            except BaseException as exc:
                 if cancels:
-                    raise asyncio.CancelledError() from None
+                    raise cancels.error() from (exc if isinstance(exc, CallCancelled) else None)
                 raise
             if cancels:
                 await loop.run_in_executor(None, ref.release)
-                raise asyncio.CancelledError()
+                raise cancels.error()
             return ref
 
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

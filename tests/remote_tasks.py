@@ -457,6 +457,17 @@ def emit_too_big(size: int, progress: bool = False) -> str:
     return outcome
 
 
+def events_later(delay: float, n: int) -> str:
+    """Sleeps, then ``n`` events and the reply at once: read on the loop, not in the spin, and
+    often in one read (tests/test_acall_races.py)."""
+    import comfy_env_worker
+
+    time.sleep(delay)
+    for i in range(n):
+        comfy_env_worker.emit("step", i)
+    return "done"
+
+
 def events_in_order(n: int) -> int:
     """Interleaves emit and progress; every emit flushes the progress before it."""
     import comfy_env_worker
