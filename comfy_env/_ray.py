@@ -86,6 +86,7 @@ from comfy_env_worker.protocol import (
 )
 from comfy_env_worker.ray_actor import SIGTERM_WORDS
 
+from ._activation import Activation
 from ._codec import decode_reply, encode_call, oob_threshold, worker_config
 from ._envs import EnvSpec
 from ._errors import ConfigError, SerializationError, WorkerStartError
@@ -566,6 +567,7 @@ class RayWorker:
         self._kill_requested = False
         self._escalation: Any = None
         self._owner_pid = os.getpid()
+        self.activation: Activation | None = None  # the env's, given to launch
 
     @property
     def reader(self) -> _Reader:
@@ -581,8 +583,11 @@ class RayWorker:
         self,
         before_launch: Callable[[], None] | None = None,
         after_launch: Callable[[Any], None] | None = None,
+        activation: Activation | None = None,
     ) -> None:
-        """Preflight the env, then create the actor and watch for its death."""
+        """Preflight the env, then create the actor and watch for its death. ``activation``
+        goes to the actor's runtime in its CONFIG (``handshake``)."""
+        self.activation = activation
         self.backend.preflight(self.spec, self.config.start_timeout)
         if self._kill_requested:
             raise WorkerStartError(
@@ -620,7 +625,13 @@ class RayWorker:
         ray = ray_module()
         started = time.monotonic()
         # No shared memory between the host and an actor.
-        config = worker_config(self.config, self.generation, None, 0)
+        config = worker_config(
+            self.config,
+            self.generation,
+            None,
+            0,
+            None if self.activation is None else self.activation.for_config(),
+        )
         try:
             hello = ray.get(
                 self.actor.hello.remote(pickle.dumps(config, protocol=5)),
