@@ -14,7 +14,10 @@ Data flow of one generation (``RayWorker``, driven by the pool exactly like a
                 replays; the pool's gate, breaker and reaper stay the authority)
                 submit wait_until_dead(): its failure is the actor's death notice (a Ray
                 future callback -> the reactor -> on_exit / on_finished)
-    handshake   actor.hello(CONFIG) within start_timeout, then the canary through the codec
+    handshake   actor.hello(CONFIG) within start_timeout, then the canary through the codec;
+                CONFIG carries the env's activation (``_activation``, worked out on the host
+                as for a local worker), which the runtime applies to the actor's own
+                environment (its PATH prefixed), env_vars over it
     call        send_request: actor.call(id, flags, payload)        (one Ray task)
                 reader.read(deadline): wait for it; while it runs, actor.drain() every
                 poll interval brings LOG/EVENT frames (progress arrives while the call runs)
