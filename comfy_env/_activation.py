@@ -57,20 +57,20 @@ the child gets fresh locks (``os.register_at_fork``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shlex
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._envs import EnvSpec, is_env_dir
+from ._values import value
+
+# Imported where used (json, shlex, tempfile): this module is loaded at a non-current env's
+# first spawn, and they cost milliseconds a fresh host need not pay for a venv.
 
 _log = logging.getLogger("comfy_env")
 
@@ -83,7 +83,7 @@ _TAIL_LINES = 10
 _TAIL_CHARS = 2000
 
 
-@dataclass(frozen=True)
+@value
 class Activation:
     """What activating one env sets. ``variables`` are set as they are; ``path_prefix`` goes in
     front of the worker's ``PATH``; ``path`` (when not None) replaces ``PATH`` (a script
@@ -91,7 +91,7 @@ class Activation:
 
     prefix: str
     kind: str  # "venv", "conda" or "pixi"
-    variables: dict[str, str] = field(default_factory=dict)
+    variables: dict[str, str]
     path_prefix: tuple[str, ...] = ()
     path: str | None = None
     scripts: tuple[str, ...] = ()
@@ -130,13 +130,8 @@ def join_path(prefix: tuple[str, ...] | list[str], path: str) -> str:
     return os.pathsep.join([*prefix, path] if path else prefix)
 
 
-@dataclass(frozen=True)
-class _Cached:
-    fingerprint: tuple[tuple[str, int, int], ...]
-    activation: Activation
-
-
-_cache: dict[str, _Cached] = {}
+# Env directory -> (fingerprint of its scripts and state file, its activation).
+_cache: dict[str, tuple[tuple[tuple[str, int, int], ...], Activation]] = {}
 _cache_lock = threading.Lock()
 _env_locks: dict[str, threading.Lock] = {}
 
@@ -171,10 +166,10 @@ def activation_for(spec: EnvSpec, base: Mapping[str, str], timeout: float) -> Ac
     with lock:
         fingerprint = _fingerprint(prefix)
         cached = _cache.get(prefix)
-        if cached is not None and cached.fingerprint == fingerprint:
-            return cached.activation
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
         activation = _activate_conda(prefix, kind, base, timeout)
-        _cache[prefix] = _Cached(fingerprint, activation)
+        _cache[prefix] = (fingerprint, activation)
         return activation
 
 
@@ -229,6 +224,8 @@ def _fingerprint(prefix: str) -> tuple[tuple[str, int, int], ...]:
 def _state_variables(prefix: str) -> tuple[dict[str, str], str | None]:
     """``conda env config vars set``'s variables (``conda-meta/state``'s ``env_vars``), and a
     failure note when the file exists but cannot be read as such."""
+    import json
+
     path = _state_file(prefix)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -297,6 +294,9 @@ def _run_scripts(
 ) -> tuple[dict[str, str], list[str]]:
     """Source ``scripts`` in order in one shell started with ``start``; return the environment
     after the last script that ran to its end, and one warning per failing script."""
+    import shlex
+    import tempfile
+
     shell = _shell()
     if shell is None:
         why = "no POSIX shell (bash or sh) on PATH, so its activate.d scripts were not run"

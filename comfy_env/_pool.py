@@ -82,7 +82,6 @@ from comfy_env_worker.shm import SCALARS, Block
 
 from . import _lifecycle as lc
 from . import _policies, _shutdown
-from ._activation import activation_for
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._call import EventCallback, event_handler
 from ._callsite import GENERAL_PATH
@@ -1050,11 +1049,11 @@ class Pool:
         # bounded by start_timeout; later spawns take the cached result), here on the spawning
         # caller's thread and before the start-up deadline begins: never on the reactor,
         # never on a warm call, and a slow script does not eat the worker's own deadline.
-        activation = (
-            activation_for(entry.spec, base_environment(), self.settings.start_timeout)
-            if self.settings.activate
-            else None
-        )
+        activation = None
+        if self.settings.activate and not entry.spec.is_current:
+            from ._activation import activation_for  # not loaded for the current interpreter
+
+            activation = activation_for(entry.spec, base_environment(), self.settings.start_timeout)
         started = time.monotonic()
         try:
             process.launch(

@@ -78,7 +78,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import comfy_env_worker
 from comfy_env_worker import shm
@@ -97,7 +97,6 @@ from comfy_env_worker.protocol import (
     send_parts,
 )
 
-from ._activation import Activation
 from ._codec import decode_reply, encode_call, oob_threshold, use_shm, worker_config
 from ._descendants import kill_marked
 from ._envs import EnvSpec
@@ -117,6 +116,9 @@ from ._rundir import (
 from ._settings import Settings
 from ._watchdog import named_threads, thread_pidfd
 from ._watchdog import supported as thread_watch_supported
+
+if TYPE_CHECKING:
+    from ._activation import Activation
 
 _log = logging.getLogger("comfy_env")
 

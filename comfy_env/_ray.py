@@ -89,7 +89,6 @@ from comfy_env_worker.protocol import (
 )
 from comfy_env_worker.ray_actor import SIGTERM_WORDS
 
-from ._activation import Activation
 from ._codec import decode_reply, encode_call, oob_threshold, worker_config
 from ._envs import EnvSpec
 from ._errors import ConfigError, SerializationError, WorkerStartError
@@ -99,6 +98,7 @@ from ._reactor import Reactor
 from ._settings import Settings
 
 if TYPE_CHECKING:
+    from ._activation import Activation
     from ._process import RuntimeDir
 
 _log = logging.getLogger("comfy_env")
