@@ -224,15 +224,19 @@ def _fingerprint(prefix: str) -> tuple[tuple[str, int, int], ...]:
 def _state_variables(prefix: str) -> tuple[dict[str, str], str | None]:
     """``conda env config vars set``'s variables (``conda-meta/state``'s ``env_vars``), and a
     failure note when the file exists but cannot be read as such."""
-    import json
-
     path = _state_file(prefix)
     try:
         with open(path, encoding="utf-8") as fh:
-            state = json.load(fh)
+            text = fh.read()
     except FileNotFoundError:
         return {}, None
     except (OSError, ValueError) as exc:
+        return {}, f"{path} cannot be read ({exc}); its env_vars are not set"
+    import json  # only for an env that has the file
+
+    try:
+        state = json.loads(text)
+    except ValueError as exc:
         return {}, f"{path} is not readable JSON ({exc}); its env_vars are not set"
     found = state.get("env_vars") if isinstance(state, dict) else None
     if not isinstance(found, dict):
