@@ -370,6 +370,18 @@ def _run_scripts(
         )
         _log.warning("comfy-env: %s", message)
         failures.append(message)
+    finished = max(statuses) if statuses else None
+    if not failures and (finished is None or finished not in dumps):
+        # No script failed, yet the shell's environment after them is missing: the shell
+        # did not start the scripts, or ``env -0`` did not work (a minimal ``env``).
+        tail = _tail(stderr.replace(_DUMP_MARK, ""))
+        why = (
+            f"the activate.d scripts of env {prefix} ran in {shell}, but the environment "
+            f"they left could not be read (exit status {proc.returncode}); their exports "
+            "are not set" + (f"; stderr ends with:\n{tail}" if tail else "")
+        )
+        _log.warning("comfy-env: %s", why)
+        failures.append(why)
     last = max(dumps) if dumps else None
     return (dumps[last] if last is not None else start), failures
 
@@ -385,7 +397,8 @@ def _parse_dumps(raw: bytes) -> dict[int, dict[str, str]]:
             name, _, value = item.partition("=")
             if name:
                 current[name] = value
-    return dumps
+    # An empty dump is an ``env -0`` that did not run (it always holds CONDA_PREFIX at least).
+    return {index: dump for index, dump in dumps.items() if dump}
 
 
 def _parse_markers(stderr: str) -> tuple[int | None, dict[int, int], dict[int, str]]:

@@ -258,3 +258,20 @@ def test_the_current_interpreter_and_a_bare_interpreter_are_not_activated(
         assert _path(w) == os.environ["PATH"].split(os.pathsep)
         assert w.call("remote_tasks:environ", "CONDA_PREFIX") == os.environ.get("CONDA_PREFIX")
         assert w.call("remote_tasks:environ", "VIRTUAL_ENV") == os.environ.get("VIRTUAL_ENV")
+
+
+def test_scripts_whose_environment_cannot_be_read_are_a_warning_not_silence(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shell runs the scripts but ``env -0`` is not found (a PATH without it, as a
+    minimal system might have): their exports are lost, and the warning says so."""
+    from comfy_env._activation import _run_scripts
+
+    script = tmp_path / "a.sh"
+    script.write_text("export A_SET=1\n")
+    start = {"PATH": str(tmp_path / "nothing-here"), "CONDA_PREFIX": str(tmp_path)}
+    with caplog.at_level(logging.WARNING, logger="comfy_env"):
+        final, failures = _run_scripts(str(tmp_path), [str(script)], start, 10.0)
+    assert final == start
+    assert len(failures) == 1 and "could not be read" in failures[0]
+    assert failures[0] in caplog.text
