@@ -6,7 +6,9 @@ They hold a ``WorkerGeneration`` per slot and reach it only through the members 
 ``Backend`` makes one generation at a time::
 
     pool._spawn --new_generation()--> WorkerGeneration (not started)
-                 launch(before, after)      start it (a process, an actor)
+                 launch(before, after, activation)
+                                            start it (a process, an actor) with the env's
+                                            activation variables (``_activation``)
                  handshake(deadline)        verified: hello + canary, or WorkerStartError
                  send_request / reader.read / read_frame / open_reply / finish_request
                                             one call at a time, by the lease holder
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from comfy_env_worker.protocol import Payload
     from comfy_env_worker.shm import Block
 
+    from ._activation import Activation
     from ._envs import EnvSpec
     from ._lifecycle import CancelKill, RetireReason, Stop
     from ._logs import WorkerLog
@@ -84,6 +87,7 @@ class WorkerGeneration(Protocol):
         self,
         before_launch: Callable[[], None] | None = None,
         after_launch: Callable[[Any], None] | None = None,
+        activation: Activation | None = None,
     ) -> None: ...
 
     def handshake(self, deadline: float) -> None: ...

@@ -80,6 +80,7 @@ from ._values import as_dict
 
 if TYPE_CHECKING:
     from ._config import PoolConfig
+    from ._envs import EnvSpec
     from ._worker import Worker
 
 # pydantic, the pool and the process machinery are imported by the commands that run workers
@@ -318,7 +319,7 @@ class _Doctor:
 
     def run(self) -> bool:
         config = self._config()
-        if config is None or not self._resolve():
+        if config is None or not self._resolve(config):
             return False
         from ._pool import Pool
 
@@ -380,7 +381,7 @@ class _Doctor:
         step.facts = {"overrides": overrides, "unknown": [name for name, _ in unknown]}
         return config
 
-    def _resolve(self) -> bool:
+    def _resolve(self, config: PoolConfig) -> bool:
         from ._envs import resolve_env
 
         step = Step("resolve env")
@@ -391,7 +392,39 @@ class _Doctor:
             return False
         step.detail = f"{spec.key} -> interpreter {spec.interpreter}"
         step.facts = {"env": spec.key, "interpreter": spec.interpreter}
+        self._activation(step, spec, config)
         return True
+
+    @staticmethod
+    def _activation(step: Step, spec: EnvSpec, config: PoolConfig) -> None:
+        """What activating the env gives its workers (the pool's spawn reuses the result)."""
+        if not config.activate:
+            step.detail += "\nactivation: off (PoolConfig.activate=False)"
+            step.facts["activation"] = None
+            return
+        from ._activation import activation_for
+        from ._process import base_environment
+
+        activation = activation_for(spec, base_environment(), config.start_timeout)
+        if activation is None:
+            step.detail += "\nactivation: none (not a venv, conda or pixi env)"
+            step.facts["activation"] = None
+            return
+        summary = activation.summary()
+        step.facts["activation"] = summary
+        scripts = len(activation.scripts)
+        step.detail += (
+            f"\nactivation: {activation.kind} env, {scripts} activate.d script"
+            f"{'' if scripts == 1 else 's'}; sets "
+            + (", ".join(sorted(activation.variables)) or "nothing")
+        )
+        if activation.path is not None:
+            step.detail += f"; PATH={activation.path}"
+        elif activation.path_prefix:
+            step.detail += f"; PATH starts {os.pathsep.join(activation.path_prefix)}"
+        for failure in activation.failures:
+            step.status = "WARN"
+            step.detail += "\nnote: " + failure.replace("\n", "\n  ")
 
     def _start(self, worker: Worker) -> bool:
         step = Step("spawn + handshake + canary")

@@ -337,11 +337,18 @@ def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
 
 
 def worker_config(
-    settings: Settings, generation: int, shm_host_id: str | None, shm_pool_bytes: int
+    settings: Settings,
+    generation: int,
+    shm_host_id: str | None,
+    shm_pool_bytes: int,
+    activation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The CONFIG a worker runtime gets at its start-up, whatever runs it (a process, an
-    actor): ``shm_host_id`` None means no shared memory between host and worker."""
+    actor): ``shm_host_id`` None means no shared memory between host and worker.
+    ``activation`` (``Activation.for_config``): the env's activation for a runtime whose
+    process environment the host did not make (a Ray actor), applied before ``env``."""
     return {
+        "activation": activation,
         "sys_path": list(settings.sys_path),
         "cwd": settings.cwd,
         "env": dict(settings.env_vars),

@@ -119,6 +119,14 @@ class PoolConfig(BaseModel):
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables for workers."
     )
+    activate: bool = Field(
+        True,
+        description="Give workers of a venv, conda or pixi env the variables activating it "
+        "would set: VIRTUAL_ENV or CONDA_PREFIX, the env's bin first on PATH, conda-meta/state's "
+        "env_vars and what its etc/conda/activate.d/*.sh scripts export (run once per env and "
+        "host process, bounded by start_timeout). env_vars win over them. False: the host's "
+        "environment only.",
+    )
     log_level: str = Field("INFO", description="Level of the worker's root logger.")
     idle_timeout: float | None = Field(
         1800.0,

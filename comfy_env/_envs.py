@@ -195,6 +195,11 @@ def _is_env_dir(path: Path) -> bool:
     )
 
 
+def is_env_dir(path: Path) -> bool:
+    """Whether ``path`` is a venv, conda or pixi env's own directory (see ``_is_env_dir``)."""
+    return _is_env_dir(path)
+
+
 def _default_interpreter(env_dir: Path) -> Path | None:
     """The interpreter resolving ``env_dir`` itself would launch, if any."""
     for rel in INTERPRETER_CANDIDATES:

@@ -131,7 +131,7 @@ from ._failures import (
     timeout_error,
 )
 from ._identity import host_id
-from ._process import HOST_ID_VAR, RuntimeDir, python_mismatch
+from ._process import HOST_ID_VAR, RuntimeDir, base_environment, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables
@@ -1045,9 +1045,22 @@ class Pool:
             slot.process = process
         if old is not None:
             old.dispose()
+        # The env's activation (its scripts run on the first spawn of the env in this host,
+        # bounded by start_timeout; later spawns take the cached result), here on the spawning
+        # caller's thread and before the start-up deadline begins: never on the reactor,
+        # never on a warm call, and a slow script does not eat the worker's own deadline.
+        activation = None
+        if self.settings.activate and not entry.spec.is_current:
+            from ._activation import activation_for  # not loaded for the current interpreter
+
+            activation = activation_for(entry.spec, base_environment(), self.settings.start_timeout)
         started = time.monotonic()
         try:
-            process.launch(before_launch=self._refuse_if_closed, after_launch=self._track)
+            process.launch(
+                before_launch=self._refuse_if_closed,
+                after_launch=self._track,
+                activation=activation,
+            )
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if isinstance(exc, WorkerStartError) and not self._closed:

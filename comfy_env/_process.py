@@ -78,7 +78,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import comfy_env_worker
 from comfy_env_worker import shm
@@ -116,6 +116,9 @@ from ._rundir import (
 from ._settings import Settings
 from ._watchdog import named_threads, thread_pidfd
 from ._watchdog import supported as thread_watch_supported
+
+if TYPE_CHECKING:
+    from ._activation import Activation
 
 _log = logging.getLogger("comfy_env")
 
@@ -518,10 +521,25 @@ def exiting_status(pid: int, stat_fd: int | None = None) -> int | None:
     return (status >> 8) & 0xFF
 
 
-def worker_environment(config: Settings, worker_id: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
+def base_environment() -> dict[str, str]:
+    """The host's environment minus the variables that would make the env's interpreter
+    import the host's packages: what a worker's environment starts from, and what an env's
+    activation scripts run with (``_activation``)."""
+    return {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
+
+
+def worker_environment(
+    config: Settings, worker_id: str = "", activation: Activation | None = None
+) -> dict[str, str]:
+    """A worker's environment, in order of precedence (the later wins): the host's minus
+    ``_STRIPPED_ENV``, ``PYTHONNOUSERSITE`` and ``PYTHONUNBUFFERED``, the env's activation
+    (``_activation``: a script's ``PYTHONPATH`` is the env's own choice, as env_vars),
+    ``PoolConfig.env_vars``, then the host and worker ids."""
+    env = base_environment()
     env["PYTHONNOUSERSITE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    if activation is not None:
+        activation.apply(env)
     env.update(config.env_vars)
     # The sweep's proof that a process is this host's worker (a look-alike command line has
     # no such variable); set last so env_vars cannot forge or drop it.
@@ -656,13 +674,16 @@ class WorkerProcess:
         self,
         before_launch: Callable[[], None] | None = None,
         after_launch: Callable[[WorkerProcess], None] | None = None,
+        activation: Activation | None = None,
     ) -> None:
         """Start the process on the reactor thread and begin watching it.
 
         ``before_launch`` runs on the reactor thread just before the fork and may raise to
         refuse it (the pool refuses once it is closing); ``after_launch`` runs right after, on
         the same thread, so the pool registers the process before anything can stop the
-        reactor."""
+        reactor. ``activation``: the env's, worked out by the pool beforehand (never here:
+        its scripts must not run on the reactor thread)."""
+        environment = worker_environment(self.config, self.worker_id, activation)
         # One socketpair per direction, never one for both: a Unix stream socket wakes every
         # thread asleep on it when the bytes it *sent* are read (the "write space" wake-up,
         # whatever the sleeper waits for), so on one socket each call woke its caller, asleep
@@ -757,7 +778,7 @@ class WorkerProcess:
                     pass_fds=(child_fd, log_write, cancel_read, child_reply_fd),
                     close_fds=True,
                     start_new_session=True,
-                    env=worker_environment(self.config, self.worker_id),
+                    env=environment,
                     cwd=cwd,
                 )
                 self.popen = proc

@@ -14,7 +14,10 @@ Data flow of one generation (``RayWorker``, driven by the pool exactly like a
                 replays; the pool's gate, breaker and reaper stay the authority)
                 submit wait_until_dead(): its failure is the actor's death notice (a Ray
                 future callback -> the reactor -> on_exit / on_finished)
-    handshake   actor.hello(CONFIG) within start_timeout, then the canary through the codec
+    handshake   actor.hello(CONFIG) within start_timeout, then the canary through the codec;
+                CONFIG carries the env's activation (``_activation``, worked out on the host
+                as for a local worker), which the runtime applies to the actor's own
+                environment (its PATH prefixed), env_vars over it
     call        send_request: actor.call(id, flags, payload)        (one Ray task)
                 reader.read(deadline): wait for it; while it runs, actor.drain() every
                 poll interval brings LOG/EVENT frames (progress arrives while the call runs)
@@ -95,6 +98,7 @@ from ._reactor import Reactor
 from ._settings import Settings
 
 if TYPE_CHECKING:
+    from ._activation import Activation
     from ._process import RuntimeDir
 
 _log = logging.getLogger("comfy_env")
@@ -566,6 +570,7 @@ class RayWorker:
         self._kill_requested = False
         self._escalation: Any = None
         self._owner_pid = os.getpid()
+        self.activation: Activation | None = None  # the env's, given to launch
 
     @property
     def reader(self) -> _Reader:
@@ -581,8 +586,11 @@ class RayWorker:
         self,
         before_launch: Callable[[], None] | None = None,
         after_launch: Callable[[Any], None] | None = None,
+        activation: Activation | None = None,
     ) -> None:
-        """Preflight the env, then create the actor and watch for its death."""
+        """Preflight the env, then create the actor and watch for its death. ``activation``
+        goes to the actor's runtime in its CONFIG (``handshake``)."""
+        self.activation = activation
         self.backend.preflight(self.spec, self.config.start_timeout)
         if self._kill_requested:
             raise WorkerStartError(
@@ -620,7 +628,13 @@ class RayWorker:
         ray = ray_module()
         started = time.monotonic()
         # No shared memory between the host and an actor.
-        config = worker_config(self.config, self.generation, None, 0)
+        config = worker_config(
+            self.config,
+            self.generation,
+            None,
+            0,
+            None if self.activation is None else self.activation.for_config(),
+        )
         try:
             hello = ray.get(
                 self.actor.hello.remote(pickle.dumps(config, protocol=5)),

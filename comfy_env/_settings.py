@@ -45,6 +45,7 @@ FIELDS = (
     "sys_path",
     "cwd",
     "env_vars",
+    "activate",
     "log_level",
     "idle_timeout",
     "ping_after_idle",
@@ -80,6 +81,7 @@ class Settings:
     sys_path: tuple[str, ...]
     cwd: str | None
     env_vars: dict[str, str]
+    activate: bool
     log_level: str
     idle_timeout: float | None
     ping_after_idle: float | None
@@ -137,6 +139,7 @@ def _defaults() -> dict[str, Any]:
         "sys_path": (),
         "cwd": None,
         "env_vars": {},
+        "activate": True,
         "log_level": "INFO",
         "idle_timeout": 1800.0,
         "ping_after_idle": 60.0,

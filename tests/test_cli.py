@@ -96,6 +96,30 @@ def test_doctor_foreign_venv(capsys: pytest.CaptureFixture[str], foreign_venv: P
     assert "bytes object round trip" in out
 
 
+def test_doctor_shows_what_activation_sets_and_warns_of_a_failing_script(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    env = tmp_path / "condaenv"
+    (env / "conda-meta").mkdir(parents=True)
+    (env / "bin").mkdir()
+    (env / "bin" / "python").symlink_to(sys.executable)
+    scripts = env / "etc" / "conda" / "activate.d"
+    scripts.mkdir(parents=True)
+    (scripts / "gdal.sh").write_text('export GDAL_DATA="$CONDA_PREFIX/share/gdal"\n')
+    (scripts / "zz_broken.sh").write_text("echo 'no such file' >&2\nexit 1\n")
+    code, out, err = run_cli(capsys, "doctor", str(env), "--json")
+    assert code == 0, out + err  # a warning, not a failure: the worker runs
+    doc = json.loads(out)
+    resolve = next(s for s in doc["steps"] if s["name"] == "resolve env")
+    assert resolve["status"] == "WARN"
+    activation = resolve["facts"]["activation"]
+    assert activation["kind"] == "conda"
+    assert activation["variables"]["GDAL_DATA"] == f"{env}/share/gdal"
+    assert activation["path_prefix"] == [str(env / "bin")]
+    assert len(activation["failures"]) == 1 and "zz_broken.sh" in activation["failures"][0]
+    assert "no such file" in resolve["detail"]
+
+
 def test_doctor_missing_env(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     missing = tmp_path / "no-such-env"
     code, out, err = run_cli(capsys, "doctor", str(missing))

@@ -422,3 +422,20 @@ def test_a_kill_after_the_death_was_told_keeps_the_crash_report(
     assert worker.death_detail is not None and "stopped" not in worker.death_detail
     assert "Segmentation fault" in worker.log.tail()
     assert reported == [worker]
+
+
+def test_an_actor_gets_its_envs_activation_and_env_vars_win(tmp_path: Path) -> None:
+    """The actor's runtime applies the env's activation (VIRTUAL_ENV, its bin first on the
+    actor's own PATH) from its CONFIG, then env_vars over it."""
+    import site
+
+    env = tmp_path / "rayenv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    minor = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (env / "lib" / minor / "site-packages" / "host.pth").write_text(site.getsitepackages()[0])
+    with comfy_env.Pool(_config(env_vars={"VIRTUAL_ENV": "/mine"})) as pool:
+        w = pool.get_worker(str(env))
+        assert w.call("remote_tasks:environ", "VIRTUAL_ENV") == "/mine"
+        path = str(w.call("remote_tasks:environ", "PATH")).split(os.pathsep)
+        assert path[0] == str(env / "bin")
+        assert path.count(str(env / "bin")) == 1  # prefixed once, not per CONFIG

@@ -270,7 +270,17 @@ class Worker:
         for entry in reversed(config.get("sys_path") or ()):
             if entry not in sys.path:
                 sys.path.insert(1, entry)
-        os.environ.update(config.get("env") or {})
+        activation = config.get("activation")
+        if activation:  # the env's activation, where the host did not launch this process
+            os.environ.update(activation.get("env") or {})
+            if activation.get("path") is not None:
+                os.environ["PATH"] = activation["path"]
+            elif activation.get("path_prefix"):
+                entries = list(activation["path_prefix"])
+                if os.environ.get("PATH"):
+                    entries.append(os.environ["PATH"])
+                os.environ["PATH"] = os.pathsep.join(entries)
+        os.environ.update(config.get("env") or {})  # env_vars win over the activation
         cwd = config.get("cwd")
         if cwd:
             os.chdir(cwd)
