@@ -1011,7 +1011,17 @@ async def _warm_call(
             process.finish_request(block, retained)
             if cancels:
                 outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
-                raise cancels.error()
+                cause: CallCancelled | None = None
+                if ftype == FrameType.REPLY_ERR:
+                    # The call stopped on the cancel: its CallCancelled is the cause, saying
+                    # so, as on the thread path. Another error (or a result) is dropped.
+                    try:
+                        decode_reply(ftype, payload, target, reply_buffers)
+                    except CallCancelled as exc:
+                        cause = exc
+                    except Exception:  # noqa: BLE001 - the function's own error: dropped
+                        pass
+                raise cancels.error() from cause
             outcome = "raised"
             try:
                 result = decode_reply(ftype, payload, target, reply_buffers)

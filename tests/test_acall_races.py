@@ -309,6 +309,10 @@ def test_the_cancel_message_reaches_the_awaiting_code(apool: comfy_env.Pool, pat
         with pytest.raises(asyncio.CancelledError) as info:
             await task
         assert info.value.args == ("the client went away",)
+        # The README: where the call ended as CallCancelled, that error is the cause, saying
+        # it stopped in time (the loop path once dropped the worker's reply without it).
+        assert isinstance(info.value.__cause__, comfy_env.CallCancelled)
+        assert "stopped in its worker" in str(info.value.__cause__)
 
     run_small(main)
     assert w.generation == 1  # it stopped in time: the worker stays
