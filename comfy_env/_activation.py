@@ -241,7 +241,13 @@ def _state_variables(prefix: str) -> tuple[dict[str, str], str | None]:
     found = state.get("env_vars") if isinstance(state, dict) else None
     if not isinstance(found, dict):
         return {}, None
-    return {str(k): str(v) for k, v in found.items() if k and "=" not in str(k)}, None
+    # What execve cannot take (an empty name, "=" in a name, a NUL anywhere) is left out, as
+    # PoolConfig.env_vars refuses it: the spawn would fail on it.
+    return {
+        str(k): str(v)
+        for k, v in found.items()
+        if k and "=" not in str(k) and "\0" not in str(k) and "\0" not in str(v)
+    }, None
 
 
 def _activate_conda(prefix: str, kind: str, base: Mapping[str, str], timeout: float) -> Activation:

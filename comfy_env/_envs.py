@@ -140,7 +140,7 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
             return current_env()  # one entry for the host's interpreter, however it is named
         folder = path.parent
         env_dir = folder.parent if folder.name in ("bin", "Scripts") else folder
-        if _is_env_dir(env_dir) and _same_file(_default_interpreter(env_dir), path):
+        if is_env_dir(env_dir) and _same_file(_default_interpreter(env_dir), path):
             return _spec(env_dir, path)
         return _spec(path, path)
     try:
@@ -185,7 +185,7 @@ def _dangling(env_dir: Path) -> str:
     return ""
 
 
-def _is_env_dir(path: Path) -> bool:
+def is_env_dir(path: Path) -> bool:
     """Whether ``path`` is an env's own directory: a venv, a conda env, a pixi env. A folder
     that merely holds interpreters (``/usr``, a pyenv shims dir) is not."""
     return (
@@ -193,11 +193,6 @@ def _is_env_dir(path: Path) -> bool:
         or (path / "conda-meta").is_dir()
         or (path.parent.name == "envs" and path.parent.parent.name == ".pixi")
     )
-
-
-def is_env_dir(path: Path) -> bool:
-    """Whether ``path`` is a venv, conda or pixi env's own directory (see ``_is_env_dir``)."""
-    return _is_env_dir(path)
 
 
 def _default_interpreter(env_dir: Path) -> Path | None:

@@ -184,6 +184,18 @@ def test_activation_scripts_run_once_per_host_across_respawns_and_pools(
     assert count.read_text() == "x\nx\n"
 
 
+def test_state_variables_execve_cannot_take_are_left_out_and_the_worker_starts(
+    pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    # conda-meta/state is the env's file, not ours: a NUL or "=" in it must not fail the spawn.
+    env = _conda_env(
+        tmp_path / "env",
+        state={"env_vars": {"GOOD": "1", "NUL_VALUE": "a\u0000b", "A=B": "x", "": "y"}},
+    )
+    w = pool.get_worker(env)
+    assert _env_of(w, "GOOD", "NUL_VALUE", "A") == {"GOOD": "1", "NUL_VALUE": None, "A": None}
+
+
 def test_a_failing_script_is_one_warning_and_the_worker_starts_with_what_ran(
     pool: comfy_env.Pool, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
