@@ -66,7 +66,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from ._envs import EnvSpec, is_env_dir
+from ._envs import EnvSpec, env_kind
 from ._values import value
 
 # Imported where used (json, shlex, tempfile): this module is loaded at a non-current env's
@@ -103,7 +103,7 @@ class Activation:
         if self.path is not None:
             env["PATH"] = self.path
         elif self.path_prefix:
-            env["PATH"] = join_path(self.path_prefix, env.get("PATH", ""))
+            env["PATH"] = _join_path(self.path_prefix, env.get("PATH", ""))
 
     def for_config(self) -> dict[str, object]:
         """The form a worker runtime applies itself (the Ray backend's CONFIG): its own
@@ -126,7 +126,7 @@ class Activation:
         }
 
 
-def join_path(prefix: tuple[str, ...] | list[str], path: str) -> str:
+def _join_path(prefix: tuple[str, ...] | list[str], path: str) -> str:
     return os.pathsep.join([*prefix, path] if path else prefix)
 
 
@@ -188,13 +188,8 @@ def _env_prefix(spec: EnvSpec) -> tuple[str, str] | None:
     if interpreter.parent.name != "bin":
         return None
     prefix = interpreter.parent.parent
-    if not is_env_dir(prefix):
-        return None
-    if (prefix / "pyvenv.cfg").is_file():
-        return str(prefix), "venv"
-    if prefix.parent.name == "envs" and prefix.parent.parent.name == ".pixi":
-        return str(prefix), "pixi"
-    return str(prefix), "conda"
+    kind = env_kind(prefix)
+    return None if kind is None else (str(prefix), kind)
 
 
 def _scripts(prefix: str) -> list[str]:
@@ -255,7 +250,7 @@ def _activate_conda(prefix: str, kind: str, base: Mapping[str, str], timeout: fl
     base_path = base.get("PATH", "")
     start = dict(base)
     start["CONDA_PREFIX"] = prefix
-    start["PATH"] = join_path([bin_dir], base_path)
+    start["PATH"] = _join_path([bin_dir], base_path)
     failures: list[str] = []
     state_vars, state_failure = _state_variables(prefix)
     if state_failure is not None:

@@ -140,7 +140,7 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
             return current_env()  # one entry for the host's interpreter, however it is named
         folder = path.parent
         env_dir = folder.parent if folder.name in ("bin", "Scripts") else folder
-        if is_env_dir(env_dir) and _same_file(_default_interpreter(env_dir), path):
+        if env_kind(env_dir) is not None and _same_file(_default_interpreter(env_dir), path):
             return _spec(env_dir, path)
         return _spec(path, path)
     try:
@@ -185,14 +185,17 @@ def _dangling(env_dir: Path) -> str:
     return ""
 
 
-def is_env_dir(path: Path) -> bool:
-    """Whether ``path`` is an env's own directory: a venv, a conda env, a pixi env. A folder
-    that merely holds interpreters (``/usr``, a pyenv shims dir) is not."""
-    return (
-        (path / "pyvenv.cfg").is_file()
-        or (path / "conda-meta").is_dir()
-        or (path.parent.name == "envs" and path.parent.parent.name == ".pixi")
-    )
+def env_kind(path: Path) -> str | None:
+    """What kind of env's own directory ``path`` is: ``"venv"`` (``pyvenv.cfg``), ``"pixi"``
+    (``.pixi/envs/<name>``, which holds a ``conda-meta`` too), ``"conda"`` (``conda-meta/``),
+    or None. A folder that merely holds interpreters (``/usr``, a pyenv shims dir) is none."""
+    if (path / "pyvenv.cfg").is_file():
+        return "venv"
+    if path.parent.name == "envs" and path.parent.parent.name == ".pixi":
+        return "pixi"
+    if (path / "conda-meta").is_dir():
+        return "conda"
+    return None
 
 
 def _default_interpreter(env_dir: Path) -> Path | None:
