@@ -62,6 +62,7 @@ from benchlib import (
     Series,
     fmt,
     ratio,
+    settle_pool,
     target_at_most,
     unavailable_row,
 )
@@ -148,6 +149,7 @@ def run(ctx: Context) -> Section:
     try:
         worker = pool.get_worker(None)
         worker.call(ECHO_TARGET, 0)
+        settle_pool(pool)  # its watcher's start-up, before the first kill
 
         def sample_comfy_env() -> dict[str, Any]:
             pid = worker.pid

@@ -100,7 +100,9 @@ from benchlib import (
     machine_info,
     pin_process,
     pin_self,
+    process_cpu_ns,
     ratio,
+    settle_pool,
     target_at_most,
     target_faster_than,
     unavailable_row,
@@ -156,19 +158,9 @@ class Method:
 Started = tuple[Callable[[int], Any], list[int], Callable[[], None]]
 
 
-def cpu_ns(pid: int) -> int:
-    """Nanoseconds ``pid`` (all its threads) has spent on a CPU: the first field of
-    ``/proc/<pid>/task/*/schedstat``. Steadier than wall time on a busy machine: on one CPU
-    the caller's and the worker's sums are what an idle machine would show."""
-    total = 0
-    base = f"/proc/{pid}/task"
-    for tid in os.listdir(base):
-        try:
-            with open(f"{base}/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # a thread that just ended
-    return total
+# Steadier than wall time on a busy machine: on one CPU the caller's and the worker's sums are
+# what an idle machine would show.
+cpu_ns = process_cpu_ns
 
 
 def _local(name: str, start: Callable[[], Started], stack: ExitStack) -> Method:
@@ -377,6 +369,7 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     def minimal_host() -> Started:
         pool = comfy_env.Pool(comfy_env.PoolConfig())
         minimal = MinimalHost(pool)
+        settle_pool(pool)
         return minimal.call, [minimal.pid], pool.close
 
     methods.append(_local(MINIMAL_HOST, minimal_host, stack))
@@ -394,6 +387,7 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
     def comfy_env_call() -> Started:
         pool = comfy_env.Pool(comfy_env.PoolConfig())
         worker = _comfy_env_worker(pool)
+        settle_pool(pool)
         ce_worker[:] = [worker]
         return (lambda x: worker.call(ECHO_TARGET, x)), [worker.pid], pool.close
 

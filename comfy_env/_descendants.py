@@ -34,14 +34,18 @@ is pinned by them.
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
-from collections.abc import Callable, Iterator
 
 from ._identity import proc_is_ours
 
-_log = logging.getLogger("comfy_env")
+# The host watcher (``_watcher``) imports this module at its start and then sleeps until its
+# host ends: what it needs only after that (``signal``, which imports ``enum``; ``logging``) is
+# imported where it is used, and the annotations' names are the type checker's alone (not
+# ``typing.TYPE_CHECKING``: typing itself is a large import).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
 
 # Whether this process has said that /proc is not its namespace's (said once, not per scan).
 _said_foreign_proc = False
@@ -95,7 +99,9 @@ def proc_usable_for_signals() -> bool:
         return True
     if not _said_foreign_proc:
         _said_foreign_proc = True
-        _log.warning(
+        import logging  # (here: see TYPE_CHECKING above)
+
+        logging.getLogger("comfy_env").warning(
             "comfy-env: /proc does not show this process's pid namespace (a pid namespace "
             "without its own /proc, e.g. unshare --pid without --mount-proc): descendants of "
             "workers that left their process group (setsid) cannot be found, and are not "
@@ -111,6 +117,8 @@ def kill_marked(
     """SIGKILL every process (of any group, in our pid namespace) whose environment holds
     ``name=value``; ``also(pid, environ)`` may veto one (False). Returns the pids signalled:
     none where ``/proc`` does not show our pid namespace (see the module docstring)."""
+    import signal
+
     pidfd_open = getattr(os, "pidfd_open", None)
     send = getattr(signal, "pidfd_send_signal", None)
     if pidfd_open is None or send is None:  # pragma: no cover - kernels without pidfd

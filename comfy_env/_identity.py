@@ -23,12 +23,19 @@ unreadable ``/proc``, a name in an older format) counts as alive: the sweep leav
 from __future__ import annotations
 
 import os
-import re
+
+# (Not ``typing.TYPE_CHECKING``: importing typing would cost the watcher more than ``re``.)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import re
 
 # ``ce-<pid>-t<ticks>-n<ns>-...`` (blocks) and ``host-<pid>-t<ticks>-n<ns>-...`` (runtime
 # dirs). The letters matter: earlier versions named things ``<pid>-<start ms>-`` and judged
 # anything matching ``(\d+)-(\d+)-`` by wall-clock start time; they must not read our names.
-OWNER = re.compile(r"^(?:ce-|host-)(\d+)-t(\d+)-n(\d+)-")
+_OWNER_PATTERN = r"^(?:ce-|host-)(\d+)-t(\d+)-n(\d+)-"
+# Compiled at the first ``owner_of``: the host watcher imports this module at its start and
+# needs no pattern until its host died (``re`` is a fifth of that start).
+_owner: re.Pattern[str] | None = None
 
 
 def pid_namespace() -> int | None:
@@ -94,7 +101,12 @@ def owner_dead(pid: int, ticks: int, namespace: int) -> bool:
 
 def owner_of(name: str) -> tuple[int, int, int] | None:
     """(pid, ticks, namespace) of a block or runtime dir name; None if not ours."""
-    match = OWNER.match(name)
+    global _owner
+    if _owner is None:
+        import re
+
+        _owner = re.compile(_OWNER_PATTERN)
+    match = _owner.match(name)
     if match is None:
         return None
     return int(match.group(1)), int(match.group(2)), int(match.group(3))

@@ -1611,6 +1611,32 @@ def test_a_closed_pool_leaves_no_watcher(config: comfy_env.PoolConfig) -> None:
     assert _gone(watcher.pid)
 
 
+def test_the_watcher_starts_without_the_package_init_or_heavy_imports() -> None:
+    # Every pool starts a watcher that sleeps in a read until its host ends: its start should
+    # be little more than an interpreter's. Run its real body (told to quit at once) and look
+    # at what it imported: not the package's __init__ (the public API, typing, pydantic's
+    # config), nor logging, typing or signal, which it needs only once its host died.
+    from comfy_env import _watcher
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(_watcher.__file__)))
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-X", "importtime", "-c", _watcher._BODY]
+        + [package_parent, "COMFY_ENV_TEST_MARK", "nobody"],
+        input=b"q",
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in done.stderr.decode().splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "comfy_env._descendants" in imported  # (the body ran, importing what it needs)
+    heavy = {"comfy_env", "comfy_env._config", "typing", "logging", "signal", "enum", "re"}
+    assert not imported & heavy, sorted(imported & heavy)
+
+
 # A host that made shared-memory blocks on both sides (host ``-h``, worker ``-w``), a runtime
 # dir and a status file, and whose watcher runs; then it waits, or execs (argv[2] == "exec").
 _LEAVING_HOST_SCRIPT = """
