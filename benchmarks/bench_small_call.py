@@ -64,6 +64,12 @@ Fairness
   (address-space randomisation: up to 1.5x for a pair's whole life, HISTORY.md, eleventh
   round), so one pair per method would make a run's ratios one draw of that luck; a new pair
   per round makes the median a median over layouts. The peers' drivers keep their workers.
+* A new comfy_env pool (``comfy_env``, the minimal host's) starts its host watcher 50 ms after
+  its first worker is ready: a Python interpreter's start-up, run on the caller's CPU. Each
+  renewal waits for it to sleep in its read (``benchlib.settle_pool``) before the warm-up and
+  the timed batch. Until the seventeenth round it did not, and on one CPU that start-up shared
+  the CPU with the first batch after the renewal: comfy_env's wall time per call ran 10-34 us
+  over the sum of its caller's and worker's on-CPU times, where every other row's matched.
 * The raw references echo the bare object; every other method pays for its own envelope. That
   overhead is exactly what the comparison exposes.
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +122,37 @@ def test_a_quick_run_never_writes_the_tracked_results() -> None:
         if line.strip() and not line.startswith("#")
     ]
     assert any(Path(quick).is_relative_to(pattern) for pattern in ignored), quick
+
+
+@pytest.mark.timeout(180)
+def test_the_instruction_counter_counts_a_raw_pipe_call(tmp_path: Path) -> None:
+    # benchmarks/count_instructions.py end to end on its cheapest method (about 20 s): two
+    # runs under callgrind, the caller told from its child, the difference per call.
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    out = tmp_path / "counts.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "count_instructions.py"),
+            "--only",
+            "raw pipe",
+            "--base",
+            "10",
+            "--calls",
+            "40",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    counts = json.loads(out.read_text())["raw pipe"]
+    # A length-prefixed pickle echo: thousands of instructions a call on each side (about
+    # 16,000 and 20,000 on CPython 3.11), never nothing and never a start-up's millions.
+    assert 2_000 < counts["caller"] < 200_000, counts
+    assert 2_000 < counts["worker"] < 200_000, counts
+    assert "| raw pipe |" in result.stdout

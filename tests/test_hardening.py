@@ -1620,8 +1620,10 @@ def test_the_watcher_starts_without_the_package_init_or_heavy_imports() -> None:
 
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(_watcher.__file__)))
     done = subprocess.run(
-        [sys.executable, "-I", "-S", "-X", "importtime", "-c", _watcher._BODY]
-        + [package_parent, "COMFY_ENV_TEST_MARK", "nobody"],
+        [
+            *(sys.executable, "-I", "-S", "-X", "importtime", "-c", _watcher._BODY),
+            *(package_parent, "COMFY_ENV_TEST_MARK", "nobody"),  # its argv
+        ],
         input=b"q",
         capture_output=True,
         timeout=60,
