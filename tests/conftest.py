@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -187,6 +188,22 @@ def leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
             except psutil.NoSuchProcess:
                 pass
         pytest.fail(f"{request.node.nodeid} leaked: {leaked}", pytrace=False)
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Python's own Ctrl-C handler (``KeyboardInterrupt``) for the test, where this process
+    was started with SIGINT ignored: a shell starts a background job (``cmd &``) so, and the
+    process then never installs it. Tests that send SIGINT to themselves need the handler a
+    program started from a terminal has; the previous one is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread (signal handlers are set there)")
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -356,11 +356,7 @@ def test_a_wait_for_a_call_takes_any_number_and_refuses_what_is_no_time(
     assert (stats.ok, stats.in_flight, stats.generation) == (4, 0, 1)
 
 
-def test_ctrl_c_while_waiting_asks_the_worker_first(apool: comfy_env.Pool) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("needs the main thread")
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        pytest.skip("SIGINT is ignored in this process (a background job)")
+def test_ctrl_c_while_waiting_asks_the_worker_first(apool: comfy_env.Pool, ctrl_c: None) -> None:
     w = apool.get_worker()
     pid = w.call("remote_tasks:getpid")
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))

@@ -299,9 +299,9 @@ def test_cancelling_acall_stops_and_replaces_the_worker(pool: comfy_env.Pool) ->
     assert w.stats().cancelled == 1
 
 
-def test_keyboard_interrupt_while_waiting_stops_the_worker(pool: comfy_env.Pool) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("needs the main thread")
+def test_keyboard_interrupt_while_waiting_stops_the_worker(
+    pool: comfy_env.Pool, ctrl_c: None
+) -> None:
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
     pid = w.pid

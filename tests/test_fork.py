@@ -182,6 +182,9 @@ def test_ctrl_c_to_the_host_group_interrupts_the_call_not_the_worker_directly() 
     host = _run_host(
         """
         import os, signal, sys, time, comfy_env
+        # Python's Ctrl-C handler, as a host started from a terminal has (one started as a
+        # background job, SIGINT ignored, would never install it).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         got_term = []
         signal.signal(signal.SIGTERM, lambda *a: got_term.append(1))
         w = comfy_env.get_worker()
