@@ -366,10 +366,11 @@ def settle_pool(pool: Any, timeout: float = 5.0) -> bool:
     """Wait, untimed, until a fresh comfy_env ``pool`` is done with its one-off start-up work
     in the background: its host watcher (``comfy_env._watcher``), a Python interpreter the
     reactor launches ``_WATCHER_DELAY`` after the first worker is ready, has started and
-    sleeps in its read. That start-up took 20-60 ms of CPU here; a batch timed right after a
-    new pool's first call ran beside it, and on one CPU shared its CPU with it (measured:
-    up to 10 us a call of the watcher's CPU inside a 0.1 s batch of 3000 calls, the wall
-    time 10-30 us a call over the caller's and the worker's on-CPU sum). A warm call of a
+    sleeps in its read. That start-up took about 50 ms of CPU here (20 ms since the
+    seventeenth round); a batch timed right after a new pool's first call ran beside it, and on
+    one CPU shared its CPU with it (measured: up to 9.5 us a call of the watcher's CPU in a
+    batch of 1500 calls after 0.1 s of warm-up; in the small-call benchmark comfy_env's wall
+    time ran 10-34 us a call over its caller's and worker's on-CPU sum). A warm call of a
     long-lived pool never meets it. Reaches into the pool (``_watcher``): a benchmark's view,
     not an API. True when settled; False when no watcher appeared (a pool that could not
     launch one, an older comfy_env) or it did not go quiet within ``timeout``."""
