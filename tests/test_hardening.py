@@ -1170,7 +1170,7 @@ def test_an_env_dir_without_permission_is_an_env_error(tmp_path: Path) -> None:
 
 
 EMFILE_HOST = """
-import json, os, resource, sys, comfy_env
+import json, os, resource, sys, time, comfy_env
 
 def exhaust():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -1196,6 +1196,11 @@ with comfy_env.Pool(config) as pool:
     w = pool.get_worker()
     small = bytes(2 << 20)
     assert w.call("fault_tasks:identity", small) == small
+    # The pool's watcher is launched 50 ms after the first worker is ready, on the reactor:
+    # its Popen opens descriptors and closes them again, so a launch beside ``exhaust`` freed
+    # a slot or two, and the call below got its block (seen under load). Wait for it.
+    while pool._watcher is None:
+        time.sleep(0.01)
     fds = len(os.listdir("/proc/self/fd"))
     # 1. Out of descriptors while opening a reply block the worker has just made.
     bigger = bytes(8 << 20)
@@ -1213,7 +1218,6 @@ with comfy_env.Pool(config) as pool:
     # 2. Out of descriptors at spawn.
     pid = w.pid
     os.kill(pid, 9)
-    import time
     def dead(pid):
         try:  # reaped (gone) or a zombie; it may be reaped between any two looks
             with open(f"/proc/{pid}/stat") as f:
