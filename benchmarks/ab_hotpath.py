@@ -47,7 +47,6 @@ _CHILD = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[2])
 import benchlib
-from bench_small_call import cpu_ns
 from comfy_env_worker.protocol import SPIN_RECHECK
 arm = sys.argv[1]
 me = os.getpid()
@@ -102,13 +101,13 @@ for line in sys.stdin:
         print("ok", flush=True)
     elif cmd[0] == "run":
         n = int(cmd[1])
-        h0 = cpu_ns(me)
-        w0 = sum(cpu_ns(p) for p in wpids)
+        h0 = benchlib.process_cpu_ns(me)
+        w0 = sum(benchlib.process_cpu_ns(p) for p in wpids)
         t0 = time.perf_counter_ns()
         batch(n)
         t1 = time.perf_counter_ns()
-        h1 = cpu_ns(me)
-        w1 = sum(cpu_ns(p) for p in wpids)
+        h1 = benchlib.process_cpu_ns(me)
+        w1 = sum(benchlib.process_cpu_ns(p) for p in wpids)
         print(f"{(t1 - t0) / n / 1e3} {(h1 - h0) / n / 1e3} {(w1 - w0) / n / 1e3}", flush=True)
     elif cmd[0] == "quit":
         break

@@ -152,7 +152,7 @@ class Method:
     pin: Callable[[set[int], set[int]], None]  # (caller CPUs, worker CPUs)
     n: int = 0  # calls per batch, from the warm-up
     # On-CPU us/call of the caller process and of the worker in the last batch (local
-    # methods only: from the kernel's schedstat, see ``cpu_ns``).
+    # methods only: from the kernel's schedstat, see ``benchlib.process_cpu_ns``).
     cpu: tuple[float, float] | None = None
     # Local methods: replace the worker process with a new one, pinned as the old one was
     # (a new address layout each round; see the module docstring, "Fairness").
@@ -162,11 +162,6 @@ class Method:
 # A local method's worker side, as its ``start`` makes it: the call, the worker's pids, and
 # how to stop it.
 Started = tuple[Callable[[int], Any], list[int], Callable[[], None]]
-
-
-# Steadier than wall time on a busy machine: on one CPU the caller's and the worker's sums are
-# what an idle machine would show.
-cpu_ns = process_cpu_ns
 
 
 def _local(name: str, start: Callable[[], Started], stack: ExitStack) -> Method:
@@ -179,14 +174,14 @@ def _local(name: str, start: Callable[[], Started], stack: ExitStack) -> Method:
 
     def batch(n: int) -> float:
         call, worker_pids, _ = current[0]
-        h0 = cpu_ns(me)
-        w0 = sum(cpu_ns(pid) for pid in worker_pids)
+        h0 = process_cpu_ns(me)
+        w0 = sum(process_cpu_ns(pid) for pid in worker_pids)
         t0 = time.perf_counter_ns()
         for i in range(n):
             call(i)
         t1 = time.perf_counter_ns()
-        host = (cpu_ns(me) - h0) / n / 1000.0
-        method.cpu = (host, (sum(cpu_ns(pid) for pid in worker_pids) - w0) / n / 1000.0)
+        host = (process_cpu_ns(me) - h0) / n / 1000.0
+        method.cpu = (host, (sum(process_cpu_ns(pid) for pid in worker_pids) - w0) / n / 1000.0)
         return (t1 - t0) / n / 1000.0
 
     def pin(caller: set[int], workers: set[int]) -> None:
@@ -415,9 +410,12 @@ def start_methods(ctx: Context, stack: ExitStack) -> list[Method]:
                 await worker.acall(ECHO_TARGET, i)
             return (time.perf_counter_ns() - t0) / n / 1000.0
 
-        h0, w0 = cpu_ns(me), cpu_ns(worker.pid)
+        h0, w0 = process_cpu_ns(me), process_cpu_ns(worker.pid)
         us = loop.run_until_complete(batch())
-        acall.cpu = ((cpu_ns(me) - h0) / n / 1000.0, (cpu_ns(worker.pid) - w0) / n / 1000.0)
+        acall.cpu = (
+            (process_cpu_ns(me) - h0) / n / 1000.0,
+            (process_cpu_ns(worker.pid) - w0) / n / 1000.0,
+        )
         return us
 
     acall = Method(COMFY_ENV_ACALL, acall_batch, ce.pin)

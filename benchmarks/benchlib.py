@@ -349,14 +349,6 @@ def process_cpu_ns(pid: int) -> int:
     return total
 
 
-def _sleeping(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "S"
-    except (OSError, IndexError):
-        return True  # gone: nothing of it can run
-
-
 # How long ``settle_pool`` waits for a pool's watcher to be launched: the reactor launches it
 # ``_pool._WATCHER_DELAY`` (50 ms) after the first worker is ready.
 _WATCHER_WAIT = 1.0
@@ -374,6 +366,8 @@ def settle_pool(pool: Any, timeout: float = 5.0) -> bool:
     long-lived pool never meets it. Reaches into the pool (``_watcher``): a benchmark's view,
     not an API. True when settled; False when no watcher appeared (a pool that could not
     launch one, an older comfy_env) or it did not go quiet within ``timeout``."""
+    from comfy_env._identity import proc_stat  # (here: peer drivers import this module too)
+
     start = time.monotonic()
     watcher = None
     while watcher is None and time.monotonic() - start < _WATCHER_WAIT:
@@ -386,8 +380,9 @@ def settle_pool(pool: Any, timeout: float = 5.0) -> bool:
     last, quiet = -1, 0
     while time.monotonic() - start < timeout:
         used = process_cpu_ns(pid)
+        stat = proc_stat(pid)  # None: gone, and nothing of it can run
         # Quiet: asleep and no CPU used over two looks 10 ms apart.
-        quiet = quiet + 1 if used == last and _sleeping(pid) else 0
+        quiet = quiet + 1 if used == last and (stat is None or stat[0] == "S") else 0
         if quiet >= 2:
             return True
         last = used

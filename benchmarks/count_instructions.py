@@ -53,13 +53,15 @@ import tempfile
 from typing import Any
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH_DIR)
+sys.path.insert(0, BENCH_DIR)
+from bench_small_call import (  # noqa: E402 - the rows' names, as that benchmark has them
+    COMFY_ENV,
+    MINIMAL_BOTH,
+    MINIMAL_HOST,
+    RAW_PIPE,
+    RAW_SOCKETPAIRS,
+)
 
-RAW_PIPE = "raw pipe"
-RAW_SOCKETPAIRS = "raw socketpairs"
-MINIMAL_BOTH = "minimal host, minimal worker"
-MINIMAL_HOST = "minimal host, comfy_env worker"
-COMFY_ENV = "comfy_env"
 METHODS = (RAW_PIPE, RAW_SOCKETPAIRS, MINIMAL_BOTH, MINIMAL_HOST, COMFY_ENV)
 TREE_METHODS = (MINIMAL_HOST, COMFY_ENV)
 
@@ -154,7 +156,7 @@ def _count(method: str, n: int, tree: str | None, out_dir: str) -> tuple[int, in
                 caller = total
         elif "watch_host" in command:
             continue  # the pool's watcher: asleep in a read, not part of a call
-        elif command.startswith("cmd:") and "valgrind" not in command:
+        elif command:
             worker += total
     if not caller or not worker:
         raise RuntimeError(f"{method}: no callgrind totals for the caller or the worker")
