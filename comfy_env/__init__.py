@@ -13,9 +13,8 @@ that happens when a pool is first used.
 
 from __future__ import annotations
 
+import _thread
 import os
-import threading
-from typing import TYPE_CHECKING, Any
 
 from ._errors import (
     ArgumentError,
@@ -39,7 +38,12 @@ from ._errors import (
     WorkerStartError,
 )
 
+# Not ``typing.TYPE_CHECKING``: typing is a large import, and neither this package nor
+# ``comfy-env status`` needs it at run time (``Any`` and the lazy names are for the checker).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from ._call import Call, CallEvent
     from ._config import PoolConfig
     from ._envs import EnvSpec, resolve_env
@@ -152,7 +156,7 @@ __all__ = [
 ]
 
 _default_pool: Pool | None = None
-_default_lock = threading.Lock()
+_default_lock = _thread.allocate_lock()  # (not threading's: a lighter import)
 _fork_hook_installed = False
 
 
@@ -161,7 +165,7 @@ def _reset_default_after_fork() -> None:
     # get_worker() builds its own. The lock may have been held by a thread that is gone.
     global _default_pool, _default_lock
     _default_pool = None
-    _default_lock = threading.Lock()
+    _default_lock = _thread.allocate_lock()
 
 
 def default_pool() -> Pool:

@@ -54,15 +54,10 @@ worker's socket or pipe closes while the host writes to it, instead of reporting
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import logging
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from ._errors import (
@@ -78,7 +73,13 @@ from ._errors import (
 from ._stats import CALL_COUNTERS
 from ._values import as_dict
 
+# Not ``typing.TYPE_CHECKING``; and json and logging are imported where they are used:
+# ``comfy-env status`` (the command run most) needs none of them, nor typing.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any
+
     from ._config import PoolConfig
     from ._envs import EnvSpec
     from ._worker import Worker
@@ -194,6 +195,8 @@ def _env_arg(env: str | None) -> str | None:
 
 
 def _print_json(document: Any) -> None:
+    import json
+
     print(json.dumps(document, indent=2, default=str))
 
 
@@ -239,33 +242,6 @@ def _error_record(exc: BaseException) -> dict[str, Any]:
     if remote:
         record["traceback"] = remote
     return record
-
-
-class _Capture(logging.Handler):
-    """Keeps worker output lines (doctor shows them only through the errors that carry them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def _worker_output(handler: logging.Handler) -> Iterator[None]:
-    """Route the ``comfy_env.worker.*`` loggers to ``handler`` only, for the command's run."""
-    logger = logging.getLogger("comfy_env.worker")
-    saved = (logger.level, logger.propagate)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
 
 
 def _indent(text: str, prefix: str = "        | ") -> str:
@@ -321,10 +297,11 @@ class _Doctor:
         config = self._config()
         if config is None or not self._resolve(config):
             return False
+        from ._cli_output import CaptureLines, worker_output
         from ._pool import Pool
 
-        capture = _Capture()
-        with _worker_output(capture), Pool(config) as pool:
+        capture = CaptureLines()
+        with worker_output(capture), Pool(config) as pool:
             worker = pool.get_worker(self.env)
             return (
                 self._start(worker)
@@ -623,6 +600,8 @@ def parse_call_args(raw: str | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """JSON_ARGS -> (args, kwargs): an array is positional, an object is keywords."""
     if raw is None:
         return (), {}
+    import json
+
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -647,23 +626,13 @@ def check_target(target: str) -> str:
 
 def _jsonable(value: Any) -> tuple[Any, bool]:
     """(value as JSON-able data, False) or (its repr, True)."""
+    import json
+
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         return repr(value), True
     return value, False
-
-
-class _StderrLines(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        stream = getattr(record, "worker_stream", "output")
-        try:
-            print(f"[worker {stream}] {record.getMessage()}", file=sys.stderr)
-        except RecursionError:
-            raise
-        except Exception:  # noqa: BLE001 - as logging.StreamHandler: a closed stderr must not
-            # raise into the pool's thread that forwards the worker's output.
-            self.handleError(record)
 
 
 def call(
@@ -675,6 +644,7 @@ def call(
     as_json: bool = False,
 ) -> int:
     """Run one call and print its result; returns the exit code."""
+    from ._cli_output import StderrLines, worker_output
     from ._pool import Pool
 
     args, kwargs = parse_call_args(json_args)
@@ -685,7 +655,7 @@ def call(
         pool = Pool()
     except ConfigError as exc:
         raise UsageError(f"invalid COMFY_ENV_* setting:\n{exc}") from None
-    with _worker_output(_StderrLines()), pool:
+    with worker_output(StderrLines()), pool:
         started = time.perf_counter()
         try:
             worker = pool.get_worker(_env_arg(env))

@@ -20,10 +20,13 @@ Messages say what probably happened; attributes carry the facts (env, pid, gener
 
 from __future__ import annotations
 
-import signal as _signal
-from typing import Any, TypeVar
+# Not ``typing.TYPE_CHECKING``: every ``import comfy_env`` (and ``comfy-env status``) loads this
+# module, and typing is a large import that nothing here needs at run time.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, TypeVar
 
-_E = TypeVar("_E", bound=BaseException)
+    _E = TypeVar("_E", bound=BaseException)
 
 
 class ComfyEnvError(Exception):
@@ -257,8 +260,10 @@ def signal_name(returncode: int | None) -> str | None:
     if name is None:
         # The enum lookup runs cold on a crash report (tens of microseconds), and a report
         # names its signal several times: remembered per status.
+        import signal  # (here: only a crash report needs it)
+
         try:
-            name = _signal.Signals(-returncode).name
+            name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
         _SIGNAL_NAMES[returncode] = name

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import time
 
@@ -146,6 +145,8 @@ def remove_runtime_dirs(
         path = os.path.join(root, name)
         if _of_dead_host(owner_of(name), host) and ours_to_remove(path, directory=True):
             if not dry_run:
+                import shutil  # (here: ``comfy-env status`` imports this module)
+
                 shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return removed
@@ -211,6 +212,8 @@ def remove_dead_host(
         return removed
     if private_root_removable(root, host=host):
         # The root is the host's own (a private fallback): everything of it is inside.
+        import shutil
+
         shutil.rmtree(root, ignore_errors=True)
         return [*removed, root]
     removed += [os.path.join(root, n) for n in remove_runtime_dirs(root, host=host)]

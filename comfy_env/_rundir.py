@@ -44,17 +44,23 @@ carries the host's token; see ``_leftovers``). If no safe place is left for it,
 
 from __future__ import annotations
 
-import atexit
-import logging
 import os
-import shutil
 import stat
 
 from ._errors import RuntimeRootError
 from ._identity import host_id
 from ._leftovers import private_root_prefix as private_root_prefix  # (public here too)
 
-_log = logging.getLogger("comfy_env")
+# logging, shutil and atexit are imported where they are used: ``comfy-env status`` finds the
+# runtime root through this module and needs none of them (logging alone is about a sixth of
+# its start-up).
+
+
+def _warn(message: str, *args: object) -> None:
+    import logging
+
+    logging.getLogger("comfy_env").warning(message, *args)
+
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
@@ -193,7 +199,7 @@ def _warn_unsafe(path: str, source: str, why: str, instead: str) -> None:
     if path in _warned:
         return
     _warned.add(path)
-    _log.warning(
+    _warn(
         "comfy-env: not using %s (%s) for the runtime root: %s; using %s instead. Fix: point %s "
         "at a directory of yours (mode 0700) whose every parent is writable only by root or "
         "you (or sticky, like /tmp)",
@@ -307,7 +313,7 @@ def runtime_root() -> str:
         ) from None
     _private = (os.getpid(), private)
     install_exit_hook()
-    _log.warning(
+    _warn(
         "comfy-env: the runtime root %s is not safe to use (%s); using a private one, %s, for "
         "this process (comfy-env status and sweep from other processes will not see into it; "
         "a sweep removes it if this process is killed). Fix: "
@@ -332,6 +338,8 @@ def install_exit_hook() -> None:
     global _exit_hook_installed
     if not _exit_hook_installed:
         _exit_hook_installed = True
+        import atexit
+
         atexit.register(remove_private_root)
 
 
@@ -340,6 +348,8 @@ def remove_private_root() -> None:
     At interpreter exit (``install_exit_hook``), after every pool has closed."""
     private = _private
     if private is not None and private[0] == os.getpid():
+        import shutil
+
         shutil.rmtree(private[1], ignore_errors=True)
 
 
@@ -456,6 +466,8 @@ def _link_into(source_fd: int, dest_fd: int) -> None:
 
 
 def _copy_into(source: str, dest_fd: int) -> None:
+    import shutil
+
     with os.scandir(source) as entries:
         for entry in entries:
             if entry.is_symlink():

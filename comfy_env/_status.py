@@ -35,16 +35,14 @@ publisher and file; it never writes or removes the parent's.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import math
 import os
 import re
 import stat
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
 
 from ._errors import RuntimeRootError
 from ._identity import host_id, owner_dead, pid_namespace
@@ -59,7 +57,16 @@ _COUNTERS = CALL_COUNTERS
 # Seconds a status write waits at least after the change that asked for it (publish_soon).
 PUBLISH_SETTLE_DELAY = 0.01
 
-Snapshot = dict[str, Any]
+# Not ``typing.TYPE_CHECKING``: ``comfy-env status`` loads this module, and typing (like
+# threading, whose locks are ``_thread``'s) is a large import it does not need at run time.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from typing import Any
+
+    Snapshot = dict[str, Any]
+else:
+    Snapshot = dict  # (the pool module imports the name)
 
 
 def status_dir() -> str:
@@ -96,8 +103,8 @@ class StatusPublisher:
         self._owner_pid = os.getpid()
         # Two locks, so that asking for a write (publish_soon, from a caller's thread) never
         # waits for a write in progress, which takes the pool's locks for its snapshot.
-        self._write_lock = threading.Lock()  # one write (or remove) at a time
-        self._flag_lock = threading.Lock()  # guards _pending
+        self._write_lock = _thread.allocate_lock()  # one write (or remove) at a time
+        self._flag_lock = _thread.allocate_lock()  # guards _pending
         self._pending = False
         self._last = float("-inf")  # monotonic time of the last write
         self._removed = False
@@ -258,7 +265,7 @@ def _version() -> str:
 
 
 _host_publisher: StatusPublisher | None = None
-_host_publisher_lock = threading.Lock()
+_host_publisher_lock = _thread.allocate_lock()
 
 
 def host_publisher(snapshots: Callable[[], Iterable[Snapshot]]) -> StatusPublisher:
@@ -270,7 +277,7 @@ def host_publisher(snapshots: Callable[[], Iterable[Snapshot]]) -> StatusPublish
     if publisher is not None and publisher._owner_pid == os.getpid():
         return publisher
     if publisher is not None:  # inherited by fork: the parent's lock may be held
-        _host_publisher_lock = threading.Lock()
+        _host_publisher_lock = _thread.allocate_lock()
     with _host_publisher_lock:
         if _host_publisher is None or _host_publisher._owner_pid != os.getpid():
             _host_publisher = StatusPublisher(snapshots)

@@ -30,18 +30,23 @@ native frozen class could not be pickled.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
 
+# Not ``typing.TYPE_CHECKING``: ``comfy-env status`` loads this module, and typing is a large
+# import that nothing here needs at run time (the names below are for the checker).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, TypeVar
+
     from typing_extensions import dataclass_transform
+
+    _T = TypeVar("_T")
 else:
 
     def dataclass_transform(**_: Any) -> Callable[[Any], Any]:
         return lambda decorator: decorator
 
 
-_T = TypeVar("_T")
 # The class attribute naming a value class's fields, in order (``replace``, ``as_dict``).
 VALUE_FIELDS = "__value_fields__"
 

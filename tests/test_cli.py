@@ -433,6 +433,38 @@ def test_status_removes_stale_file_of_dead_host(capsys: pytest.CaptureFixture[st
                 os.unlink(path)
 
 
+def test_status_loads_neither_logging_nor_typing_nor_threads(tmp_path: Path) -> None:
+    # `comfy-env status` is the command run most, often in a loop: it starts an interpreter,
+    # and logging, typing, threading and json were half of its time over a bare one. With a
+    # dead host's stale status file, so that the clean-up runs too.
+    root = tmp_path / "runtime"
+    root.mkdir(mode=0o700)
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "from comfy_env._cli import main\n"
+        "assert main(['status']) == 0\n"
+        "heavy = {'logging', 'typing', 'threading', 'json', 'pydantic', 'psutil'}\n"
+        "print(sorted(heavy & (set(sys.modules) - before)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMFY_ENV_")}
+    env["XDG_RUNTIME_DIR"] = str(root)
+    status = root / "comfy-env" / "status"
+    status.mkdir(parents=True, mode=0o700)
+    pid = _dead_pid()
+    ticks = int(host_id().split("-")[1][1:])
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    stale = status / f"{pid}-t{ticks}-n{ns}.json"
+    stale.write_text(json.dumps({"host_id": stale.stem, "pid": pid, "pools": []}))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+    assert "no live comfy-env hosts" in out.stdout
+    assert not stale.exists()
+
+
 def test_status_marks_a_host_of_another_pid_namespace(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
