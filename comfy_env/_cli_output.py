@@ -2,8 +2,8 @@
 output: the ``comfy_env.worker.*`` loggers routed, for the command's run, to one handler
 that keeps the lines (doctor) or prints them on stderr (call).
 
-A module of its own so that ``comfy-env status`` and ``sweep``, which run no worker, never
-import ``logging`` (about a sixth of their start-up).
+A module of its own so that ``comfy-env status``, which runs no worker, never imports
+``logging`` (about a sixth of its start-up).
 """
 
 from __future__ import annotations
