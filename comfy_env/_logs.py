@@ -34,7 +34,13 @@ worker does the same for ``sys.stdout``/``sys.stderr``).
 emitted; lines over budget are dropped and counted, with one warning per worker. Reading never
 stops, so a worker printing megabytes can neither block on a full pipe nor starve a reply.
 
-The last lines of all streams are kept (``tail``) for crash reports.
+The last lines of all streams are kept (``tail``) for crash reports, in the order they were
+written, not the order they arrived: a record logged just before a segfault travels in band
+(read by the caller) while ``faulthandler``'s dump travels on fd 2 (read by the reactor), so the
+dump can arrive first. Each tail line keeps a time (a record's own ``created``; a native line's
+arrival, which is later than its writing); a record goes before the native lines at the tail's
+end that arrived after it was written, by at most ``TAIL_REORDER_WINDOW`` seconds. The window
+bounds what a worker clock behind the host's (a remote backend) could reorder.
 
 **Package names shown.** ``comfy_env.comfyui`` imports a pack in its worker under a hashed
 package name (``comfy_env_pack_<hash>``) and registers, per env key, the name to show instead
@@ -67,6 +73,7 @@ _MAX_PIPE_FRAME = 16 * 1024 * 1024
 _print_lock = threading.Lock()  # lines of different workers never interleave mid-line
 LINE_CAP = 64 * 1024  # native output lines are cut into pieces of this many bytes
 PROGRESS_INTERVAL = 2.0  # a progress line's latest state is emitted at most this often
+TAIL_REORDER_WINDOW = 1.0  # seconds: how far back a late record may move in the tail
 
 
 def _final_state(line: bytes | bytearray) -> bytes:
@@ -111,7 +118,10 @@ class WorkerLog:
         self.env = env_key
         self.generation = generation
         self.pid: int | None = None
-        self._tail: collections.deque[str] = collections.deque(maxlen=max(1, tail_lines))
+        # (time written or arrived, from a native stream, text); see "tail" in the docstring
+        self._tail: collections.deque[tuple[float, bool, str]] = collections.deque(
+            maxlen=max(1, tail_lines)
+        )
         self._lock = threading.Lock()
         self._lines = LINE_BURST
         self._bytes = BYTE_BURST
@@ -160,8 +170,7 @@ class WorkerLog:
         created: float | None,
         stream: str,
     ) -> None:
-        with self._lock:
-            self._tail.append(message if not exc_text else f"{message}\n{exc_text}")
+        self._keep(message if not exc_text else f"{message}\n{exc_text}", created, stream)
         if not self.logger.hasHandlers():
             # The host never configured logging: Python would show warnings only, without
             # env or pid. Print the line ourselves, prefixed (INFO and up), unless the host
@@ -380,6 +389,25 @@ class WorkerLog:
             del buf[:end]
         return True
 
+    def _keep(self, text: str, created: float | None, stream: str) -> None:
+        """``text`` into the tail, before the native lines at its end that arrived after
+        ``created`` (by at most ``TAIL_REORDER_WINDOW``): see "tail" in the module docstring."""
+        now = time.time()
+        native = stream.startswith("native-")
+        with self._lock:
+            tail = self._tail
+            later: list[tuple[float, bool, str]] = []
+            if created is not None and not native:
+                while (
+                    tail
+                    and tail[-1][1]
+                    and tail[-1][0] > created
+                    and tail[-1][0] - created <= TAIL_REORDER_WINDOW
+                ):
+                    later.append(tail.pop())
+            tail.append((now if created is None or native else created, native, text))
+            tail.extend(reversed(later))
+
     def tail(self) -> str:
         with self._lock:
-            return "\n".join(self._tail)
+            return "\n".join(text for _, _, text in self._tail)

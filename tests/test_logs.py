@@ -235,3 +235,30 @@ def test_a_configured_host_gets_worker_lines_only_through_logging() -> None:
     pid = int(out.split("PID", 1)[1])
     assert "LOGGED comfy_env.worker.current info 0" in err
     assert f"pid={pid})" not in err
+
+
+def test_the_tail_keeps_a_record_written_before_a_crash_dump_that_arrived_first() -> None:
+    # The race behind a crash report: a record logged just before a segfault travels in band,
+    # faulthandler's dump on fd 2; the reactor can feed the dump before the caller reads the
+    # record. The tail shows them in the order they were written.
+    log = WorkerLog("/envs/e", "e", 1, 10)
+    log.logger.addHandler(logging.NullHandler())
+    try:
+        before = time.time()
+        log.feed_native("stderr", b"Fatal Python error: Segmentation fault\nExtension modules: x\n")
+        log.emit(logging.WARNING, "pack", "said by the pack", None, before - 0.01, "log")
+        assert log.tail().splitlines() == [
+            "said by the pack",
+            "Fatal Python error: Segmentation fault",
+            "Extension modules: x",
+        ]
+        # A record written after the dump arrived stays after it; so does one without a time.
+        log.emit(logging.WARNING, "pack", "later", None, time.time() + 0.01, "log")
+        log.emit(logging.WARNING, "pack", "untimed", None, None, "log")
+        assert log.tail().splitlines()[-2:] == ["later", "untimed"]
+        # A record older than the window (a worker clock far behind) moves no line.
+        log.feed_native("stderr", b"native line\n")
+        log.emit(logging.WARNING, "pack", "stale", None, time.time() - 5.0, "log")
+        assert log.tail().splitlines()[-2:] == ["native line", "stale"]
+    finally:
+        log.logger.handlers.clear()
