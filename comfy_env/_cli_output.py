@@ -2,8 +2,9 @@
 output: the ``comfy_env.worker.*`` loggers routed, for the command's run, to one handler
 that keeps the lines (doctor) or prints them on stderr (call).
 
-A module of its own so that ``comfy-env status``, which runs no worker, never imports
-``logging`` (about a sixth of its start-up).
+A module of its own so that ``comfy-env status`` and ``sweep``, which run no worker, never
+import ``logging`` (about a sixth of their start-up; ``sweep`` loads it only to log what it
+removed).
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ from __future__ import annotations
 
 import os
 
+# The variable that carries the host's ``host_token()`` to every process it launches (set by
+# ``_process`` for each worker, inherited by their descendants): the sweep's proof that a stray
+# process was launched for a host that is now dead.
+HOST_ID_VAR = "COMFY_ENV_HOST_ID"
+
 # (Not ``typing.TYPE_CHECKING``: importing typing would cost the watcher more than ``re``.)
 TYPE_CHECKING = False
 if TYPE_CHECKING:

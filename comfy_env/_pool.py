@@ -130,8 +130,8 @@ from ._failures import (
     retire_reason,
     timeout_error,
 )
-from ._identity import host_id
-from ._process import HOST_ID_VAR, RuntimeDir, base_environment, python_mismatch
+from ._identity import HOST_ID_VAR, host_id
+from ._process import RuntimeDir, base_environment, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables

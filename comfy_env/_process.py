@@ -101,7 +101,7 @@ from ._codec import decode_reply, encode_call, oob_threshold, use_shm, worker_co
 from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
-from ._identity import host_id, host_token
+from ._identity import HOST_ID_VAR, host_id, host_token
 from ._lifecycle import CancelKill, RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor, ReactorFailed
@@ -153,7 +153,6 @@ _STRIPPED_ENV = (
     "PYTHONUSERBASE",
 )
 
-HOST_ID_VAR = "COMFY_ENV_HOST_ID"
 WORKER_ID_VAR = "COMFY_ENV_WORKER_ID"
 _HANDSHAKE_FRAME_BYTES = 1 << 20
 # Reply mappings one worker process may have lent out at a time (see ``open_reply``).

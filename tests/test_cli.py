@@ -465,6 +465,31 @@ def test_status_loads_neither_logging_nor_typing_nor_threads(tmp_path: Path) -> 
     assert not stale.exists()
 
 
+def test_sweep_loads_neither_the_process_machinery_nor_logging(tmp_path: Path) -> None:
+    # `comfy-env sweep` needs the leftovers' names and the identity checks, not the code
+    # that launches workers (sockets, subprocess, the lifecycle) nor logging: those were a
+    # third of its start. A dry run, so that nothing of this machine's is removed; what is
+    # imported does not depend on it.
+    root = tmp_path / "runtime"
+    root.mkdir(mode=0o700)
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "from comfy_env._cli import main\n"
+        "assert main(['sweep', '--dry-run']) == 0\n"
+        "heavy = {'logging', 'typing', 'threading', 'json', 'socket', 'subprocess',\n"
+        "         'comfy_env._process', 'comfy_env._lifecycle', 'pydantic', 'psutil'}\n"
+        "print(sorted(heavy & (set(sys.modules) - before)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMFY_ENV_")}
+    env["XDG_RUNTIME_DIR"] = str(root)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+
+
 def test_status_marks_a_host_of_another_pid_namespace(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
