@@ -394,6 +394,17 @@ def cooperative_loop(seconds: float) -> str:
     return "finished"
 
 
+def wait_for_file(path: str, seconds: float) -> str:
+    """Runs until ``path`` exists (the test decides when the call ends, however slow the
+    machine), for at most ``seconds``."""
+    end = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} did not appear within {seconds} s")
+        time.sleep(0.01)
+    return "finished"
+
+
 def polite_loop(seconds: float) -> str:
     """Polls cancelled() and returns early (a partial result) instead of raising."""
     import comfy_env_worker

@@ -70,18 +70,22 @@ def test_a_queue_on_one_env_never_delays_another_env_and_costs_no_thread(
     assert (stats.ok, stats.queued, stats.in_flight) == (41, 0, 0)
 
 
-def test_thousands_of_queued_acalls_cost_no_threads(apool: comfy_env.Pool) -> None:
+def test_thousands_of_queued_acalls_cost_no_threads(apool: comfy_env.Pool, tmp_path: Path) -> None:
     w = apool.get_worker()
     w.call("remote_tasks:add", 1)
     threads_before = threading.active_count()
+    release = tmp_path / "release"
 
     async def main() -> list[Any]:
-        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 0.3))
+        # The call ahead runs until the file appears: however slow the machine is at queueing
+        # 2000 calls, none of them starts before the counts are read.
+        blocker = asyncio.ensure_future(w.acall("remote_tasks:wait_for_file", str(release), 60))
         await asyncio.sleep(0.05)
         tasks = [asyncio.ensure_future(w.acall("remote_tasks:add", i, 1)) for i in range(2000)]
         await asyncio.sleep(0.05)
         assert w.stats().queued == 2000
         assert threading.active_count() <= threads_before + 1
+        release.touch()
         return [await blocker, *await asyncio.gather(*tasks)]
 
     results = run_small(main)

@@ -9,6 +9,7 @@ before the test ends.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -439,16 +440,6 @@ def test_status_loads_neither_logging_nor_typing_nor_threads(tmp_path: Path) -> 
     # dead host's stale status file, so that the clean-up runs too.
     root = tmp_path / "runtime"
     root.mkdir(mode=0o700)
-    code = (
-        "import sys\n"
-        "before = set(sys.modules)\n"
-        "from comfy_env._cli import main\n"
-        "assert main(['status']) == 0\n"
-        "heavy = {'logging', 'typing', 'threading', 'json', 'pydantic', 'psutil'}\n"
-        "print(sorted(heavy & (set(sys.modules) - before)))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMFY_ENV_")}
-    env["XDG_RUNTIME_DIR"] = str(root)
     status = root / "comfy-env" / "status"
     status.mkdir(parents=True, mode=0o700)
     pid = _dead_pid()
@@ -456,13 +447,31 @@ def test_status_loads_neither_logging_nor_typing_nor_threads(tmp_path: Path) -> 
     ns = os.stat("/proc/self/ns/pid").st_ino
     stale = status / f"{pid}-t{ticks}-n{ns}.json"
     stale.write_text(json.dumps({"host_id": stale.stem, "pid": pid, "pools": []}))
+    heavy = {"logging", "typing", "threading", "json", "pydantic", "psutil"}
+    out, loaded = _modules_loaded_by(["status"], root, heavy)
+    assert loaded == [], out
+    assert "no live comfy-env hosts" in out
+    assert not stale.exists()
+
+
+def _modules_loaded_by(argv: list[str], root: Path, heavy: set[str]) -> tuple[str, list[str]]:
+    """What ``comfy-env <argv>`` printed in a fresh interpreter whose runtime root is
+    ``root``, and which of the modules ``heavy`` it imported (sorted)."""
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "from comfy_env._cli import main\n"
+        f"assert main({argv!r}) == 0\n"
+        f"print(sorted(set({sorted(heavy)!r}) & set(sys.modules) - before))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMFY_ENV_")}
+    env["XDG_RUNTIME_DIR"] = str(root)
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[-1] == "[]", out.stdout
-    assert "no live comfy-env hosts" in out.stdout
-    assert not stale.exists()
+    *said, loaded = out.stdout.splitlines()
+    return "\n".join(said), ast.literal_eval(loaded)
 
 
 def test_sweep_loads_neither_the_process_machinery_nor_logging(tmp_path: Path) -> None:
@@ -472,22 +481,11 @@ def test_sweep_loads_neither_the_process_machinery_nor_logging(tmp_path: Path) -
     # imported does not depend on it.
     root = tmp_path / "runtime"
     root.mkdir(mode=0o700)
-    code = (
-        "import sys\n"
-        "before = set(sys.modules)\n"
-        "from comfy_env._cli import main\n"
-        "assert main(['sweep', '--dry-run']) == 0\n"
-        "heavy = {'logging', 'typing', 'threading', 'json', 'socket', 'subprocess',\n"
-        "         'comfy_env._process', 'comfy_env._lifecycle', 'pydantic', 'psutil'}\n"
-        "print(sorted(heavy & (set(sys.modules) - before)))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMFY_ENV_")}
-    env["XDG_RUNTIME_DIR"] = str(root)
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+    heavy = {"logging", "typing", "threading", "json", "socket", "subprocess"}
+    heavy |= {"comfy_env._process", "comfy_env._lifecycle", "pydantic", "psutil"}
+    out, loaded = _modules_loaded_by(["sweep", "--dry-run"], root, heavy)
+    assert loaded == [], out
+    assert "nothing to remove" in out or "would remove" in out, out
 
 
 def test_status_marks_a_host_of_another_pid_namespace(
