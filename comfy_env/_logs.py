@@ -34,13 +34,17 @@ worker does the same for ``sys.stdout``/``sys.stderr``).
 emitted; lines over budget are dropped and counted, with one warning per worker. Reading never
 stops, so a worker printing megabytes can neither block on a full pipe nor starve a reply.
 
-The last lines of all streams are kept (``tail``) for crash reports, in the order they were
-written, not the order they arrived: a record logged just before a segfault travels in band
-(read by the caller) while ``faulthandler``'s dump travels on fd 2 (read by the reactor), so the
-dump can arrive first. Each tail line keeps a time (a record's own ``created``; a native line's
-arrival, which is later than its writing); a record goes before the native lines at the tail's
-end that arrived after it was written, by at most ``TAIL_REORDER_WINDOW`` seconds. The window
-bounds what a worker clock behind the host's (a remote backend) could reorder.
+The last lines of all streams are kept (``tail``) for crash reports, ordered for them: a
+record logged just before a segfault travels in band (read by the caller) while
+``faulthandler``'s dump travels on fd 2 (read by the reactor), so the dump can arrive first and
+the record would end the tail. Each tail line keeps a time (a record's own ``created``; a native
+line's arrival, which is later than its writing); a record goes before the native lines at the
+tail's end that arrived after it was written, by at most ``TAIL_REORDER_WINDOW`` seconds, so
+the dump ends the tail. Arrival cannot tell a native line written after the record from one
+written just before it and read late, so the latter may be shown after the record: across the
+two channels the order of lines written within a few milliseconds is a best effort (the
+records themselves reach ``logging`` as they arrive). The window bounds what a worker clock
+behind the host's (a remote backend) could reorder.
 
 **Package names shown.** ``comfy_env.comfyui`` imports a pack in its worker under a hashed
 package name (``comfy_env_pack_<hash>``) and registers, per env key, the name to show instead
