@@ -402,12 +402,7 @@ class WorkerLog:
             tail = self._tail
             later: list[tuple[float, bool, str]] = []
             if created is not None and not native:
-                while (
-                    tail
-                    and tail[-1][1]
-                    and tail[-1][0] > created
-                    and tail[-1][0] - created <= TAIL_REORDER_WINDOW
-                ):
+                while tail and tail[-1][1] and 0 < tail[-1][0] - created <= TAIL_REORDER_WINDOW:
                     later.append(tail.pop())
             tail.append((now if created is None or native else created, native, text))
             tail.extend(reversed(later))

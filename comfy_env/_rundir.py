@@ -50,16 +50,11 @@ import stat
 from ._errors import RuntimeRootError
 from ._identity import host_id
 from ._leftovers import private_root_prefix as private_root_prefix  # (public here too)
+from ._say import package_logger
 
-# logging, shutil and atexit are imported where they are used: ``comfy-env status`` finds the
-# runtime root through this module and needs none of them (logging alone is about a sixth of
-# its start-up).
-
-
-def _warn(message: str, *args: object) -> None:
-    import logging
-
-    logging.getLogger("comfy_env").warning(message, *args)
+# shutil and atexit are imported where they are used, logging through ``package_logger``:
+# ``comfy-env status`` finds the runtime root through this module and needs none of them
+# (logging alone is about a sixth of its start-up).
 
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -199,7 +194,7 @@ def _warn_unsafe(path: str, source: str, why: str, instead: str) -> None:
     if path in _warned:
         return
     _warned.add(path)
-    _warn(
+    package_logger().warning(
         "comfy-env: not using %s (%s) for the runtime root: %s; using %s instead. Fix: point %s "
         "at a directory of yours (mode 0700) whose every parent is writable only by root or "
         "you (or sticky, like /tmp)",
@@ -313,7 +308,7 @@ def runtime_root() -> str:
         ) from None
     _private = (os.getpid(), private)
     install_exit_hook()
-    _warn(
+    package_logger().warning(
         "comfy-env: the runtime root %s is not safe to use (%s); using a private one, %s, for "
         "this process (comfy-env status and sweep from other processes will not see into it; "
         "a sweep removes it if this process is killed). Fix: "

@@ -49,6 +49,7 @@ from ._identity import host_id, owner_dead, pid_namespace
 from ._leftovers import STATUS_DIR_NAME as STATUS_DIR_NAME  # (its public home was here)
 from ._leftovers import STATUS_FILE, remove_status_files
 from ._rundir import private_subdir, runtime_root
+from ._say import package_logger
 from ._stats import CALL_COUNTERS
 from ._values import replace, value
 
@@ -160,10 +161,8 @@ class StatusPublisher:
         self._pending = False  # changes from here on schedule another write
         try:
             self.publish()
-        except Exception:  # status is best effort; never break the reactor
-            import logging
-
-            logging.getLogger("comfy_env").debug("comfy-env: status publish failed", exc_info=True)
+        except Exception:  # noqa: BLE001 - status is best effort; never break the reactor
+            package_logger().debug("comfy-env: status publish failed", exc_info=True)
 
     def publish_or_warn(self) -> None:
         """``publish()`` for a pool's close, which must finish whatever the status directory
@@ -176,9 +175,7 @@ class StatusPublisher:
             path = str(getattr(exc, "path", None) or getattr(exc, "filename", None) or exc)
             if path not in self._warned:
                 self._warned.add(path)
-                import logging
-
-                logging.getLogger("comfy_env").warning(
+                package_logger().warning(
                     "comfy-env: cannot write this host's status file, so comfy-env status may "
                     "show this host out of date: %s",
                     exc,

@@ -42,20 +42,8 @@ from ._errors import RuntimeRootError
 from ._identity import HOST_ID_VAR, owner_dead, owner_of, pid_namespace, proc_stat
 from ._leftovers import private_root_removable, remove_blocks, remove_runtime_dirs
 from ._rundir import private_root_parent, runtime_root
+from ._say import package_logger
 from ._values import value
-
-# (Not ``typing.TYPE_CHECKING``: typing is one of the imports ``comfy-env sweep`` avoids.)
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    import logging
-
-
-def _logger() -> logging.Logger:
-    """The package's logger, with ``logging`` imported only when there is something to say:
-    ``comfy-env sweep`` with nothing to remove never loads it."""
-    import logging
-
-    return logging.getLogger("comfy_env")
 
 
 @value
@@ -102,7 +90,7 @@ def sweep(*, dry_run: bool = False) -> SweepReport:
         # A status directory that is not safely ours (a file or a symlink planted at
         # <root>/status) or cannot be listed: the rest of the sweep stands; said, not raised
         # (the start-up sweep runs on the reactor, which would log a traceback).
-        _logger().warning("comfy-env: the sweep skipped dead hosts' status files: %s", exc)
+        package_logger().warning("comfy-env: the sweep skipped dead hosts' status files: %s", exc)
         status_files = []
     private_roots = _sweep_private_roots(dry_run)
     report = SweepReport(
@@ -113,7 +101,7 @@ def sweep(*, dry_run: bool = False) -> SweepReport:
         tuple(sorted(private_roots)),
     )
     if report and not dry_run:
-        _logger().info(
+        package_logger().info(
             "comfy-env: swept leftovers of dead hosts: %d shared-memory blocks, %d runtime "
             "dirs, %d worker processes, %d status files, %d private roots",
             len(report.blocks),

@@ -240,7 +240,7 @@ def test_a_configured_host_gets_worker_lines_only_through_logging() -> None:
 def test_the_tail_keeps_a_record_written_before_a_crash_dump_that_arrived_first() -> None:
     # The race behind a crash report: a record logged just before a segfault travels in band,
     # faulthandler's dump on fd 2; the reactor can feed the dump before the caller reads the
-    # record. The tail shows them in the order they were written.
+    # record. The tail shows the record first, so that the dump ends it.
     log = WorkerLog("/envs/e", "e", 1, 10)
     log.logger.addHandler(logging.NullHandler())
     try:
