@@ -113,6 +113,20 @@ def shown_logger_name(env_key: str, name: str) -> str:
     return name
 
 
+def _printed_from(logger: logging.Logger) -> int:
+    """The level from which an unconfigured host prints a worker's lines: INFO, or the level
+    set on the worker's logger or the nearest of its parents below the root (so
+    ``logging.getLogger("comfy_env.worker").setLevel(logging.WARNING)`` quiets them here as
+    it does once logging is configured). The root's own level (WARNING by default) is not
+    asked: the printing exists because an unconfigured root shows warnings only."""
+    node: logging.Logger | None = logger
+    while node is not None and node.parent is not None:  # (the root has no parent)
+        if node.level:
+            return node.level
+        node = node.parent
+    return logging.INFO
+
+
 class WorkerLog:
     """Emits one worker's output records, within budget, and keeps its tail."""
 
@@ -180,7 +194,7 @@ class WorkerLog:
             # env or pid. Print the line ourselves, prefixed (INFO and up), unless the host
             # turned logging off (``logging.disable``), as it would for its own records.
             if (
-                level >= logging.INFO
+                level >= _printed_from(self.logger)
                 and level > self.logger.manager.disable
                 and self._admit(len(message))
             ):
@@ -316,6 +330,7 @@ class WorkerLog:
             pending += data[start:end]
             if b"\r" in pending:
                 pending[:] = _final_state(pending)
+                self._progress_at.pop(stream, None)  # a bar ended: the next shows at once
             for piece in range(0, max(1, len(pending)), LINE_CAP):
                 self._native_line(stream, bytes(pending[piece : piece + LINE_CAP]))
             pending.clear()

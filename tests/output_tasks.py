@@ -35,6 +35,16 @@ def progress(n: int, native: bool, close: bool = True) -> int:
     return n
 
 
+def bar_after_a_bar(native: bool) -> None:
+    """A closed bar, then at once a second one drawn and left open (its first state)."""
+    progress(5, native)
+    if native:
+        os.write(2, b"\rsecond bar 0/5")
+    else:
+        sys.stderr.write("\rsecond bar 0/5")
+        sys.stderr.flush()
+
+
 def partial_line_then_crash(how: str, text: str) -> None:
     """Write ``text`` without a newline (``native``: on fd 1; ``flushed``: ``print(end="",
     flush=True)``), then segfault. Only inside a worker (see tests/fault_tasks.py)."""

@@ -36,6 +36,21 @@ def test_a_progress_bar_arrives_as_a_few_states_and_its_final_line(
     assert len(bar) < 20, bar  # 201 updates written in a few milliseconds
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["sys.stderr", "fd2"])
+def test_a_bar_right_after_another_shows_its_first_state_at_once(
+    pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture, native: bool
+) -> None:
+    """The states' interval ran per stream across bars: a bar drawn within 2 s of the last
+    state of the one before showed nothing until its newline (back-to-back tqdm bars stayed
+    invisible while they ran). A bar's end restarts it."""
+    caplog.set_level(logging.INFO, logger="comfy_env.worker")
+    pool.get_worker().call(output_tasks.bar_after_a_bar, native)
+    assert wait_until(lambda: "second bar 0/5" in _messages(caplog), 5), _messages(caplog)
+    assert _messages(caplog).index("100%|##########| 5/5") < _messages(caplog).index(
+        "second bar 0/5"
+    )
+
+
 def test_a_counter_printed_with_end_cr_leaves_its_last_state(
     pool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -64,6 +79,37 @@ def test_logging_disable_silences_worker_lines_in_an_unconfigured_host() -> None
     assert host.returncode == 0, err
     assert "PID" in out
     assert "info 0" not in err and "careful: warning" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("quieted", "shown"),
+    [
+        ("comfy_env.worker", ("careful: warning",)),
+        ("comfy_env.worker.%(env)s", ("careful: warning",)),
+        ("comfy_env.worker.other-env", ("info 0", "info 1", "careful: warning")),
+    ],
+)
+def test_a_level_set_on_a_worker_logger_quiets_the_printing_of_an_unconfigured_host(
+    quieted: str, shown: tuple[str, ...]
+) -> None:
+    """README's ``setLevel(logging.WARNING)  # quieter workers`` did nothing while the host
+    had no handler: the prefixed printing ignored every level."""
+    code = """
+        import logging, sys, comfy_env
+        from comfy_env._envs import resolve_env
+        pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(%r,)))
+        w = pool.get_worker()
+        name = sys.argv[1] %% {"env": resolve_env(None).name}
+        logging.getLogger(name).setLevel(logging.WARNING)
+        w.call("remote_tasks:log_things", 2)
+        pool.close()
+    """
+    host = run_host(code % (str(TESTS_DIR),), quieted)
+    _, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    printed = [line for line in err.splitlines() if "pid=" in line]
+    assert [line.split(") ", 1)[1] for line in printed][: len(shown)] == list(shown), err
+    assert ("info 0" in err) == ("info 0" in shown), err
 
 
 def test_sys_stdout_takes_bytes_through_buffer_and_reconfigure_like_a_real_one(

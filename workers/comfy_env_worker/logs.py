@@ -237,6 +237,10 @@ class LineStream(io.TextIOBase):
         # A line overwritten with carriage returns (a progress bar) is sent as its final
         # state, never as every state it went through.
         pieces = [piece for line in lines for piece in _pieces(final_state(line))]
+        if any("\r" in line for line in lines):
+            # A bar ended: the next one's first state is sent at once, not up to
+            # PROGRESS_INTERVAL later (back-to-back bars would show nothing while they ran).
+            self._progress_at = float("-inf")
         tail = _pieces(rest)
         keep = tail.pop() if len(tail[-1]) < LINE_CAP else ""
         pieces.extend(tail)
