@@ -351,6 +351,45 @@ def test_a_pack_s_bad_breaker_setting_fails_the_import(
         _isolate(pack, pool, tmp_path / "cache", abandon_for=-1.0)
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [
+        ("timeout", -1, "timeout"),
+        ("timeout", float("inf"), "timeout"),
+        ("timeout", float("nan"), "timeout"),
+        ("timeout", "abc", "timeout"),
+        ("interrupt_grace", -5, "interrupt_grace"),
+        ("interrupt_grace", float("nan"), "interrupt_grace"),
+        ("interrupt_grace", True, "interrupt_grace"),
+        ("scan_timeout", -1, "scan_timeout"),
+        ("scan_timeout", None, "scan_timeout"),
+        ("pool", "notapool", "pool"),
+        ("crossing_types", "IMAGE", "crossing_types"),
+        ("extra_crossing_types", [1], "extra_crossing_types"),
+        ("module", "../../etc/passwd", "module"),
+        ("module", "nodes.", "module"),
+    ],
+)
+def test_a_bad_option_fails_the_import_before_anything_runs(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path, option: str, value: object, named: str
+) -> None:
+    """They were accepted (a cached scan skipped even ``scan_timeout``), then every prompt
+    failed with ``ArgumentError`` (``timeout``), ``AttributeError`` (``pool``), or never
+    (``interrupt_grace``); a bad module string came back as "No module named 'pack.'"."""
+    options: dict[str, object] = {"pool": pool, option: value}
+    module = options.pop("module", "nodes")
+    with pytest.raises(comfy_env.ArgumentError, match=rf"isolate\({named}=\.\.\.\)"):
+        isolate(str(pack / "__init__.py"), None, module, cache_dir=str(tmp_path), **options)  # type: ignore[arg-type]
+    assert pool.stats() == {}  # nothing was started
+
+
+def test_an_interrupt_grace_of_zero_is_kill_at_once_not_refused(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    mappings, _ = _isolate(pack, pool, tmp_path / "cache", interrupt_grace=0)
+    assert mappings
+
+
 def test_pack_modules_log_under_the_pack_directory_s_name(
     pack: Path, pool: comfy_env.Pool, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -26,9 +26,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._envs import resolve_env
-from .._errors import EnvError
+from .._errors import ArgumentError, EnvError
 from .._logs import show_package_as
 from .._pool import Pool
+from .._settings import check_timeout
 from .._worker import Worker
 from ._proxy import CROSSING_TYPES, KeptOutput, make_v1_proxy, make_v3_proxy
 from ._scan import (
@@ -108,6 +109,45 @@ def _retire_scan_worker(pack: _Pack) -> None:
         )
 
 
+def _scan_seconds(value: object) -> float:
+    seconds = check_timeout(value, "isolate(scan_timeout=...)")
+    if seconds is None:
+        raise ArgumentError("isolate(scan_timeout=...) must be positive seconds, not None")
+    return seconds
+
+
+def _grace_seconds(value: object) -> float | None:
+    """``interrupt_grace``: None (the pool's ``cancel_grace``), or zero or more seconds."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0  # kill at once
+    return check_timeout(value, "isolate(interrupt_grace=...)", "the pool's cancel_grace")
+
+
+def _check_module(module: object) -> None:
+    if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
+        raise ArgumentError(
+            f"isolate(module=...) must be a dotted module name relative to the pack directory "
+            f'("nodes_impl", "impl.nodes"), not {module!r}'
+        )
+
+
+def _type_names(what: str, names: Iterable[str] | None) -> frozenset[str] | None:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise ArgumentError(f"isolate({what}=...) must be socket type names, not one string")
+    try:
+        given = frozenset(names)
+    except TypeError as exc:
+        raise ArgumentError(f"isolate({what}=...) must be socket type names: {exc}") from None
+    bad = sorted(repr(name) for name in given if not isinstance(name, str))
+    if bad:
+        raise ArgumentError(f"isolate({what}=...) must be socket type names, not {', '.join(bad)}")
+    return given
+
+
 def isolate(
     pack_file: str,
     env: str | os.PathLike[str] | None,
@@ -150,8 +190,22 @@ def isolate(
     restarts.
 
     Raises ``NodePackError`` when the env is missing or the scan fails, ``ArgumentError`` for
-    a breaker setting ``PoolConfig`` would refuse.
+    an argument it cannot use (checked before anything runs, so a typo fails the pack's import
+    instead of every prompt): a ``module`` that is no dotted module name, a ``timeout`` or
+    ``scan_timeout`` that is not a positive number of seconds, an ``interrupt_grace`` that is
+    not zero or more seconds, a ``pool`` that is not a ``comfy_env.Pool``, crossing types that
+    are not strings, a breaker setting ``PoolConfig`` would refuse.
     """
+    timeout = check_timeout(timeout, "isolate(timeout=...)", "no deadline per node")
+    scan_timeout = _scan_seconds(scan_timeout)
+    interrupt_grace = _grace_seconds(interrupt_grace)
+    _check_module(module)
+    if pool is not None and not isinstance(pool, Pool):
+        raise ArgumentError(
+            f"isolate(pool=...) must be a comfy_env.Pool or None, not {type(pool).__name__}"
+        )
+    crossing_types = _type_names("crossing_types", crossing_types)
+    extra_types = _type_names("extra_crossing_types", extra_crossing_types) or frozenset()
     pack_dir = os.path.abspath(
         pack_file if os.path.isdir(pack_file) else os.path.dirname(pack_file)
     )
@@ -175,7 +229,7 @@ def isolate(
     show_package_as(env_spec.key, spec.worker_package, spec.shown_package)
     key = cache_key(spec)
     scan = read_cached(spec, key)
-    types = frozenset(crossing_types) if crossing_types is not None else CROSSING_TYPES
+    types = crossing_types if crossing_types is not None else CROSSING_TYPES
     breaker = {
         name: given
         for name, given in (
@@ -190,7 +244,7 @@ def isolate(
         pool,
         timeout,
         interrupt_grace,
-        types | frozenset(extra_crossing_types),
+        types | extra_types,
         scan or {},
         register_models,
         breaker,
