@@ -36,7 +36,8 @@ Exit codes:
        the JSON document on stdout)
   2    bad usage: unknown command or option, malformed JSON arguments, a target not of the form
        module:function, an invalid COMFY_ENV_* setting (demo, doctor and call read them;
-       status and sweep do not, so a bad value cannot fail them)
+       status and sweep do not, so a bad value cannot fail them); with --json also on stdout,
+       as ``{"ok": false, "error": {"type": "UsageError", "message": ...}}``
   130  interrupted (Ctrl-C)
 
 A reader that leaves early (``comfy-env demo | head -2``) ends the command quietly with exit
@@ -78,7 +79,7 @@ from ._values import as_dict
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from typing import Any
+    from typing import Any, NoReturn
 
     from ._config import PoolConfig
     from ._envs import EnvSpec
@@ -99,9 +100,9 @@ exit codes:
        or the reader of the output left early (`| head`): quietly
   2    bad usage: unknown option, malformed JSON arguments, target not module:function,
        invalid COMFY_ENV_* setting (demo, doctor, call; status and sweep do not read them)
-  130  interrupted
+  130  interrupted"""
 
-ENV is an env directory or an interpreter path; "-" means the current interpreter."""
+ENV_HELP = 'ENV is an env directory or an interpreter path; "-" means the current interpreter.'
 
 
 class UsageError(Exception):
@@ -198,6 +199,12 @@ def _print_json(document: Any) -> None:
     import json
 
     print(json.dumps(document, indent=2, default=str))
+
+
+def _print_usage_json(message: str) -> None:
+    """Bad usage under ``--json``: the error on stdout too, so a script reading stdout gets a
+    document (``{"ok": false, "error": {"type": "UsageError", ...}}``), not empty input."""
+    _print_json({"ok": False, "error": {"type": "UsageError", "message": message}})
 
 
 def _error_name(exc: BaseException) -> str:
@@ -823,22 +830,34 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, keeping the usage error it reports (``_run`` repeats it on stdout
+    as JSON when ``--json`` was asked for). Subcommands' parsers are of this class too."""
+
+    usage_error: str | None = None
+
+    def error(self, message: str) -> NoReturn:
+        _Parser.usage_error = message
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    _Parser.usage_error = None
+    parser = _Parser(
         prog="comfy-env",
         description="Run functions in crash-isolated worker processes, one per Python env.",
-        epilog=EXIT_CODES_HELP,
+        epilog=f"{EXIT_CODES_HELP}\n\n{ENV_HELP}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"comfy-env {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+    def add(name: str, help_text: str, takes_env: bool = False) -> argparse.ArgumentParser:
         return sub.add_parser(
             name,
             help=help_text,
             description=help_text,
-            epilog=EXIT_CODES_HELP,
+            epilog=f"{EXIT_CODES_HELP}\n\n{ENV_HELP}" if takes_env else EXIT_CODES_HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
 
@@ -856,6 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         "check an env step by step: config, resolve, spawn + handshake + canary, versions, "
         "warm round trip, shared memory",
+        takes_env=True,
     )
     p_doctor.add_argument(
         "env", nargs="?", default=None, metavar="ENV", help="default: the current interpreter"
@@ -869,7 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_json(p_doctor)
 
-    p_call = add("call", "run one call in an env and print its result")
+    p_call = add("call", "run one call in an env and print its result", takes_env=True)
     p_call.add_argument("env", metavar="ENV", help='env directory or interpreter; "-": current')
     p_call.add_argument("target", metavar="TARGET", help="module:function (or module:Class.meth)")
     p_call.add_argument(
@@ -932,9 +952,12 @@ def _silence_closed_streams() -> None:
 
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    words = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(words)
     except SystemExit as exc:  # --help, --version (0) or a usage error (2)
+        if _Parser.usage_error is not None and "--json" in words:
+            _print_usage_json(_Parser.usage_error)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         if args.command == "demo":
@@ -951,11 +974,15 @@ def _run(argv: Sequence[str] | None) -> int:
             return status_command(as_json=args.json)
     except UsageError as exc:
         print(f"comfy-env {args.command}: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):
+            _print_usage_json(str(exc))
         return EXIT_USAGE
     except ConfigError as exc:  # an invalid COMFY_ENV_* setting (demo): bad usage, as for call
         print(
             f"comfy-env {args.command}: error: invalid COMFY_ENV_* setting:\n{exc}", file=sys.stderr
         )
+        if getattr(args, "json", False):
+            _print_json({"ok": False, "error": _error_record(exc)})
         return EXIT_USAGE
     except ComfyEnvError as exc:
         print(f"comfy-env: {type(exc).__name__}: {exc}", file=sys.stderr)

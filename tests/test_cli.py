@@ -227,6 +227,39 @@ def test_call_bad_usage(
     assert needle in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("call", "-", "builtins:int", "[1,", "--json"), "not valid JSON"),
+        (("call", "-", "builtins", "--json"), "TARGET must be"),
+        (("call", "--json"), "the following arguments are required: ENV, TARGET"),
+        (("status", "--bogus", "--json"), "unrecognized arguments: --bogus"),
+        (("doctor", "-", "--timeout", "-1", "--json"), "--timeout"),
+    ],
+)
+def test_bad_usage_under_json_is_a_json_document_on_stdout_too(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], needle: str
+) -> None:
+    """A script parsing ``--json`` output got empty input for a usage error (exit 2): the
+    error was only argparse's text on stderr."""
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    document = json.loads(out)
+    assert document["ok"] is False and document["error"]["type"] == "UsageError"
+    assert needle in document["error"]["message"] and needle in err
+
+
+def test_a_subcommand_s_help_says_only_what_applies_to_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every subcommand's help ended with "ENV is an env directory ...", also those that
+    take no ENV (status, sweep)."""
+    for command, takes_env in (("status", False), ("sweep", False), ("call", True)):
+        code, out, _ = run_cli(capsys, command, "--help")
+        assert code == 0
+        assert ("ENV is an env directory" in out) == takes_env, (command, out)
+
+
 def test_call_with_a_bad_setting_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
