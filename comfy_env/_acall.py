@@ -119,7 +119,7 @@ from ._errors import (
     PoolClosedError,
     WorkerCrashed,
 )
-from ._failures import abandoned_error, not_the_reply, protocol_error
+from ._failures import abandoned_error, completed_timeout, not_the_reply, protocol_error
 from ._process import WorkerProcess, python_mismatch
 
 if TYPE_CHECKING:
@@ -226,6 +226,9 @@ async def arun(
         return await _on_thread(
             pool, entry, slot, ticket, target, body, buffers, by_value, deadline
         )
+    except CallTimeout as exc:
+        completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
+        raise
     finally:
         if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
             CALLS_IN_FLIGHT.pop()
@@ -263,7 +266,7 @@ def _lease_now(
         ):
             ticket.stage = "in_flight"
             entry.in_flight += 1
-            raise abandoned_error(entry.spec.key, abandoned)
+            raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
         slot = lease_at_once_locked(entry, ticket)
         if slot is not None:
             if (
@@ -1194,10 +1197,10 @@ async def _on_thread(
         )
     if outcome is _PAST_DEADLINE:
         raise CallTimeout(
-            f"the call's deadline passed before it ended on env {entry.spec.key} "
-            "(its worker was starting or the call was running)",
+            f"the call's deadline passed before it ended on env {entry.spec.key}: a worker "
+            "still starting goes on and serves the next call; a running call's worker is "
+            "stopped",
             env=entry.spec.key,
-            call_id=ticket.call_id or None,
         )
     ok, value = outcome
     if ok:

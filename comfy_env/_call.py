@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import logging
 import pickle
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,6 +33,16 @@ from ._errors import CallCancelled
 from ._values import value
 
 _log = logging.getLogger("comfy_env")
+
+
+if sys.version_info >= (3, 11):  # ``concurrent.futures.TimeoutError`` is ``TimeoutError``
+    WaitTimeout: type[TimeoutError] = TimeoutError
+else:  # Python 3.10: the futures' own class, which ``except TimeoutError`` would miss
+
+    class _WaitTimeout(concurrent.futures.TimeoutError, TimeoutError):
+        """``Call.result``/``exception``'s wait ended first (the call goes on)."""
+
+    WaitTimeout = _WaitTimeout
 
 
 @value
@@ -169,7 +180,10 @@ class Call:
         Ctrl-C while waiting cancels the call, then re-raises."""
         wait = _wait_bound(timeout)
         try:
-            return self._future.result(wait)
+            # Waited for apart from the outcome: the call's own error may be a TimeoutError.
+            if not concurrent.futures.wait((self._future,), wait).done:
+                raise self._still_running(wait)
+            return self._future.result()
         except KeyboardInterrupt:
             self.cancel()
             raise
@@ -178,10 +192,23 @@ class Call:
         """The call's error, or None if it returned; ``timeout`` as for ``result``."""
         wait = _wait_bound(timeout)
         try:
-            return self._future.exception(wait)
+            # Waited for apart from the outcome: the call's own error may be a TimeoutError.
+            if not concurrent.futures.wait((self._future,), wait).done:
+                raise self._still_running(wait)
+            return self._future.exception()
         except KeyboardInterrupt:
             self.cancel()
             raise
+
+    def _still_running(self, wait: float | None) -> TimeoutError:
+        """The error of a wait that ended before the call: a plain ``TimeoutError`` (on
+        Python 3.10 also ``concurrent.futures.TimeoutError``), never ``CallTimeout``, whose
+        worker was stopped: this one's call goes on untouched."""
+        sent = f"call {self.call_id}" if self.call_id else "the call (not sent to a worker yet)"
+        return WaitTimeout(
+            f"{sent} on env {self._env} has not ended within this wait ({wait or 0:g}s); it "
+            "goes on (call.cancel() stops it)"
+        )
 
     def add_done_callback(self, fn: Callable[[Call], object]) -> None:
         """Run ``fn(call)`` when the call is done (at once if it is), on the thread that

@@ -275,7 +275,7 @@ def decode_reply(
                 f"{type(exc).__name__}: {_text(exc)}"
             )
             raise chained(error, exc if isinstance(exc, Exception) else None)  # noqa: B904
-    raise_remote(payload)
+    raise_remote(payload, target)
 
 
 def _text(exc: BaseException) -> str:
@@ -313,9 +313,20 @@ def error_record(
     return qualname, module, message, tb_text, pickled
 
 
-def raise_remote(payload: bytes | bytearray | memoryview) -> NoReturn:
+def raise_remote(
+    payload: bytes | bytearray | memoryview, target: str | Callable[..., Any] = ""
+) -> NoReturn:
     qualname, module, message, tb_text, pickled = error_record(payload)
     cause = RemoteTraceback(tb_text)
+    if (module, qualname) == ("comfy_env_worker.protocol", "CallNotLoaded"):
+        # The arguments (or a by-value target) did not unpickle in the worker: the call never
+        # ran. Told as what it is, not as the bare ModuleNotFoundError of a class the env lacks.
+        error = SerializationError(
+            f"the call to {target_label(target) if target else '?'} could not be unpickled in "
+            f"the worker, so it did not run: {message} (an argument's class or module must be "
+            "importable in the env too)"
+        )
+        raise chained(error, cause)
     if (module, qualname) == ("comfy_env_worker.control", "Cancelled"):
         # The call stopped on a cancel (cooperatively or interrupted) and its worker lives on.
         # An asynchronous ``Cancelled`` (pure-Python code interrupted after half the grace) is

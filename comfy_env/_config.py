@@ -16,6 +16,7 @@ variable is set, or ``pool.config`` is read (see ``_settings``).
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from ._errors import ConfigError
+from ._errors import ArgumentError, ConfigError
 from ._settings import (  # re-exported: their home was this module
     ENV_PREFIX,
     MAX_SECONDS,
@@ -327,6 +328,12 @@ def settings_for(config: PoolConfig | None) -> tuple[Settings, PoolConfig | None
         if not environment_overrides():
             return Settings(), None
         config = PoolConfig()
+    elif not isinstance(config, PoolConfig):
+        what = "the PoolConfig class itself" if config is PoolConfig else type(config).__name__
+        raise ArgumentError(
+            f"Pool(config) takes a comfy_env.PoolConfig or None, not {what} "
+            "(e.g. Pool(PoolConfig(call_timeout=60)); from a dict: PoolConfig(**values))"
+        )
     elif not holds_defaults(config):
         config = PoolConfig(**dict(config))
     return Settings.of(config), config
@@ -372,6 +379,10 @@ def _config_error(exc: ValidationError, data: dict[str, Any]) -> ConfigError:
         value: Any = None
         if isinstance(cause, _EnvValueError):
             field, var, value, detail = cause.field, cause.var, cause.raw, cause.detail
+        elif error.get("type") == "extra_forbidden" and field is not None:
+            close = difflib.get_close_matches(field, list(PoolConfig.model_fields), n=1)
+            detail = "no such field" + (f"; did you mean {close[0]}?" if close else "")
+            value = data.get(field)
         else:
             detail = str(error.get("msg", "invalid")).removeprefix("Value error, ")
             if field is not None:

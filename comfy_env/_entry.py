@@ -97,6 +97,7 @@ class Ticket:
     stage = "new"  # "queued" -> "in_flight" -> "done"
     generation = 0
     call_id = 0
+    timeout: float | None = None  # the call's timeout in seconds, if it has a deadline
     cancelled = False
     closed = False
 
@@ -143,6 +144,7 @@ class EnvEntry:
         self.breaker: lc.Breaker | None = None  # set_breaker's, e.g. a ComfyUI pack's own
         self.log_lines_dropped = 0  # of processes no longer in a slot
         self.unsupported: WorkerStartError | None = None  # its Python can never run a worker
+        self.python: tuple[int, ...] = ()  # the Python version its last ready worker ran
         # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
         # without the lock (from __del__), drained under it.
         self.dropped_refs: deque[tuple[Slot, int, int]] = deque()

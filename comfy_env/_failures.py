@@ -13,6 +13,9 @@ Data flow (who calls what; every builder retires through the gate first, then te
                                   then WorkerCrashed naming signal and tail
         timeout_error(...)      gate(DeadlineHit g, call id) -> CallTimeout; if something
                                 else retired it first, crash_error tells that instead
+        completed_timeout(...)  where the call ends (_pool.call_prepared, run_leased;
+                                _acall.arun): a CallTimeout raised where the call's timeout,
+                                id or target was not known gets them, once
         protocol_error(...)     gate(ProtocolViolated g) -> ProtocolError
         not_the_reply(...)      a frame read where the reply belonged -> protocol_error
     the breaker (_policies)     abandoned_error(env, EnvAbandoned) lists the recent deaths
@@ -208,6 +211,30 @@ def timeout_error(
     )
 
 
+def completed_timeout(
+    exc: CallTimeout, timeout: float | None, call_id: int, label: str
+) -> CallTimeout:
+    """``exc`` with what the site that raised it may not have known: the call's timeout in
+    seconds (as given, or ``PoolConfig.call_timeout``), its call id (0: it had none yet) and
+    its target. A queued call's deadline is seen where no target is known, a starting one's
+    where no timeout is; each fact is set once and the message then says it, so a
+    ``CallTimeout`` always tells which call, on which env, under which timeout."""
+    who: list[str] = []
+    if exc.call_id is None and call_id:
+        exc.call_id = call_id
+        who.append(f"call {call_id}")
+    if exc.target is None and label:
+        exc.target = label
+        who.append(f"to {label}" if who else f"call to {label}")
+    facts = [" ".join(who)] if who else []
+    if exc.timeout is None and timeout is not None:
+        exc.timeout = timeout
+        facts.append(f"timeout {timeout:g}s")
+    if facts and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]} ({', '.join(facts)})",)
+    return exc
+
+
 def protocol_error(
     entry: EnvEntry, slot: Slot, process: WorkerGeneration, detail: str
 ) -> ProtocolError:
@@ -264,10 +291,14 @@ def crash_frame(output: str) -> str | None:
     return None
 
 
-def abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
+def abandoned_error(
+    env: str, state: lc.EnvAbandoned, own_breaker: bool = False
+) -> EnvAbandonedError:
     """The error of every call to an env the crash-loop breaker cut off: the recent deaths
     (each with the crashing frame its ``faulthandler`` dump names, else its last output
-    lines) and how to recover."""
+    lines) and how to recover. ``own_breaker``: the env's limits came from
+    ``Pool.set_breaker`` (a ComfyUI pack's ``isolate(max_restarts=...)``), not ``PoolConfig``,
+    and the message names those."""
     lines = []
     for d in state.deaths:
         if d.signal:
@@ -293,15 +324,22 @@ def abandoned_error(env: str, state: lc.EnvAbandoned) -> EnvAbandonedError:
             f"calls fail until {lifts} (abandon_for={state.until - state.at:g}s), then the next "
             "call starts a fresh worker; pool.reset(env) lifts it now"
         )
+    elif own_breaker:
+        recover = (
+            "calls fail until pool.reset(env) or a restart of this process; to have the block "
+            "lift by itself after N seconds, give Pool.set_breaker abandon_for=N"
+        )
     else:
         recover = (
             "calls fail until pool.reset(env) or a restart of this process; to have the block "
             "lift by itself after N seconds, set PoolConfig.abandon_for (environment variable "
             "COMFY_ENV_ABANDON_FOR=N)"
         )
+    deaths = f"{len(state.deaths)} worker death{'' if len(state.deaths) == 1 else 's'}"
+    limits = "the env's own Pool.set_breaker" if own_breaker else "PoolConfig"
     return EnvAbandonedError(
-        f"env {env} was abandoned after {len(state.deaths)} worker deaths within the restart "
-        f"window (PoolConfig.max_restarts/restart_window); {recover}. "
+        f"env {env} was abandoned after {deaths} within the restart window "
+        f"({limits} max_restarts/restart_window); {recover}. "
         "Recent deaths:\n" + "\n".join(lines),
         env=env,
     )

@@ -230,5 +230,7 @@ def record_death(
         )
         tripped = entry.env_state if before is not entry.env_state else None
     if isinstance(tripped, lc.EnvAbandoned) and not isinstance(before, lc.EnvAbandoned):
-        _log.error("comfy-env: %s", abandoned_error(entry.spec.key, tripped))
+        _log.error(
+            "comfy-env: %s", abandoned_error(entry.spec.key, tripped, entry.breaker is not None)
+        )
         events.emit(EnvAbandoned(entry.spec.key, tripped.deaths))

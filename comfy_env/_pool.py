@@ -124,6 +124,7 @@ from ._failures import (
     HostFault,
     NotDelivered,
     abandoned_error,
+    completed_timeout,
     crash_error,
     not_the_reply,
     protocol_error,
@@ -415,7 +416,7 @@ class Pool:
             ):
                 ticket.stage = "in_flight"
                 entry.in_flight += 1
-                raise abandoned_error(entry.spec.key, abandoned)
+                raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
             slot = lease_at_once_locked(entry, ticket)
             if slot is not None:
                 if eager and ticket.wanted is None and not entry.dropped_refs:
@@ -657,8 +658,11 @@ class Pool:
         if len(body) + HEADER_SIZE > config.max_frame_bytes:
             return None  # (``prepare`` says why)
         timeout = config.call_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
         ticket = Ticket()
+        deadline = None
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            ticket.timeout = timeout
         with entry.lock:
             if (
                 self._closed
@@ -754,6 +758,8 @@ class Pool:
                 slot = self._acquire(entry, ticket, deadline, not by_value)
             except BaseException as exc:
                 self.settle(entry, ticket, outcome_of(exc), None)
+                if isinstance(exc, CallTimeout):
+                    completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
                 raise
             return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
         finally:
@@ -795,7 +801,10 @@ class Pool:
             timeout = check_timeout(timeout)
         if timeout is None:
             timeout = config.call_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            ticket.timeout = timeout  # (for a CallTimeout's message)
         if bound is not None:
             ticket.wanted, ticket.bound_generation = bound
             check_bound(entry, bound[0], bound[1])
@@ -839,8 +848,9 @@ class Pool:
         except HostFault as fault:
             replied_at = fault.replied_at  # the worker replied whole: it goes back to idle
             raise chained(fault.error, None)  # noqa: B904
-        except CallTimeout:
+        except CallTimeout as exc:
             outcome = "timed_out"
+            completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
             raise
         except CallCancelled as exc:
             outcome = "cancelled"
@@ -1021,7 +1031,7 @@ class Pool:
             if isinstance(entry.env_state, lc.EnvAbandoned) and (
                 abandoned := entry.abandoned_locked(self.clock())
             ):
-                raise abandoned_error(entry.spec.key, abandoned)
+                raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
             if entry.unsupported is not None:  # said once; never started again
                 raise WorkerStartError(str(entry.unsupported), env=entry.spec.key, unsupported=True)
             generation = entry.generation + 1
@@ -1097,6 +1107,18 @@ class Pool:
                 pid=process.pid,
                 generation=generation,
                 stderr_tail=process.log.tail(),
+            )
+        python, entry.python = entry.python, process.python_version
+        if python and python[:2] != entry.python[:2]:
+            # The same interpreter path now runs another Python: the env was rebuilt in place
+            # (its workers of before kept the old one until they ended). Not refused: the
+            # path is what was asked for; by-value calls are checked per worker anyway.
+            _log.warning(
+                "comfy-env: env %s now runs Python %s; its earlier workers ran Python %s "
+                "(the env was rebuilt in place?)",
+                entry.spec.key,
+                ".".join(map(str, entry.python[:3])),
+                ".".join(map(str, python[:3])),
             )
         _log.debug(
             "comfy-env: env %s generation %d ready (pid %s, %.1f ms)",

@@ -99,8 +99,10 @@ def test_the_deadline_holds_while_queued(apool: comfy_env.Pool) -> None:
     async def main() -> None:
         blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 2.0))
         await asyncio.sleep(0.05)
-        with pytest.raises(CallTimeout, match="queued"):
+        with pytest.raises(CallTimeout, match="queued") as info:
             await w.arun("remote_tasks:add", (1,), timeout=0.3)
+        assert (info.value.timeout, info.value.target) == (0.3, "remote_tasks:add")
+        assert str(info.value).endswith("(call to remote_tasks:add, timeout 0.3s)")
         assert not blocker.done()  # it gave up while the call ahead still ran
         assert await blocker == "finished"
 
@@ -118,8 +120,12 @@ def test_the_deadline_holds_while_a_worker_starts(
         w = pool.get_worker(tmp_path / "env")
 
         async def main() -> None:
-            with pytest.raises(CallTimeout):
+            with pytest.raises(CallTimeout, match="a worker still starting goes on") as info:
                 await w.arun("comfy_env_worker.tasks:echo", (1,), timeout=0.3)
+            err = info.value
+            assert (err.timeout, err.target) == (0.3, "comfy_env_worker.tasks:echo")
+            assert err.call_id is None  # (the start was not over: the call never got one)
+            assert str(err).endswith("(call to comfy_env_worker.tasks:echo, timeout 0.3s)")
             assert w.stats().workers[0].state == "starting"  # the caller did not wait for it
 
         run_small(main)
@@ -134,8 +140,11 @@ def test_the_deadline_holds_while_running(apool: comfy_env.Pool) -> None:
     pid = w.call("remote_tasks:getpid")
 
     async def main() -> None:
-        with pytest.raises(CallTimeout, match="missed its deadline"):
+        with pytest.raises(CallTimeout, match="missed its deadline") as info:
             await w.arun("remote_tasks:ignore_cancel", (30,), timeout=0.3)
+        err = info.value
+        assert (err.timeout, err.target) == (0.3, "remote_tasks:ignore_cancel")
+        assert err.call_id is not None and str(err).endswith("was stopped (timeout 0.3s)")
 
     run_small(main)
     assert w.call("remote_tasks:getpid") != pid

@@ -315,8 +315,11 @@ def test_submit_follows_future_conventions(apool: comfy_env.Pool) -> None:
     with pytest.raises(TypeError):
         w.submit(42)  # type: ignore[arg-type]  # bad input raises at once
     slow = w.submit("remote_tasks:cooperative_loop", (0.5,))
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"has not ended within this wait \(0.01s\)") as info:
         slow.result(timeout=0.01)  # bounds the wait only
+    assert not isinstance(info.value, comfy_env.CallTimeout)  # nothing was stopped
+    with pytest.raises(TimeoutError, match="it goes on"):
+        slow.exception(timeout=0)
     assert slow.result(timeout=10) == "finished"
 
 
@@ -370,3 +373,24 @@ def test_ctrl_c_while_waiting_asks_the_worker_first(apool: comfy_env.Pool, ctrl_
     assert w.generation == 1
     stats = w.stats()
     assert (stats.cancelled, stats.in_flight) == (1, 0)
+
+
+def test_a_ctrl_c_that_kills_the_call_shows_no_internal_error(
+    config: comfy_env.PoolConfig, ctrl_c: None
+) -> None:
+    """With no grace (or a second Ctrl-C) the ``KeyboardInterrupt`` leaves the wait itself.
+    It was raised while the reader handled its ``BlockingIOError``, so the traceback read
+    "BlockingIOError: [Errno 11] ... During handling of the above exception ..."."""
+    with comfy_env.Pool(config.model_copy(update={"cancel_grace": 0.0})) as pool:
+        w = pool.get_worker()
+        pid = w.call("remote_tasks:getpid")
+        timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt) as info:
+                w.call("remote_tasks:ignore_cancel", 30)
+        finally:
+            timer.join()
+        assert info.value.__context__ is None, repr(info.value.__context__)
+        assert w.call("remote_tasks:getpid") != pid  # killed at once, replaced
+

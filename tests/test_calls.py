@@ -124,6 +124,27 @@ def test_unpicklable_argument_raises_before_anything_is_sent(pool: comfy_env.Poo
     assert isinstance(SerializationError("x"), TypeError)
 
 
+def test_an_argument_of_a_class_only_the_host_has_is_a_serialization_error_naming_the_call(
+    pool: comfy_env.Pool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It pickles in the host but its module is not in the env: the worker raised the bare
+    ``ModuleNotFoundError: No module named 'host_only'``, naming neither the call nor that
+    the arguments (not the target) failed."""
+    (tmp_path / "host_only.py").write_text("class Mesh:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the host's path only
+    host_only = __import__("host_only")
+    w = pool.get_worker()
+    with pytest.raises(SerializationError) as info:
+        w.call("comfy_env_worker.tasks:echo", host_only.Mesh())
+    assert str(info.value).startswith(
+        "the call to comfy_env_worker.tasks:echo could not be unpickled in the worker, so it "
+        "did not run: ModuleNotFoundError: No module named 'host_only'"
+    )
+    assert "No module named 'host_only'" in str(info.value.__cause__)  # the worker's traceback
+    assert w.call("remote_tasks:add", 1) == 1  # the worker lives on
+    assert (w.generation, w.stats().raised) == (1, 1)
+
+
 def test_unpicklable_result_is_a_remote_error_naming_the_type(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     with pytest.raises(TypeError, match="lock"):

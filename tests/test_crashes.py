@@ -247,6 +247,8 @@ def test_timeout_is_a_total_deadline_and_replaces_the_worker(pool: comfy_env.Poo
     assert isinstance(err, TimeoutError)
     assert (err.pid, err.generation, err.env) == (pid, 1, w.env)
     assert err.target == "remote_tasks:chatty_sleep"
+    assert err.call_id is not None and err.timeout == 0.5
+    assert str(err).endswith("was stopped (timeout 0.5s)")
     assert pid is not None
     _wait_gone(pid)
     assert w.call("remote_tasks:add", 5) == 5
@@ -267,8 +269,36 @@ def test_timeout_escalates_to_sigkill_when_sigterm_is_ignored(pool: comfy_env.Po
 
 def test_default_timeout_comes_from_the_config(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config.model_copy(update={"call_timeout": 0.3})) as pool:
-        with pytest.raises(CallTimeout):
-            pool.get_worker().call("comfy_env_worker.tasks:sleep", 30)
+        w = pool.get_worker()
+        w.call("comfy_env_worker.tasks:echo", 0)  # warm: the common call's own path
+        with pytest.raises(CallTimeout) as info:
+            w.call("comfy_env_worker.tasks:sleep", 30)
+        assert (info.value.timeout, info.value.target) == (0.3, "comfy_env_worker.tasks:sleep")
+
+
+def test_a_call_timeout_names_the_call_and_its_timeout_at_every_stage(
+    config: comfy_env.PoolConfig,
+) -> None:
+    """Queued (no call id yet), and in ``submit``: each ``CallTimeout`` carries the timeout
+    it was given and the call's target, and its message says the timeout."""
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        ahead = w.submit("remote_tasks:cooperative_loop", (3.0,))
+        assert wait_until(lambda: w.stats().in_flight == 1)
+        with pytest.raises(
+            CallTimeout, match=r"queued .*\(call to remote_tasks:add, timeout 0.2s\)$"
+        ) as info:
+            w.run("remote_tasks:add", (1,), timeout=0.2)
+        assert (info.value.timeout, info.value.target, info.value.call_id) == (
+            0.2,
+            "remote_tasks:add",
+            None,  # it never got one
+        )
+        late = w.submit("remote_tasks:add", (1,), timeout=0.25)
+        with pytest.raises(CallTimeout) as info:
+            late.result(timeout=10)
+        assert (info.value.timeout, info.value.target) == (0.25, "remote_tasks:add")
+        assert ahead.result(timeout=10) == "finished"
 
 
 def test_non_positive_timeout_is_refused(pool: comfy_env.Pool) -> None:

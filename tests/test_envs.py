@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import re
 import shutil
 import stat
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import other_python
+from conftest import other_python, wait_until
 from pydantic import ValidationError
 
 import comfy_env
@@ -322,6 +323,37 @@ def test_by_value_function_to_another_python_is_refused_clearly(
     assert w.stats().failed == 1
 
 
+def test_an_env_rebuilt_with_another_python_is_warned_about_when_its_next_worker_starts(
+    config: comfy_env.PoolConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Same path, another Python (``rm -rf venv && python3.12 -m venv venv``): not refused,
+    but the pool says so when the first worker of the new Python is ready."""
+    minor = 12 if sys.version_info[:2] != (3, 12) else 11
+    other = other_python(minor)
+    if other is None:
+        pytest.skip(f"no Python 3.{minor} on this machine")
+    env = _env_at(tmp_path / "venv")
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker(env)
+        assert w.call("platform:python_version_tuple")[:2] == platform.python_version_tuple()[:2]
+        (env / "bin" / "python").unlink()
+        (env / "bin" / "python").symlink_to(other)  # the rebuild
+        caplog.set_level(logging.WARNING, logger="comfy_env")
+        assert (
+            w.call("platform:python_version_tuple")[:2] == platform.python_version_tuple()[:2]
+        )  # (still live)
+        assert not [r for r in caplog.records if "rebuilt" in r.getMessage()]
+        pid = w.pid
+        assert pid is not None
+        os.kill(pid, 9)  # its worker ends; the next one starts from the rebuilt env
+        assert wait_until(lambda: w.pid is None)
+        assert w.call("platform:python_version_tuple")[:2] == ("3", str(minor))
+        (warning,) = [r for r in caplog.records if "rebuilt" in r.getMessage()]
+        here = ".".join(map(str, sys.version_info[:3]))
+        assert f"{env} now runs Python 3.{minor}." in warning.getMessage()
+        assert f"its earlier workers ran Python {here}" in warning.getMessage()
+
+
 # ---- start-up failures -------------------------------------------------------------------
 
 
@@ -530,6 +562,34 @@ def test_a_misspelled_variable_is_warned_about_once_naming_the_setting_meant(
     assert len(said) == 1, said  # once per process, not once per pool or config
     assert "did you mean COMFY_ENV_CALL_TIMEOUT?" in said[0] and "ignored" in said[0]
     assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_a_misspelled_config_field_names_the_field_meant() -> None:
+    """The variable's path said "did you mean"; the field's said only pydantic's "Extra
+    inputs are not permitted"."""
+    with pytest.raises(comfy_env.ConfigError) as info:
+        comfy_env.PoolConfig(call_timout=5)  # type: ignore[call-arg]
+    assert str(info.value) == (
+        "PoolConfig(call_timout=5) is invalid: no such field; did you mean call_timeout?"
+    )
+    assert (info.value.field, info.value.value) == ("call_timout", 5)
+    with pytest.raises(comfy_env.ConfigError, match=r"no such field$"):
+        comfy_env.PoolConfig(zzz=1)  # type: ignore[call-arg]  # close to nothing: no guess
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [(5, "not int"), ("x", "not str"), ({"call_timeout": 5}, "not dict")],
+)
+def test_a_pool_given_something_else_than_a_pool_config_says_so(given: object, named: str) -> None:
+    """``Pool(5)`` said "'int' object is not iterable", ``Pool("x")`` "dictionary update
+    sequence element ...", and a dict was taken without a word (it is no documented form)."""
+    with pytest.raises(
+        comfy_env.ArgumentError, match=rf"takes a comfy_env.PoolConfig or None, {named}"
+    ):
+        comfy_env.Pool(given)  # type: ignore[arg-type]
+    with pytest.raises(comfy_env.ArgumentError, match="not the PoolConfig class itself"):
+        comfy_env.Pool(comfy_env.PoolConfig)  # type: ignore[arg-type]
 
 
 @pytest.mark.usefixtures("fresh_warnings")

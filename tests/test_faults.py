@@ -232,6 +232,9 @@ def expectation(where: str, how: str) -> Expect | str:
         code, name = ESCAPED[how]
         return Expect("crashed", WorkerCrashed, exitcode=code, signal=name)
     if how == "exception":
+        if where == "decode-args":  # the call never ran: told as such, not as the bare error
+            detail = r"could not be unpickled in the worker, so it did not run: FaultError"
+            return Expect("raises", SerializationError, detail, replaced=False)
         if where == "encode-result":  # pickle, then cloudpickle, then a clear TypeError
             return Expect("raises", TypeError, r"FaultyResult.*cannot be pickled", replaced=False)
         return Expect("raises", fault_tasks.FaultError, rf"{where}-exception", replaced=False)

@@ -278,6 +278,7 @@ def test_a_crash_loop_abandons_the_env_until_reset(
             w.call("remote_tasks:add", 1)
         message = str(info.value)
         assert "3 worker deaths" in message and "SIGSEGV" in message
+        assert "(PoolConfig max_restarts/restart_window)" in message
         assert "generation 3" in message and "pool.reset" in message
         assert w.stats().spawns == 3  # failing fast: no spawn
         assert other.call("remote_tasks:add", 5) == 5  # another env is not blocked
@@ -376,8 +377,11 @@ def test_set_breaker_gives_one_env_its_own_settings(
         for _ in range(2):
             with pytest.raises(WorkerCrashed):
                 w.call("comfy_env_worker.tasks:crash")
-        with pytest.raises(EnvAbandonedError, match="abandon_for=600s"):
+        with pytest.raises(EnvAbandonedError, match="abandon_for=600s") as info:
             w.call("remote_tasks:add", 1)
+        # Its own limits are named, not the pool's (which were not the ones that tripped).
+        assert "after 2 worker deaths within the restart window (the env's own " in str(info.value)
+        assert "PoolConfig" not in str(info.value)
         for _ in range(2):  # the other env keeps the pool's max_restarts=100
             with pytest.raises(WorkerCrashed):
                 other.call("comfy_env_worker.tasks:crash")

@@ -59,6 +59,7 @@ from .protocol import (
     PROTOCOL_VERSION,
     SENTINEL_THREAD_NAME,
     WATCHDOG_THREAD_NAME,
+    CallNotLoaded,
     ChannelClosed,
     FrameError,
     FrameReader,
@@ -338,17 +339,24 @@ class Worker:
         arg_views: List[Any] = []
         sources: List[Optional[str]] = []
         try:
-            if flags & FLAG_OOB:
-                try:
-                    body, arg_views, sources, _ = shm.unpack(payload, self.mappings, copy_out=False)
-                except ValueError as exc:
-                    raise FrameError("bad out-of-band call payload: %s" % exc) from None
-                target, args, kwargs = _loads(
-                    body, buffers=[pickle.PickleBuffer(v) for v in arg_views]
-                )
-                del body
-            else:
-                target, args, kwargs = _loads(payload)
+            try:
+                if flags & FLAG_OOB:
+                    try:
+                        body, arg_views, sources, _ = shm.unpack(
+                            payload, self.mappings, copy_out=False
+                        )
+                    except ValueError as exc:
+                        raise FrameError("bad out-of-band call payload: %s" % exc) from None
+                    target, args, kwargs = _loads(
+                        body, buffers=[pickle.PickleBuffer(v) for v in arg_views]
+                    )
+                    del body
+                else:
+                    target, args, kwargs = _loads(payload)
+            except FrameError:
+                raise
+            except Exception as exc:  # whatever the arguments' reducers raise
+                raise CallNotLoaded("%s: %s" % (type(exc).__name__, exc)) from exc
             del payload
             if type(target) is str:
                 fn = _TARGETS.get(target) or resolve_target(target)

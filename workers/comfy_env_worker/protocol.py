@@ -130,6 +130,12 @@ class FrameError(Exception):
     """The byte stream is not a valid frame sequence; the channel must be abandoned."""
 
 
+class CallNotLoaded(Exception):
+    """A call's target and arguments did not unpickle in the worker (a class or module the
+    env lacks, a reducer that raises). The frame was whole, so the worker goes on; the host
+    raises ``SerializationError`` naming the call, with this error's cause."""
+
+
 class ChannelClosed(Exception):
     """The peer closed the channel (EOF) at a frame boundary or inside a frame.
 
@@ -566,6 +572,10 @@ class FrameReader:
         try:
             n = self._sock.recv_into(self._scratch_view)
         except BlockingIOError:
+            n = -1
+        if n < 0:
+            # Waited for outside the handler: a Ctrl-C (or any error) while waiting would
+            # otherwise show "During handling of the above exception (BlockingIOError ...)".
             n = self._recv_watched(self._scratch_view, deadline, partial)
         if not n:
             raise ChannelClosed(partial=bool(self._buf))
@@ -593,6 +603,8 @@ class FrameReader:
             try:
                 n = self._sock.recv_into(self._scratch_view)
             except BlockingIOError:  # only with a read timeout (set_read_timeout): a long wait
+                n = -1
+            if n < 0:  # waited for outside the handler (see _fill)
                 n = self._recv_watched(self._scratch_view, deadline, False)
             if self._spin_since:
                 self._waited()
@@ -631,6 +643,8 @@ class FrameReader:
                     try:
                         n = sock.recv_into(view)
                     except BlockingIOError:
+                        n = -1
+                    if n < 0:  # waited for outside the handler (see _fill)
                         n = self._recv_watched(view, deadline, True)
                 if n == 0:
                     raise ChannelClosed(partial=True)
