@@ -393,4 +393,3 @@ def test_a_ctrl_c_that_kills_the_call_shows_no_internal_error(
             timer.join()
         assert info.value.__context__ is None, repr(info.value.__context__)
         assert w.call("remote_tasks:getpid") != pid  # killed at once, replaced
-
