@@ -124,13 +124,16 @@ def _timed(label: str, fn: Callable[[], Any]) -> Any:
 
 def demo(env: str | None) -> int:
     """Run the lifecycle walk-through; returns the exit code."""
-    print(f"comfy-env {__version__} demo on env: {env or 'the current interpreter'}\n")
     from ._config import PoolConfig
     from ._pool import Pool
 
     ok = True
     with Pool(PoolConfig()) as pool:
         worker = pool.get_worker(env)
+        # The env key, as every message below names it (the current interpreter's is its
+        # venv or prefix directory).
+        what = env or "the current interpreter"
+        print(f"comfy-env {__version__} demo on env {worker.env} ({what})\n")
         print(f"1. get_worker() spawns nothing: generation={worker.generation} pid={worker.pid}")
         print("2. the first call spawns, handshakes and canaries a worker, then runs:")
         _timed(
@@ -157,8 +160,8 @@ def demo(env: str | None) -> int:
                 f"pid={exc.pid} generation={exc.generation} call_id={exc.call_id}"
             )
             frames = [ln for ln in exc.stderr_tail.splitlines() if "File" in ln][:2]
-            for line in frames:
-                print(f"   worker stack: {line.strip()}")
+            for line in frames:  # (the worker's output above, as the error carries it)
+                print(f"   exc.stderr_tail: {line.strip()}")
         print("4. the next call transparently gets a fresh worker:")
         _timed("call tasks:getpid", lambda: worker.call("comfy_env_worker.tasks:getpid"))
         print(f"   generation {worker.generation}, pid {worker.pid} (was {first_pid})")
@@ -591,7 +594,13 @@ def doctor(env: str | None, *, as_json: bool = False, timeout: float = 60.0) -> 
     # heading whose reason is on the next line ("invalid COMFY_ENV_* setting:\n...").
     error = failed_step.error or {}
     if "message" in error:
-        reason = f"{error.get('type', 'error')}: {str(error['message']).splitlines()[0]}"
+        lines = str(error["message"]).splitlines() or [""]
+        first = lines[0]
+        if first.endswith(":") and len(lines) > 1:  # a heading ("...; tried:"): its first item
+            first += f" {lines[1].strip()}"
+            if len(lines) > 2:
+                first += f" (and {len(lines) - 2} more, above)"
+        reason = f"{error.get('type', 'error')}: {first}"
     else:
         reason = "".join((failed_step.detail or "").splitlines()[:1])
     print(f"comfy-env: doctor: {failed_step.name} failed: {reason}", file=sys.stderr)

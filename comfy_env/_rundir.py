@@ -261,7 +261,7 @@ def _safe_temp_dir() -> str:
         why = unsafe_path(path)
         if why is None:
             chosen = path
-        else:
+        elif all(path != seen for seen, _, _ in refused):  # (usually /tmp, named already)
             refused.append((path, "tempfile.gettempdir()", why))
     if chosen is None:
         said = "; ".join(f"{path} ({source}): {why}" for path, source, why in refused)

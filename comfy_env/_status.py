@@ -175,10 +175,16 @@ class StatusPublisher:
             path = str(getattr(exc, "path", None) or getattr(exc, "filename", None) or exc)
             if path not in self._warned:
                 self._warned.add(path)
+                # A RuntimeRootError's advice was given where it was first met (the calls'
+                # own error, a warning): here its path and reason only.
+                if isinstance(exc, RuntimeRootError):
+                    said = f"{exc.path} is not usable: {exc.reason}"
+                else:
+                    said = str(exc)
                 package_logger().warning(
                     "comfy-env: cannot write this host's status file, so comfy-env status may "
                     "show this host out of date: %s",
-                    exc,
+                    said,
                 )
 
     def remove(self) -> None:

@@ -131,6 +131,9 @@ def test_doctor_missing_env(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
 
     empty = tmp_path / "empty-env"
     empty.mkdir()
+    code, _, err = run_cli(capsys, "doctor", str(empty))
+    # The summary line named the heading only ("...; tried:"): now its first path too.
+    assert f"tried: {empty}/bin/python (and 6 more, above)" in err.splitlines()[-1], err
     code, out, _ = run_cli(capsys, "doctor", str(empty), "--json")
     assert code == 1
     doc = json.loads(out)

@@ -419,6 +419,8 @@ def test_no_safe_place_for_a_private_root_is_a_typed_error_naming_the_unsafe_dir
     with pytest.raises(RuntimeRootError, match="without the sticky bit") as info:
         _rundir.runtime_root()
     assert str(unsafe_tmp) in str(info.value)
+    # Named once: tempfile's own choice, the same directory, is not listed again.
+    assert "tempfile.gettempdir()" not in info.value.reason, info.value.reason
     assert os.listdir(unsafe_tmp) == []
 
 
