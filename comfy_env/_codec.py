@@ -30,11 +30,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from comfy_env_worker import shm
-from comfy_env_worker.protocol import FrameError, FrameType
+from comfy_env_worker.protocol import CallNotLoaded, FrameError, FrameType
 from comfy_env_worker.shm import MIN_BLOCK
 
 from ._errors import (
     ArgumentError,
+    ArgumentImportError,
+    ArgumentModuleNotFound,
     CallCancelled,
     RefReleasedError,
     RemoteError,
@@ -313,20 +315,42 @@ def error_record(
     return qualname, module, message, tb_text, pickled
 
 
+def _not_loaded(
+    target: str | Callable[..., Any], message: str, pickled: bytes | None
+) -> SerializationError:
+    """The arguments (or a by-value target) did not unpickle in the worker: the call never
+    ran. Told as what it is, not as the bare ``ModuleNotFoundError`` of a class the env lacks;
+    an import that failed stays an ``ImportError`` too (``ArgumentImportError``), so code that
+    catches the worker's error as before still does (``comfy-env doctor``'s numpy probe)."""
+    kind, name = "", None
+    try:
+        facts = pickle.loads(pickled) if pickled is not None else None
+    except BaseException:  # noqa: BLE001 - the text alone says it
+        facts = None
+    if isinstance(facts, CallNotLoaded) and len(facts.args) == 3:
+        kind = facts.args[1] if isinstance(facts.args[1], str) else ""
+        name = facts.args[2] if isinstance(facts.args[2], str) else None
+    text = (
+        f"the call to {target_label(target) if target else '?'} could not be unpickled in the "
+        f"worker, so it did not run: {message} (an argument's class or module must be "
+        "importable in the env too)"
+    )
+    if kind not in ("ImportError", "ModuleNotFoundError") and name is None:
+        return SerializationError(text)  # (only an ImportError, of any kind, names a module)
+    imported = (ArgumentModuleNotFound if kind == "ModuleNotFoundError" else ArgumentImportError)(
+        text
+    )
+    imported.name = name
+    return imported
+
+
 def raise_remote(
     payload: bytes | bytearray | memoryview, target: str | Callable[..., Any] = ""
 ) -> NoReturn:
     qualname, module, message, tb_text, pickled = error_record(payload)
     cause = RemoteTraceback(tb_text)
     if (module, qualname) == ("comfy_env_worker.protocol", "CallNotLoaded"):
-        # The arguments (or a by-value target) did not unpickle in the worker: the call never
-        # ran. Told as what it is, not as the bare ModuleNotFoundError of a class the env lacks.
-        error = SerializationError(
-            f"the call to {target_label(target) if target else '?'} could not be unpickled in "
-            f"the worker, so it did not run: {message} (an argument's class or module must be "
-            "importable in the env too)"
-        )
-        raise chained(error, cause)
+        raise chained(_not_loaded(target, message, pickled), cause)
     if (module, qualname) == ("comfy_env_worker.control", "Cancelled"):
         # The call stopped on a cancel (cooperatively or interrupted) and its worker lives on.
         # An asynchronous ``Cancelled`` (pure-Python code interrupted after half the grace) is

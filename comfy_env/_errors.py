@@ -104,10 +104,21 @@ class EnvError(ComfyEnvError):
 
 
 class SerializationError(ComfyEnvError, TypeError):
-    """An argument, result or callable cannot be pickled (or is too large for one frame).
-
-    Raised in the caller before anything is sent; the worker is untouched.
+    """An argument, result or callable cannot be pickled (or is too large for one frame):
+    raised in the caller before anything is sent, the worker untouched. Or the call's
+    arguments did not unpickle in the worker (the call did not run; the worker lives on); when
+    that was an import, the error is also the worker's ``ModuleNotFoundError``/``ImportError``
+    (``ArgumentImportError``), so code that catches those still does.
     """
+
+
+class ArgumentImportError(SerializationError, ImportError):
+    """The call's arguments need a module the env cannot import (a class only the host has);
+    ``name`` is the module. A ``SerializationError`` and an ``ImportError``."""
+
+
+class ArgumentModuleNotFound(ArgumentImportError, ModuleNotFoundError):
+    """``ArgumentImportError`` for a module not found at all (``ModuleNotFoundError``)."""
 
 
 class WorkerError(ComfyEnvError):

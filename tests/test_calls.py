@@ -141,6 +141,8 @@ def test_an_argument_of_a_class_only_the_host_has_is_a_serialization_error_namin
         "did not run: ModuleNotFoundError: No module named 'host_only'"
     )
     assert "No module named 'host_only'" in str(info.value.__cause__)  # the worker's traceback
+    # Still the worker's error too, so code that caught it before still does.
+    assert isinstance(info.value, ModuleNotFoundError) and info.value.name == "host_only"
     assert w.call("remote_tasks:add", 1) == 1  # the worker lives on
     assert (w.generation, w.stats().raised) == (1, 1)
 

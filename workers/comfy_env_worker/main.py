@@ -353,10 +353,12 @@ class Worker:
                     del body
                 else:
                     target, args, kwargs = _loads(payload)
-            except FrameError:
-                raise
+            except (FrameError, refs.StaleRefError):
+                raise  # (a released RemoteRef among the arguments: told as itself)
             except Exception as exc:  # whatever the arguments' reducers raise
-                raise CallNotLoaded("%s: %s" % (type(exc).__name__, exc)) from exc
+                kind = type(exc).__name__
+                named = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+                raise CallNotLoaded("%s: %s" % (kind, exc), kind, named) from exc
             del payload
             if type(target) is str:
                 fn = _TARGETS.get(target) or resolve_target(target)

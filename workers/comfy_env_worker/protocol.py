@@ -133,7 +133,13 @@ class FrameError(Exception):
 class CallNotLoaded(Exception):
     """A call's target and arguments did not unpickle in the worker (a class or module the
     env lacks, a reducer that raises). The frame was whole, so the worker goes on; the host
-    raises ``SerializationError`` naming the call, with this error's cause."""
+    raises ``SerializationError`` naming the call, with this error's cause.
+
+    ``args``: (the text, the failed error's type name, the module an ``ImportError`` names
+    or None); the text alone is its ``str``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class ChannelClosed(Exception):
