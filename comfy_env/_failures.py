@@ -30,6 +30,7 @@ is dropped; the message then names the reason that actually won.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -271,23 +272,35 @@ def not_the_reply(
     )
 
 
+# A frame of Python's own library in a ``faulthandler`` dump: a frozen module, or a file
+# directly under ``lib/python3.X/`` (``Lib\`` on Windows) that is not in site-packages.
+_STDLIB_FRAME = re.compile(
+    r'File "(?:<frozen [^>"]*>|[^"]*[/\\](?:lib[/\\]python\d+(?:\.\d+)?|Lib)[/\\]'
+    r'(?!(?:site|dist)-packages[/\\])[^"]*)"'
+)
+
+
 def crash_frame(output: str) -> str | None:
-    """The line of a ``faulthandler`` dump in ``output`` that names the innermost frame of the
-    crashing thread (``File "/pack/nodes.py", line 12 in crash``), or None without one. The
-    dump lists the crashing thread under ``Current thread ...`` (``Stack`` when only one
-    thread is dumped), most recent call first; the last output line is the dump's
-    ``Extension modules: ...`` list, which says nothing about where the worker died."""
+    """The line of a ``faulthandler`` dump in ``output`` that names where the crashing
+    thread's own code was (``File "/pack/nodes.py", line 12 in crash``), or None without one.
+    The dump lists the crashing thread under ``Current thread ...`` (``Stack`` when only one
+    thread is dumped), most recent call first; the innermost frame outside Python's standard
+    library is named, so a crash through a stdlib wrapper (``ctypes.string_at``) names the
+    code that called it, not ``ctypes/__init__.py`` (a stack of stdlib frames only: its
+    innermost). The last output line is the dump's ``Extension modules: ...`` list, which
+    says nothing about where the worker died."""
     lines = output.splitlines()
     for i in range(len(lines) - 1, -1, -1):  # the last dump: a worker may have printed one before
         head = lines[i].lstrip()
         if head.startswith(("Current thread ", "Stack (most recent call first)")):
+            frames = []
             for line in lines[i + 1 :]:
                 frame = line.strip()
-                if frame.startswith('File "'):
-                    return frame
-                if frame:  # "<no Python frame>" or the dump ended: no frame to name
-                    return None
-            return None
+                if not frame.startswith('File "'):
+                    break  # "<no Python frame>", a blank line, or the dump's next part
+                frames.append(frame)
+            own = [frame for frame in frames if not _STDLIB_FRAME.match(frame)]
+            return (own or frames)[0] if frames else None
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -29,6 +30,7 @@ from comfy_env import (
     WorkerStartError,
 )
 from comfy_env import _lifecycle as lc
+from comfy_env._failures import crash_frame
 
 
 class FakeClock:
@@ -409,6 +411,48 @@ def test_recent_deaths_quote_the_crashing_frame_not_the_last_output_line(
         for line in deaths:
             assert "crashed in File " in line and "remote_tasks.py" in line, line
             assert line.endswith(" in crash_in_this_frame") and "Extension modules" not in line
+
+
+def test_recent_deaths_quote_the_code_that_called_a_stdlib_wrapper_that_crashed(
+    config: comfy_env.PoolConfig,
+) -> None:
+    """``ctypes.string_at(0)`` crashes inside ``ctypes/__init__.py``: the innermost frame was
+    quoted, which names Python's library, not the env's code that called it."""
+    with comfy_env.Pool(config.model_copy(update={"max_restarts": 0})) as pool:
+        w = pool.get_worker()
+        with pytest.raises(WorkerCrashed) as crashed:
+            w.call("comfy_env_worker.tasks:crash")
+        assert "ctypes/__init__.py" in crashed.value.stderr_tail  # the innermost frame
+        with pytest.raises(EnvAbandonedError) as info:
+            w.call("remote_tasks:add", 1)
+        (death,) = str(info.value).split("Recent deaths:\n", 1)[1].splitlines()
+        assert re.search(
+            r'crashed in File ".*comfy_env_worker/tasks\.py", line \d+ in crash$', death
+        )
+
+
+@pytest.mark.parametrize(
+    ("stack", "named"),
+    [
+        (["/usr/lib/python3.11/ctypes/__init__.py", "/p/nodes.py"], "/p/nodes.py"),
+        (["<frozen importlib._bootstrap>", "/p/nodes.py"], "/p/nodes.py"),
+        (
+            ["/v/lib/python3.12/site-packages/numpy/x.py", "/p/n.py"],
+            "/v/lib/python3.12/site-packages/numpy/x.py",
+        ),
+        (["C:\\Python311\\Lib\\ctypes\\__init__.py", "C:\\p\\n.py"], "C:\\p\\n.py"),
+        (["/usr/lib/python3.11/ctypes/__init__.py"], "/usr/lib/python3.11/ctypes/__init__.py"),
+    ],
+)
+def test_the_crash_frame_is_the_innermost_outside_python_s_own_library(
+    stack: list[str], named: str
+) -> None:
+    dump = (
+        "Fatal Python error: Segmentation fault\n\nCurrent thread 0x7f (most recent call first):\n"
+    )
+    dump += "".join(f'  File "{path}", line 7 in f\n' for path in stack)
+    dump += "\nExtension modules: numpy (total: 1)\n"
+    assert crash_frame(dump) == f'File "{named}", line 7 in f'
 
 
 def test_a_deterministic_start_failure_is_reported_once_per_call_without_a_respawn_loop(
