@@ -135,7 +135,14 @@ def crash_error(
         " (did code in the worker close or replace descriptors it does not own: "
         "os.closerange, os.dup2, a daemonising library?)"
     )
-    if still_running or (alive_at_eof and rc == -signal.SIGKILL):
+    if process.popen is None:
+        # An actor (Ray): no channel of its own that its code could close; its death is told
+        # by Ray's notice (or the signal its log names).
+        if rc is not None:
+            what = describe_exit(rc)
+        else:
+            what = process.death_detail or "ended, and Ray reported no exit status"
+    elif still_running or (alive_at_eof and rc == -signal.SIGKILL):
         what = "closed its channel while still running (it was killed)" + hint
     elif alive_at_eof and rc is not None:
         # It ended by itself once its channel was gone (its watchdog exits when the host lets

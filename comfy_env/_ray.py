@@ -50,12 +50,13 @@ on a private socketpair; see that module.
 
 **The cluster** (``_join_cluster``): ``ray.init(address=config.ray_address)`` when an address is
 given and Ray is not initialised in this process; else an initialised Ray is joined as it is;
-else a local cluster is started (Ray's defaults for this machine, no dashboard,
-``log_to_driver=False``). Whoever initialised Ray shuts it down: comfy-env calls
-``ray.shutdown()`` when the last pool that made it initialise Ray closes, and never touches a
-Ray the application initialised itself. Both run on ``_cluster_thread``, which lives from the
-one to the other: a local cluster's processes die with the thread that started them
-(PR_SET_PDEATHSIG), and the first call may come from a short-lived thread.
+else a local cluster is started (``address="local"``: a new one of this process's, never a
+``ray start`` cluster or ``$RAY_ADDRESS`` found on the machine; Ray's defaults for this
+machine, no dashboard, ``log_to_driver=False``). Whoever initialised Ray shuts it down:
+comfy-env calls ``ray.shutdown()`` when the last pool that made it initialise Ray closes, and
+never touches a Ray the application initialised itself. Both run on ``_cluster_thread``,
+which lives from the one to the other: a local cluster's processes die with the thread that
+started them (PR_SET_PDEATHSIG), and the first call may come from a short-lived thread.
 """
 
 from __future__ import annotations
@@ -183,8 +184,11 @@ def _init_ray(address: str | None, timeout: float) -> None:
             ray.init(address=address, log_to_driver=False)
         else:
             # Ray sizes a local cluster to the machine (CPUs, object store); actors need no
-            # CPU of their own to run, so any number of workers fit.
-            ray.init(include_dashboard=False, log_to_driver=False)
+            # CPU of their own to run, so any number of workers fit. ``"local"``: a new
+            # cluster of this process's, as documented; without it Ray joins whatever a
+            # ``ray start`` left running on this machine, or ``$RAY_ADDRESS``, where a crash
+            # report could not read the actor's log (and so names no signal).
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
     finally:
         ray_logger.removeFilter(quiet)
 
@@ -370,6 +374,9 @@ class RayBackend:
                 capture_output=True,
                 timeout=timeout,
                 env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
+                # Not the caller's directory: ``-c`` puts it first on sys.path, and Ray's own
+                # ``/tmp/ray`` session folder, seen from /tmp, imports as an empty ``ray``.
+                cwd=os.path.dirname(spec.interpreter) or "/",
                 check=False,
             )
         except subprocess.TimeoutExpired:
@@ -431,6 +438,19 @@ class RayBackend:
                     _join_cluster(self.config.ray_address, self.config.start_timeout)
                 except ClusterUnreachable as exc:
                     raise WorkerStartError(str(exc), env=spec.key) from None
+                except Exception as exc:  # ray.init's own refusal, told as such
+                    # The cluster, not the actor, failed (a malformed address, ``ray://``
+                    # without ``ray[client]``, a connection refused): said so, once a pool.
+                    address = self.config.ray_address
+                    where = (
+                        f"join the Ray cluster at {address!r} (PoolConfig.ray_address)"
+                        if address
+                        else "start a local Ray cluster"
+                    )
+                    raise WorkerStartError(
+                        f"cannot {where} for env {spec.key}: {type(exc).__name__}: {exc}",
+                        env=spec.key,
+                    ) from exc
                 self._joined = True
             if self._actor_class is None:
                 from comfy_env_worker import ray_actor

@@ -52,12 +52,20 @@ def rpool() -> Iterator[comfy_env.Pool]:
         yield p
 
 
-def test_an_env_without_ray_fails_fast_naming_it(foreign_venv: Path) -> None:
+def test_an_env_without_ray_fails_fast_naming_it(
+    foreign_venv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Run from a directory holding an empty ``ray`` folder, as /tmp holds Ray's session
+    # folder: the preflight saw it as the package ("module 'ray' has no attribute
+    # '__version__'") instead of saying that ray is missing.
+    (tmp_path / "ray").mkdir()
+    monkeypatch.chdir(tmp_path)
     with comfy_env.Pool(_config()) as pool:
         w = pool.get_worker(str(foreign_venv))
         with pytest.raises(WorkerStartError) as info:
             w.call("remote_tasks:add", 1)
-        assert "ray is not importable" in str(info.value)
+        assert "ray is not importable" in str(info.value), str(info.value)
+        assert "__version__" not in str(info.value)
         assert "cannot host a Ray actor" in str(info.value)
         # Said again at the next call (the env may have been fixed), still without a hang.
         with pytest.raises(WorkerStartError):
@@ -186,6 +194,10 @@ def test_a_sigterm_to_the_actor_fails_its_call_as_a_crash_and_the_next_call_runs
         assert started.exists()
         assert info.value.signal == "SIGTERM" and info.value.exitcode == -signal.SIGTERM
         assert info.value.generation == 1
+        # An actor has no channel its code could close: the local worker's hint about
+        # descriptors was given here too ("closed its channel while still running ...").
+        assert "channel" not in str(info.value) and "descriptors" not in str(info.value)
+        assert "was killed by SIGTERM" in str(info.value), str(info.value)
         assert wait_until(lambda: not psutil.pid_exists(pid), 30.0)
         assert w.call("remote_tasks:add", 1) == 1
         assert w.generation == 2
@@ -234,6 +246,12 @@ def test_an_unreachable_cluster_address_is_a_start_error_not_a_hang() -> None:
         "        print('START-ERROR', exc)\n"
         "    import ray\n"
         "    print('INITIALISED', ray.is_initialized())\n"
+        "config = comfy_env.PoolConfig(backend='ray', ray_address='nonsense', start_timeout=5)\n"
+        "with comfy_env.Pool(config) as pool:\n"
+        "    try:\n"
+        "        pool.get_worker().call('comfy_env_worker.tasks:echo', 1)\n"
+        "    except comfy_env.WorkerStartError as exc:\n"
+        "        print('MALFORMED', exc)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
@@ -242,6 +260,10 @@ def test_an_unreachable_cluster_address_is_a_start_error_not_a_hang() -> None:
     assert "START-ERROR cannot reach the Ray cluster at '127.0.0.1:" in out.stdout, out.stdout
     assert "PoolConfig.ray_address" in out.stdout
     assert "INITIALISED False" in out.stdout  # nothing half-joined was left behind
+    # The cluster's failure is told as the cluster's, not as "cannot create a Ray actor".
+    assert "MALFORMED cannot join the Ray cluster at 'nonsense' (PoolConfig.ray_address)" in (
+        out.stdout
+    ), out.stdout
 
 
 def test_a_death_notice_on_a_foreign_thread_registers_no_python_thread() -> None:
