@@ -9,7 +9,8 @@
 arguments; ``.venv/bin/python benchmarks/run_all.py ...`` is the same once ``.venv`` exists.)
 ``--quick`` takes about 50 s with the peer venvs in place, about 80 s on a fresh clone (their
 install adds about 30 s; ``--no-install`` skips them); its figures are for smoke testing only,
-and it writes ``benchmarks/out/quick.md`` (git-ignored) unless ``--out`` says otherwise.
+and it writes ``benchmarks/out/quick.md`` (git-ignored) unless ``--out`` says otherwise; a
+run of some sections (``--only``) writes ``benchmarks/out/only.md`` likewise.
 
 Steps: install (or reuse) the peer venvs under ``benchmarks/.peers`` (``peers.py``), then run
 the seven measurements in order, each on its own references measured in the same run:
@@ -93,6 +94,7 @@ TITLES = {
 # Where results go: a full run updates the tracked file, a quick look never touches it.
 RESULTS = os.path.join(BENCH_DIR, "RESULTS.md")
 QUICK_RESULTS = os.path.join(BENCH_DIR, "out", "quick.md")
+ONLY_RESULTS = os.path.join(BENCH_DIR, "out", "only.md")
 
 
 def run_section(key: str, ctx: Context) -> Section:
@@ -176,7 +178,11 @@ def render(
     total_s: float,
     final_leftovers: list[str],
 ) -> str:
-    command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
+    command = (
+        "python benchmarks/run_all.py"
+        + (" --quick" if args.quick else "")
+        + (f" --only {args.only}" if args.only else "")
+    )
     lines = [
         "# comfy-env benchmark results",
         "",
@@ -261,7 +267,8 @@ def write_results(path: str, text: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with ``--out`` resolved: ``benchmarks/RESULTS.md`` for a full run,
-    ``benchmarks/out/quick.md`` (git-ignored) for ``--quick``."""
+    ``benchmarks/out/quick.md`` (git-ignored) for ``--quick``, ``benchmarks/out/only.md``
+    (git-ignored) for ``--only``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument(
         "--quick",
@@ -271,7 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--out",
-        help="results file (default benchmarks/RESULTS.md; with --quick benchmarks/out/quick.md)",
+        help="results file (default benchmarks/RESULTS.md; with --quick benchmarks/out/quick.md, "
+        "with --only benchmarks/out/only.md)",
     )
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffles")
@@ -283,9 +291,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-install", action="store_true", help="never create the peer venvs")
     ap.add_argument("--reinstall", action="store_true", help="rebuild the peer venvs")
     args = ap.parse_args(argv)
-    if args.out is None:
-        args.out = QUICK_RESULTS if args.quick else RESULTS
     args.keys = list(SECTIONS) if not args.only else [k.strip() for k in args.only.split(",")]
+    if args.out is None:
+        # Only a full run of every section writes the tracked results file: a quick run or a
+        # subset would replace it with a partial one (the other sections gone).
+        if args.quick:
+            args.out = QUICK_RESULTS
+        elif args.only:
+            args.out = ONLY_RESULTS
+        else:
+            args.out = RESULTS
     unknown = [k for k in args.keys if k not in SECTIONS]
     if unknown:
         ap.error(f"unknown section(s): {', '.join(unknown)}")

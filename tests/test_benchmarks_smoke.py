@@ -105,23 +105,27 @@ def test_the_tracked_results_are_run_all_output_plus_the_comfyui_section(tmp_pat
     assert _rewrite(tmp_path / "results.md", tracked, generated) == tracked
 
 
-def test_a_quick_run_never_writes_the_tracked_results() -> None:
-    """``--quick`` defaults to a git-ignored file; only a full run updates RESULTS.md."""
+def test_a_quick_run_or_a_subset_never_writes_the_tracked_results() -> None:
+    """``--quick`` and ``--only`` default to git-ignored files; only a full run of every
+    section updates RESULTS.md (``--only small_call`` replaced it with a partial file)."""
     code = (
         "import os, run_all\n"
         "print(os.path.relpath(run_all.parse_args(['--quick']).out, '..'))\n"
         "print(os.path.relpath(run_all.parse_args([]).out, '..'))\n"
         "print(os.path.relpath(run_all.parse_args(['--quick', '--out', 'x.md']).out, '..'))\n"
+        "print(os.path.relpath(run_all.parse_args(['--only', 'small_call']).out, '..'))\n"
     )
-    quick, full, chosen = _in_benchmarks(code).split()
+    quick, full, chosen, subset = _in_benchmarks(code).split()
     assert full == os.path.join("benchmarks", "RESULTS.md")
-    assert quick != full and chosen == os.path.join("benchmarks", "x.md")
+    assert quick != full and subset not in (full, quick)
+    assert chosen == os.path.join("benchmarks", "x.md")
     ignored = [
         line.strip().rstrip("/")
         for line in (ROOT / ".gitignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    assert any(Path(quick).is_relative_to(pattern) for pattern in ignored), quick
+    for partial in (quick, subset):
+        assert any(Path(partial).is_relative_to(pattern) for pattern in ignored), partial
 
 
 @pytest.mark.timeout(180)
