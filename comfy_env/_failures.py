@@ -347,7 +347,7 @@ def abandoned_error(
     elif own_breaker:
         recover = (
             "calls fail until pool.reset(env) or a restart of this process; to have the block "
-            "lift by itself after N seconds, give Pool.set_breaker abandon_for=N"
+            "lift by itself after N seconds, give Pool.set_breaker (or isolate()) abandon_for=N"
         )
     else:
         recover = (
@@ -356,10 +356,14 @@ def abandoned_error(
             "COMFY_ENV_ABANDON_FOR=N)"
         )
     deaths = f"{len(state.deaths)} worker death{'' if len(state.deaths) == 1 else 's'}"
-    limits = "the env's own Pool.set_breaker" if own_breaker else "PoolConfig"
+    limits = (
+        "the env's own limits, given to Pool.set_breaker or a ComfyUI pack's isolate()"
+        if own_breaker
+        else "PoolConfig"
+    )
     return EnvAbandonedError(
         f"env {env} was abandoned after {deaths} within the restart window "
-        f"({limits} max_restarts/restart_window); {recover}. "
+        f"(max_restarts/restart_window: {limits}); {recover}. "
         "Recent deaths:\n" + "\n".join(lines),
         env=env,
     )

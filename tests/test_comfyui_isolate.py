@@ -221,9 +221,34 @@ def test_a_pack_that_fails_to_import_raises_with_the_worker_traceback_and_output
 
 
 def test_a_missing_env_raises_naming_the_paths_tried(pack: Path, tmp_path: Path) -> None:
+    import traceback
+
     with pytest.raises(NodePackError) as info:
         isolate(str(pack / "__init__.py"), ".venv", "nodes", cache_dir=str(tmp_path))
     assert str(pack / ".venv") in str(info.value)
+    # The EnvError's text is in the message: ComfyUI's log of the formatted exception shows
+    # it once (it was chained, so the server log showed it a third time).
+    logged = "".join(traceback.format_exception(info.value))
+    assert logged.count(str(pack / ".venv")) == str(info.value).count(str(pack / ".venv"))
+
+
+def test_a_pack_needing_more_of_comfyui_than_the_stand_ins_is_told_so(
+    pack: Path, pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    """``mm.get_torch_device()`` at import (many packs do it) failed the scan with a bare
+    "module 'comfy.model_management' has no attribute 'get_torch_device'"."""
+    (pack / "nodes.py").write_text(
+        "import comfy.model_management as mm\nDEVICE = mm.get_torch_device()\n"
+    )
+    with pytest.raises(NodePackError) as info:
+        _isolate(pack, pool, tmp_path / "cache")
+    message = str(info.value)
+    assert "has no attribute 'get_torch_device': it is comfy-env's stand-in for ComfyUI's" in (
+        message
+    )
+    assert "which offers only InterruptProcessingException, interrupt_current_processing" in (
+        message
+    )
 
 
 def test_images_cross_as_numpy_with_exact_values_and_node_objects_persist(

@@ -280,7 +280,7 @@ def test_a_crash_loop_abandons_the_env_until_reset(
             w.call("remote_tasks:add", 1)
         message = str(info.value)
         assert "3 worker deaths" in message and "SIGSEGV" in message
-        assert "(PoolConfig max_restarts/restart_window)" in message
+        assert "(max_restarts/restart_window: PoolConfig)" in message
         assert "generation 3" in message and "pool.reset" in message
         assert w.stats().spawns == 3  # failing fast: no spawn
         assert other.call("remote_tasks:add", 5) == 5  # another env is not blocked
@@ -382,7 +382,10 @@ def test_set_breaker_gives_one_env_its_own_settings(
         with pytest.raises(EnvAbandonedError, match="abandon_for=600s") as info:
             w.call("remote_tasks:add", 1)
         # Its own limits are named, not the pool's (which were not the ones that tripped).
-        assert "after 2 worker deaths within the restart window (the env's own " in str(info.value)
+        assert (
+            "after 2 worker deaths within the restart window (max_restarts/restart_window: the "
+            "env's own limits, given to Pool.set_breaker or a ComfyUI pack's isolate())"
+        ) in str(info.value)
         assert "PoolConfig" not in str(info.value)
         for _ in range(2):  # the other env keeps the pool's max_restarts=100
             with pytest.raises(WorkerCrashed):

@@ -222,7 +222,7 @@ def isolate(
             "not imported into the server instead)",
             pack_dir=pack_dir,
             env=str(env_path),
-        ) from exc
+        ) from None  # (its text is in the message: ComfyUI's log shows it once, not twice)
     spec = PackSpec(pack_dir, module, env_spec, cache_dir or default_cache_dir())
     # The pack's modules log as ``<pack dir>.impl.nodes`` in the server's logging, the name
     # ``readable`` gives them in messages, not as the hashed package they are in the worker.

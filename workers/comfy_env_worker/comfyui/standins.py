@@ -327,6 +327,18 @@ def _module(name: str, attrs: Dict[str, Any], package: bool = False) -> types.Mo
     module.__comfy_env_standin__ = True  # type: ignore[attr-defined]
     if package:
         module.__path__ = []
+
+    def __getattr__(attr: str) -> Any:  # PEP 562: what the stand-in lacks, said as such
+        if attr.startswith("__") and attr != "__file__":
+            raise AttributeError(attr)  # (probes such as hasattr(module, "__path__"))
+        offered = sorted(n for n in module.__dict__ if not n.startswith("_"))
+        raise AttributeError(
+            "module %r has no attribute %r: it is comfy-env's stand-in for ComfyUI's %s in an "
+            "env without ComfyUI, which offers only %s (see README, 'ComfyUI node packs in "
+            "their own envs')" % (name, attr, name, ", ".join(offered) or "nothing")
+        )
+
+    setattr(module, "__getattr__", __getattr__)  # noqa: B010 - a module-level __getattr__
     return module
 
 
