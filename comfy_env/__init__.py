@@ -18,6 +18,8 @@ import os
 
 from ._errors import (
     ArgumentError,
+    ArgumentImportError,
+    ArgumentModuleNotFound,
     CallCancelled,
     CallTimeout,
     ComfyEnvError,
@@ -114,6 +116,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "ArgumentImportError",
+    "ArgumentModuleNotFound",
     "Call",
     "CallCancelled",
     "CallEvent",

@@ -1196,10 +1196,17 @@ async def _on_thread(
             outcome[1] if ended and isinstance(outcome[1], CallCancelled) else None
         )
     if outcome is _PAST_DEADLINE:
+        if ticket.call_id:  # sent: the thread's own deadline stops its worker
+            raise CallTimeout(
+                f"call {ticket.call_id} on env {entry.spec.key} missed its deadline; its worker "
+                f"(generation {ticket.generation}) is stopped",
+                env=entry.spec.key,
+                generation=ticket.generation,
+                call_id=ticket.call_id,
+            )
         raise CallTimeout(
-            f"the call's deadline passed before it ended on env {entry.spec.key}: a worker "
-            "still starting goes on and serves the next call; a running call's worker is "
-            "stopped",
+            f"the call's deadline passed before it reached a worker of env {entry.spec.key}; "
+            "the worker still starting goes on and serves the next call",
             env=entry.spec.key,
         )
     ok, value = outcome

@@ -332,11 +332,12 @@ def _not_loaded(
         name = facts.args[2] if isinstance(facts.args[2], str) else None
     text = (
         f"the call to {target_label(target) if target else '?'} could not be unpickled in the "
-        f"worker, so it did not run: {message} (an argument's class or module must be "
-        "importable in the env too)"
+        f"worker, so it did not run: {message}"
     )
     if kind not in ("ImportError", "ModuleNotFoundError") and name is None:
-        return SerializationError(text)  # (only an ImportError, of any kind, names a module)
+        # (only an ImportError, of any kind, names a module) A reducer that raised.
+        return SerializationError(f"{text} (an argument's reducer failed there)")
+    text += " (an argument's class or module must be importable in the env too)"
     imported = (ArgumentModuleNotFound if kind == "ModuleNotFoundError" else ArgumentImportError)(
         text
     )

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 from comfy_env_worker import refs as worker_refs
 
 from . import _lifecycle as lc
-from ._codec import check_target
+from ._codec import check_target, target_label
 from ._entry import Ticket, holds
-from ._errors import RefReleasedError, StaleGenerationError
+from ._errors import ComfyEnvError, RefReleasedError, StaleGenerationError
 
 if TYPE_CHECKING:
     from ._call import EventCallback
@@ -82,9 +82,11 @@ class RemoteRef:
         """Call ``obj.name(*args, **kwargs)`` on the live object in its worker."""
         if self._released:
             raise released_error(self)
-        return self._pool.call(
-            self._entry, "comfy_env_worker.refs:call_method", (self, name, args, kwargs), {}, None
-        )
+        try:
+            return self._pool.call(self._entry, _CALL_METHOD, (self, name, args, kwargs), {}, None)
+        except ComfyEnvError as exc:
+            told_as(exc, _CALL_METHOD, f"RemoteRef {self.id}.{name}")
+            raise
 
     def release(self) -> None:
         """Free the object in the worker now. Idempotent; a no-op once its worker is gone."""
@@ -135,6 +137,10 @@ class RemoteRef:
         return f"<RemoteRef {self.id} env={self.env!r} generation={self.generation}>"
 
 
+_CALL_AND_KEEP = "comfy_env_worker.refs:call_and_keep"
+_CALL_METHOD = "comfy_env_worker.refs:call_method"
+
+
 def call_ref(
     site: CallSite,
     entry: EnvEntry,
@@ -151,15 +157,13 @@ def call_ref(
     # is, so a malformed one raises ``ArgumentError`` before anything runs.
     check_target(target)
     ticket = ticket or Ticket()
-    ref_id = site.call(
-        entry,
-        "comfy_env_worker.refs:call_and_keep",
-        (target, args, kwargs),
-        {},
-        timeout,
-        ticket,
-        on_event=on_event,
-    )
+    try:
+        ref_id = site.call(
+            entry, _CALL_AND_KEEP, (target, args, kwargs), {}, timeout, ticket, on_event=on_event
+        )
+    except ComfyEnvError as exc:
+        told_as(exc, _CALL_AND_KEEP, target_label(target))
+        raise
     slot = ticket.ran_on
     assert slot is not None
     generation = ticket.generation
@@ -167,6 +171,17 @@ def call_ref(
         if holds(slot, generation):
             slot.live_refs.add(ref_id)
     return RemoteRef(site, entry, slot, generation, ref_id)
+
+
+def told_as(exc: ComfyEnvError, internal: str, shown: str) -> None:
+    """``exc`` naming the user's call (``shown``) where it named the runtime's helper that
+    carries it (``internal``): a ref's call runs as ``comfy_env_worker.refs:...``, which a
+    ``CallTimeout``, a ``WorkerCrashed`` or a ``SerializationError`` would otherwise name as
+    its target. Changed in place; the caller re-raises it, traceback intact."""
+    if getattr(exc, "target", None) == internal:
+        exc.target = shown  # type: ignore[attr-defined]
+    if exc.args and isinstance(exc.args[0], str) and internal in exc.args[0]:
+        exc.args = (exc.args[0].replace(internal, shown), *exc.args[1:])
 
 
 def check_bound(entry: EnvEntry, slot: Slot, generation: int) -> None:

@@ -120,7 +120,7 @@ def test_the_deadline_holds_while_a_worker_starts(
         w = pool.get_worker(tmp_path / "env")
 
         async def main() -> None:
-            with pytest.raises(CallTimeout, match="a worker still starting goes on") as info:
+            with pytest.raises(CallTimeout, match="the worker still starting goes on") as info:
                 await w.arun("comfy_env_worker.tasks:echo", (1,), timeout=0.3)
             err = info.value
             assert (err.timeout, err.target) == (0.3, "comfy_env_worker.tasks:echo")
@@ -133,6 +133,26 @@ def test_the_deadline_holds_while_a_worker_starts(
         assert wait_until(lambda: w.stats().in_flight == 0)
         assert w.call("comfy_env_worker.tasks:echo", 2) == 2
         assert (w.generation, w.stats().timed_out) == (1, 1)
+
+
+def test_a_cold_acall_that_overruns_once_started_names_its_call(
+    config: comfy_env.PoolConfig,
+) -> None:
+    """The first call of a pool runs on a thread (its worker starts there); when the worker
+    started in time but the call then overran, the deadline's error said only "a worker still
+    starting goes on ...; a running call's worker is stopped", with no call id."""
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+
+        async def main() -> None:
+            with pytest.raises(CallTimeout, match="missed its deadline") as info:
+                await w.arun("remote_tasks:ignore_cancel", (30,), timeout=2.0)
+            err = info.value
+            assert err.call_id is not None and err.generation == 1
+            assert (err.timeout, err.target) == (2.0, "remote_tasks:ignore_cancel")
+
+        run_small(main)
+        assert w.call("remote_tasks:add", 1) == 1 and w.generation == 2  # it was stopped
 
 
 def test_the_deadline_holds_while_running(apool: comfy_env.Pool) -> None:

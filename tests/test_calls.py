@@ -147,6 +147,25 @@ def test_an_argument_of_a_class_only_the_host_has_is_a_serialization_error_namin
     assert (w.generation, w.stats().raised) == (1, 1)
 
 
+def test_errors_of_a_ref_s_calls_name_the_user_s_call_not_the_runtime_s_helper(
+    config: comfy_env.PoolConfig,
+) -> None:
+    """A ref's calls run as ``comfy_env_worker.refs:call_and_keep`` / ``refs:call_method``:
+    their ``CallTimeout`` and ``WorkerCrashed`` named those as the target."""
+    with comfy_env.Pool(config.model_copy(update={"call_timeout": 0.5})) as pool:
+        w = pool.get_worker()
+        with pytest.raises(comfy_env.CallTimeout) as timed_out:
+            w.call_ref("comfy_env_worker.tasks:sleep", 30)
+        assert timed_out.value.target == "comfy_env_worker.tasks:sleep"
+        assert "refs:" not in str(timed_out.value), str(timed_out.value)
+        ctypes_ref = w.call_ref("importlib:import_module", "ctypes")  # a kept module
+        with pytest.raises(comfy_env.WorkerCrashed) as crashed:
+            ctypes_ref.call_method("string_at", 0)
+        assert crashed.value.target == f"RemoteRef {ctypes_ref.id}.string_at"
+        assert f"to RemoteRef {ctypes_ref.id}.string_at" in str(crashed.value)
+        assert "refs:" not in str(crashed.value).split("---")[0]
+
+
 def test_unpicklable_result_is_a_remote_error_naming_the_type(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     with pytest.raises(TypeError, match="lock"):

@@ -232,6 +232,14 @@ def test_a_missing_env_raises_naming_the_paths_tried(pack: Path, tmp_path: Path)
     assert logged.count(str(pack / ".venv")) == str(info.value).count(str(pack / ".venv"))
 
 
+def test_the_prompt_server_stand_in_says_what_it_lacks() -> None:
+    from comfy_env_worker.comfyui import standins
+
+    with pytest.raises(AttributeError, match="'routes': it is comfy-env's stand-in"):
+        standins.PromptServer.instance.routes  # noqa: B018 - the lookup is the test
+    assert not hasattr(standins.PromptServer.instance, "loop")
+
+
 def test_a_pack_needing_more_of_comfyui_than_the_stand_ins_is_told_so(
     pack: Path, pool: comfy_env.Pool, tmp_path: Path
 ) -> None:
@@ -393,6 +401,7 @@ def test_a_pack_s_bad_breaker_setting_fails_the_import(
         ("extra_crossing_types", [1], "extra_crossing_types"),
         ("module", "../../etc/passwd", "module"),
         ("module", "nodes.", "module"),
+        ("module", "nodes.py", "module"),
     ],
 )
 def test_a_bad_option_fails_the_import_before_anything_runs(

@@ -238,6 +238,9 @@ def expectation(where: str, how: str) -> Expect | str:
         if where == "encode-result":  # pickle, then cloudpickle, then a clear TypeError
             return Expect("raises", TypeError, r"FaultyResult.*cannot be pickled", replaced=False)
         return Expect("raises", fault_tasks.FaultError, rf"{where}-exception", replaced=False)
+    if where == "decode-args" and how.startswith("sys-exit-"):  # a reducer's SystemExit too
+        detail = r"could not be unpickled in the worker, so it did not run: SystemExit"
+        return Expect("raises", SerializationError, detail, replaced=False)
     type_name = "KeyboardInterrupt" if how == "keyboard-interrupt" else "SystemExit"
     return Expect("raises", RemoteError, type_name, replaced=False)
 

@@ -29,7 +29,7 @@ from .._envs import resolve_env
 from .._errors import ArgumentError, EnvError
 from .._logs import show_package_as
 from .._pool import Pool
-from .._settings import check_timeout
+from .._settings import MAX_SECONDS, check_timeout
 from .._worker import Worker
 from ._proxy import CROSSING_TYPES, KeptOutput, make_v1_proxy, make_v3_proxy
 from ._scan import (
@@ -120,12 +120,23 @@ def _grace_seconds(value: object) -> float | None:
     """``interrupt_grace``: None (the pool's ``cancel_grace``), or zero or more seconds."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return 0.0  # kill at once
-    return check_timeout(value, "isolate(interrupt_grace=...)", "the pool's cancel_grace")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value == 0:
+            return 0.0  # kill at once
+        if 0 < value <= MAX_SECONDS:  # (false for nan)
+            return float(value)
+    raise ArgumentError(
+        f"isolate(interrupt_grace=...) must be zero (kill at once) or more seconds, up to "
+        f"{MAX_SECONDS:g}, or None for the pool's cancel_grace; not {value!r}"
+    )
 
 
 def _check_module(module: object) -> None:
+    if isinstance(module, str) and module.endswith(".py"):
+        raise ArgumentError(
+            f"isolate(module=...) takes a module name, not a file name: {module[:-3]!r} for "
+            f"{module!r}"
+        )
     if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
         raise ArgumentError(
             f"isolate(module=...) must be a dotted module name relative to the pack directory "

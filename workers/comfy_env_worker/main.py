@@ -355,7 +355,7 @@ class Worker:
                     target, args, kwargs = _loads(payload)
             except (FrameError, refs.StaleRefError):
                 raise  # (a released RemoteRef among the arguments: told as itself)
-            except Exception as exc:  # whatever the arguments' reducers raise
+            except (Exception, SystemExit) as exc:  # whatever the arguments' reducers raise
                 kind = type(exc).__name__
                 named = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
                 raise CallNotLoaded("%s: %s" % (kind, exc), kind, named) from exc

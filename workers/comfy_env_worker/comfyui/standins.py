@@ -135,6 +135,13 @@ class _PromptServerInstance:
     def send_sync(self, event: str, data: Any, sid: Any = None) -> None:
         emit("comfyui.send_sync", {"event": event, "data": data, "sid": sid})
 
+    def __getattr__(self, name: str) -> Any:  # what the stand-in lacks (routes, loop, ...)
+        raise AttributeError(
+            "PromptServer.instance has no attribute %r: it is comfy-env's stand-in in an env "
+            "without ComfyUI, which offers only send_sync, client_id, last_node_id and "
+            "last_prompt_id (the server's routes and loop live in the ComfyUI process)" % name
+        )
+
 
 class PromptServer:
     instance = _PromptServerInstance()
