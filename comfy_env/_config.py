@@ -309,10 +309,13 @@ def holds_defaults(config: PoolConfig) -> bool:
     if type(config) is not PoolConfig:
         return False
     values = config.__dict__
+    defaults = default_values()
+    if values.keys() - defaults.keys():
+        return False  # ``model_copy(update=...)`` with a name that is no field: validated, refused
     # Types too: ``model_copy(update=...)`` may hold True where the default is 1.
     return all(
         type(values.get(name)) is type(default) and values.get(name) == default
-        for name, default in default_values().items()
+        for name, default in defaults.items()
     )
 
 

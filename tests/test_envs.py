@@ -575,6 +575,10 @@ def test_a_misspelled_config_field_names_the_field_meant() -> None:
     assert (info.value.field, info.value.value) == ("call_timout", 5)
     with pytest.raises(comfy_env.ConfigError, match=r"no such field$"):
         comfy_env.PoolConfig(zzz=1)  # type: ignore[call-arg]  # close to nothing: no guess
+    # ``model_copy(update=...)`` does not validate; the pool does, also on a copy of the
+    # defaults (which it took as they were, the misspelled name ignored).
+    with pytest.raises(comfy_env.ConfigError, match=r"did you mean call_timeout\?$"):
+        comfy_env.Pool(comfy_env.PoolConfig().model_copy(update={"call_timout": 3}))
 
 
 @pytest.mark.parametrize(
