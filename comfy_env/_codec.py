@@ -334,8 +334,7 @@ def _not_loaded(
         f"the call to {target_label(target) if target else '?'} could not be unpickled in the "
         f"worker, so it did not run: {message}"
     )
-    if kind not in ("ImportError", "ModuleNotFoundError") and name is None:
-        # (only an ImportError, of any kind, names a module) A reducer that raised.
+    if kind not in ("ImportError", "ModuleNotFoundError"):  # a reducer that raised
         return SerializationError(f"{text} (an argument's reducer failed there)")
     text += " (an argument's class or module must be importable in the env too)"
     imported = (ArgumentModuleNotFound if kind == "ModuleNotFoundError" else ArgumentImportError)(

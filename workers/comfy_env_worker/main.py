@@ -356,9 +356,15 @@ class Worker:
             except (FrameError, refs.StaleRefError):
                 raise  # (a released RemoteRef among the arguments: told as itself)
             except (Exception, SystemExit) as exc:  # whatever the arguments' reducers raise
-                kind = type(exc).__name__
-                named = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
-                raise CallNotLoaded("%s: %s" % (kind, exc), kind, named) from exc
+                # Which import error it is (any subclass counts), so the host can raise one.
+                if isinstance(exc, ModuleNotFoundError):
+                    kind, named = "ModuleNotFoundError", exc.name
+                elif isinstance(exc, ImportError):
+                    kind, named = "ImportError", exc.name
+                else:
+                    kind, named = "", None
+                text = "%s: %s" % (type(exc).__name__, exc)
+                raise CallNotLoaded(text, kind, named) from exc
             del payload
             if type(target) is str:
                 fn = _TARGETS.get(target) or resolve_target(target)

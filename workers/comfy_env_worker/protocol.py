@@ -135,8 +135,9 @@ class CallNotLoaded(Exception):
     env lacks, a reducer that raises). The frame was whole, so the worker goes on; the host
     raises ``SerializationError`` naming the call, with this error's cause.
 
-    ``args``: (the text, the failed error's type name, the module an ``ImportError`` names
-    or None); the text alone is its ``str``."""
+    ``args``: (the text; ``"ModuleNotFoundError"`` or ``"ImportError"`` when an import failed
+    (subclasses included), else ``""``; the module it names or None); the text alone is its
+    ``str``."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
