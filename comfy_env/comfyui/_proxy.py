@@ -62,6 +62,7 @@ from comfy_env_worker.comfyui import runner, values
 from .._errors import EnvAbandonedError, RemoteError, RemoteTraceback
 from .._refs import RemoteRef
 from . import _models
+from ._scan import server_directories
 
 if TYPE_CHECKING:
     from . import _Pack
@@ -144,12 +145,7 @@ def _server_module(name: str) -> Any:
 
 
 def _context() -> dict[str, Any]:
-    context: dict[str, Any] = {}
-    folder_paths = _server_module("folder_paths")
-    if folder_paths is not None:
-        context["output_directory"] = folder_paths.get_output_directory()
-        context["temp_directory"] = folder_paths.get_temp_directory()
-        context["input_directory"] = folder_paths.get_input_directory()
+    context: dict[str, Any] = server_directories()
     execution = _server_module("comfy_execution.utils")
     if execution is not None:
         executing = execution.get_executing_context()

@@ -11,11 +11,13 @@
 The key hashes every ``.py`` file of the pack (paths and bytes; the env directory, VCS and cache
 directories skipped), the env's interpreter (path, size, mtime, and ``pyvenv.cfg``), the
 modification time of the env's ``site-packages`` (a package installed or removed), the
-comfy-env version and the bytes of the worker-side ComfyUI helpers. Any change invalidates it;
-an unchanged pack starts warm without a worker. A failed scan is never cached: it raises
-``NodePackError`` carrying the worker's traceback and output (the pack's package name in the
-worker shown as its directory name, ``PackSpec.readable``), ``isolate`` retires the worker that
-ran it, and the next server start tries again.
+comfy-env version, the bytes of the worker-side ComfyUI helpers and the server's directories.
+The scan sends those directories (``server_directories``) so that a pack reading them when its
+module is imported (``folder_paths.get_input_directory()`` at module level) gets the server's.
+Any change invalidates it; an unchanged pack starts warm without a worker. A failed scan is
+never cached: it raises ``NodePackError`` carrying the worker's traceback and output (the
+pack's package name in the worker shown as its directory name, ``PackSpec.readable``),
+``isolate`` retires the worker that ran it, and the next server start tries again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -107,10 +110,26 @@ def _library_digest() -> str:
     return h.hexdigest()
 
 
+def server_directories() -> dict[str, str]:
+    """The ComfyUI server's output, temp and input directories, when this process is a ComfyUI
+    server (its ``folder_paths`` is imported), else ``{}``. Sent to the env with the scan and
+    with every node call (the ``folder_paths`` stand-in answers with them)."""
+    folder_paths = sys.modules.get("folder_paths")
+    if folder_paths is None:
+        return {}
+    return {
+        "output_directory": str(folder_paths.get_output_directory()),
+        "temp_directory": str(folder_paths.get_temp_directory()),
+        "input_directory": str(folder_paths.get_input_directory()),
+    }
+
+
 def cache_key(pack: PackSpec) -> str:
-    """Changes whenever the pack's code, the env's interpreter or the library changes."""
+    """Changes whenever the pack's code, the env's interpreter, the library or the server's
+    directories change (a module may have read them at import)."""
     h = hashlib.sha256()
     h.update(f"module={pack.module}\0lib={_library_digest()}\0".encode())
+    h.update(json.dumps(server_directories(), sort_keys=True).encode())
     env_dir = os.path.realpath(pack.env.key)
     for root, dirs, files in os.walk(pack.pack_dir):
         dirs[:] = sorted(
@@ -185,7 +204,7 @@ def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
         logger.setLevel(logging.INFO)
     logger.addHandler(collect)
     try:
-        args = (pack.pack_dir, pack.module)
+        args = (pack.pack_dir, pack.module, server_directories())
         result: dict[str, Any] = worker.run(SCAN_TARGET, args, timeout=timeout)
         return result
     except Exception as exc:

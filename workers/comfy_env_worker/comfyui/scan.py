@@ -125,7 +125,13 @@ def _overridden(cls: Any, name: str) -> bool:
     return getattr(own, "__func__", own) is not getattr(base, "__func__", base)
 
 
-def scan(pack_dir: str, module: str) -> Dict[str, Any]:
+def scan(
+    pack_dir: str, module: str, directories: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """Describe the pack's nodes as plain data. ``directories`` are the server's directories
+    (``standins.DIRECTORY_KEYS``), known to ``folder_paths`` before the pack's module imports."""
+    if directories:
+        standins.set_directories(directories)
     loaded = load_module(pack_dir, module)
     nodes: List[Dict[str, Any]] = []
     mappings = getattr(loaded, "NODE_CLASS_MAPPINGS", None)

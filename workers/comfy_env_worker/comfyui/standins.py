@@ -34,11 +34,28 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 # The context of the node call running now (one call at a time per worker).
 CONTEXT: Dict[str, Any] = {}
 INSTALLED: List[str] = []  # names this worker got stand-ins for, for the scan report
+# The server's directories, kept across calls: the host sends them with the scan and with every
+# node call, and the pack's module may read them when it is imported (a very common pattern:
+# ``INPUT_DIR = folder_paths.get_input_directory()`` at module level), which happens at the scan
+# or, in a worker started later (after a crash, or when the scan came from the cache), inside
+# the first node call, after its context was set.
+DIRECTORY_KEYS = ("output_directory", "temp_directory", "input_directory")
+DIRECTORIES: Dict[str, str] = {}
+
+
+def set_directories(directories: Dict[str, Any]) -> None:
+    """Remember the server's directories (``output_directory``, ``temp_directory``,
+    ``input_directory``) for ``folder_paths``; other keys are ignored."""
+    for key in DIRECTORY_KEYS:
+        value = directories.get(key)
+        if value:
+            DIRECTORIES[key] = str(value)
 
 
 def set_context(context: Dict[str, Any]) -> None:
     CONTEXT.clear()
     CONTEXT.update(context)
+    set_directories(context)
 
 
 def _runtime_hook(name: str) -> Optional[Callable[..., Any]]:
@@ -151,11 +168,12 @@ class PromptServer:
 
 
 def _dir(name: str) -> str:
-    path = CONTEXT.get(name)
+    path = CONTEXT.get(name) or DIRECTORIES.get(name)
     if not path:
         raise RuntimeError(
-            "folder_paths.%s is only known while a node runs (the host sends it with each call)"
-            % name
+            "folder_paths.%s is not known in this worker: comfy-env's folder_paths stand-in "
+            "learns the server's directories from the host, with the scan and with each node "
+            "call, and this worker has had neither (is it running outside ComfyUI?)" % name
         )
     return str(path)
 
