@@ -355,3 +355,26 @@ def test_a_v3_object_stays_in_the_worker_and_its_producer_reruns_after_a_crash(
     )
     c = _fields(_digest(server.run(prompt(3))[0])["text"])
     assert c["pid"] != a["pid"] and c["value"] == 11  # made again in the new worker
+
+
+def test_a_pack_reading_the_servers_directories_at_import_gets_them_after_a_crash_too(
+    server: Server,
+) -> None:
+    """``INPUT_DIR = folder_paths.get_input_directory()`` at module level (as many packs do)
+    names the server's directories, at the scan and in the fresh worker after a crash."""
+    prompt = {
+        "1": {"class_type": "CE_Directories", "inputs": {}},
+        "99": {"class_type": "CE_Digest", "inputs": {"text": ["1", 0], "number": ["1", 1]}},
+    }
+    first = _digest(server.run(prompt)[0])
+    assert first["text"] == f"{server.base / 'input'}|{server.output}"
+    history, _ = server.run(
+        {
+            "1": {"class_type": "CE_Segfault", "inputs": {"value": 4}},
+            "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+        }
+    )
+    assert _error(history)["exception_type"] == "comfy_env._errors.WorkerCrashed"
+    again = _digest(server.run(prompt)[0])
+    assert again["number"] != first["number"]  # a fresh worker imported the module again
+    assert again["text"] == first["text"]

@@ -16,6 +16,10 @@ import numpy as np
 from comfy.utils import ProgressBar
 from server import PromptServer
 
+# Read when the module is imported, as many packs do: the server's directories, in the env too.
+INPUT_DIR = folder_paths.get_input_directory()
+OUTPUT_DIR = folder_paths.get_output_directory()
+
 
 class InvertImage:
     CATEGORY = "comfy-env/examples"
@@ -417,8 +421,29 @@ class Digest:
         return {"ui": {"digest": [report]}}
 
 
+class Directories:
+    """The server's input and output directories as this module saw them at import, and the
+    pid of the worker that imported it."""
+
+    CATEGORY = "comfy-env/examples"
+    RETURN_TYPES = ("STRING", "INT")
+    FUNCTION = "run"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    @classmethod
+    def IS_CHANGED(cls):
+        return float("nan")  # runs every time: it reports which worker ran it
+
+    def run(self):
+        return ("%s|%s" % (INPUT_DIR, OUTPUT_DIR), os.getpid())
+
+
 NODE_CLASS_MAPPINGS = {
     "CE_Digest": Digest,
+    "CE_Directories": Directories,
     "CE_InvertImage": InvertImage,
     "CE_Passthrough": Passthrough,
     "CE_MaskAndLatent": MaskAndLatent,
