@@ -87,6 +87,8 @@ def test_a_worker_model_is_counted_by_comfyui_and_post_free_returns_its_memory(
     [entry] = _ours(_probe(server)["entries"], labels)
     assert entry["state"] == "loaded" and entry["size"] == entry["measured"] == 256 * MIB
     rss_loaded = psutil.Process(first["pid"]).memory_info().rss
+    # ComfyUI's INFO line for each registration goes to comfy-env's debug log instead
+    assert "Requested to load WorkerResident" not in server.log_text()
 
     _free(server)
     _wait(lambda: not _ours(_probe(server)["entries"], labels))

@@ -182,6 +182,21 @@ class WorkerModel:
         )
 
 
+class _QuietRegistration(logging.Filter):
+    """Moves ComfyUI's INFO records about loading a ``WorkerResident`` to DEBUG on our logger.
+    Installed on the root logger (ComfyUI logs with ``logging.info``) only while
+    ``load_models_gpu`` registers a worker model; records of other models pass unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or "WorkerResident" not in str(record.msg):
+            return True
+        log.debug("ComfyUI: %s", record.getMessage())
+        return False
+
+
+_QUIET_REGISTRATION = _QuietRegistration()
+
+
 class ModelRegistry:
     """The host's registered worker models: live ones (weakly: ComfyUI's cache owns them), and
     retired ones (strongly) kept alive until the next registration. Thread-safe:
@@ -288,7 +303,15 @@ class ModelRegistry:
         self.purge(mm.current_loaded_models)
         with self._lock:
             self._live.add(model)
-        mm.load_models_gpu([model])
+        # ComfyUI logs "Requested to load <class>" at INFO for every model it loads, and a kept
+        # output is registered on every run of its node: one server log line per run. Those
+        # lines (ours only: the class is WorkerResident) go to comfy_env's log at DEBUG.
+        root = logging.getLogger()
+        root.addFilter(_QUIET_REGISTRATION)
+        try:
+            mm.load_models_gpu([model])
+        finally:
+            root.removeFilter(_QUIET_REGISTRATION)
 
     def evict_for_reap(self, env: str, generation: int) -> None:
         """The pool's reap hook: evict the models of ``(env, generation)`` through ComfyUI's
