@@ -41,6 +41,7 @@ from ._scan import (
     run_scan,
     write_cached,
 )
+from ._warm import Warmer
 
 __all__ = ["CROSSING_TYPES", "KeptOutput", "NodePackError", "isolate"]
 
@@ -72,6 +73,7 @@ class _Pack:
         self.crossing_types = crossing_types
         self.scan = scan
         self.has_torch = bool(scan.get("has_torch"))
+        self.warmer: Warmer | None = None  # isolate(..., warm=True)
 
     @property
     def pool(self) -> Pool:
@@ -175,6 +177,7 @@ def isolate(
     max_restarts: int | None = None,
     restart_window: float | None = None,
     abandon_for: float | None = None,
+    warm: bool = False,
 ) -> tuple[dict[str, type], dict[str, str]]:
     """Register a node pack whose nodes run in ``env``; returns
     ``(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)``.
@@ -198,7 +201,10 @@ def isolate(
     env, in place of the pool's ``PoolConfig`` fields of those names (None: the pool's; see
     ``Pool.set_breaker``). ``abandon_for=N`` lifts a block by itself N seconds after the death
     that tripped it, so a batch of crashing prompts does not disable the pack until the server
-    restarts.
+    restarts. ``warm``: start the pack's worker and import its node module in the background
+    now, and again right after each death of its worker, so that the first prompt after a
+    server start and the first one after a crash do not pay the worker's start and the pack's
+    imports (a prompt arriving meanwhile waits for the warm-up); see ``comfy_env.comfyui._warm``.
 
     Raises ``NodePackError`` when the env is missing or the scan fails, ``ArgumentError`` for
     an argument it cannot use (checked before anything runs, so a typo fails the pack's import
@@ -215,6 +221,8 @@ def isolate(
         raise ArgumentError(
             f"isolate(pool=...) must be a comfy_env.Pool or None, not {type(pool).__name__}"
         )
+    if not isinstance(warm, bool):
+        raise ArgumentError(f"isolate(warm=...) must be True or False, not {warm!r}")
     crossing_types = _type_names("crossing_types", crossing_types)
     extra_types = _type_names("extra_crossing_types", extra_crossing_types) or frozenset()
     pack_dir = os.path.abspath(
@@ -289,4 +297,10 @@ def isolate(
         mappings[node["name"]] = proxy
         if node.get("display_name"):
             display[node["name"]] = node["display_name"]
+    if warm:
+        pack.warmer = Warmer(pack, scan_timeout)
+        if scanned:
+            pack.warmer.follow_deaths()  # the scan's worker has the module imported already
+        else:
+            pack.warmer.start()
     return mappings, display

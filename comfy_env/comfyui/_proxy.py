@@ -561,6 +561,7 @@ class NodeInfo:
     """What a proxy class needs to know about its node (from the scan)."""
 
     def __init__(self, pack: _Pack, data: dict[str, Any], kind: str) -> None:
+        self.pack = pack
         self.name: str = data["name"]
         self.kind = kind
         self.spec = (pack.spec.pack_dir, pack.spec.module, kind, self.name)

@@ -94,6 +94,20 @@ def v3_nodes(pack_dir: str, module: str) -> Dict[str, Any]:
     return _V3_NODES[key]
 
 
+def warm(
+    pack_dir: str, module: str, kind: str, directories: Optional[Dict[str, Any]] = None
+) -> None:
+    """Import the pack's node module (and list a V3 pack's nodes) ahead of its first node call,
+    as that call would: ``isolate(..., warm=True)`` runs it in a fresh worker."""
+    standins.install()
+    if directories:
+        standins.set_directories(directories)
+    if kind == "v3":
+        v3_nodes(pack_dir, module)
+    else:
+        load_module(pack_dir, module)
+
+
 def node_class(pack_dir: str, module: str, kind: str, name: str) -> Any:
     if kind == "v3":
         return v3_nodes(pack_dir, module)[name]
