@@ -16,7 +16,11 @@ Measured, in interleaved rounds (so drift of the machine hits all variants alike
 - a reference: the library's own round trip of the same tensor (``Worker.arun`` of an echo),
   which bounds from below what any isolated node can cost;
 - crash to next prompt: a node that segfaults, then the next node call on the fresh worker
-  (detection, and recovery including the new worker's start and the pack's import).
+  (detection, and recovery including the new worker's start and the pack's import);
+- warm starts (``isolate(..., warm=True)``) with the torch pack, whose module imports torch:
+  the first node call after a server start with a cached scan, cold and warm (the warm-up
+  given time to finish, as it has while ComfyUI finishes starting), and the first call after
+  its worker was killed, cold and warm, in interleaved rounds.
 
 Writes its section, section 7 of ``benchmarks/RESULTS.md``, between markers into that file
 (``--no-write`` to skip): in place of the block already there, else before section 8. The rest
@@ -86,6 +90,20 @@ async def _time_calls(fn: Any, image: Any, n: int) -> list[float]:
     return out
 
 
+def _server_folder_paths() -> None:
+    """No server runs here: play its ``folder_paths`` (what the proxies send to the env), as
+    ComfyUI's own is when it loads a pack; the numpy pack reads the directories at import."""
+    import types
+
+    root = tempfile.mkdtemp(prefix="bench-comfyui-dirs-")
+    module = types.ModuleType("folder_paths")
+    for name in ("input", "output", "temp"):
+        path = os.path.join(root, name)
+        os.makedirs(path)
+        setattr(module, f"get_{name}_directory", lambda path=path: path)
+    sys.modules["folder_paths"] = module
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--numpy-env", default=os.environ.get("COMFY_ENV_EXAMPLE_NUMPY_ENV"))
@@ -103,6 +121,7 @@ def main() -> int:
     import comfy_env
     from comfy_env.comfyui import isolate
 
+    _server_folder_paths()
     cache = tempfile.mkdtemp(prefix="bench-comfyui-scan-")
     pool = comfy_env.Pool(comfy_env.PoolConfig(log_level="WARNING"))
     numpy_nodes, _ = isolate(
@@ -165,6 +184,7 @@ def main() -> int:
         detect.append(t1 - t0)
         recover.append(t2 - t1)
     pool.close()
+    warm_lines = _bench_warm(args.torch_env, image, args.crashes)
 
     base = samples["in-process"]
     lines = [
@@ -201,6 +221,8 @@ def main() -> int:
         "which starts generation g+1 and imports the pack again, takes "
         f"{statistics.median(recover) * 1e3:.1f} ms (min {min(recover) * 1e3:.1f}, "
         f"max {max(recover) * 1e3:.1f}).",
+        "",
+        *warm_lines,
         END,
     ]
     text = "\n".join(lines)
@@ -210,6 +232,73 @@ def main() -> int:
         current = results.read_text() if results.exists() else ""
         results.write_text(place_section(current, text))
     return 0
+
+
+def _bench_warm(torch_env: str, image: Any, rounds: int) -> list[str]:
+    """First node call after a cached start and after a kill, with and without ``warm``."""
+    import signal
+
+    import comfy_env
+    from comfy_env.comfyui import isolate
+
+    cache = tempfile.mkdtemp(prefix="bench-comfyui-warm-scan-")
+    with comfy_env.Pool(comfy_env.PoolConfig(log_level="WARNING")) as pool:
+        isolate(str(EXAMPLES / "torch_pack"), torch_env, "nodes_impl", pool=pool, cache_dir=cache)
+    first: dict[bool, list[float]] = {False: [], True: []}
+    after_kill: dict[bool, list[float]] = {False: [], True: []}
+    warmup: list[float] = []
+    for _ in range(rounds):
+        for warm in (False, True):
+            with comfy_env.Pool(comfy_env.PoolConfig(log_level="WARNING")) as pool:
+                t0 = time.perf_counter()
+                nodes, _ = isolate(
+                    str(EXAMPLES / "torch_pack"),
+                    torch_env,
+                    "nodes_impl",
+                    pool=pool,
+                    cache_dir=cache,
+                    warm=warm,
+                )
+                node = nodes["CE_TorchPassthrough"]
+                warmer = node._comfy_env_node.pack.warmer
+                if warmer is not None:
+                    warmer.join(120)
+                    warmup.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                asyncio.run(node().run(image=image))
+                first[warm].append(time.perf_counter() - t1)
+                # A death while idle (as after a crashed prompt); the next prompt comes once
+                # the warm-up (if any) is done.
+                key = next(iter(pool.stats()))
+                pid = pool.stats()[key].pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while pool.stats()[key].pid == pid and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if warmer is not None:
+                    deadline = time.monotonic() + 30
+                    while warmer.warmups < 2 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    warmer.join(120)
+                t2 = time.perf_counter()
+                asyncio.run(node().run(image=image))
+                after_kill[warm].append(time.perf_counter() - t2)
+
+    def ms(values: list[float]) -> str:
+        return (
+            f"{statistics.median(values) * 1e3:.1f} ms (min {min(values) * 1e3:.1f}, "
+            f"max {max(values) * 1e3:.1f})"
+        )
+
+    return [
+        f"Warm starts (torch pack, whose module imports torch; {rounds} interleaved rounds, a "
+        "fresh pool each): the first node call after a server start with a cached scan takes "
+        f"{ms(first[False])} cold and {ms(first[True])} with `isolate(..., warm=True)`, whose "
+        f"warm-up ran in the background for {ms(warmup)} from `isolate`'s call. The first call "
+        f"after the worker was killed while idle takes {ms(after_kill[False])} cold and "
+        f"{ms(after_kill[True])} warm (the next prompt arriving after the re-warm finished).",
+    ]
 
 
 if __name__ == "__main__":
