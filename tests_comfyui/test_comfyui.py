@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from typing import Any
 
 import numpy as np
+import psutil
 from conftest import Server
 
 COLOR = 0x336699  # EmptyImage's fill: r=0x33, g=0x66, b=0x99
@@ -378,3 +381,51 @@ def test_a_pack_reading_the_servers_directories_at_import_gets_them_after_a_cras
     again = _digest(server.run(prompt)[0])
     assert again["number"] != first["number"]  # a fresh worker imported the module again
     assert again["text"] == first["text"]
+
+
+def _torch_workers(server: Server) -> set[int]:
+    """The live workers of the torch pack's env (their interpreter is the env's)."""
+    env = os.environ["COMFY_ENV_TEST_PACK_ENV_TORCH"]
+    found = set()
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            command = child.cmdline()
+        except psutil.Error:
+            continue
+        if command and command[0].startswith(env):
+            found.add(child.pid)
+    return found
+
+
+def _has_torch_loaded(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return "libtorch" in fh.read()
+    except OSError:
+        return False
+
+
+def test_a_warm_pack_s_worker_is_back_with_its_module_imported_before_the_next_prompt(
+    server: Server,
+) -> None:
+    """The torch pack is isolated with ``warm=True``: when its worker dies, a fresh one starts
+    and imports the pack's module (torch) at once, with no prompt asking for it."""
+    run = {
+        "1": {"class_type": "CE_TorchSleepStamp", "inputs": {"seconds": 0.0, "tag": "w"}},
+        "99": {"class_type": "CE_Digest", "inputs": {"text": ["1", 0]}},
+    }
+    server.run(run)  # the pack's worker is up
+    before = _torch_workers(server)
+    assert before
+    for pid in before:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    fresh: set[int] = set()
+    while time.monotonic() < deadline:
+        fresh = {pid for pid in _torch_workers(server) - before if _has_torch_loaded(pid)}
+        if fresh:
+            break
+        time.sleep(0.1)
+    assert fresh, "no warm worker of the torch pack came back with torch imported"
+    server.run(run)  # and the next prompt runs on it
+    assert _torch_workers(server) - before == fresh

@@ -12,4 +12,7 @@ NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(
     __file__,
     env=os.environ.get("COMFY_ENV_EXAMPLE_TORCH_ENV", ".venv"),
     module="nodes_impl",
+    # Importing torch takes seconds: the worker is started and the module imported in the
+    # background when ComfyUI loads the pack, and again right after a crash.
+    warm=True,
 )
