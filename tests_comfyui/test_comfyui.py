@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -429,3 +430,34 @@ def test_a_warm_pack_s_worker_is_back_with_its_module_imported_before_the_next_p
     assert fresh, "no warm worker of the torch pack came back with torch imported"
     server.run(run)  # and the next prompt runs on it
     assert _torch_workers(server) - before == fresh
+
+
+def test_a_list_of_input_files_follows_uploads_in_object_info_and_validation(
+    server: Server,
+) -> None:
+    """An isolated node listing the input directory (as LoadImage does) shows a file written
+    after the server started, and a prompt choosing it validates and runs."""
+    warm = {
+        "1": {"class_type": "CE_Directories", "inputs": {}},
+        "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 1]}},
+    }
+    server.run(warm)  # the pack's worker is up (a pack without a live worker shows its scan)
+    name = f"upload-{uuid.uuid4().hex[:8]}.bin"
+    (server.base / "input").mkdir(exist_ok=True)
+    (server.base / "input" / name).write_bytes(b"x" * 1234)
+
+    def listed() -> list[str]:
+        info = server.get("/object_info/CE_LoadInputFile")
+        return list(info["CE_LoadInputFile"]["input"]["required"]["file"][0])
+
+    deadline = time.monotonic() + 10
+    while name not in listed() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert name in listed()
+    history, _ = server.run(
+        {
+            "1": {"class_type": "CE_LoadInputFile", "inputs": {"file": name}},
+            "99": {"class_type": "CE_Digest", "inputs": {"number": ["1", 0]}},
+        }
+    )
+    assert _digest(history)["number"] == 1234

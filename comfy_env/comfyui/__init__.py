@@ -31,6 +31,7 @@ from .._logs import show_package_as
 from .._pool import Pool
 from .._settings import MAX_SECONDS, check_timeout
 from .._worker import Worker
+from ._live import LiveInputs
 from ._proxy import CROSSING_TYPES, KeptOutput, make_v1_proxy, make_v3_proxy
 from ._scan import (
     NodePackError,
@@ -74,6 +75,7 @@ class _Pack:
         self.scan = scan
         self.has_torch = bool(scan.get("has_torch"))
         self.warmer: Warmer | None = None  # isolate(..., warm=True)
+        self.live_inputs = LiveInputs(self)  # INPUT_TYPES with lists of choices, asked live
 
     @property
     def pool(self) -> Pool:

@@ -62,6 +62,7 @@ from comfy_env_worker.comfyui import runner, values
 from .._errors import EnvAbandonedError, RemoteError, RemoteTraceback
 from .._refs import RemoteRef
 from . import _models
+from ._live import has_choices
 from ._scan import server_directories
 
 if TYPE_CHECKING:
@@ -611,6 +612,17 @@ def _tupled_inputs(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _add_hidden(node: NodeInfo, input_types: dict[str, Any]) -> dict[str, Any]:
+    """``input_types`` with the hidden input the proxy needs (the node id of a node whose
+    outputs stay in the worker, or whose author asked for it); returns it."""
+    hidden = input_types.setdefault("hidden", {})
+    if node.keep or node.author_wants_unique_id:
+        hidden[UNIQUE_ID_INPUT] = "UNIQUE_ID"
+    if not hidden:
+        del input_types["hidden"]
+    return input_types
+
+
 _TUPLE_ATTRS = ("RETURN_TYPES", "RETURN_NAMES", "OUTPUT_IS_LIST", "OUTPUT_TOOLTIPS")
 
 
@@ -649,14 +661,10 @@ def make_v1_proxy(pack: _Pack, data: dict[str, Any]) -> type:
     }
     is_list = list(attrs.get("OUTPUT_IS_LIST") or ())
     node.listed = tuple(i for i in node.keep if i < len(is_list) and is_list[i])
-    hidden = input_types.setdefault("hidden", {})
-    for name, value in list(hidden.items()):
+    for name, value in list(input_types.get("hidden", {}).items()):
         if value == "UNIQUE_ID":
             node.author_wants_unique_id = name
-    if node.keep or node.author_wants_unique_id:
-        hidden[UNIQUE_ID_INPUT] = "UNIQUE_ID"
-    if not hidden:
-        del input_types["hidden"]
+    _add_hidden(node, input_types)
 
     namespace: dict[str, Any] = {"__module__": __name__, "_comfy_env_node": node}
     for key, value in attrs.items():
@@ -664,8 +672,15 @@ def make_v1_proxy(pack: _Pack, data: dict[str, Any]) -> type:
             continue
         namespace[key] = tuple(value) if key in _TUPLE_ATTRS and isinstance(value, list) else value
     frozen = copy.deepcopy(input_types)
+    live = pack.live_inputs if has_choices(input_types) else None
+    if live is not None:
+        live.track(node.name)
 
     def input_types_method(cls: type) -> dict[str, Any]:
+        if live is not None:
+            now = live.get(node.name)  # its lists of choices as the env sees them now
+            if isinstance(now, dict):
+                return _add_hidden(node, _tupled_inputs(now))
         return copy.deepcopy(frozen)
 
     namespace["INPUT_TYPES"] = classmethod(input_types_method)

@@ -421,6 +421,25 @@ class Digest:
         return {"ui": {"digest": [report]}}
 
 
+class LoadInputFile:
+    """Offers the files of the server's input directory, as ComfyUI's LoadImage does (the list
+    follows uploads); returns the chosen file's size."""
+
+    CATEGORY = "comfy-env/examples"
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "run"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        folder = folder_paths.get_input_directory()
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        files = sorted(n for n in names if os.path.isfile(os.path.join(folder, n)))
+        return {"required": {"file": (files,)}}
+
+    def run(self, file):
+        return (os.path.getsize(os.path.join(folder_paths.get_input_directory(), file)),)
+
+
 class Directories:
     """The server's input and output directories as this module saw them at import, and the
     pid of the worker that imported it."""
@@ -444,6 +463,7 @@ class Directories:
 NODE_CLASS_MAPPINGS = {
     "CE_Digest": Digest,
     "CE_Directories": Directories,
+    "CE_LoadInputFile": LoadInputFile,
     "CE_InvertImage": InvertImage,
     "CE_Passthrough": Passthrough,
     "CE_MaskAndLatent": MaskAndLatent,

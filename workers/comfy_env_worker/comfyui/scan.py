@@ -108,6 +108,24 @@ def warm(
         load_module(pack_dir, module)
 
 
+def input_types(
+    pack_dir: str, module: str, names: List[str], directories: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """``INPUT_TYPES()`` of the V1 nodes ``names``, as they answer now (lists of files change
+    while the server runs); a node whose ``INPUT_TYPES`` raises is left out."""
+    standins.install()
+    if directories:
+        standins.set_directories(directories)
+    mappings = load_module(pack_dir, module).NODE_CLASS_MAPPINGS
+    answer: Dict[str, Any] = {}
+    for name in names:
+        try:
+            answer[name] = standins._plain(mappings[name].INPUT_TYPES())
+        except Exception:  # noqa: BLE001 - the host keeps the scanned value for it
+            continue
+    return answer
+
+
 def node_class(pack_dir: str, module: str, kind: str, name: str) -> Any:
     if kind == "v3":
         return v3_nodes(pack_dir, module)[name]
