@@ -235,9 +235,10 @@ def test_a_missing_env_raises_naming_the_paths_tried(pack: Path, tmp_path: Path)
 def test_the_prompt_server_stand_in_says_what_it_lacks() -> None:
     from comfy_env_worker.comfyui import standins
 
-    with pytest.raises(AttributeError, match="'routes': it is comfy-env's stand-in"):
-        standins.PromptServer.instance.routes  # noqa: B018 - the lookup is the test
+    with pytest.raises(AttributeError, match="'app': it is comfy-env's stand-in"):
+        standins.PromptServer.instance.app  # noqa: B018 - the lookup is the test
     assert not hasattr(standins.PromptServer.instance, "loop")
+    assert hasattr(standins.PromptServer.instance, "routes")  # recorded, served by the host
 
 
 def test_a_pack_needing_more_of_comfyui_than_the_stand_ins_is_told_so(

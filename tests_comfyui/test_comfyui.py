@@ -461,3 +461,17 @@ def test_a_list_of_input_files_follows_uploads_in_object_info_and_validation(
         }
     )
     assert _digest(history)["number"] == 1234
+
+
+def test_a_pack_s_routes_are_served_by_the_server_and_answered_in_its_env(
+    server: Server,
+) -> None:
+    """The numpy pack registers GET and POST routes on PromptServer.instance.routes in its env
+    (which has no aiohttp: the stand-in); the server serves them, each request answered by
+    the pack's handler in its worker."""
+    got = server.get("/comfy_env_example/info/box?q=7")
+    assert got["name"] == "box" and got["q"] == "7"
+    assert got["pid"] != server.process.pid
+    assert got["pid"] in {p.pid for p in psutil.Process(server.process.pid).children(True)}
+    status, body = server.post("/comfy_env_example/echo", {"a": [1, 2, 3]})
+    assert status == 200 and body == {"echo": {"a": [1, 2, 3]}}

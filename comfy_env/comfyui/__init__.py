@@ -33,6 +33,7 @@ from .._settings import MAX_SECONDS, check_timeout
 from .._worker import Worker
 from ._live import LiveInputs
 from ._proxy import CROSSING_TYPES, KeptOutput, make_v1_proxy, make_v3_proxy
+from ._routes import register as register_routes
 from ._scan import (
     NodePackError,
     PackSpec,
@@ -299,6 +300,7 @@ def isolate(
         mappings[node["name"]] = proxy
         if node.get("display_name"):
             display[node["name"]] = node["display_name"]
+    register_routes(pack)  # routes the pack's module registered on PromptServer, if any
     if warm:
         pack.warmer = Warmer(pack, scan_timeout)
         if scanned:

@@ -13,6 +13,7 @@ import zlib
 import comfy.model_management
 import folder_paths
 import numpy as np
+from aiohttp import web  # this env has no aiohttp: comfy-env's stand-in serves routes
 from comfy.utils import ProgressBar
 from server import PromptServer
 
@@ -419,6 +420,22 @@ class Digest:
             if value is not None:
                 report[name] = value
         return {"ui": {"digest": [report]}}
+
+
+# Routes on the server, answered in this env (the server forwards each request here).
+routes = PromptServer.instance.routes
+
+
+@routes.get("/comfy_env_example/info/{name}")
+async def example_info(request):
+    return web.json_response(
+        {"name": request.match_info["name"], "q": request.query.get("q"), "pid": os.getpid()}
+    )
+
+
+@routes.post("/comfy_env_example/echo")
+async def example_echo(request):
+    return web.json_response({"echo": await request.json()})
 
 
 class LoadInputFile:

@@ -27,7 +27,7 @@ import sys
 import types
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import standins, values
+from . import routes, standins, values
 
 V1_ATTRS = (
     "RETURN_TYPES",
@@ -68,7 +68,11 @@ def load_module(pack_dir: str, module: str) -> types.ModuleType:
         package = types.ModuleType(name, "comfy-env: the node pack at %s" % pack_dir)
         package.__path__ = [pack_dir]
         sys.modules[name] = package
-    loaded = importlib.import_module("%s.%s" % (name, module))
+    routes.LOADING.append((pack_dir, module))  # routes registered now are this pack's
+    try:
+        loaded = importlib.import_module("%s.%s" % (name, module))
+    finally:
+        routes.LOADING.pop()
     _MODULES[key] = loaded
     return loaded
 
@@ -124,6 +128,20 @@ def input_types(
         except Exception:  # noqa: BLE001 - the host keeps the scanned value for it
             continue
     return answer
+
+
+def serve_route(
+    pack_dir: str,
+    module: str,
+    kind: str,
+    method: str,
+    path: str,
+    request: Dict[str, Any],
+    directories: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """Serve one HTTP request the host forwarded to a route the pack registered."""
+    warm(pack_dir, module, kind, directories)
+    return routes.serve((pack_dir, module), method, path, request)
 
 
 def node_class(pack_dir: str, module: str, kind: str, name: str) -> Any:
@@ -220,4 +238,5 @@ def scan(
         "standins": standins.install(),
         "python": "%d.%d.%d" % sys.version_info[:3],
         "nodes": nodes,
+        **routes.table((pack_dir, module)),
     }

@@ -31,6 +31,8 @@ import time
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import routes
+
 # The context of the node call running now (one call at a time per worker).
 CONTEXT: Dict[str, Any] = {}
 INSTALLED: List[str] = []  # names this worker got stand-ins for, for the scan report
@@ -148,6 +150,8 @@ class _PromptServerInstance:
     client_id = None
     last_node_id = None
     last_prompt_id = None
+    # The pack's routes, recorded; the host serves them and forwards each request (routes.py).
+    routes = routes.RouteTable()
 
     def send_sync(self, event: str, data: Any, sid: Any = None) -> None:
         emit("comfyui.send_sync", {"event": event, "data": data, "sid": sid})
@@ -155,8 +159,8 @@ class _PromptServerInstance:
     def __getattr__(self, name: str) -> Any:  # what the stand-in lacks (routes, loop, ...)
         raise AttributeError(
             "PromptServer.instance has no attribute %r: it is comfy-env's stand-in in an env "
-            "without ComfyUI, which offers only send_sync, client_id, last_node_id and "
-            "last_prompt_id (the server's routes and loop live in the ComfyUI process)" % name
+            "without ComfyUI, which offers only send_sync, routes, client_id, last_node_id and "
+            "last_prompt_id (the server's loop and app live in the ComfyUI process)" % name
         )
 
 
@@ -396,6 +400,7 @@ def install() -> List[str]:
         sys.modules["comfy.model_management"] = management
         sys.modules["comfy.utils"] = helpers
         INSTALLED.extend(["comfy", "comfy.model_management", "comfy.utils"])
+    routes.install_aiohttp()
     if _absent("server"):
         sys.modules["server"] = _module("server", {"PromptServer": PromptServer})
         INSTALLED.append("server")
