@@ -475,3 +475,12 @@ def test_a_pack_s_routes_are_served_by_the_server_and_answered_in_its_env(
     assert got["pid"] in {p.pid for p in psutil.Process(server.process.pid).children(True)}
     status, body = server.post("/comfy_env_example/echo", {"a": [1, 2, 3]})
     assert status == 200 and body == {"echo": {"a": [1, 2, 3]}}
+
+
+def test_a_pack_s_web_directory_is_served_when_its_nodes_are_isolated(server: Server) -> None:
+    """WEB_DIRECTORY in the pack's __init__.py (which runs in the server) is served as for any
+    pack; the isolated module's own attributes never reach ComfyUI."""
+    listed = server.get("/extensions")
+    assert any(path.endswith("/example.js") and "numpy_pack" in path for path in listed)
+    script = server.get("/extensions/numpy_pack/example.js")
+    assert b"comfy-env example pack loaded" in script

@@ -8,6 +8,9 @@ import os
 
 from comfy_env.comfyui import isolate
 
+# Front-end files: ComfyUI reads WEB_DIRECTORY from this module, which runs in the server.
+WEB_DIRECTORY = "./web"
+
 NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(
     __file__,
     env=os.environ.get("COMFY_ENV_EXAMPLE_NUMPY_ENV", ".venv"),
