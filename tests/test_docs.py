@@ -183,8 +183,7 @@ def _dev_commands() -> frozenset[str]:
 
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading."""
-    text = re.sub(r"[`*_\[\]()]", "", heading.strip()).lower()
-    text = re.sub(r"[^\w\- ]", "", text)
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())  # keeps letters, digits, _ and -
     return text.replace(" ", "-")
 
 
@@ -362,6 +361,11 @@ def test_the_docs_exist() -> None:
 def test_every_name_the_docs_give_exists(check: Callable[[str, str], Problems]) -> None:
     problems = [p for path in DOCS for p in check(_name(path), _doc(path))]
     assert not problems, "the docs name what does not exist:\n" + "\n".join(problems)
+
+
+def test_the_changelogs_links_resolve() -> None:
+    problems = check_links("CHANGELOG.md", _doc(REPO / "CHANGELOG.md"))
+    assert not problems, "CHANGELOG.md links to what does not exist:\n" + "\n".join(problems)
 
 
 def test_each_check_finds_a_deliberately_wrong_name() -> None:
