@@ -363,8 +363,8 @@ def _module(name: str, attrs: Dict[str, Any], package: bool = False) -> types.Mo
         offered = sorted(n for n in module.__dict__ if not n.startswith("_"))
         raise AttributeError(
             "module %r has no attribute %r: it is comfy-env's stand-in for ComfyUI's %s in an "
-            "env without ComfyUI, which offers only %s (see README, 'ComfyUI node packs in "
-            "their own envs')" % (name, attr, name, ", ".join(offered) or "nothing")
+            "env without ComfyUI, which offers only %s (see docs/comfyui.md, 'The env')"
+            % (name, attr, name, ", ".join(offered) or "nothing")
         )
 
     setattr(module, "__getattr__", __getattr__)  # noqa: B010 - a module-level __getattr__
