@@ -219,9 +219,10 @@ def bench_comfyui(argv: list[str]) -> int:
     if tarball is None:
         print("dev.py: bench-comfyui needs the ComfyUI source tarball (--comfyui PATH)")
         return 1
-    _, py = prepare_comfyui(tarball)
+    src, py = prepare_comfyui(tarball)
     script = os.path.join(ROOT, "benchmarks", "bench_comfyui.py")
     envs = ["--numpy-env", prepare_pack_env("numpy"), "--torch-env", prepare_pack_env("torch")]
+    envs += ["--comfyui-dir", src]
     return subprocess.call([py, script, *envs, *rest], cwd=ROOT)
 
 

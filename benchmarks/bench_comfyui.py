@@ -17,6 +17,15 @@ Measured, in interleaved rounds (so drift of the machine hits all variants alike
   which bounds from below what any isolated node can cost;
 - crash to next prompt: a node that segfaults, then the next node call on the fresh worker
   (detection, and recovery including the new worker's start and the pack's import);
+- a chain of six isolated nodes (``benchmarks/chain_pack``: an IMAGE through a node that loads
+  an object kept in the worker, two that use it, three that transform the image), with
+  ComfyUI's own model manager imported (``--comfyui-dir``, on the CPU as ``--cpu``) so each kept
+  run is registered as in a server, against the same six nodes called in-process; reported as
+  added time per node;
+- threads: a multi-threaded torch node (``GrowMaskBlur`` on a 1024x1024 MASK) and a node of
+  small tensor ops (``Invert`` on the IMAGE), in-process, isolated as workers start by default
+  (``OMP_WAIT_POLICY=PASSIVE``) and isolated with OpenMP's spinning default
+  (``OMP_WAIT_POLICY=ACTIVE``), in interleaved rounds;
 - warm starts (``isolate(..., warm=True)``) with the torch pack, whose module imports torch:
   the first node call after a server start with a cached scan, cold and warm (the warm-up
   given time to finish, as it has while ComfyUI finishes starting), and the first call after
@@ -112,6 +121,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--crashes", type=int, default=5)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--comfyui-dir", help="ComfyUI's source (for its model manager)")
     args = parser.parse_args()
     if not args.numpy_env or not args.torch_env:
         parser.error("needs --numpy-env and --torch-env (python3 dev.py bench-comfyui sets them)")
@@ -184,6 +194,8 @@ def main() -> int:
         detect.append(t1 - t0)
         recover.append(t2 - t1)
     pool.close()
+    chain_lines = _bench_chain(args.torch_env, args.comfyui_dir, image, args.rounds, args.calls)
+    thread_lines = _bench_threads(args.torch_env, image, args.rounds)
     warm_lines = _bench_warm(args.torch_env, image, args.crashes)
 
     base = samples["in-process"]
@@ -222,6 +234,10 @@ def main() -> int:
         f"{statistics.median(recover) * 1e3:.1f} ms (min {min(recover) * 1e3:.1f}, "
         f"max {max(recover) * 1e3:.1f}).",
         "",
+        *chain_lines,
+        "",
+        *thread_lines,
+        "",
         *warm_lines,
         END,
     ]
@@ -232,6 +248,166 @@ def main() -> int:
         current = results.read_text() if results.exists() else ""
         results.write_text(place_section(current, text))
     return 0
+
+
+def _model_manager(comfyui_dir: str | None) -> Any:
+    """ComfyUI's ``comfy.model_management`` on the CPU (as a server started with ``--cpu``),
+    imported from its source; None without one (kept runs are then not registered)."""
+    if not comfyui_dir:
+        return None
+    sys.path.insert(0, comfyui_dir)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    import comfy.model_management
+
+    return comfy.model_management
+
+
+def _bench_chain(
+    torch_env: str, comfyui_dir: str | None, image: Any, rounds: int, calls: int
+) -> list[str]:
+    """Six isolated nodes in a row, against the same six in-process: added time per node."""
+    import comfy_env
+    from comfy_env.comfyui import isolate
+
+    mm = _model_manager(comfyui_dir)
+    local = _load_in_process(HERE / "chain_pack" / "nodes_impl.py")
+    cache = tempfile.mkdtemp(prefix="bench-comfyui-chain-scan-")
+    pool = comfy_env.Pool(comfy_env.PoolConfig(log_level="WARNING"))
+    nodes, _ = isolate(
+        str(HERE / "chain_pack"), torch_env, "nodes_impl", pool=pool, cache_dir=cache
+    )
+    load, use, invert = nodes["BenchLoadKernel"], nodes["BenchUseKernel"], nodes["BenchInvert"]
+    il, iu1, iu2, ii1, ii2, ii3 = load(), use(), use(), invert(), invert(), invert()
+    ll, lu, li = local.LoadKernel(), local.UseKernel(), local.Invert()
+    uid = {"comfy_env_unique_id": "1"}
+
+    registrations = [0]
+
+    async def isolated(x: Any) -> Any:
+        (kernel,) = await il.run(scale=1.0, **uid)  # a kept output, registered each run
+        registrations[0] += kernel.model is not None
+        (y,) = await iu1.run(kernel=kernel, image=x)
+        (y,) = await ii1.run(image=y)
+        (y,) = await iu2.run(kernel=kernel, image=y)
+        (y,) = await ii2.run(image=y)
+        return await ii3.run(image=y)
+
+    async def in_process(x: Any) -> Any:
+        (kernel,) = ll.run(scale=1.0)
+        (y,) = lu.run(kernel=kernel, image=x)
+        (y,) = li.run(image=y)
+        (y,) = lu.run(kernel=kernel, image=y)
+        (y,) = li.run(image=y)
+        return li.run(image=y)
+
+    per_round: dict[str, list[float]] = {"in-process": [], "isolated": []}
+
+    async def bench() -> None:
+        await _time_calls(isolated, image, 10)
+        await _time_calls(in_process, image, 10)
+        for _ in range(rounds):
+            for name, fn in (("in-process", in_process), ("isolated", isolated)):
+                per_round[name].append(statistics.median(await _time_calls(fn, image, calls)))
+
+    asyncio.run(bench())
+    registered = registrations[0]
+    pool.close()
+    pairs = zip(per_round["isolated"], per_round["in-process"], strict=True)
+    added = [(isolated_s - local_s) / 6 for isolated_s, local_s in pairs]
+    verdict = "MET" if statistics.median(added) <= 0.002 else "**NOT MET**"
+    manager = (
+        f"ComfyUI's model manager imported (`--cpu`): {registered} kept runs registered with it"
+        if mm is not None
+        else "no ComfyUI model manager (kept runs not registered)"
+    )
+    return [
+        "Chain of six isolated nodes (torch env; load a kept object, use it twice, invert three "
+        f"times, on the 512x512 IMAGE; {manager}): a chain run takes "
+        f"{statistics.median(per_round['isolated']) * 1e3:.2f} ms isolated against "
+        f"{statistics.median(per_round['in-process']) * 1e3:.2f} ms in-process (medians over "
+        f"{rounds} rounds of {calls}); added per node {statistics.median(added) * 1e3:.3f} ms "
+        f"(rounds: {min(added) * 1e3:.3f} to {max(added) * 1e3:.3f}). Target: at most 2 ms per "
+        f"node: {verdict}.",
+    ]
+
+
+def _bench_threads(torch_env: str, image: Any, rounds: int) -> list[str]:
+    """Threaded and small-op torch nodes: in-process, isolated (passive OpenMP, the default)
+    and isolated with OpenMP spinning (the library's earlier default)."""
+    import torch
+
+    import comfy_env
+    from comfy_env.comfyui import isolate
+
+    local = _load_in_process(HERE / "chain_pack" / "nodes_impl.py")
+    with torch.inference_mode():
+        mask = (torch.rand(1, 1024, 1024) > 0.5).float()
+    pools, blur, invert = {}, {}, {}
+    for name, env_vars in (("passive", {}), ("spinning", {"OMP_WAIT_POLICY": "ACTIVE"})):
+        pools[name] = comfy_env.Pool(comfy_env.PoolConfig(log_level="WARNING", env_vars=env_vars))
+        nodes, _ = isolate(
+            str(HERE / "chain_pack"),
+            torch_env,
+            "nodes_impl",
+            pool=pools[name],
+            cache_dir=tempfile.mkdtemp(prefix="bench-comfyui-threads-"),
+        )
+        blur[name], invert[name] = nodes["BenchGrowMaskBlur"](), nodes["BenchInvert"]()
+    lblur, linvert = local.GrowMaskBlur(), local.Invert()
+
+    async def local_blur() -> Any:
+        return lblur.run(mask=mask, grow=5, blur=15)
+
+    async def local_invert() -> Any:
+        return linvert.run(image=image)
+
+    variants = {
+        ("blur", "in-process"): local_blur,
+        ("blur", "isolated"): lambda: blur["passive"].run(mask=mask, grow=5, blur=15),
+        ("blur", "isolated, OpenMP spinning"): lambda: blur["spinning"].run(
+            mask=mask, grow=5, blur=15
+        ),
+        ("invert", "in-process"): local_invert,
+        ("invert", "isolated"): lambda: invert["passive"].run(image=image),
+        ("invert", "isolated, OpenMP spinning"): lambda: invert["spinning"].run(image=image),
+    }
+    samples: dict[tuple[str, str], list[float]] = {k: [] for k in variants}
+
+    async def timed(fn: Any, n: int) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    async def bench() -> None:
+        for fn in variants.values():
+            await timed(fn, 3)
+        for _ in range(rounds):
+            for key, fn in variants.items():
+                samples[key].append(await timed(fn, 5 if key[0] == "blur" else 30))
+
+    asyncio.run(bench())
+    for pool in pools.values():
+        pool.close()
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    ratio = med[("blur", "isolated")] / med[("blur", "in-process")]
+    verdict = "MET" if ratio <= 1.2 else "**NOT MET**"
+    return [
+        f"Threads ({rounds} interleaved rounds; medians, ms; load average "
+        + " / ".join(f"{x:.2f}" for x in os.getloadavg())
+        + "): a multi-threaded torch node (grow a 1024x1024 MASK, then a separable blur) takes "
+        f"{med[('blur', 'in-process')]:.1f} in-process, {med[('blur', 'isolated')]:.1f} "
+        f"isolated ({ratio:.2f}x; target at most 1.2x: {verdict}) and "
+        f"{med[('blur', 'isolated, OpenMP spinning')]:.1f} isolated with OpenMP spinning; a "
+        f"node of small tensor ops (invert the IMAGE) takes {med[('invert', 'in-process')]:.2f} "
+        f"in-process, {med[('invert', 'isolated')]:.2f} isolated and "
+        f"{med[('invert', 'isolated, OpenMP spinning')]:.2f} isolated with OpenMP spinning "
+        "(workers start with `OMP_WAIT_POLICY=PASSIVE` unless told otherwise).",
+    ]
 
 
 def _bench_warm(torch_env: str, image: Any, rounds: int) -> list[str]:
