@@ -1,0 +1,501 @@
+"""Declared envs: a recipe is built once with uv, locked with hashes, published atomically,
+shared safely between processes, and collected when unused.
+
+Real builds from the package index (tiny pure-Python packages; uv's own cache, shared by every
+test and run, makes repeats fast); skipped when the index cannot be reached. Each test has its
+own env root (``COMFY_ENV_HOME`` under ``tmp_path``). A second index is served on 127.0.0.1 by
+the tests themselves, with a wheel written by hand.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import io
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+
+import comfy_env
+from comfy_env import _build, _envstore
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _index_reachable() -> bool:
+    try:
+        with socket.create_connection(("pypi.org", 443), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+needs_index = pytest.mark.skipif(not _index_reachable(), reason="the package index is unreachable")
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "home"
+    monkeypatch.setenv("COMFY_ENV_HOME", str(root))
+    return root
+
+
+def _version_in(env: Path, module: str) -> str:
+    out = subprocess.run(
+        [
+            str(env / "bin" / "python"),
+            "-c",
+            f"import importlib.metadata as m; print(m.version({module!r}))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+# ---- a second index on 127.0.0.1 -----------------------------------------------------------
+
+
+def make_wheel(name: str, version: str, body: str) -> tuple[str, bytes]:
+    """A minimal pure-Python wheel, written by hand: (file name, bytes)."""
+    dist = name.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    files = {
+        f"{dist}/__init__.py": body.encode(),
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: comfy-env-tests\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{info}/RECORD,,")
+    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path, data in files.items():
+            archive.writestr(path, data)
+    return f"{dist}-{version}-py3-none-any.whl", buffer.getvalue()
+
+
+class SecondIndex:
+    """A PEP 503 simple index on 127.0.0.1, in a thread: ``add(page, wheel)`` publishes a
+    wheel on ``<url><page>/``; ``slow`` makes wheel downloads wait until ``release()``."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, dict[str, bytes]] = {}
+        self.slow: set[str] = set()
+        self.requested = threading.Event()
+        self._release = threading.Event()
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.do_GET(head=True)
+
+            def do_GET(self, head: bool = False) -> None:
+                parts = [p for p in self.path.split("?")[0].split("/") if p]
+                if len(parts) == 2 and parts[0] == "simple" and parts[1] in index.pages:
+                    links = "".join(
+                        f'<a href="{f}#sha256={hashlib.sha256(d).hexdigest()}">{f}</a>\n'
+                        for f, d in index.pages[parts[1]].items()
+                    )
+                    self._send(f"<html><body>{links}</body></html>".encode(), "text/html", head)
+                    return
+                if len(parts) == 3 and parts[1] in index.pages:
+                    data = index.pages[parts[1]].get(parts[2])
+                    if data is not None:
+                        if parts[2] in index.slow and not head:
+                            index.requested.set()
+                            index._release.wait(60)
+                        self._send(data, "application/octet-stream", head)
+                        return
+                self.send_error(404)
+
+            def _send(self, data: bytes, kind: str, head: bool = False) -> None:
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", kind)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if not head:
+                        self.wfile.write(data)
+                except OSError:  # the client went away (killed)
+                    pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = False  # server_close() joins the handler threads
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple/"
+        self.thread = threading.Thread(target=self.server.serve_forever, name="second-index")
+        self.thread.start()
+
+    def add(self, page: str, wheel: tuple[str, bytes]) -> None:
+        self.pages.setdefault(page, {})[wheel[0]] = wheel[1]
+
+    def release(self) -> None:
+        self._release.set()
+
+    def close(self) -> None:
+        self._release.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def second_index() -> Iterator[SecondIndex]:
+    index = SecondIndex()
+    try:
+        yield index
+    finally:
+        index.close()
+
+
+def _unique(prefix: str) -> str:
+    # A name no other run has put into uv's shared cache (a cached wheel is not downloaded).
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+# ---- recipes ---------------------------------------------------------------------------------
+
+
+def test_recipe_is_a_value_and_its_key_covers_pins_indexes_and_python() -> None:
+    probe = {"implementation": "cpython", "version": "3.12.1", "platform": "linux", "machine": "x"}
+    a = comfy_env.Recipe(["six==1.16.0", "idna"])
+    assert a == comfy_env.Recipe(["idna", "six == 1.16.0"])  # order and spaces do not matter
+    assert a.key(probe) == comfy_env.Recipe(["idna", "six == 1.16.0"]).key(probe)
+    assert a.key(probe) != comfy_env.Recipe(["six==1.15.0", "idna"]).key(probe)
+    assert a.key(probe) != comfy_env.Recipe(a.requirements, extra_index_urls=["http://x"]).key(
+        probe
+    )
+    assert a.key(probe) != a.key({**probe, "version": "3.11.7"})
+    assert a.key(probe) != a.key({**probe, "implementation": "pypy"})
+
+
+def test_bad_recipes_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(comfy_env.EnvBuildError, match="nothing to build"):
+        comfy_env.Recipe([])
+    with pytest.raises(comfy_env.EnvBuildError, match="python"):
+        comfy_env.Recipe(["six"], python="three")
+    with pytest.raises(comfy_env.EnvBuildError, match="list of strings"):
+        comfy_env.Recipe("six")  # type: ignore[arg-type]
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "p"\ndependencies = ["six"]\n'
+        '[tool.comfy.isolation]\npackage_manager = "conda"\n'
+    )
+    with pytest.raises(comfy_env.EnvBuildError, match='package_manager = "conda"') as info:
+        comfy_env.Recipe.from_pyproject(tmp_path)
+    assert "env=" in str(info.value)  # says what to do instead
+    assert isinstance(info.value, comfy_env.EnvError)
+
+
+def test_a_missing_python_is_a_clear_error() -> None:
+    with pytest.raises(comfy_env.EnvBuildError, match=r"no installed Python 3\.99") as info:
+        comfy_env.build_env(comfy_env.Recipe(["six"], python="3.99"))
+    assert info.value.stage == "find-python"
+
+
+@needs_index
+def test_two_envs_differing_by_one_pin_are_two_envs(home: Path) -> None:
+    new = comfy_env.build_env(comfy_env.Recipe(["six==1.16.0"]))
+    old = comfy_env.build_env(comfy_env.Recipe(["six==1.15.0"]))
+    assert new != old and new.parent == old.parent == home / "envs"
+    assert _version_in(new, "six") == "1.16.0"
+    assert _version_in(old, "six") == "1.15.0"
+    lock = (new / "env.lock").read_text()
+    assert "six==1.16.0" in lock and "--hash=sha256:" in lock
+    # Built once: the second ask is the published env, untouched.
+    record = (new / "comfy-env-env.json").stat().st_mtime_ns
+    assert comfy_env.build_env(comfy_env.Recipe(["six==1.16.0"])) == new
+    assert (new / "comfy-env-env.json").stat().st_mtime_ns == record
+    assert not [p for p in os.listdir(home / "envs") if ".tmp-" in p]
+
+
+@needs_index
+def test_a_recipe_is_accepted_wherever_an_env_is(config: comfy_env.PoolConfig) -> None:
+    recipe = comfy_env.Recipe(["six==1.16.0"])
+    with comfy_env.Pool(config) as pool:
+        worker = pool.get_worker(recipe)
+        assert worker.call("importlib.metadata:version", "six") == "1.16.0"
+        assert worker.env == str(comfy_env.build_env(recipe))
+        assert comfy_env.resolve_env(recipe).key == worker.env
+
+
+@needs_index
+def test_a_list_a_file_and_a_pyproject_make_one_env(tmp_path: Path) -> None:
+    (tmp_path / "req").mkdir()
+    (tmp_path / "req" / "env-requirements.txt").write_text(
+        "# the pack's env\nidna==3.7\nsix==1.16.0\n"
+    )
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "pyproject.toml").write_text(
+        '[project]\nname = "pack"\nversion = "1"\ndependencies = ["six==1.16.0", "idna==3.7"]\n'
+        '[tool.comfy.isolation]\npackage_manager = "uv"\n'
+    )
+    from_list = comfy_env.build_env(comfy_env.Recipe(["six==1.16.0", "idna==3.7"]))
+    from_file = comfy_env.build_env(
+        comfy_env.Recipe.from_file(tmp_path / "req" / "env-requirements.txt")
+    )
+    from_pyproject = comfy_env.build_env(comfy_env.Recipe.from_pyproject(tmp_path / "pack"))
+    assert from_list == from_file == from_pyproject
+    assert _version_in(from_list, "idna") == "3.7"
+
+
+@needs_index
+def test_a_shipped_lock_is_installed_as_is(tmp_path: Path, home: Path) -> None:
+    """The pack asks for ``packaging`` (newest: 24+) and ships a lock of 23.2: the env has 23.2."""
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "pyproject.toml").write_text(
+        '[project]\nname = "pack"\nversion = "1"\ndependencies = ["packaging"]\n'
+    )
+    source = tmp_path / "pin.in"
+    source.write_text("packaging==23.2\n")
+    subprocess.run(
+        [
+            _build.uv_bin(),
+            "pip",
+            "compile",
+            "--quiet",
+            "--generate-hashes",
+            "--python-version",
+            "3.11",
+            str(source),
+            "-o",
+            str(pack / "env.lock"),
+        ],
+        check=True,
+    )
+    recipe = comfy_env.Recipe.from_pyproject(pack)
+    assert recipe.lock == str(pack / "env.lock")
+    env = comfy_env.build_env(recipe)
+    assert _version_in(env, "packaging") == "23.2"
+    assert (env / "env.lock").read_bytes() == (pack / "env.lock").read_bytes()
+    # Without the lock the same pyproject resolves to the newest: another env.
+    os.unlink(pack / "env.lock")
+    newest = comfy_env.build_env(comfy_env.Recipe.from_pyproject(pack))
+    assert newest != env and _version_in(newest, "packaging") != "23.2"
+
+
+@needs_index
+def test_a_missing_requirement_names_itself_and_is_not_retried_at_once(home: Path) -> None:
+    name = "comfy-env-test-no-such-project-zz9"
+    recipe = comfy_env.Recipe([f"{name}==1.0", "six"])
+    with pytest.raises(comfy_env.EnvBuildError) as info:
+        comfy_env.build_env(recipe)
+    error = info.value
+    assert error.stage == "resolve"
+    assert error.requirements == (name,)
+    assert name in error.uv_message and name in str(error)
+    assert error.log_path and Path(error.log_path).is_file() and str(error.log_path) in str(error)
+    assert error.retry_at is None
+    assert not os.listdir(home / "envs")  # nothing published, no temporary directory left
+    log_before = Path(error.log_path).stat().st_mtime_ns
+    with pytest.raises(comfy_env.EnvBuildError, match="built again at the next use after") as again:
+        comfy_env.build_env(recipe)
+    assert again.value.retry_at is not None and again.value.retry_at > time.time()
+    assert again.value.requirements == (name,)
+    assert Path(error.log_path).stat().st_mtime_ns == log_before  # uv was not run again
+
+
+@needs_index
+def test_conflicting_versions_name_the_requirement() -> None:
+    with pytest.raises(comfy_env.EnvBuildError) as info:
+        comfy_env.build_env(comfy_env.Recipe(["six==1.16.0", "six==1.15.0", "idna"]))
+    assert info.value.stage == "resolve"
+    assert info.value.requirements == ("six",)
+    assert "1.15.0" in info.value.uv_message
+
+
+@needs_index
+def test_gc_spares_an_env_in_use_and_collects_unused_ones(
+    config: comfy_env.PoolConfig, home: Path
+) -> None:
+    used = comfy_env.Recipe(["six==1.16.0"])
+    unused = comfy_env.Recipe(["idna==3.7"])
+    used_env, unused_env = comfy_env.build_env(used), comfy_env.build_env(unused)
+    (home / "not-ours").mkdir()
+    (home / "envs" / "someone-elses").mkdir()  # not built by comfy-env: never removed
+    with comfy_env.Pool(config) as pool:
+        assert pool.get_worker(used).call("importlib.metadata:version", "six") == "1.16.0"
+        assert wait_until(
+            lambda: any(e.in_use_by for e in _envstore.list_envs() if e.key == used_env.name), 10
+        )
+        report = _envstore.gc(older_than_days=0)
+        assert report.removed == (unused_env.name,)
+        assert report.kept_in_use == (used_env.name,)
+        assert used_env.is_dir() and not unused_env.exists()
+    assert (home / "envs" / "someone-elses").is_dir()
+    report = _envstore.gc(older_than_days=0)
+    assert report.removed == (used_env.name,) and not used_env.exists()
+    assert (home / "envs" / "someone-elses").is_dir()
+
+
+# ---- a second index, concurrency, crashes ------------------------------------------------------
+
+
+@needs_index
+def test_a_package_from_a_second_index_is_routed_like_cuda_wheels(
+    tmp_path: Path, second_index: SecondIndex
+) -> None:
+    name = _unique("cenv-cuda-probe")
+    second_index.add(
+        name.replace("-", "_") + "_cu128", make_wheel(name, "1.0", "VALUE = 'second index'\n")
+    )
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "pyproject.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            [project]
+            name = "pack"
+            version = "1"
+            dependencies = ["{name}==1.0", "six==1.16.0"]
+
+            [tool.comfy.isolation]
+            package_manager = "uv"
+
+            [tool.comfy.isolation.cuda_wheels]
+            index_url = "{second_index.url}"
+            packages = ["{name}"]
+            package_map = {{ "{name}" = "{name.replace("-", "_")}_cu128" }}
+            """
+        )
+    )
+    env = comfy_env.build_env(comfy_env.Recipe.from_pyproject(pack))
+    module = name.replace("-", "_")
+    out = subprocess.run(
+        [str(env / "bin" / "python"), "-c", f"import {module}; print({module}.VALUE)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "second index"
+    lock = (env / "env.lock").read_text()
+    wheel_hash = hashlib.sha256(
+        next(iter(second_index.pages[module + "_cu128"].values()))
+    ).hexdigest()
+    assert f"{name}==1.0" in lock and wheel_hash in lock  # the lock names it and its hash
+    # The lock, shipped with another pack, reinstalls the same wheel from the second index.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "pyproject.toml").write_text((pack / "pyproject.toml").read_text())
+    (other / "env.lock").write_text(lock)
+    again = comfy_env.build_env(comfy_env.Recipe.from_pyproject(other))
+    assert again != env and _version_in(again, name) == "1.0"
+
+
+_BUILDER = """
+import json, logging, sys
+import comfy_env
+seen = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("comfy_env.build").addHandler(Catch())
+logging.getLogger("comfy_env.build").setLevel(logging.INFO)
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.readline()  # all start together
+recipe = comfy_env.Recipe(json.loads(sys.argv[1]), lock=sys.argv[2] or None)
+path = comfy_env.build_env(recipe)
+print(json.dumps({"path": str(path),
+                  "built": any(m.startswith("comfy-env: building env") for m in seen),
+                  "waited": any("being built by another builder" in m for m in seen)}))
+"""
+
+
+def _builder(requirements: list[str], lock: str = "") -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _BUILDER, json.dumps(requirements), lock],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@needs_index
+@pytest.mark.timeout(180)
+def test_four_processes_asking_at_once_build_once(home: Path) -> None:
+    requirements = ["iniconfig==2.0.0", "six==1.16.0"]
+    builders = [_builder(requirements) for _ in range(4)]
+    try:
+        for b in builders:
+            assert b.stdout is not None and b.stdout.readline().strip() == "ready"
+        for b in builders:
+            assert b.stdin is not None
+            b.stdin.write("go\n")
+            b.stdin.flush()
+        results = []
+        for b in builders:
+            out, err = b.communicate(timeout=150)
+            assert b.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for b in builders:
+            if b.poll() is None:
+                b.kill()
+                b.wait()
+    assert len({r["path"] for r in results}) == 1
+    assert sum(r["built"] for r in results) == 1, results
+    assert [p for p in os.listdir(home / "envs") if ".tmp-" not in p] == [
+        Path(results[0]["path"]).name
+    ]
+
+
+@needs_index
+@pytest.mark.timeout(180)
+def test_a_builder_killed_mid_install_poisons_nothing(
+    tmp_path: Path, home: Path, second_index: SecondIndex
+) -> None:
+    """The builder installs a shipped lock whose wheel downloads slowly; it is SIGKILLed in
+    ``uv pip sync``. The next use builds cleanly: its lock is free, the dead builder's
+    temporary directory is removed, the env works."""
+    name = _unique("cenv-slow")
+    filename, data = make_wheel(name, "1.0", "VALUE = 1\n")
+    page = name.replace("-", "_")
+    second_index.add(page, (filename, data))
+    second_index.slow.add(filename)
+    lock = tmp_path / "env.lock"
+    lock.write_text(
+        f"--find-links {second_index.url}{page}/\n"
+        f"{name}==1.0 \\\n    --hash=sha256:{hashlib.sha256(data).hexdigest()}\n"
+    )
+    builder = _builder([name], str(lock))
+    try:
+        assert builder.stdout is not None and builder.stdout.readline().strip() == "ready"
+        assert builder.stdin is not None
+        builder.stdin.write("go\n")
+        builder.stdin.flush()
+        assert second_index.requested.wait(60), "the builder never reached the download"
+        assert [p for p in os.listdir(home / "envs") if ".tmp-" in p]  # mid-build
+        os.killpg(builder.pid, signal.SIGKILL)  # the builder and its uv
+        builder.communicate(timeout=30)
+    finally:
+        if builder.poll() is None:
+            os.killpg(builder.pid, signal.SIGKILL)
+            builder.wait()
+    second_index.release()
+    env = comfy_env.build_env(comfy_env.Recipe([name], lock=lock))
+    assert _version_in(env, name) == "1.0"
+    assert os.listdir(home / "envs") == [env.name]  # the dead builder's directory is gone
