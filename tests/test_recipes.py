@@ -499,3 +499,58 @@ def test_a_builder_killed_mid_install_poisons_nothing(
     env = comfy_env.build_env(comfy_env.Recipe([name], lock=lock))
     assert _version_in(env, name) == "1.0"
     assert os.listdir(home / "envs") == [env.name]  # the dead builder's directory is gone
+
+
+# ---- the command line --------------------------------------------------------------------------
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *words: str) -> tuple[int, object]:
+    from comfy_env._cli import main
+
+    code = main(list(words))
+    out = capsys.readouterr().out
+    return code, json.loads(out) if "--json" in words else out
+
+
+@needs_index
+def test_cli_env_build_list_gc_rm(
+    tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "pyproject.toml").write_text(
+        '[project]\nname = "clipack"\nversion = "1"\ndependencies = ["six==1.16.0"]\n'
+    )
+    code, built = _cli(capsys, "env", "build", str(pack), "--json")
+    assert code == 0 and isinstance(built, dict) and built["ok"]
+    code, other = _cli(capsys, "env", "build", "idna==3.7", "--json")
+    assert code == 0 and isinstance(other, dict)
+    code, listed = _cli(capsys, "env", "list", "--json")
+    assert code == 0 and isinstance(listed, dict)
+    rows = {row["key"]: row for row in listed["envs"]}
+    assert set(rows) == {built["key"], other["key"]}
+    assert rows[built["key"]]["name"] == "clipack" and rows[built["key"]]["size_bytes"] > 0
+    assert rows[built["key"]]["python"] and rows[built["key"]]["in_use_by"] == []
+    code, text = _cli(capsys, "env", "list")
+    assert code == 0 and built["key"] in str(text) and "clipack" in str(text)
+    code, dry = _cli(capsys, "env", "gc", "--older-than", "0", "--dry-run", "--json")
+    assert code == 0 and isinstance(dry, dict) and sorted(dry["removed"]) == sorted(rows)
+    assert Path(built["path"]).is_dir()  # a dry run removes nothing
+    code, removed = _cli(capsys, "env", "rm", other["key"], "--json")
+    assert code == 0 and isinstance(removed, dict) and removed["ok"]
+    assert not Path(other["path"]).exists()
+    code, missing = _cli(capsys, "env", "rm", other["key"], "--json")
+    assert code == 1 and isinstance(missing, dict) and not missing["ok"]
+    code, gone = _cli(capsys, "env", "gc", "--older-than", "0", "--json")
+    assert code == 0 and isinstance(gone, dict) and gone["removed"] == [built["key"]]
+    assert os.listdir(home / "envs") == []
+
+
+@needs_index
+def test_cli_env_build_failure_says_the_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    code, failed = _cli(capsys, "env", "build", "comfy-env-test-no-such-project-zz9", "--json")
+    assert code == 1 and isinstance(failed, dict) and not failed["ok"]
+    error = failed["error"]
+    assert error["type"] == "EnvBuildError" and error["stage"] == "resolve"
+    assert error["requirements"] == ["comfy-env-test-no-such-project-zz9"]
+    assert Path(error["log_path"]).is_file()
