@@ -554,3 +554,110 @@ def test_cli_env_build_failure_says_the_stage(capsys: pytest.CaptureFixture[str]
     assert error["type"] == "EnvBuildError" and error["stage"] == "resolve"
     assert error["requirements"] == ["comfy-env-test-no-such-project-zz9"]
     assert Path(error["log_path"]).is_file()
+
+
+# ---- ComfyUI packs: isolate() with no env= ------------------------------------------------------
+
+PACK_NODES = """
+import importlib.metadata
+import sys
+
+
+class SixVersion:
+    CATEGORY = "t"
+    RETURN_TYPES = ("STRING", "STRING")
+    FUNCTION = "go"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def go(self):
+        return (importlib.metadata.version("six"), sys.prefix)
+
+
+NODE_CLASS_MAPPINGS = {"SixVersion": SixVersion}
+"""
+
+
+def _pack(tmp_path: Path, pyproject: str | None) -> Path:
+    root = tmp_path / "pack"
+    root.mkdir()
+    (root / "__init__.py").write_text("raise RuntimeError('the pack init must not run')\n")
+    (root / "nodes.py").write_text(PACK_NODES)
+    if pyproject is not None:
+        (root / "pyproject.toml").write_text(pyproject)
+    return root
+
+
+@needs_index
+def test_a_pack_without_env_runs_in_the_env_its_pyproject_declares(
+    tmp_path: Path, home: Path, pool: comfy_env.Pool
+) -> None:
+    import asyncio
+
+    from comfy_env.comfyui import isolate
+
+    pack = _pack(
+        tmp_path,
+        '[project]\nname = "sixpack"\nversion = "1"\ndependencies = ["six==1.15.0"]\n\n'
+        '[tool.comfy.isolation]\npackage_manager = "uv"\nextra_index_urls = []\n',
+    )
+    mappings, _ = isolate(
+        str(pack / "__init__.py"), module="nodes", pool=pool, cache_dir=str(tmp_path / "cache")
+    )
+    version, prefix = asyncio.run(mappings["SixVersion"]().go())
+    assert version == "1.15.0"
+    assert Path(prefix).parent == home / "envs"
+    assert list(pool.stats()) == [prefix]
+    # A second server start finds it built (one env, no second build).
+    assert os.listdir(home / "envs") == [Path(prefix).name]
+
+
+@needs_index
+def test_a_pack_whose_env_cannot_be_built_fails_its_import_with_the_build_s_story(
+    tmp_path: Path, pool: comfy_env.Pool
+) -> None:
+    from comfy_env.comfyui import NodePackError, isolate
+
+    name = "comfy-env-test-no-such-project-zz9"
+    pack = _pack(tmp_path, f'[project]\nname = "p"\nversion = "1"\ndependencies = ["{name}"]\n')
+    with pytest.raises(NodePackError) as info:
+        isolate(str(pack), module="nodes", pool=pool, cache_dir=str(tmp_path / "cache"))
+    message = str(info.value)
+    assert "could not be built" in message and "resolve failed" in message and name in message
+    assert "full log:" in message
+    assert pool.stats() == {}
+
+
+def test_a_pack_with_a_conda_manifest_or_no_pyproject_is_told_what_it_needs(
+    tmp_path: Path,
+) -> None:
+    from comfy_env.comfyui import NodePackError, isolate
+
+    pack = _pack(tmp_path, None)
+    with pytest.raises(NodePackError, match="no env= and the pack has no"):
+        isolate(str(pack), module="nodes", cache_dir=str(tmp_path / "cache"))
+    (pack / "pyproject.toml").write_text(
+        '[project]\nname = "p"\nversion = "1"\ndependencies = ["six"]\n'
+        '[tool.comfy.isolation]\npackage_manager = "conda"\n'
+    )
+    with pytest.raises(NodePackError, match='package_manager = "conda"'):
+        isolate(str(pack), module="nodes", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(comfy_env.ArgumentError, match=r"module=\.\.\.\) is required"):
+        isolate(str(pack))
+
+
+@needs_index
+def test_a_pack_may_pass_a_recipe_as_its_env(tmp_path: Path, pool: comfy_env.Pool) -> None:
+    import asyncio
+
+    from comfy_env.comfyui import isolate
+
+    pack = _pack(tmp_path, None)
+    (pack / "env-requirements.txt").write_text("six==1.16.0\n")
+    recipe = comfy_env.Recipe.from_file(pack / "env-requirements.txt")
+    mappings, _ = isolate(
+        str(pack), env=recipe, module="nodes", pool=pool, cache_dir=str(tmp_path / "cache")
+    )
+    assert asyncio.run(mappings["SixVersion"]().go())[0] == "1.16.0"

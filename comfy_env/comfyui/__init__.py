@@ -6,6 +6,10 @@ A pack's ``__init__.py`` (imported by ComfyUI) holds one line::
     NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(__file__, env=".venv",
                                                               module="nodes_impl")
 
+A pack that passes no ``env=`` gets the env its ``pyproject.toml`` declares (``[project]
+dependencies`` and ComfyUI's ``[tool.comfy.isolation]``), built with uv on first use
+(``comfy_env._build``): ``isolate(__file__, module="nodes_impl")``.
+
 ``isolate`` resolves the env (relative to the pack directory), then gets the pack's node
 description: from the on-disk cache when the pack, the env's interpreter and the library are
 unchanged (no worker is spawned: a warm server start stays cheap), else by scanning in the env
@@ -20,15 +24,17 @@ import ComfyUI or torch (the proxies import them lazily, when ComfyUI calls them
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from collections.abc import Iterable
 from typing import Any
 
 from .._envs import resolve_env
-from .._errors import ArgumentError, EnvError
+from .._errors import ArgumentError, EnvBuildError, EnvError
 from .._logs import show_package_as
 from .._pool import Pool
+from .._recipe import Recipe
 from .._settings import MAX_SECONDS, check_timeout
 from .._worker import Worker
 from ._proxy import CROSSING_TYPES, KeptOutput, make_v1_proxy, make_v3_proxy
@@ -43,6 +49,12 @@ from ._scan import (
 )
 
 __all__ = ["CROSSING_TYPES", "KeptOutput", "NodePackError", "isolate"]
+
+
+class _Declared(enum.Enum):
+    """``isolate``'s default env: the one the pack's ``pyproject.toml`` declares."""
+
+    FROM_PYPROJECT = "the pack's pyproject.toml"
 
 
 class _Pack:
@@ -132,6 +144,11 @@ def _grace_seconds(value: object) -> float | None:
 
 
 def _check_module(module: object) -> None:
+    if module == "":
+        raise ArgumentError(
+            "isolate(module=...) is required: the node module, relative to the pack directory "
+            '("nodes_impl", "impl.nodes")'
+        )
     if isinstance(module, str) and module.endswith(".py"):
         raise ArgumentError(
             f"isolate(module=...) takes a module name, not a file name: {module[:-3]!r} for "
@@ -159,10 +176,23 @@ def _type_names(what: str, names: Iterable[str] | None) -> frozenset[str] | None
     return given
 
 
+def _declared_recipe(pack_dir: str) -> Recipe:
+    """The recipe of a pack that names no env: its ``pyproject.toml``."""
+    pyproject = os.path.join(pack_dir, "pyproject.toml")
+    if not os.path.isfile(pyproject):
+        raise EnvBuildError(
+            f"isolate() was given no env= and the pack has no {pyproject} declaring one: add "
+            "a pyproject.toml with [project] dependencies (and [tool.comfy.isolation] as "
+            "needed), or pass env= (an env directory or a comfy_env.Recipe)",
+            stage="recipe",
+        )
+    return Recipe.from_pyproject(pyproject)
+
+
 def isolate(
     pack_file: str,
-    env: str | os.PathLike[str] | None,
-    module: str,
+    env: str | os.PathLike[str] | Recipe | _Declared | None = _Declared.FROM_PYPROJECT,
+    module: str = "",
     *,
     timeout: float | None = None,
     interrupt_grace: float | None = None,
@@ -176,36 +206,41 @@ def isolate(
     restart_window: float | None = None,
     abandon_for: float | None = None,
 ) -> tuple[dict[str, type], dict[str, str]]:
-    """Register a node pack whose nodes run in ``env``; returns
-    ``(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)``.
+    """Register a node pack whose nodes run in ``env``; returns ``(NODE_CLASS_MAPPINGS,
+    NODE_DISPLAY_NAME_MAPPINGS)``.
 
     ``pack_file``: the pack's ``__file__`` (or its directory). ``env``: an env directory or
     interpreter path (relative paths resolve against the pack directory; None: ComfyUI's own
-    interpreter, still in a separate process). ``module``: the node module, relative to the pack
-    directory (``"nodes_impl"`` or ``"impl.nodes"``), imported only in the env. ``timeout``: total
-    deadline of each node call in seconds (None: none). ``interrupt_grace``: seconds an
-    interrupted node gets to stop cooperatively before its worker is killed (None: the pool's
-    ``cancel_grace``; 0: kill at once). ``scan_timeout``: deadline of the scan.
-    ``crossing_types`` replaces (``extra_crossing_types`` extends) the socket types whose values
-    cross to the server; outputs of any other type stay in the worker as ``KeptOutput``.
-    ``pool``: a ``comfy_env.Pool`` (default: the process-wide one). ``cache_dir``: where scans
-    are cached (default ``$COMFY_ENV_COMFYUI_CACHE`` or ``~/.cache/comfy-env/comfyui-scan``).
-    ``register_models``: register each run whose outputs stay in the worker with ComfyUI's
-    model manager (``comfy.model_management``), sized as measured in the worker, so ComfyUI
-    counts it and ``free_memory`` / ``unload_all_models`` / ``POST /free`` evict it (the
-    producing node then runs again on next use); see ``comfy_env.comfyui._models``.
-    ``max_restarts``, ``restart_window``, ``abandon_for``: the crash-loop breaker of the pack's
-    env, in place of the pool's ``PoolConfig`` fields of those names (None: the pool's; see
-    ``Pool.set_breaker``). ``abandon_for=N`` lifts a block by itself N seconds after the death
-    that tripped it, so a batch of crashing prompts does not disable the pack until the server
-    restarts.
+    interpreter, still in a separate process), or a ``comfy_env.Recipe``; left out, the env the
+    pack's ``pyproject.toml`` declares (``[project] dependencies`` and ComfyUI's
+    ``[tool.comfy.isolation]`` table, as ComfyUI's own isolation reads them; an ``env.lock``
+    beside it is installed as is), built with uv on first use and shared by every pack and
+    server asking for the same recipe (``comfy_env.build_env``). ``module``: the node module,
+    relative to the pack directory (``"nodes_impl"`` or ``"impl.nodes"``), imported only in the
+    env. ``timeout``: total deadline of each node call in seconds (None: none).
+    ``interrupt_grace``: seconds an interrupted node gets to stop cooperatively before its
+    worker is killed (None: the pool's ``cancel_grace``; 0: kill at once). ``scan_timeout``:
+    deadline of the scan. ``crossing_types`` replaces (``extra_crossing_types`` extends) the
+    socket types whose values cross to the server; outputs of any other type stay in the worker
+    as ``KeptOutput``. ``pool``: a ``comfy_env.Pool`` (default: the process-wide one).
+    ``cache_dir``: where scans are cached (default ``$COMFY_ENV_COMFYUI_CACHE`` or
+    ``~/.cache/comfy-env/comfyui-scan``). ``register_models``: register each run whose outputs
+    stay in the worker with ComfyUI's model manager (``comfy.model_management``), sized as
+    measured in the worker, so ComfyUI counts it and ``free_memory`` / ``unload_all_models`` /
+    ``POST /free`` evict it (the producing node then runs again on next use); see
+    ``comfy_env.comfyui._models``. ``max_restarts``, ``restart_window``, ``abandon_for``: the
+    crash-loop breaker of the pack's env, in place of the pool's ``PoolConfig`` fields of those
+    names (None: the pool's; see ``Pool.set_breaker``). ``abandon_for=N`` lifts a block by
+    itself N seconds after the death that tripped it, so a batch of crashing prompts does not
+    disable the pack until the server restarts.
 
-    Raises ``NodePackError`` when the env is missing or the scan fails, ``ArgumentError`` for
-    an argument it cannot use (checked before anything runs, so a typo fails the pack's import
-    instead of every prompt): a ``module`` that is no dotted module name, a ``timeout`` or
-    ``scan_timeout`` that is not a positive number of seconds, an ``interrupt_grace`` that is
-    not zero or more seconds, a ``pool`` that is not a ``comfy_env.Pool``, crossing types that
-    are not strings, a breaker setting ``PoolConfig`` would refuse.
+    Raises ``NodePackError`` when the env is missing, cannot be built or the scan fails,
+    ``ArgumentError`` for an argument it cannot use (checked before anything runs, so a typo
+    fails the pack's import instead of every prompt): a ``module`` that is no dotted module
+    name, a ``timeout`` or ``scan_timeout`` that is not a positive number of seconds, an
+    ``interrupt_grace`` that is not zero or more seconds, a ``pool`` that is not a
+    ``comfy_env.Pool``, crossing types that are not strings, a breaker setting ``PoolConfig``
+    would refuse.
     """
     timeout = check_timeout(timeout, "isolate(timeout=...)", "no deadline per node")
     scan_timeout = _scan_seconds(scan_timeout)
@@ -220,12 +255,24 @@ def isolate(
     pack_dir = os.path.abspath(
         pack_file if os.path.isdir(pack_file) else os.path.dirname(pack_file)
     )
-    env_path: str | None = None
-    if env is not None:
-        raw = os.fspath(env)
-        env_path = raw if os.path.isabs(raw) else os.path.join(pack_dir, raw)
+    env_path: str | Recipe | None = None
     try:
+        if env is _Declared.FROM_PYPROJECT:
+            env_path = _declared_recipe(pack_dir)
+        elif isinstance(env, Recipe):
+            env_path = env
+        elif env is not None:
+            raw = os.fspath(env)
+            env_path = raw if os.path.isabs(raw) else os.path.join(pack_dir, raw)
         env_spec = resolve_env(env_path)
+    except EnvBuildError as exc:
+        # The build's own story (stage, requirement, uv's words, the log): ComfyUI lists the
+        # pack as IMPORT FAILED with it, and the server starts without the pack.
+        raise NodePackError(
+            f"comfy-env: the env of node pack {pack_dir} could not be built: {exc}",
+            pack_dir=pack_dir,
+            env=exc.env or exc.key or "(not built)",
+        ) from None
     except EnvError as exc:
         raise NodePackError(
             f"comfy-env: the env of node pack {pack_dir} is unusable: {exc}\n"
