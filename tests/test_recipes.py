@@ -297,7 +297,9 @@ def test_a_shipped_lock_is_installed_as_is(tmp_path: Path, home: Path) -> None:
 
 
 @needs_index
-def test_a_missing_requirement_names_itself_and_is_not_retried_at_once(home: Path) -> None:
+def test_a_missing_requirement_names_itself_and_is_not_retried_at_once(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     name = "comfy-env-test-no-such-project-zz9"
     recipe = comfy_env.Recipe([f"{name}==1.0", "six"])
     with pytest.raises(comfy_env.EnvBuildError) as info:
@@ -315,6 +317,12 @@ def test_a_missing_requirement_names_itself_and_is_not_retried_at_once(home: Pat
     assert again.value.retry_at is not None and again.value.retry_at > time.time()
     assert again.value.requirements == (name,)
     assert Path(error.log_path).stat().st_mtime_ns == log_before  # uv was not run again
+    # After the wait (here: none), the next use builds again, and fails afresh.
+    monkeypatch.setattr(_build, "RETRY_AFTER", 0.0)
+    with pytest.raises(comfy_env.EnvBuildError) as third:
+        comfy_env.build_env(recipe)
+    assert third.value.retry_at is None and third.value.stage == "resolve"
+    assert Path(error.log_path).stat().st_mtime_ns != log_before
 
 
 @needs_index
@@ -350,7 +358,41 @@ def test_gc_spares_an_env_in_use_and_collects_unused_ones(
     assert (home / "envs" / "someone-elses").is_dir()
 
 
+@needs_index
+def test_envs_holding_the_same_package_share_its_files(home: Path) -> None:
+    from comfy_env._build import _uv_cache_dir
+
+    if not _build._same_volume(_uv_cache_dir(), home):
+        pytest.skip("uv's cache is on another volume than the env root: files are copied")
+    one = comfy_env.build_env(comfy_env.Recipe(["six==1.16.0"]))
+    two = comfy_env.build_env(comfy_env.Recipe(["six==1.16.0", "idna==3.7"]))
+    (a,) = one.glob("lib/python*/site-packages/six.py")
+    (b,) = two.glob("lib/python*/site-packages/six.py")
+    assert a.stat().st_ino == b.stat().st_ino and a.stat().st_nlink >= 2
+
+
 # ---- a second index, concurrency, crashes ------------------------------------------------------
+
+
+@needs_index
+def test_threads_asking_at_once_build_once(home: Path, caplog: pytest.LogCaptureFixture) -> None:
+    recipe = comfy_env.Recipe(["iniconfig==2.0.0", "idna==3.7"])
+    start = threading.Barrier(3)
+    paths: list[Path] = []
+
+    def ask() -> None:
+        start.wait()
+        paths.append(comfy_env.build_env(recipe))
+
+    caplog.set_level("INFO", logger="comfy_env.build")
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert len(paths) == 3 and len(set(paths)) == 1
+    builds = [r for r in caplog.records if r.getMessage().startswith("comfy-env: building env")]
+    assert len(builds) == 1
 
 
 @needs_index
