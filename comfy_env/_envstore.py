@@ -152,7 +152,12 @@ def _unpublish(base: Path, key: str) -> bool:
         grave = envs / f"{key}{TMP_MARK}rm-{os.getpid()}"
         os.rename(path, grave)
         shutil.rmtree(grave, ignore_errors=True)
-        for leftover in (base / "used" / key, base / "failures" / f"{key}.json"):
+        # (The lock file stays: another process may hold it open to flock it; it is empty.)
+        for leftover in (
+            base / "used" / key,
+            base / "failures" / f"{key}.json",
+            base / "logs" / f"{key}.log",
+        ):
             with contextlib.suppress(OSError):
                 leftover.unlink()
     return True

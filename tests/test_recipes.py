@@ -703,3 +703,23 @@ def test_a_pack_may_pass_a_recipe_as_its_env(tmp_path: Path, pool: comfy_env.Poo
         str(pack), env=recipe, module="nodes", pool=pool, cache_dir=str(tmp_path / "cache")
     )
     assert asyncio.run(mappings["SixVersion"]().go())[0] == "1.16.0"
+
+
+@needs_index
+def test_a_published_env_s_scripts_run_where_it_was_renamed_to(tmp_path: Path) -> None:
+    """Built at a temporary path and renamed into place: the console scripts (and the
+    interpreter's ``sys.prefix``) know the final place."""
+    env = comfy_env.build_env(comfy_env.Recipe(["pyflakes==3.2.0"]))
+    assert ".tmp-" not in (env / "bin" / "pyflakes").read_text()
+    (tmp_path / "x.py").write_text("import os\n")
+    out = subprocess.run(
+        [str(env / "bin" / "pyflakes"), str(tmp_path / "x.py")], capture_output=True, text=True
+    )
+    assert "'os' imported but unused" in out.stdout, out.stderr
+    prefix = subprocess.run(
+        [str(env / "bin" / "python"), "-c", "import sys; print(sys.prefix)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert prefix == str(env)

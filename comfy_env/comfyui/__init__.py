@@ -28,8 +28,10 @@ import enum
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from .._build import record_use
 from .._envs import resolve_env
 from .._errors import ArgumentError, EnvBuildError, EnvError
 from .._logs import show_package_as
@@ -84,6 +86,7 @@ class _Pack:
         self.crossing_types = crossing_types
         self.scan = scan
         self.has_torch = bool(scan.get("has_torch"))
+        self.built = False  # the env was built from a recipe (comfy_env._build)
 
     @property
     def pool(self) -> Pool:
@@ -96,6 +99,10 @@ class _Pack:
     @property
     def worker(self) -> Worker:
         # Resolved per call: the default pool may have been closed and recreated meanwhile.
+        if self.built:
+            # A built env's last use, for ``comfy-env env gc`` (throttled to once a minute).
+            env_dir = os.path.dirname(self.spec.env.key)
+            record_use(Path(os.path.dirname(env_dir)), os.path.basename(self.spec.env.key))
         return self.configured_pool().get_worker(self.spec.env.key)
 
     def configured_pool(self) -> Pool:
@@ -307,6 +314,7 @@ def isolate(
         register_models,
         breaker,
     )
+    pack.built = isinstance(env_path, Recipe)
     if breaker:  # now: a bad setting fails the import, and the scan runs under it too
         pack.configured_pool()
     scanned = scan is None
