@@ -723,3 +723,20 @@ def test_a_published_env_s_scripts_run_where_it_was_renamed_to(tmp_path: Path) -
         check=True,
     ).stdout.strip()
     assert prefix == str(env)
+
+
+@needs_index
+def test_python_picks_an_installed_interpreter_of_that_version() -> None:
+    from conftest import other_python
+
+    if other_python(12) is None:
+        pytest.skip("no Python 3.12 on this machine")
+    env = comfy_env.build_env(comfy_env.Recipe(["six==1.16.0"], python="3.12"))
+    out = subprocess.run(
+        [str(env / "bin" / "python"), "-c", "import sys, six; print(sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "(3, 12)"
+    assert env != comfy_env.build_env(comfy_env.Recipe(["six==1.16.0"]))  # another Python
