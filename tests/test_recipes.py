@@ -334,17 +334,34 @@ def test_conflicting_versions_name_the_requirement() -> None:
     assert "1.15.0" in info.value.uv_message
 
 
+_HOST = """
+import sys
+import comfy_env
+worker = comfy_env.get_worker(sys.argv[1])
+print(worker.call("importlib.metadata:version", "six"), flush=True)
+sys.stdin.readline()
+comfy_env.shutdown()
+"""
+
+
 @needs_index
-def test_gc_spares_an_env_in_use_and_collects_unused_ones(
-    config: comfy_env.PoolConfig, home: Path
-) -> None:
+def test_gc_spares_an_env_in_use_and_collects_unused_ones(home: Path) -> None:
     used = comfy_env.Recipe(["six==1.16.0"])
     unused = comfy_env.Recipe(["idna==3.7"])
     used_env, unused_env = comfy_env.build_env(used), comfy_env.build_env(unused)
     (home / "not-ours").mkdir()
     (home / "envs" / "someone-elses").mkdir()  # not built by comfy-env: never removed
-    with comfy_env.Pool(config) as pool:
-        assert pool.get_worker(used).call("importlib.metadata:version", "six") == "1.16.0"
+    # A live host (another process) uses the env: its status file says so.
+    host = subprocess.Popen(
+        [sys.executable, "-c", _HOST, str(used_env)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert host.stdout is not None and host.stdout.readline().strip() == "1.16.0"
         assert wait_until(
             lambda: any(e.in_use_by for e in _envstore.list_envs() if e.key == used_env.name), 10
         )
@@ -352,7 +369,13 @@ def test_gc_spares_an_env_in_use_and_collects_unused_ones(
         assert report.removed == (unused_env.name,)
         assert report.kept_in_use == (used_env.name,)
         assert used_env.is_dir() and not unused_env.exists()
+        with pytest.raises(comfy_env.EnvError, match="in use by live host"):
+            _envstore.remove_env(used_env.name)
+    finally:
+        host.communicate("\n", timeout=30)
+    assert host.returncode == 0
     assert (home / "envs" / "someone-elses").is_dir()
+    assert wait_until(lambda: not any(e.in_use_by for e in _envstore.list_envs(sizes=False)), 10)
     report = _envstore.gc(older_than_days=0)
     assert report.removed == (used_env.name,) and not used_env.exists()
     assert (home / "envs" / "someone-elses").is_dir()
