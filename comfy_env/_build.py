@@ -33,7 +33,9 @@ scripts, console-script shebangs); ``uv venv --relocatable`` makes those relativ
 post-rename check proves it on every build (a failure removes the env and raises ``verify``).
 
 Crash safety: a builder killed at any point leaves at most a ``<key>.tmp-*`` directory (never
-a published env) and a lock file whose flock died with it. The next builder of that key
+a published env), a lock file whose flock died with it, and its running uv, which carries the
+builder's host mark (``COMFY_ENV_HOST_ID``) and so is killed by the next sweep, as a dead
+host's workers are. The next builder of that key
 removes the temporary directories under the lock; ``comfy-env env gc`` removes those of keys
 nobody holds. A failed build writes ``<root>/failures/<key>.json``; the next use within
 ``RETRY_AFTER`` seconds raises the same error (saying when it retries) instead of hitting the
@@ -59,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import EnvBuildError
+from ._identity import HOST_ID_VAR, host_id
 from ._recipe import Recipe, requirement_name
 
 log = logging.getLogger("comfy_env.build")
@@ -126,6 +129,10 @@ def _uv_environ(root: Path) -> dict[str, str]:
     environ["UV_NO_PROGRESS"] = "1"
     environ["NO_COLOR"] = "1"
     environ.pop("VIRTUAL_ENV", None)  # --python names the target; an active venv must not
+    # Marked as this host's, like its workers: if the builder is SIGKILLed, its uv (now an
+    # orphan, writing only into the dead builder's temporary directory) is killed by the host
+    # watcher or the next sweep (``_sweep``), which kill what a proven-dead host launched.
+    environ[HOST_ID_VAR] = host_id()
     if "UV_LINK_MODE" not in environ:
         # Hardlinks from uv's cache share one copy of a package's files between every env
         # holding it; they need the cache and the envs on one volume. Said explicitly so that

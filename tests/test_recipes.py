@@ -27,6 +27,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import wait_until
 
@@ -554,8 +555,15 @@ def test_a_builder_killed_mid_install_poisons_nothing(
         builder.stdin.flush()
         assert second_index.requested.wait(60), "the builder never reached the download"
         assert [p for p in os.listdir(home / "envs") if ".tmp-" in p]  # mid-build
-        os.killpg(builder.pid, signal.SIGKILL)  # the builder and its uv
+        (uv,) = [
+            p for p in psutil.Process(builder.pid).children(recursive=True) if p.name() == "uv"
+        ]
+        os.kill(builder.pid, signal.SIGKILL)  # the builder only: its uv is orphaned
         builder.communicate(timeout=30)
+        # The orphan carries its dead builder's host mark: the sweep kills it.
+        assert uv.is_running()
+        comfy_env.sweep()
+        assert wait_until(lambda: not uv.is_running() or uv.status() == psutil.STATUS_ZOMBIE, 10)
     finally:
         if builder.poll() is None:
             os.killpg(builder.pid, signal.SIGKILL)
