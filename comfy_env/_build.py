@@ -204,9 +204,17 @@ def find_python(request: str | None, root: Path | None = None) -> tuple[str, dic
     if request is None:
         base = getattr(sys, "_base_executable", None) or sys.executable
         path = os.path.realpath(base)
-        info = _probe(path)
-        if info is not None:
-            return path, info
+        if os.access(path, os.X_OK):
+            # The host's own interpreter: what a probe would print is known here, without
+            # starting it (a fresh process reusing a built env pays one stat, not a launch).
+            import platform
+
+            return path, {
+                "implementation": sys.implementation.name,
+                "version": platform.python_version(),
+                "platform": sys.platform,
+                "machine": platform.machine(),
+            }
         request = f"{sys.version_info.major}.{sys.version_info.minor}"
     cached = _found.get(request)
     if cached is not None:
