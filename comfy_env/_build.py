@@ -713,6 +713,11 @@ def _build(
                 os.fsync(fh.fileno())
             os.rename(tmp, final)
             _fsync_dir(envs)
+    except EnvBuildError as exc:  # (the route index's): tell where and which env
+        shutil.rmtree(tmp, ignore_errors=True)
+        exc.key = exc.key or key
+        exc.log_path = exc.log_path or str(log_path)
+        raise
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise EnvBuildError(

@@ -46,6 +46,11 @@ RECIPE_VERSION = 1
 # The lock a pack or a recipe's directory may ship; installed as is when present.
 SHIPPED_LOCK_NAME = "env.lock"
 
+# The ``[tool.comfy.isolation]`` keys ``from_pyproject`` reads.
+_ISOLATION_KEYS = frozenset(
+    {"package_manager", "index_url", "extra_index_urls", "cuda_wheels", "python"}
+)
+
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
@@ -263,6 +268,19 @@ class Recipe:
         isolation = comfy.get("isolation", {}) if isinstance(comfy, Mapping) else {}
         if not isinstance(project, Mapping) or not isinstance(isolation, Mapping):
             raise EnvBuildError(f"{file}: [project] and [tool.comfy.isolation] must be tables")
+        unknown = sorted(set(isolation) - _ISOLATION_KEYS)
+        if unknown:
+            # Keys of ComfyUI's manifest that do not change how an env is built here (or that
+            # are misspelled): said once per read, never silently dropped.
+            import logging
+
+            logging.getLogger("comfy_env.build").warning(
+                "comfy-env: %s: [tool.comfy.isolation] %s not used by comfy-env's env build "
+                "(it reads %s)",
+                file,
+                ", ".join(unknown),
+                ", ".join(sorted(_ISOLATION_KEYS)),
+            )
         manager = isolation.get("package_manager", "uv")
         if manager != "uv":
             raise EnvBuildError(

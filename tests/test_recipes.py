@@ -209,6 +209,19 @@ def test_bad_recipes_are_clear_errors(tmp_path: Path) -> None:
     assert isinstance(info.value, comfy_env.EnvError)
 
 
+def test_a_manifest_key_comfy_env_does_not_use_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "p"\ndependencies = ["six"]\n'
+        '[tool.comfy.isolation]\npackage_manager = "uv"\nshare_torch = true\n'
+    )
+    recipe = comfy_env.Recipe.from_pyproject(tmp_path / "pyproject.toml")
+    assert recipe.requirements == ("six",) and recipe.name == "p"
+    (warning,) = [r for r in caplog.records if r.name == "comfy_env.build"]
+    assert "share_torch" in warning.getMessage() and "package_manager" in warning.getMessage()
+
+
 def test_a_missing_python_is_a_clear_error() -> None:
     with pytest.raises(comfy_env.EnvBuildError, match=r"no installed Python 3\.99") as info:
         comfy_env.build_env(comfy_env.Recipe(["six"], python="3.99"))
