@@ -477,7 +477,11 @@ def _blamed(recipe: Recipe, message: str) -> tuple[str, ...]:
 
 def _sync_stage(message: str) -> str:
     lowered = message.lower()
-    if "failed to download" in lowered or "failed to fetch" in lowered or "network" in lowered:
+    if any(
+        what in lowered
+        for what in ("failed to download", "failed to fetch", "network", "hash mismatch")
+    ):
+        # (a hash mismatch: what was downloaded is not what the lock names)
         return "download"
     return "install"
 

@@ -102,6 +102,7 @@ class SecondIndex:
     def __init__(self) -> None:
         self.pages: dict[str, dict[str, bytes]] = {}
         self.slow: set[str] = set()
+        self.missing: set[str] = set()  # listed on its page, but 404 when fetched
         self.requested = threading.Event()
         self._release = threading.Event()
         index = self
@@ -124,7 +125,7 @@ class SecondIndex:
                     return
                 if len(parts) == 3 and parts[1] in index.pages:
                     data = index.pages[parts[1]].get(parts[2])
-                    if data is not None:
+                    if data is not None and parts[2] not in index.missing:
                         if parts[2] in index.slow and not head:
                             index.requested.set()
                             index._release.wait(60)
@@ -784,3 +785,29 @@ def test_python_picks_an_installed_interpreter_of_that_version() -> None:
     )
     assert out.stdout.strip() == "(3, 12)"
     assert env != comfy_env.build_env(comfy_env.Recipe(["six==1.16.0"]))  # another Python
+
+
+@needs_index
+def test_a_wheel_that_cannot_be_downloaded_or_does_not_match_its_hash_says_so(
+    tmp_path: Path, second_index: SecondIndex
+) -> None:
+    name = _unique("cenv-gone")
+    filename, data = make_wheel(name, "1.0", "VALUE = 1\n")
+    page = name.replace("-", "_")
+    second_index.add(page, (filename, data))
+    second_index.missing.add(filename)
+    lock = tmp_path / "env.lock"
+    lock.write_text(
+        f"--find-links {second_index.url}{page}/\n"
+        f"{name}==1.0 \\\n    --hash=sha256:{hashlib.sha256(data).hexdigest()}\n"
+    )
+    with pytest.raises(comfy_env.EnvBuildError) as gone:
+        comfy_env.build_env(comfy_env.Recipe([name], lock=lock))
+    assert gone.value.stage == "download" and gone.value.requirements == (name,)
+    assert "404" in gone.value.uv_message or "Not Found" in gone.value.uv_message
+    second_index.missing.clear()
+    lock.write_text(lock.read_text().replace(hashlib.sha256(data).hexdigest(), "0" * 64))
+    with pytest.raises(comfy_env.EnvBuildError) as tampered:
+        comfy_env.build_env(comfy_env.Recipe([name], lock=lock))
+    assert tampered.value.stage == "download" and tampered.value.requirements == (name,)
+    assert "hash" in tampered.value.uv_message.lower()
