@@ -113,7 +113,8 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
         return current_env()
     if not isinstance(env, (str, os.PathLike)):
         raise EnvError(
-            f"env must be None, an env directory or an interpreter path, not {type(env).__name__}"
+            "env must be None, an env directory, an interpreter path or a comfy_env.Recipe, "
+            f"not {type(env).__name__}"
         )
     raw = os.fspath(env)
     if not isinstance(raw, str):  # an os.PathLike may give bytes
