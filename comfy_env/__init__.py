@@ -25,6 +25,7 @@ from ._errors import (
     ComfyEnvError,
     ConfigError,
     EnvAbandonedError,
+    EnvBuildError,
     EnvError,
     HostResourceError,
     PoolClosedError,
@@ -46,6 +47,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from ._build import build_env
     from ._call import Call, CallEvent
     from ._config import PoolConfig
     from ._envs import EnvSpec, resolve_env
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
         WorkerSpawned,
     )
     from ._pool import Pool
+    from ._recipe import CudaWheels, Recipe
     from ._refs import RemoteRef
     from ._stats import EnvStats, WorkerStats
     from ._sweep import SweepReport, sweep
@@ -80,6 +83,9 @@ _LAZY = {
     "WorkerRetired": "._events",
     "WorkerSpawned": "._events",
     "Pool": "._pool",
+    "Recipe": "._recipe",
+    "CudaWheels": "._recipe",
+    "build_env": "._build",
     "RemoteRef": "._refs",
     "EnvStats": "._stats",
     "WorkerStats": "._stats",
@@ -124,8 +130,10 @@ __all__ = [
     "CallTimeout",
     "ComfyEnvError",
     "ConfigError",
+    "CudaWheels",
     "EnvAbandoned",
     "EnvAbandonedError",
+    "EnvBuildError",
     "EnvError",
     "EnvReset",
     "EnvSpec",
@@ -135,6 +143,7 @@ __all__ = [
     "PoolClosedError",
     "PoolConfig",
     "ProtocolError",
+    "Recipe",
     "RefReleasedError",
     "RemoteError",
     "RemoteRef",
@@ -152,6 +161,7 @@ __all__ = [
     "WorkerSpawned",
     "WorkerStartError",
     "WorkerStats",
+    "build_env",
     "default_pool",
     "get_worker",
     "resolve_env",
@@ -189,9 +199,10 @@ def default_pool() -> Pool:
         return _default_pool
 
 
-def get_worker(env: str | os.PathLike[str] | None = None) -> Worker:
-    """A handle on ``env`` (None: the current interpreter) in the default pool. Spawns nothing;
-    the first call does. Raises ``EnvError`` if the env has no interpreter."""
+def get_worker(env: str | os.PathLike[str] | Recipe | None = None) -> Worker:
+    """A handle on ``env`` (None: the current interpreter; a ``Recipe``: its env, built on
+    first use) in the default pool. Spawns nothing; the first call does. Raises ``EnvError`` if
+    the env has no interpreter (``EnvBuildError`` if a recipe's build failed)."""
     return default_pool().get_worker(env)
 
 

@@ -16,6 +16,7 @@ Commands:
                             directories, stray workers, status files).
   status                    list live comfy-env hosts of this user on this machine: their envs,
                             worker pids, generations, states, RSS, idle time, call counts.
+  env build|list|gc|rm      declared envs built with uv (see ``comfy_env._cli_envs``).
 
 ENV is an env directory or an interpreter path; ``-`` (or, for doctor, nothing) is the current
 interpreter. Every command but demo takes ``--json`` for machine-readable output on stdout.
@@ -921,6 +922,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_status = add("status", "list live comfy-env hosts of this user and their workers")
     add_json(p_status)
+
+    from ._cli_envs import add_env_commands
+
+    add_env_commands(sub, add_json, argparse.RawDescriptionHelpFormatter, EXIT_CODES_HELP)
     return parser
 
 
@@ -981,6 +986,10 @@ def _run(argv: Sequence[str] | None) -> int:
             return sweep_command(as_json=args.json, dry_run=args.dry_run)
         if args.command == "status":
             return status_command(as_json=args.json)
+        if args.command == "env":
+            from ._cli_envs import env_command
+
+            return env_command(args, _print_json, _error_record)
     except UsageError as exc:
         print(f"comfy-env {args.command}: error: {exc}", file=sys.stderr)
         if getattr(args, "json", False):

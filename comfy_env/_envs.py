@@ -28,6 +28,11 @@ from pathlib import Path
 from ._errors import EnvError
 from ._values import value
 
+# Not ``typing.TYPE_CHECKING``: typing is a large import this module does not need at run time.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._recipe import Recipe
+
 # Interpreter locations inside an env directory, in the order they are tried.
 INTERPRETER_CANDIDATES: tuple[str, ...] = (
     "bin/python",
@@ -79,12 +84,23 @@ def _is_interpreter(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def resolve_env(env: str | os.PathLike[str] | None) -> EnvSpec:
-    """Resolve ``env`` or raise ``EnvError`` listing every path that was tried."""
+def resolve_env(env: str | os.PathLike[str] | Recipe | None) -> EnvSpec:
+    """Resolve ``env`` or raise ``EnvError`` listing every path that was tried.
+
+    A ``comfy_env.Recipe`` is built first (``build_env``: once per machine, then a stat) and
+    resolves to its env directory; a failed build raises ``EnvBuildError`` (an ``EnvError``).
+    """
+    if type(env).__name__ == "Recipe" and not isinstance(env, (str, os.PathLike)):
+        # (by name first: the recipe machinery is imported only by programs that use it)
+        from ._build import build_env
+        from ._recipe import Recipe
+
+        if isinstance(env, Recipe):
+            return _resolve(build_env(env))
     try:
-        return _resolve(env)
+        return _resolve(env)  # type: ignore[arg-type]
     except PermissionError as exc:  # pathlib lets EACCES through; it is the env's problem
-        where = exc.filename or os.fspath(env or "")
+        where = exc.filename or os.fspath(env or "")  # type: ignore[arg-type]
         raise EnvError(
             f"env {where} cannot be read by this user (permission denied)",
             env=str(where),
@@ -97,7 +113,8 @@ def _resolve(env: str | os.PathLike[str] | None) -> EnvSpec:
         return current_env()
     if not isinstance(env, (str, os.PathLike)):
         raise EnvError(
-            f"env must be None, an env directory or an interpreter path, not {type(env).__name__}"
+            "env must be None, an env directory, an interpreter path or a comfy_env.Recipe, "
+            f"not {type(env).__name__}"
         )
     raw = os.fspath(env)
     if not isinstance(raw, str):  # an os.PathLike may give bytes

@@ -8,6 +8,7 @@
   ``HostResourceError``  the host ran out of descriptors or memory handling a reply
   ``RuntimeRootError``   the runtime root is not ours and no private one could be made
   ``EnvError``           no such env, or no interpreter in it
+      ``EnvBuildError``  a declared env (a ``Recipe``) could not be built
   ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
   ``RefReleasedError``   a ``RemoteRef`` was used after ``release()``
   ``WorkerError``        the worker broke (something outside the call's own code)
@@ -101,6 +102,38 @@ class EnvError(ComfyEnvError):
         super().__init__(message)
         self.env = env
         self.tried = tried
+
+
+class EnvBuildError(EnvError):
+    """A declared env (a ``Recipe``, a pack's ``pyproject.toml``) could not be built.
+
+    ``stage`` is what failed: ``"recipe"`` (the declaration itself), ``"find-python"``,
+    ``"resolve"``, ``"download"``, ``"install"`` or ``"verify"`` (the built env did not run);
+    ``requirements`` the requirement names uv's message blames, ``uv_message`` uv's own words,
+    ``log_path`` the full build log, ``key`` the env key (None before an interpreter was
+    found), ``retry_at`` when the next build is tried (wall-clock seconds) when this error is
+    the recorded one of a build that failed less than a minute ago (not retried yet: a server
+    does not hit the index on every prompt), else None."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str = "recipe",
+        requirements: tuple[str, ...] = (),
+        uv_message: str = "",
+        log_path: str | None = None,
+        key: str | None = None,
+        retry_at: float | None = None,
+        env: str | None = None,
+    ) -> None:
+        super().__init__(message, env=env)
+        self.stage = stage
+        self.requirements = requirements
+        self.uv_message = uv_message
+        self.log_path = log_path
+        self.key = key
+        self.retry_at = retry_at
 
 
 class SerializationError(ComfyEnvError, TypeError):

@@ -146,6 +146,7 @@ from ._worker import Worker, check_plain_callable
 
 if TYPE_CHECKING:
     from ._config import PoolConfig
+    from ._recipe import Recipe
     from ._sweep import SweepReport
 
 _log = logging.getLogger("comfy_env")
@@ -213,8 +214,9 @@ class Pool:
 
     # ---- public API ----
 
-    def get_worker(self, env: str | os.PathLike[str] | None = None) -> Worker:
-        """A handle on ``env``'s workers (None: the current interpreter). Spawns nothing."""
+    def get_worker(self, env: str | os.PathLike[str] | Recipe | None = None) -> Worker:
+        """A handle on ``env``'s workers (None: the current interpreter; a ``Recipe``: its
+        env, built first if it was not yet). Spawns nothing."""
         return Worker(self, self._entry(resolve_env(env)))
 
     def subscribe(self, callback: Callable[[Event], object]) -> Callable[[], None]:

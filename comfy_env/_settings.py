@@ -178,6 +178,7 @@ OTHER_VARIABLES = frozenset(
         "COMFY_ENV_HOST_ID",  # a worker's host (_process, _sweep, _descendants)
         "COMFY_ENV_WORKER_ID",  # a worker generation's mark (_process, _descendants)
         "COMFY_ENV_COMFYUI_CACHE",  # comfy_env.comfyui's scan cache directory
+        "COMFY_ENV_HOME",  # where built envs live (_build.env_root)
         "COMFY_ENV_COMFYUI_SRC",  # dev.py: the ComfyUI source tarball
         "COMFY_ENV_DEV_CACHE",  # dev.py: its cache directory
         "COMFY_ENV_EXAMPLE_NUMPY_ENV",  # examples/comfyui packs' envs

@@ -6,6 +6,10 @@ A pack's ``__init__.py`` (imported by ComfyUI) holds one line::
     NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(__file__, env=".venv",
                                                               module="nodes_impl")
 
+A pack that passes no ``env=`` gets the env its ``pyproject.toml`` declares (``[project]
+dependencies`` and ComfyUI's ``[tool.comfy.isolation]``), built with uv on first use
+(``comfy_env._build``): ``isolate(__file__, module="nodes_impl")``.
+
 ``isolate`` resolves the env (relative to the pack directory), then gets the pack's node
 description: from the on-disk cache when the pack, the env's interpreter and the library are
 unchanged (no worker is spawned: a warm server start stays cheap), else by scanning in the env
@@ -20,15 +24,19 @@ import ComfyUI or torch (the proxies import them lazily, when ComfyUI calls them
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from .._build import record_use
 from .._envs import resolve_env
-from .._errors import ArgumentError, EnvError
+from .._errors import ArgumentError, EnvBuildError, EnvError
 from .._logs import show_package_as
 from .._pool import Pool
+from .._recipe import Recipe
 from .._settings import MAX_SECONDS, check_timeout
 from .._worker import Worker
 from ._live import LiveInputs
@@ -46,6 +54,12 @@ from ._scan import (
 from ._warm import Warmer
 
 __all__ = ["CROSSING_TYPES", "KeptOutput", "NodePackError", "isolate"]
+
+
+class _Declared(enum.Enum):
+    """``isolate``'s default env: the one the pack's ``pyproject.toml`` declares."""
+
+    FROM_PYPROJECT = "the pack's pyproject.toml"
 
 
 class _Pack:
@@ -77,6 +91,7 @@ class _Pack:
         self.has_torch = bool(scan.get("has_torch"))
         self.warmer: Warmer | None = None  # isolate(..., warm=True)
         self.live_inputs = LiveInputs(self)  # INPUT_TYPES with lists of choices, asked live
+        self.built = False  # the env was built from a recipe (comfy_env._build)
 
     @property
     def pool(self) -> Pool:
@@ -89,6 +104,10 @@ class _Pack:
     @property
     def worker(self) -> Worker:
         # Resolved per call: the default pool may have been closed and recreated meanwhile.
+        if self.built:
+            # A built env's last use, for ``comfy-env env gc`` (throttled to once a minute).
+            env_dir = os.path.dirname(self.spec.env.key)
+            record_use(Path(os.path.dirname(env_dir)), os.path.basename(self.spec.env.key))
         return self.configured_pool().get_worker(self.spec.env.key)
 
     def configured_pool(self) -> Pool:
@@ -137,6 +156,11 @@ def _grace_seconds(value: object) -> float | None:
 
 
 def _check_module(module: object) -> None:
+    if module == "":
+        raise ArgumentError(
+            "isolate(module=...) is required: the node module, relative to the pack directory "
+            '("nodes_impl", "impl.nodes")'
+        )
     if isinstance(module, str) and module.endswith(".py"):
         raise ArgumentError(
             f"isolate(module=...) takes a module name, not a file name: {module[:-3]!r} for "
@@ -164,10 +188,23 @@ def _type_names(what: str, names: Iterable[str] | None) -> frozenset[str] | None
     return given
 
 
+def _declared_recipe(pack_dir: str) -> Recipe:
+    """The recipe of a pack that names no env: its ``pyproject.toml``."""
+    pyproject = os.path.join(pack_dir, "pyproject.toml")
+    if not os.path.isfile(pyproject):
+        raise EnvBuildError(
+            f"isolate() was given no env= and the pack has no {pyproject} declaring one: add "
+            "a pyproject.toml with [project] dependencies (and [tool.comfy.isolation] as "
+            "needed), or pass env= (an env directory or a comfy_env.Recipe)",
+            stage="recipe",
+        )
+    return Recipe.from_pyproject(pyproject)
+
+
 def isolate(
     pack_file: str,
-    env: str | os.PathLike[str] | None,
-    module: str,
+    env: str | os.PathLike[str] | Recipe | _Declared | None = _Declared.FROM_PYPROJECT,
+    module: str = "",
     *,
     timeout: float | None = None,
     interrupt_grace: float | None = None,
@@ -182,39 +219,45 @@ def isolate(
     abandon_for: float | None = None,
     warm: bool = False,
 ) -> tuple[dict[str, type], dict[str, str]]:
-    """Register a node pack whose nodes run in ``env``; returns
-    ``(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)``.
+    """Register a node pack whose nodes run in ``env``; returns ``(NODE_CLASS_MAPPINGS,
+    NODE_DISPLAY_NAME_MAPPINGS)``.
 
     ``pack_file``: the pack's ``__file__`` (or its directory). ``env``: an env directory or
     interpreter path (relative paths resolve against the pack directory; None: ComfyUI's own
-    interpreter, still in a separate process). ``module``: the node module, relative to the pack
-    directory (``"nodes_impl"`` or ``"impl.nodes"``), imported only in the env. ``timeout``: total
-    deadline of each node call in seconds (None: none). ``interrupt_grace``: seconds an
-    interrupted node gets to stop cooperatively before its worker is killed (None: the pool's
-    ``cancel_grace``; 0: kill at once). ``scan_timeout``: deadline of the scan.
-    ``crossing_types`` replaces (``extra_crossing_types`` extends) the socket types whose values
-    cross to the server; outputs of any other type stay in the worker as ``KeptOutput``.
-    ``pool``: a ``comfy_env.Pool`` (default: the process-wide one). ``cache_dir``: where scans
-    are cached (default ``$COMFY_ENV_COMFYUI_CACHE`` or ``~/.cache/comfy-env/comfyui-scan``).
-    ``register_models``: register each run whose outputs stay in the worker with ComfyUI's
-    model manager (``comfy.model_management``), sized as measured in the worker, so ComfyUI
-    counts it and ``free_memory`` / ``unload_all_models`` / ``POST /free`` evict it (the
-    producing node then runs again on next use); see ``comfy_env.comfyui._models``.
-    ``max_restarts``, ``restart_window``, ``abandon_for``: the crash-loop breaker of the pack's
-    env, in place of the pool's ``PoolConfig`` fields of those names (None: the pool's; see
-    ``Pool.set_breaker``). ``abandon_for=N`` lifts a block by itself N seconds after the death
-    that tripped it, so a batch of crashing prompts does not disable the pack until the server
-    restarts. ``warm``: start the pack's worker and import its node module in the background
-    now, and again right after each death of its worker, so that the first prompt after a
-    server start and the first one after a crash do not pay the worker's start and the pack's
-    imports (a prompt arriving meanwhile waits for the warm-up); see ``comfy_env.comfyui._warm``.
+    interpreter, still in a separate process), or a ``comfy_env.Recipe``; left out, the env the
+    pack's ``pyproject.toml`` declares (``[project] dependencies`` and ComfyUI's
+    ``[tool.comfy.isolation]`` table, as ComfyUI's own isolation reads them; an ``env.lock``
+    beside it is installed as is), built with uv on first use and shared by every pack and
+    server asking for the same recipe (``comfy_env.build_env``). ``module``: the node module,
+    relative to the pack directory (``"nodes_impl"`` or ``"impl.nodes"``), imported only in the
+    env. ``timeout``: total deadline of each node call in seconds (None: none).
+    ``interrupt_grace``: seconds an interrupted node gets to stop cooperatively before its
+    worker is killed (None: the pool's ``cancel_grace``; 0: kill at once). ``scan_timeout``:
+    deadline of the scan. ``crossing_types`` replaces (``extra_crossing_types`` extends) the
+    socket types whose values cross to the server; outputs of any other type stay in the worker
+    as ``KeptOutput``. ``pool``: a ``comfy_env.Pool`` (default: the process-wide one).
+    ``cache_dir``: where scans are cached (default ``$COMFY_ENV_COMFYUI_CACHE`` or
+    ``~/.cache/comfy-env/comfyui-scan``). ``register_models``: register each run whose outputs
+    stay in the worker with ComfyUI's model manager (``comfy.model_management``), sized as
+    measured in the worker, so ComfyUI counts it and ``free_memory`` / ``unload_all_models`` /
+    ``POST /free`` evict it (the producing node then runs again on next use); see
+    ``comfy_env.comfyui._models``. ``max_restarts``, ``restart_window``, ``abandon_for``: the
+    crash-loop breaker of the pack's env, in place of the pool's ``PoolConfig`` fields of those
+    names (None: the pool's; see ``Pool.set_breaker``). ``abandon_for=N`` lifts a block by
+    itself N seconds after the death that tripped it, so a batch of crashing prompts does not
+    disable the pack until the server restarts. ``warm``: start the pack's
+    worker and import its node module in the background now, and again right after each death
+    of its worker, so that the first prompt after a server start and the first one after a
+    crash do not pay the worker's start and the pack's imports (a prompt arriving meanwhile
+    waits for the warm-up); see ``comfy_env.comfyui._warm``.
 
-    Raises ``NodePackError`` when the env is missing or the scan fails, ``ArgumentError`` for
-    an argument it cannot use (checked before anything runs, so a typo fails the pack's import
-    instead of every prompt): a ``module`` that is no dotted module name, a ``timeout`` or
-    ``scan_timeout`` that is not a positive number of seconds, an ``interrupt_grace`` that is
-    not zero or more seconds, a ``pool`` that is not a ``comfy_env.Pool``, crossing types that
-    are not strings, a breaker setting ``PoolConfig`` would refuse.
+    Raises ``NodePackError`` when the env is missing, cannot be built or the scan fails,
+    ``ArgumentError`` for an argument it cannot use (checked before anything runs, so a typo
+    fails the pack's import instead of every prompt): a ``module`` that is no dotted module
+    name, a ``timeout`` or ``scan_timeout`` that is not a positive number of seconds, an
+    ``interrupt_grace`` that is not zero or more seconds, a ``pool`` that is not a
+    ``comfy_env.Pool``, crossing types that are not strings, a breaker setting ``PoolConfig``
+    would refuse.
     """
     timeout = check_timeout(timeout, "isolate(timeout=...)", "no deadline per node")
     scan_timeout = _scan_seconds(scan_timeout)
@@ -231,12 +274,24 @@ def isolate(
     pack_dir = os.path.abspath(
         pack_file if os.path.isdir(pack_file) else os.path.dirname(pack_file)
     )
-    env_path: str | None = None
-    if env is not None:
-        raw = os.fspath(env)
-        env_path = raw if os.path.isabs(raw) else os.path.join(pack_dir, raw)
+    env_path: str | Recipe | None = None
     try:
+        if env is _Declared.FROM_PYPROJECT:
+            env_path = _declared_recipe(pack_dir)
+        elif isinstance(env, Recipe):
+            env_path = env
+        elif env is not None:
+            raw = os.fspath(env)
+            env_path = raw if os.path.isabs(raw) else os.path.join(pack_dir, raw)
         env_spec = resolve_env(env_path)
+    except EnvBuildError as exc:
+        # The build's own story (stage, requirement, uv's words, the log): ComfyUI lists the
+        # pack as IMPORT FAILED with it, and the server starts without the pack.
+        raise NodePackError(
+            f"comfy-env: the env of node pack {pack_dir} could not be built: {exc}",
+            pack_dir=pack_dir,
+            env=exc.env or exc.key or "(not built)",
+        ) from None
     except EnvError as exc:
         raise NodePackError(
             f"comfy-env: the env of node pack {pack_dir} is unusable: {exc}\n"
@@ -271,6 +326,7 @@ def isolate(
         register_models,
         breaker,
     )
+    pack.built = isinstance(env_path, Recipe)
     if breaker:  # now: a bad setting fails the import, and the scan runs under it too
         pack.configured_pool()
     scanned = scan is None

@@ -1,7 +1,8 @@
 """Example node pack: its nodes run in a venv with numpy only (no torch, no ComfyUI).
 
-The env is ``.venv`` in this directory (``python -m venv .venv && .venv/bin/pip install numpy``);
-the integration tests point it elsewhere with ``COMFY_ENV_EXAMPLE_NUMPY_ENV``.
+The env is the one ``pyproject.toml`` beside this file declares (``[project] dependencies``,
+``[tool.comfy.isolation]``): comfy-env builds it with uv at the first start and reuses it after.
+The integration tests point it at a prepared venv instead with ``COMFY_ENV_EXAMPLE_NUMPY_ENV``.
 """
 
 import os
@@ -11,8 +12,10 @@ from comfy_env.comfyui import isolate
 # Front-end files: ComfyUI reads WEB_DIRECTORY from this module, which runs in the server.
 WEB_DIRECTORY = "./web"
 
-NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(
-    __file__,
-    env=os.environ.get("COMFY_ENV_EXAMPLE_NUMPY_ENV", ".venv"),
-    module="nodes_impl",
-)
+_prepared = os.environ.get("COMFY_ENV_EXAMPLE_NUMPY_ENV")
+if _prepared:
+    NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(
+        __file__, env=_prepared, module="nodes_impl"
+    )
+else:
+    NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = isolate(__file__, module="nodes_impl")
