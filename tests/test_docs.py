@@ -173,8 +173,18 @@ def _cli_options() -> tuple[frozenset[str], dict[str, frozenset[str]]]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                commands[name] = frozenset(o for a in sub._actions for o in a.option_strings)
+                commands[name] = _options_of(sub)
     return frozenset(top), commands
+
+
+def _options_of(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """A command's options, with those of its own subcommands (``comfy-env env build``)."""
+    found = {o for a in parser._actions for o in a.option_strings}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _options_of(sub)
+    return frozenset(found)
 
 
 @functools.cache
