@@ -246,7 +246,7 @@ def _cloudpickle(
     import cloudpickle
 
     try:
-        return shm.encode(obj, threshold, cloudpickle.dumps, scan)
+        return shm.encode(obj, threshold, cloudpickle.dumps, scan, cloudpickle.Pickler)
     except Exception as exc:  # noqa: BLE001 - re-raised, typed (chained)
         raise chained(  # noqa: B904 - see chained
             SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}"), exc
