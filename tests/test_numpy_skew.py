@@ -22,6 +22,7 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy_tasks
@@ -195,3 +196,46 @@ def test_arrays_cross_from_a_numpy1_host_to_a_numpy2_env_and_back(
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert (report["host"], report["env"]) == ("1.26.4", "2.0.2")
     assert report["problems"] == []
+
+
+# ---- doctor ----------------------------------------------------------------------------------
+
+
+def _doctor(capsys: pytest.CaptureFixture[str], env: Path) -> tuple[int, dict[str, Any]]:
+    from comfy_env._cli import main
+
+    code = main(["doctor", str(env), "--json"])
+    out, _ = capsys.readouterr()
+    doc = json.loads(out)
+    return code, {step["name"]: step for step in doc["steps"]}
+
+
+def test_doctor_tells_a_numpy_version_skew_and_what_crosses(
+    capsys: pytest.CaptureFixture[str], numpy1_env: Path
+) -> None:
+    code, steps = _doctor(capsys, numpy1_env)
+    assert code == 0
+    numpy_step = steps["numpy"]
+    assert numpy_step["status"] == "ok"
+    assert numpy_step["facts"]["env_numpy"] == "1.26.4"
+    assert numpy_step["facts"]["host_numpy"] == np.__version__
+    assert numpy_step["facts"]["skew"] is True
+    detail = numpy_step["detail"]
+    assert "version skew (not a missing numpy)" in detail
+    assert "plain arrays cross" in detail and "object arrays" in detail
+    assert "StringDType" in detail
+    # The probe array crossed the skew: sent as an array, not as bytes, and equal.
+    shm = steps["shared memory"]["facts"]
+    assert shm["kind"] == "numpy array" and shm["equal"] is True
+
+
+def test_doctor_tells_a_missing_numpy_apart(
+    capsys: pytest.CaptureFixture[str], foreign_venv: Path
+) -> None:
+    code, steps = _doctor(capsys, foreign_venv)
+    assert code == 0
+    facts = steps["numpy"]["facts"]
+    assert facts["env_numpy"] is None and facts["skew"] is False
+    assert "No module named 'numpy'" in facts["env_error"]
+    assert "the env has no numpy" in steps["numpy"]["detail"]
+    assert steps["shared memory"]["facts"]["kind"] == "bytes object"

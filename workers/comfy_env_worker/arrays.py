@@ -174,7 +174,7 @@ def rebuild_array(buf: Any, spec: Any, shape: Tuple[int, ...], order: str) -> An
     bytes/bytearray pickled in band), as numpy's own ``_frombuffer`` makes it."""
     np = _numpy()
     dtype = spec_dtype(spec)
-    if buf is None:  # no elements (or zero-size items): nothing was sent
+    if buf is None:  # zero-size items: nothing was sent
         return np.empty(shape, dtype=dtype, order=order)
     return np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
 
@@ -216,7 +216,7 @@ def reduce_array(arr: Any) -> Any:
         np = _numpy()
         return rebuild_foreign, (str(dtype), np.__version__, _dumps(arr, protocol=5))
     shape = arr.shape
-    if arr.size == 0 or dtype.itemsize == 0:
+    if dtype.itemsize == 0:  # ('S0', 'V0'): no bytes to send; numpy's own reduce neither
         return rebuild_array, (None, spec, shape, "C")
     np = _numpy()
     flags = arr.flags
