@@ -39,8 +39,8 @@ def cases() -> dict[str, Any]:
         out[name] = (np.arange(24) % 7).astype(name).reshape(2, 3, 4)
     out["longdouble"] = (np.arange(5) / 4).astype(np.longdouble)
     for unit in ("D", "ms", "ns"):
-        out["datetime64[%s]" % unit] = np.arange(6).astype("datetime64[%s]" % unit)
-        out["timedelta64[%s]" % unit] = np.arange(6).astype("timedelta64[%s]" % unit)
+        out[f"datetime64[{unit}]"] = np.arange(6).astype(f"datetime64[{unit}]")
+        out[f"timedelta64[{unit}]"] = np.arange(6).astype(f"timedelta64[{unit}]")
     out["nat"] = np.array(["NaT", "2024-01-02"], dtype="datetime64[s]")
     out["bytes S5"] = np.array([b"ab", b"cdefg", b""], dtype="S5")
     out["str U3"] = np.array(["x", "\u00e9t\u00e9", "\U0001f600"], dtype="U3")
@@ -53,7 +53,9 @@ def cases() -> dict[str, Any]:
     aligned = np.dtype([("a", "u1"), ("b", "<f8"), ("c", [("d", "<i4"), ("e", "U2")])], align=True)
     out["aligned nested"] = np.zeros(3, dtype=aligned)
     out["aligned nested"]["b"] = [0.5, -1.0, 7.0]
-    out["titled"] = np.zeros(2, dtype=np.dtype({"names": ["a"], "formats": ["<i8"], "titles": ["A"]}))
+    out["titled"] = np.zeros(
+        2, dtype=np.dtype({"names": ["a"], "formats": ["<i8"], "titles": ["A"]})
+    )
     out["0-d"] = np.array(3.25)
     out["0-d int"] = np.array(-7, dtype="int16")
     out["empty"] = np.zeros((0, 3), dtype="float32")
@@ -67,7 +69,9 @@ def cases() -> dict[str, Any]:
     out["readonly"] = np.arange(5, dtype="uint16")
     out["readonly"].flags.writeable = False
     out["large"] = np.arange(LARGE // 4, dtype="float32")
-    out["large fortran"] = np.asfortranarray(np.arange(LARGE // 8, dtype="float64").reshape(512, -1))
+    out["large fortran"] = np.asfortranarray(
+        np.arange(LARGE // 8, dtype="float64").reshape(512, -1)
+    )
     out["large view"] = np.arange(LARGE // 2, dtype="uint8").reshape(-1, 64)[::2, 1:]
     out["large big-endian"] = np.arange(LARGE // 8, dtype=">i8")
     return out
@@ -88,9 +92,9 @@ def same(a: Any, b: Any) -> str | None:
     """Why ``b`` is not ``a`` (an array or a container of arrays), or None if it is."""
     if isinstance(a, np.ndarray):
         if type(b) is not np.ndarray:
-            return "got a %s, not an ndarray" % type(b).__name__
+            return f"got a {type(b).__name__}, not an ndarray"
         if b.dtype != a.dtype or b.shape != a.shape:
-            return "got %s %s, not %s %s" % (b.dtype, b.shape, a.dtype, a.shape)
+            return f"got {b.dtype} {b.shape}, not {a.dtype} {a.shape}"
         if a.dtype.type is np.longdouble:  # 80 bits in 16 bytes: the padding is garbage
             if not np.array_equal(a, b):
                 return "different values"
@@ -102,25 +106,25 @@ def same(a: Any, b: Any) -> str | None:
         return None
     if isinstance(a, dict):
         if not isinstance(b, dict) or set(a) != set(b):
-            return "got %r, not a dict with keys %r" % (type(b).__name__, sorted(a))
+            return f"got {type(b).__name__!r}, not a dict with keys {sorted(a)!r}"
         for key in a:
             problem = same(a[key], b[key])
             if problem:
-                return "[%r]: %s" % (key, problem)
+                return f"[{key!r}]: {problem}"
         return None
     if isinstance(a, (list, tuple)):
         if type(b) is not type(a) or len(b) != len(a):
-            return "got %s, not a %s of %d" % (type(b).__name__, type(a).__name__, len(a))
-        for i, (x, y) in enumerate(zip(a, b)):
+            return f"got {type(b).__name__}, not a {type(a).__name__} of {len(a)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             problem = same(x, y)
             if problem:
-                return "[%d]: %s" % (i, problem)
+                return f"[{i}]: {problem}"
         return None
     if isinstance(a, Holder):
         if not isinstance(b, Holder):
-            return "got a %s, not a Holder" % type(b).__name__
+            return f"got a {type(b).__name__}, not a Holder"
         return same(a.image, b.image) or same(a.extras, b.extras)
-    return None if a == b else "got %r, not %r" % (b, a)
+    return None if a == b else f"got {b!r}, not {a!r}"
 
 
 def mismatches(received: dict[str, Any], which: str = "cases") -> list[str]:
@@ -130,7 +134,7 @@ def mismatches(received: dict[str, Any], which: str = "cases") -> list[str]:
     for name in expected:
         problem = same(expected[name], received.get(name))
         if problem:
-            out.append("%s: %s" % (name, problem))
+            out.append(f"{name}: {problem}")
     if which == "containers":
         obj = received["object"]
         if obj.extras[1] is not received["list"][2] or received["tuple"][0] is not obj.extras[1]:

@@ -36,7 +36,9 @@ REPO = TESTS_DIR.parent
 NUMPY1 = "numpy==1.26.4"
 NUMPY2 = "numpy==2.0.2"
 # What a numpy-1 host needs besides numpy: comfy_env's dependencies, at the dev venv's versions.
-HOST_DEPS = tuple(f"{d}=={importlib.metadata.version(d)}" for d in ("psutil", "cloudpickle", "pydantic"))
+HOST_DEPS = tuple(
+    f"{d}=={importlib.metadata.version(d)}" for d in ("psutil", "cloudpickle", "pydantic")
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,7 +53,7 @@ def _cache_root() -> Path:
 def _build(pins: tuple[str, ...]) -> Path:
     """A venv on this Python with ``pins`` installed, built once (into a temporary directory,
     renamed into place) and reused; skips the test where the index cannot be reached."""
-    py = "%d.%d" % sys.version_info[:2]
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
     key = hashlib.sha256("\0".join((sys.executable, py, *pins)).encode()).hexdigest()[:12]
     root = _cache_root()
     final = root / f"py{py}-{key}"
@@ -72,7 +74,9 @@ def _build(pins: tuple[str, ...]) -> Path:
             install = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", *pins]
         done = subprocess.run(install, capture_output=True, text=True, timeout=240)
         if done.returncode != 0:
-            pytest.skip(f"cannot install {' '.join(pins)} (no package index?): {done.stderr[-500:]}")
+            pytest.skip(
+                f"cannot install {' '.join(pins)} (no package index?): {done.stderr[-500:]}"
+            )
         (env / ".complete").write_text(" ".join(pins) + "\n")
         try:
             env.rename(final)
@@ -185,8 +189,12 @@ def test_arrays_cross_from_a_numpy1_host_to_a_numpy2_env_and_back(
 ) -> None:
     path = os.pathsep.join((str(REPO), str(REPO / "workers"), str(TESTS_DIR)))
     done = subprocess.run(
-        [str(numpy1_host / "bin" / "python"), "-c", textwrap.dedent(_NUMPY1_HOST)]
-        + [str(numpy2_env), str(TESTS_DIR), "1" if shared_memory else "0"],
+        [
+            str(numpy1_host / "bin" / "python"),
+            "-c",
+            textwrap.dedent(_NUMPY1_HOST),
+            *(str(numpy2_env), str(TESTS_DIR), "1" if shared_memory else "0"),
+        ],
         capture_output=True,
         text=True,
         timeout=240,

@@ -260,7 +260,7 @@ def array_pickler(base: type) -> type:
                 value = reduce_array(obj)
                 if value is not NotImplemented:
                     return value
-            return parent(self, obj)  # type: ignore[misc]
+            return parent(self, obj)
 
     cls = type("ArrayPickler", (base,), {"reducer_override": reducer_override, "ndarray": None})
     _PICKLERS[base] = cls
