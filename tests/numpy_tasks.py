@@ -115,8 +115,8 @@ def same(a: Any, b: Any) -> str | None:
     if isinstance(a, (list, tuple)):
         if type(b) is not type(a) or len(b) != len(a):
             return f"got {type(b).__name__}, not a {type(a).__name__} of {len(a)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            problem = same(x, y)
+        for i in range(len(a)):  # (no zip(strict=...): this module runs on Python 3.8 too)
+            problem = same(a[i], b[i])
             if problem:
                 return f"[{i}]: {problem}"
         return None

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy_tasks
 import pytest
-from conftest import TESTS_DIR
+from conftest import TESTS_DIR, other_python
 
 import comfy_env
 from comfy_env import SerializationError
@@ -35,6 +35,7 @@ from comfy_env import SerializationError
 REPO = TESTS_DIR.parent
 NUMPY1 = "numpy==1.26.4"
 NUMPY2 = "numpy==2.0.2"
+NUMPY_OLDEST = "numpy==1.21.6"
 # What a numpy-1 host needs besides numpy: comfy_env's dependencies, at the dev venv's versions.
 HOST_DEPS = tuple(
     f"{d}=={importlib.metadata.version(d)}" for d in ("psutil", "cloudpickle", "pydantic")
@@ -50,11 +51,16 @@ def _cache_root() -> Path:
     return Path(root) / "numpy-envs"
 
 
-def _build(pins: tuple[str, ...]) -> Path:
-    """A venv on this Python with ``pins`` installed, built once (into a temporary directory,
+def _build(pins: tuple[str, ...], python: str = sys.executable) -> Path:
+    """A venv on ``python`` with ``pins`` installed, built once (into a temporary directory,
     renamed into place) and reused; skips the test where the index cannot be reached."""
-    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    key = hashlib.sha256("\0".join((sys.executable, py, *pins)).encode()).hexdigest()[:12]
+    py = subprocess.run(
+        [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    key = hashlib.sha256("\0".join((python, py, *pins)).encode()).hexdigest()[:12]
     root = _cache_root()
     final = root / f"py{py}-{key}"
     if (final / "bin" / "python").exists() and (final / ".complete").exists():
@@ -67,10 +73,10 @@ def _build(pins: tuple[str, ...]) -> Path:
             import uv  # noqa: F401
 
             uv_cmd = [sys.executable, "-m", "uv"]
-            subprocess.run([*uv_cmd, "venv", "-q", "-p", sys.executable, str(env)], check=True)
+            subprocess.run([*uv_cmd, "venv", "-q", "-p", python, str(env)], check=True)
             install = [*uv_cmd, "pip", "install", "-q", "-p", str(env / "bin" / "python"), *pins]
         except ImportError:
-            subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+            subprocess.run([python, "-m", "venv", str(env)], check=True)
             install = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", *pins]
         done = subprocess.run(install, capture_output=True, text=True, timeout=240)
         if done.returncode != 0:
@@ -96,6 +102,15 @@ def numpy1_env() -> Path:
 @pytest.fixture(scope="session")
 def numpy2_env() -> Path:
     return _build((NUMPY2,))
+
+
+@pytest.fixture(scope="session")
+def oldest_env() -> Path:
+    """The oldest pair the runtime supports: Python 3.8 with numpy 1.21."""
+    python = other_python(8)
+    if python is None:
+        pytest.skip("no Python 3.8 on this machine")
+    return _build((NUMPY_OLDEST,), python)
 
 
 @pytest.fixture(scope="session")
@@ -135,6 +150,14 @@ def test_arrays_cross_from_a_numpy2_host_to_a_numpy1_env_and_back(
             assert worker.stats().shared_memory != "unavailable"
 
 
+def test_arrays_cross_from_a_numpy2_host_to_python38_with_numpy_1_21(oldest_env: Path) -> None:
+    with _pool(True) as pool:
+        worker = pool.get_worker(oldest_env)
+        _check_round_trips(worker, "1.21.6")
+        with pytest.raises(SerializationError, match="StringDType"):
+            worker.call("numpy_tasks:echo", numpy_tasks.strings())
+
+
 def test_arrays_cross_between_numpy2_versions(numpy2_env: Path) -> None:
     with _pool(True) as pool:
         _check_round_trips(pool.get_worker(numpy2_env), "2.0.2")
@@ -148,6 +171,7 @@ def test_a_numpy2_only_dtype_sent_to_numpy1_is_a_serialization_error_naming_it(
         with pytest.raises(SerializationError, match="StringDType") as info:
             worker.call("numpy_tasks:echo", numpy_tasks.strings())
         assert "numpy._core" not in str(info.value)
+        assert "no such dtype" in str(info.value)
         assert worker.call("numpy_tasks:echo", np.arange(3)).tolist() == [0, 1, 2]  # still fine
 
 

@@ -370,6 +370,8 @@ class Worker:
                     kind, named = "ModuleNotFoundError", exc.name
                 elif isinstance(exc, ImportError):
                     kind, named = "ImportError", exc.name
+                elif isinstance(exc, arrays.DtypeNotRepresentable):
+                    kind, named = "DtypeNotRepresentable", None
                 else:
                     kind, named = "", None
                 text = "%s: %s" % (type(exc).__name__, exc)
