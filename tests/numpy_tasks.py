@@ -154,3 +154,9 @@ def built(which: str = "cases") -> dict[str, Any]:
 def strings() -> Any:
     """An array of numpy 2's StringDType (numpy 2 only)."""
     return np.array(["a", "bb"], dtype=np.dtypes.StringDType())
+
+
+def with_code() -> Any:
+    """A result the C pickler refuses (a lambda): it goes back through cloudpickle."""
+    arrays = cases()
+    return (lambda: 42), arrays["fortran"], arrays["large"]

@@ -150,6 +150,21 @@ def test_arrays_cross_from_a_numpy2_host_to_a_numpy1_env_and_back(
             assert worker.stats().shared_memory != "unavailable"
 
 
+def test_arrays_cross_in_code_sent_by_value_and_in_cloudpickled_results(
+    numpy1_env: Path,
+) -> None:
+    local = numpy_tasks.cases()
+    captured = local["fortran"]
+    with _pool(True) as pool:
+        worker = pool.get_worker(numpy1_env)
+        # A lambda travels by value (cloudpickle), with the array it closes over.
+        assert worker.call(lambda: captured.tobytes(order="A")) == captured.tobytes(order="A")
+        fn, fortran, large = worker.call("numpy_tasks:with_code")
+    assert fn() == 42
+    assert numpy_tasks.same(local["fortran"], fortran) is None
+    assert numpy_tasks.same(local["large"], large) is None
+
+
 def test_arrays_cross_from_a_numpy2_host_to_python38_with_numpy_1_21(oldest_env: Path) -> None:
     with _pool(True) as pool:
         worker = pool.get_worker(oldest_env)
