@@ -77,6 +77,25 @@ def cases() -> dict[str, Any]:
     return out
 
 
+def scalars() -> dict[str, Any]:
+    """numpy scalars, what reductions such as ``arr.mean()`` return."""
+    return {
+        "float64": np.float64(0.25),
+        "float32": np.float32(1.5),
+        "float16": np.float16(-2.0),
+        "int64": np.int64(-5),
+        "uint8": np.uint8(200),
+        "bool": np.bool_(True),
+        "complex128": np.complex128(1 - 2j),
+        "datetime64": np.datetime64("2024-01-02T03:04", "m"),
+        "timedelta64": np.timedelta64(7, "ms"),
+        "bytes": np.bytes_(b"ab"),
+        "str": np.str_("\u00e9t\u00e9"),
+        "mean": np.arange(10.0).mean(),
+        "record": np.zeros(1, dtype=[("a", "<i4"), ("b", "S2")])[0],
+    }
+
+
 def containers() -> dict[str, Any]:
     """Arrays inside dicts, lists, tuples and an object, one of them met twice."""
     shared = np.arange(LARGE // 8, dtype="int64")
@@ -120,6 +139,10 @@ def same(a: Any, b: Any) -> str | None:
             if problem:
                 return f"[{i}]: {problem}"
         return None
+    if isinstance(a, np.generic):
+        if type(b) is not type(a) or b.dtype != a.dtype or b.tobytes() != a.tobytes():
+            return f"got {type(b).__name__} {b!r}, not {type(a).__name__} {a!r}"
+        return None
     if isinstance(a, Holder):
         if not isinstance(b, Holder):
             return f"got a {type(b).__name__}, not a Holder"
@@ -129,7 +152,7 @@ def same(a: Any, b: Any) -> str | None:
 
 def mismatches(received: dict[str, Any], which: str = "cases") -> list[str]:
     """What differs between ``received`` and the same arrays built by this side's numpy."""
-    expected = cases() if which == "cases" else containers()
+    expected = built(which)
     out = []
     for name in expected:
         problem = same(expected[name], received.get(name))
@@ -147,8 +170,8 @@ def echo(value: Any) -> Any:
 
 
 def built(which: str = "cases") -> dict[str, Any]:
-    """This side's arrays, as a return value."""
-    return cases() if which == "cases" else containers()
+    """This side's arrays (``which``: cases, containers or scalars), as a return value."""
+    return {"cases": cases, "containers": containers, "scalars": scalars}[which]()
 
 
 def strings() -> Any:

@@ -129,8 +129,8 @@ def _pool(shared_memory: bool) -> Iterator[comfy_env.Pool]:
 
 def _check_round_trips(worker: comfy_env.Worker, expect_env_numpy: str) -> None:
     assert worker.call("numpy_tasks:numpy_version") == expect_env_numpy
-    for which in ("cases", "containers"):
-        local = numpy_tasks.cases() if which == "cases" else numpy_tasks.containers()
+    for which in ("cases", "containers", "scalars"):
+        local = numpy_tasks.built(which)
         # Arguments: the env compares what it got with the same arrays built by its numpy.
         assert worker.call("numpy_tasks:mismatches", local, which) == []
         # Results: built by the env's numpy, and the host's own arrays echoed back.
@@ -206,8 +206,8 @@ config = comfy_env.PoolConfig(sys_path=(tests,), close_timeout=3.0, shared_memor
 problems = []
 with comfy_env.Pool(config) as pool:
     worker = pool.get_worker(env)
-    for which in ("cases", "containers"):
-        local = numpy_tasks.cases() if which == "cases" else numpy_tasks.containers()
+    for which in ("cases", "containers", "scalars"):
+        local = numpy_tasks.built(which)
         problems += worker.call("numpy_tasks:mismatches", local, which)
         problems += numpy_tasks.mismatches(worker.call("numpy_tasks:built", which), which)
         problems += numpy_tasks.mismatches(worker.call("numpy_tasks:echo", local), which)

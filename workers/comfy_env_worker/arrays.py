@@ -26,9 +26,12 @@ both sides having the same numpy major version.
 view of its memory (order ``'F'`` rebuilds the Fortran layout); any other array is made
 contiguous first (one copy; numpy's own reduce copies it into the pickle with ``tobytes``).
 
+numpy scalars (``np.float64(0.5)``, what ``arr.mean()`` returns) of those dtypes travel the
+same way, as their bytes (``rebuild_scalar``).
+
 **What keeps numpy's own pickle** (and so still needs the same numpy major on both sides):
-ndarray subclasses (``np.matrix``, masked arrays, ``np.memmap``), arrays whose dtype holds
-Python objects, and numpy scalars (``np.float64(1.0)``). An array of a dtype that is not
+ndarray subclasses (``np.matrix``, masked arrays, ``np.memmap``) and arrays whose dtype holds
+Python objects. An array of a dtype that is not
 numpy's builtin (numpy 2's ``StringDType``, a user dtype such as ``bfloat16``) travels as
 numpy's own pickle nested in ``rebuild_foreign``: where the receiver cannot load it, the error
 names the dtype and both numpy versions, never a private module.
@@ -234,13 +237,47 @@ def reduce_array(arr: Any) -> Any:
     return rebuild_array, (_PickleBuffer(flat.view(np.uint8)), spec, shape, order)
 
 
+def rebuild_scalar(data: bytes, spec: Any) -> Any:
+    """Unpickle a numpy scalar (``np.float64(0.5)``, ``np.datetime64('2024-01-02')``)."""
+    return _numpy().frombuffer(data, dtype=spec_dtype(spec))[0]
+
+
+def reduce_scalar(value: Any) -> Any:
+    """The reduce value of a numpy scalar of a plain dtype, or ``NotImplemented`` (numpy's
+    own pickle) for the rest. numpy pickles scalars through ``numpy.core.multiarray.scalar``
+    (``numpy._core`` in 2.x), so a reduction such as ``arr.mean()`` would not cross either."""
+    dtype = value.dtype
+    spec = dtype_spec(dtype)
+    if spec is None or dtype.itemsize == 0:
+        return NotImplemented
+    return rebuild_scalar, (value.tobytes(), spec)
+
+
+_SCALARS: Dict[int, Any] = {}
+
+
+def scalar_types(np: Any) -> Any:
+    """numpy's own scalar types (``np.float64``, ``np.str_``, ...) of ``np``, but not
+    ``np.object_`` (its instances are Python objects)."""
+    found = _SCALARS.get(id(np))
+    if found is None:
+        found = frozenset(
+            t
+            for t in np.sctypeDict.values()
+            if isinstance(t, type) and issubclass(t, np.generic) and t is not np.object_
+        )
+        _SCALARS.clear()
+        _SCALARS[id(np)] = found
+    return found
+
+
 _PICKLERS: Dict[type, type] = {}
 
 
 def array_pickler(base: type) -> type:
     """A subclass of the pickler class ``base`` (``pickle.Pickler`` or cloudpickle's) that
-    pickles plain numpy arrays with ``reduce_array``; set ``ndarray`` on the instance to
-    ``numpy.ndarray`` before ``dump``. Everything else goes to ``base``'s own rules."""
+    pickles plain numpy arrays with ``reduce_array`` and numpy scalars with ``reduce_scalar``;
+    ``use(instance, numpy)`` before ``dump``. Everything else goes to ``base``'s own rules."""
     cls = _PICKLERS.get(base)
     if cls is not None:
         return cls
@@ -249,22 +286,42 @@ def array_pickler(base: type) -> type:
     if parent is None:
 
         def reducer_override(self: Any, obj: Any) -> Any:
-            if type(obj) is self.ndarray:
+            kind = type(obj)
+            if kind is self.ndarray:
                 return reduce_array(obj)
+            if kind in self.scalars:
+                return reduce_scalar(obj)
             return NotImplemented
 
     else:
 
         def reducer_override(self: Any, obj: Any) -> Any:
-            if type(obj) is self.ndarray:
+            kind = type(obj)
+            if kind is self.ndarray:
                 value = reduce_array(obj)
+                if value is not NotImplemented:
+                    return value
+            elif kind in self.scalars:
+                value = reduce_scalar(obj)
                 if value is not NotImplemented:
                     return value
             return parent(self, obj)
 
-    cls = type("ArrayPickler", (base,), {"reducer_override": reducer_override, "ndarray": None})
+    namespace: Dict[str, Any] = {
+        "reducer_override": reducer_override,
+        "ndarray": None,
+        "scalars": frozenset(),
+    }
+    cls = type("ArrayPickler", (base,), namespace)
     _PICKLERS[base] = cls
     return cls
+
+
+def use(pickler: Any, np: Any) -> Any:
+    """Arm an ``array_pickler`` instance with ``np``'s array and scalar types."""
+    pickler.ndarray = np.ndarray
+    pickler.scalars = scalar_types(np)
+    return pickler
 
 
 def numpy_facts() -> Dict[str, Any]:

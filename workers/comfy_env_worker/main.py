@@ -189,7 +189,7 @@ def _dumps_result(result: Any) -> bytes:
             # Arrays version-neutral here too (``arrays``), all in band.
             out = io.BytesIO()
             pickler = arrays.array_pickler(cloudpickle.Pickler)(out, protocol=_PICKLE_PROTOCOL)
-            pickler.ndarray = np.ndarray
+            arrays.use(pickler, np)
             pickler.dump(result)
             return out.getvalue()
         except Exception:  # noqa: BLE001

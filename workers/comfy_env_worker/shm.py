@@ -364,8 +364,7 @@ def encode(
         if pickler is None:  # an unknown ``dumps``: its own rules
             return dumps(obj, protocol=5, buffer_callback=callback), buffers
     out = _BytesIO()
-    p = arrays.array_pickler(pickler)(out, protocol=5, buffer_callback=callback)
-    p.ndarray = np.ndarray
+    p = arrays.use(arrays.array_pickler(pickler)(out, protocol=5, buffer_callback=callback), np)
     p.dump(obj)
     return out.getvalue(), buffers
 
