@@ -31,10 +31,10 @@ same way, as their bytes (``rebuild_scalar``).
 
 **What keeps numpy's own pickle** (and so still needs the same numpy major on both sides):
 ndarray subclasses (``np.matrix``, masked arrays, ``np.memmap``) and arrays whose dtype holds
-Python objects. An array of a dtype that is not
-numpy's builtin (numpy 2's ``StringDType``, a user dtype such as ``bfloat16``) travels as
-numpy's own pickle nested in ``rebuild_foreign``: where the receiver cannot load it, the error
-names the dtype and both numpy versions, never a private module.
+Python objects. An array of a dtype that is not numpy's builtin (numpy 2's ``StringDType``, a
+user dtype such as ``bfloat16``) travels as numpy's own pickle nested in ``rebuild_foreign``:
+where the receiver cannot load it, the error names the dtype and both numpy versions, never a
+private module.
 """
 
 from __future__ import annotations

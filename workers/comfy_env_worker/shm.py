@@ -355,7 +355,7 @@ def encode(
     if scan and _has_large_bytes(scan, threshold):
         obj = _swap(obj, threshold, 3, {})
     np = sys.modules.get("numpy")
-    if np is None:  # no numpy loaded: no array can be in ``obj``
+    if np is None or getattr(np, "ndarray", None) is None:  # no numpy (or a stub): no arrays
         return dumps(obj, protocol=5, buffer_callback=callback), buffers
     # Plain arrays in a version-neutral form (``arrays``): numpy's own pickle names its
     # private modules, which differ between numpy 1.x and 2.x.
