@@ -272,6 +272,22 @@ SHM_PROBE_BYTES = 4 * 1024 * 1024
 WARM_CALLS = 50
 
 
+NUMPY_TARGET = "comfy_env_worker.arrays:numpy_facts"
+
+
+def _host_numpy() -> tuple[str | None, str | None]:
+    """The host's numpy version, or None and why it is missing."""
+    try:
+        import numpy
+    except Exception as exc:  # noqa: BLE001 - an ImportError, or a numpy broken on import
+        return None, f"{type(exc).__name__}: {exc}"
+    return str(numpy.__version__), None
+
+
+def _major(version: str) -> str:
+    return version.split(".", 1)[0]
+
+
 class Step:
     """One doctor check: ``status`` is "ok", "WARN" (works, but not as configured) or "FAIL".
     Filled in as the check runs. (A plain class: ``comfy-env status`` imports this module and
@@ -303,6 +319,8 @@ class _Doctor:
         self.env = env
         self.timeout = timeout
         self.steps: list[Step] = []
+        self.env_numpy: str | None = None  # the env's numpy version, from the numpy step
+        self.env_numpy_error: str | None = None  # or why the env cannot import it
 
     def run(self) -> bool:
         config = self._config()
@@ -317,6 +335,7 @@ class _Doctor:
             return (
                 self._start(worker)
                 and self._round_trip(worker)
+                and self._numpy(worker)
                 and self._shared_memory(worker, config)
             )
 
@@ -489,6 +508,52 @@ class _Doctor:
         step.facts = {"calls": WARM_CALLS, "median_us": round(median * 1e6, 2)}
         return True
 
+    def _numpy(self, worker: Worker) -> bool:
+        """Which numpy each side has, and what that means for arrays: a missing numpy is told
+        apart from a version skew (numpy 1.x on one side, 2.x on the other), under which plain
+        arrays still cross (``comfy_env_worker.arrays``) but numpy's own pickles do not."""
+        step = Step("numpy")
+        try:
+            env = self._timed(step, lambda: worker.run(NUMPY_TARGET, timeout=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
+            self._fail(step, exc)
+            return False
+        host, host_error = _host_numpy()
+        env_version = env.get("version") if isinstance(env, dict) else None
+        env_error = env.get("error") if isinstance(env, dict) else None
+        self.env_numpy, self.env_numpy_error = env_version, env_error
+        step.facts = {
+            "host_numpy": host,
+            "env_numpy": env_version,
+            "host_error": host_error,
+            "env_error": env_error,
+            "skew": bool(host and env_version and _major(host) != _major(env_version)),
+        }
+        if host is None and env_version is None:
+            step.detail = "neither the host nor the env has numpy"
+        elif env_version is None:
+            step.detail = (
+                f"the env has no numpy ({env_error}); host numpy {host}: arrays cannot be "
+                "sent to this env (plain Python values, bytes and memoryviews can)"
+            )
+        elif host is None:
+            step.detail = (
+                f"the host has no numpy ({host_error}); env numpy {env_version}: arrays the "
+                "env returns cannot be unpickled in the host"
+            )
+        elif _major(host) == _major(env_version):
+            step.detail = f"host numpy {host}, env numpy {env_version}: every array crosses"
+        else:
+            step.detail = (
+                f"host numpy {host}, env numpy {env_version}: a numpy major version skew "
+                "(not a missing numpy)\nnote: plain arrays cross both ways (every dtype both "
+                "numpy versions have, any shape and memory order); object arrays, ndarray "
+                "subclasses (np.matrix, masked arrays, np.memmap), numpy scalars (np.float64) "
+                "and numpy-2-only dtypes (StringDType) do not: send a plain array, .tolist() "
+                "or float() instead"
+            )
+        return True
+
     def _shared_memory(self, worker: Worker, config: PoolConfig) -> bool:
         step = Step("shared memory")
         self.steps.append(step)
@@ -496,23 +561,23 @@ class _Doctor:
         payload: Any
         numpy: Any
         try:
+            if self.env_numpy is None:  # (the numpy step said so): bytes go anywhere
+                raise ImportError(self.env_numpy_error or "the env has no numpy")
             import numpy
 
             payload = numpy.arange(SHM_PROBE_BYTES // 4, dtype=numpy.uint32)
             kind = "numpy array"
-        except ImportError:
+        except ImportError as exc:
+            if self.env_numpy is None:
+                notes.append(f"the env cannot import numpy ({exc}); sent bytes instead")
             numpy = None
             payload = os.urandom(SHM_PROBE_BYTES)
             kind = "bytes object"
         started = time.perf_counter()
         try:
-            try:
-                echoed = worker.run(ECHO_TARGET, (payload,), timeout=self.timeout)
-            except ImportError as exc:  # numpy is not importable in the env
-                notes.append(f"the env cannot import numpy ({exc}); sent bytes instead")
-                payload, kind, numpy = os.urandom(SHM_PROBE_BYTES), "bytes object", None
-                started = time.perf_counter()
-                echoed = worker.run(ECHO_TARGET, (payload,), timeout=self.timeout)
+            # (An env with numpy that cannot take a plain array fails here: the numpy step
+            # told a missing numpy and a version skew apart already.)
+            echoed = worker.run(ECHO_TARGET, (payload,), timeout=self.timeout)
             cold_ms = (time.perf_counter() - started) * 1000
             started = time.perf_counter()  # again, on blocks that now exist and are faulted in
             echoed = worker.run(ECHO_TARGET, (payload,), timeout=self.timeout)

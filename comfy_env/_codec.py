@@ -246,7 +246,7 @@ def _cloudpickle(
     import cloudpickle
 
     try:
-        return shm.encode(obj, threshold, cloudpickle.dumps, scan)
+        return shm.encode(obj, threshold, cloudpickle.dumps, scan, cloudpickle.Pickler)
     except Exception as exc:  # noqa: BLE001 - re-raised, typed (chained)
         raise chained(  # noqa: B904 - see chained
             SerializationError(f"{what} cannot be pickled: {type(exc).__name__}: {exc}"), exc
@@ -334,6 +334,8 @@ def _not_loaded(
         f"the call to {target_label(target) if target else '?'} could not be unpickled in the "
         f"worker, so it did not run: {message}"
     )
+    if kind == "DtypeNotRepresentable":  # an array of a dtype the env's numpy lacks
+        return SerializationError(f"{text} (the env's numpy has no such dtype)")
     if kind not in ("ImportError", "ModuleNotFoundError"):  # a reducer that raised
         return SerializationError(f"{text} (an argument's reducer failed there)")
     text += " (an argument's class or module must be importable in the env too)"

@@ -41,6 +41,7 @@ DOCTOR_STEPS = (
     "spawn + handshake + canary",
     "versions",
     "warm round trip",
+    "numpy",
     "shared memory",
 )
 

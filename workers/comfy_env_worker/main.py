@@ -43,13 +43,14 @@ import _socket
 import _thread
 import faulthandler
 import importlib
+import io
 import os
 import pickle
 import select
 import sys
 import time
 
-from . import control, logs, refs, shm
+from . import arrays, control, logs, refs, shm
 from .protocol import (
     CANARY_TARGET,
     DEFAULT_MAX_FRAME_BYTES,
@@ -182,7 +183,15 @@ def _dumps_result(result: Any) -> bytes:
         try:
             import cloudpickle  # copied into the runtime dir by the host
 
-            return bytes(cloudpickle.dumps(result, protocol=_PICKLE_PROTOCOL))
+            np = sys.modules.get("numpy")
+            if np is None:
+                return bytes(cloudpickle.dumps(result, protocol=_PICKLE_PROTOCOL))
+            # Arrays version-neutral here too (``arrays``), all in band.
+            out = io.BytesIO()
+            pickler = arrays.array_pickler(cloudpickle.Pickler)(out, protocol=_PICKLE_PROTOCOL)
+            arrays.use(pickler, np)
+            pickler.dump(result)
+            return out.getvalue()
         except Exception:  # noqa: BLE001
             raise TypeError(
                 "the call returned a %s.%s, which cannot be pickled back to the host: %s"
@@ -361,6 +370,8 @@ class Worker:
                     kind, named = "ModuleNotFoundError", exc.name
                 elif isinstance(exc, ImportError):
                     kind, named = "ImportError", exc.name
+                elif isinstance(exc, arrays.DtypeNotRepresentable):
+                    kind, named = "DtypeNotRepresentable", None
                 else:
                     kind, named = "", None
                 text = "%s: %s" % (type(exc).__name__, exc)

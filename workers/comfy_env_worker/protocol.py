@@ -136,7 +136,8 @@ class CallNotLoaded(Exception):
     raises ``SerializationError`` naming the call, with this error's cause.
 
     ``args``: (the text; ``"ModuleNotFoundError"`` or ``"ImportError"`` when an import failed
-    (subclasses included), else ``""``; the module it names or None); the text alone is its
+    (subclasses included), ``"DtypeNotRepresentable"`` for an array whose dtype the env's numpy
+    lacks (``arrays``), else ``""``; the module it names or None); the text alone is its
     ``str``."""
 
     def __str__(self) -> str:

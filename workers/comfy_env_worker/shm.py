@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import _thread
 import errno
+import io
 import mmap
 import os
 import pickle
@@ -59,9 +60,14 @@ import stat
 import struct
 import sys
 
+from . import arrays
+
 # Bound at import: the env's code may replace ``pickle.dumps``/``pickle.loads`` in a worker.
 _dumps = pickle.dumps
 _loads = pickle.loads
+_BytesIO = io.BytesIO
+# The pickler class behind a ``dumps`` (``encode``): the C pickler for pickle's own.
+_PICKLERS_BY_DUMPS = {pickle.dumps: pickle.Pickler}
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
@@ -314,6 +320,7 @@ def encode(
     threshold: int,
     dumps: Callable[..., bytes] = pickle.dumps,
     scan: Optional[Sequence[Any]] = None,
+    pickler: Optional[type] = None,
 ) -> Tuple[bytes, List[memoryview]]:
     """Pickle ``obj`` taking buffers of at least ``threshold`` bytes out of band.
 
@@ -323,7 +330,9 @@ def encode(
     pickle is returned; large bytes-like objects among them (or one container level into
     them) are swapped for out-of-band stand-ins; numpy arrays go out of band on their own at
     any depth. ``scan=None`` checks nothing beyond the buffer callback.
-    ``dumps`` is ``pickle.dumps`` or ``cloudpickle.dumps``.
+    ``dumps`` is ``pickle.dumps`` or ``cloudpickle.dumps``; ``pickler`` is its pickler class
+    (found for ``pickle.dumps``; pass ``cloudpickle.Pickler`` with ``cloudpickle.dumps``), which
+    pickles plain numpy arrays version-neutrally (``arrays``) whenever numpy is loaded.
     """
     if scan is not None:
         for value in scan:
@@ -345,7 +354,19 @@ def encode(
 
     if scan and _has_large_bytes(scan, threshold):
         obj = _swap(obj, threshold, 3, {})
-    return dumps(obj, protocol=5, buffer_callback=callback), buffers
+    np = sys.modules.get("numpy")
+    if np is None or getattr(np, "ndarray", None) is None:  # no numpy (or a stub): no arrays
+        return dumps(obj, protocol=5, buffer_callback=callback), buffers
+    # Plain arrays in a version-neutral form (``arrays``): numpy's own pickle names its
+    # private modules, which differ between numpy 1.x and 2.x.
+    if pickler is None:
+        pickler = _PICKLERS_BY_DUMPS.get(dumps)
+        if pickler is None:  # an unknown ``dumps``: its own rules
+            return dumps(obj, protocol=5, buffer_callback=callback), buffers
+    out = _BytesIO()
+    p = arrays.use(arrays.array_pickler(pickler)(out, protocol=5, buffer_callback=callback), np)
+    p.dump(obj)
+    return out.getvalue(), buffers
 
 
 # ---- blocks ----------------------------------------------------------------------------------
