@@ -19,11 +19,15 @@ import os
 import signal
 
 _SIGPIPE = {signal.SIGPIPE}
+# Linux has both; a platform without them (macOS lacks sigtimedwait) writes plainly, as before.
+_SUPPORTED = hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigtimedwait")
 
 
 def write(fd: int, data: bytes) -> int:
     """``os.write(fd, data)`` that raises ``BrokenPipeError`` where the reader is gone, whatever
     the process's SIGPIPE disposition. Any thread."""
+    if not _SUPPORTED:
+        return os.write(fd, data)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGPIPE)
     try:
         return os.write(fd, data)

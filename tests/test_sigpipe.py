@@ -99,3 +99,28 @@ def test_a_cancel_into_a_pipe_without_reader_does_not_kill_the_host() -> None:
     assert host.returncode == 0, (host.returncode, out, err[-3000:])
     assert "cancel " in out and "ended CallCancelled\n" in out, (out, err[-3000:])
     assert "next 5\n" in out, (out, err[-3000:])
+
+
+_PIPE_WRITE_HOST = """
+import os, signal
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+from comfy_env import _sigpipe
+
+r, w = os.pipe()
+os.close(r)
+for _ in range(3):
+    try:
+        _sigpipe.write(w, b"x")
+    except BrokenPipeError:
+        print("EPIPE", flush=True)
+# The thread's mask is as it was, and nothing is left pending to kill us later.
+print("blocked", signal.SIGPIPE in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
+print("pending", signal.SIGPIPE in signal.sigpending(), flush=True)
+"""
+
+
+def test_a_pipe_write_without_reader_is_broken_pipe_error_and_leaves_no_signal_behind() -> None:
+    host = run_host(_PIPE_WRITE_HOST)
+    out, err = host.communicate(timeout=30)
+    assert host.returncode == 0, (host.returncode, out, err)
+    assert out == "EPIPE\nEPIPE\nEPIPE\nblocked False\npending False\n", (out, err)
