@@ -838,7 +838,8 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
         # Here, on this thread and before any of the env's code can run: the parent-death
         # signal, and the C functions the watchdog calls during a call. A library loaded (a
         # dlopen) by another thread while the env's code loads one deadlocks the worker (see
-        # ``native``); in the host's turn, this costs the first call little.
+        # ``native``). About 0.5 ms of every start: CONFIG is usually here already (the host's
+        # turn is shorter than this thread's work since HELLO), so the wait hides little.
         native.load()
         worker.configure()
         logs.install(worker.outbox, worker.log_level)

@@ -15,15 +15,15 @@ first ``CDLL`` or symbol lookup), each waits for what the other holds: the worke
 forever, a call without a deadline with it. That was the watchdog thread, which loaded ctypes
 0.1 s after the handshake to arm the parent-death signal: a first call importing ``bpy`` hung
 5 times out of 5. So ``load`` runs on the thread that serves, during the handshake (after
-HELLO, before CONFIG is read, in the time the host takes to answer), before any of the env's
-code can run; the worker's other threads then only call what was resolved here, and never load
-a library.
+HELLO, before CONFIG is read), before any of the env's code can run; the worker's other threads
+then only call what was resolved here, and never load a library.
 
-Why ``_ctypes`` and not ``ctypes``: the package's Python code (its types, ``struct``,
-``_endian``) is 1.5-2 ms of every worker's start; the C module alone is about 0.6 ms, and the
-few types needed here are three lines. ``shm`` still imports ``ctypes`` when it first maps a
-block (on the thread that serves, or, for a spare block, before its helper thread starts: see
-``shm.load_native``).
+Why ``_ctypes`` and not ``ctypes``: measured in fresh interpreters, the package with the same
+lookups takes 3-4.5 ms (its Python code, ``struct``, ``_endian``, ``pythonapi``), ``load`` about
+0.5 ms, which lands on every worker's start (the host's turn after HELLO is shorter than the
+worker's own work there, so it hides little); the few C types needed here are three lines.
+``shm`` still imports ``ctypes`` when it first maps a block (on the thread that serves, or, for
+a spare block, before its helper thread starts: see ``shm.load_native``).
 
 Stdlib only; parses under Python 3.8. Without ``_ctypes`` (a build without it, another
 implementation) nothing is armed: the channel watchdog still sees the host go away, and a
