@@ -86,6 +86,7 @@ from comfy_env_worker.protocol import (
     CANARY_TARGET,
     FLAG_OOB,
     HEADER_SIZE,
+    MSG_NOSIGNAL,
     PROTOCOL_VERSION,
     ChannelClosed,
     FrameError,
@@ -97,6 +98,7 @@ from comfy_env_worker.protocol import (
     send_parts,
 )
 
+from . import _sigpipe
 from ._codec import decode_reply, encode_call, oob_threshold, use_shm, worker_config
 from ._descendants import kill_marked
 from ._envs import EnvSpec
@@ -843,7 +845,7 @@ class WorkerProcess:
                 f"could not be given its runtime directory {self.runtime_dir.path}: {exc}"
             ) from exc
         try:
-            self.sock.sendall(GO)
+            self.sock.sendall(GO, MSG_NOSIGNAL)
         except OSError:
             pass  # the worker died already: its EOF is read below, and its exit reported
         # The canary is encoded, and its block made and filled, while the interpreter still
@@ -988,7 +990,10 @@ class WorkerProcess:
         returns = self.take_returns() if self.returned else b""
         if not buffers:
             if len(body) <= 65536:
-                sock.sendall(returns + encode_header(FrameType.CALL, call_id, len(body)) + body)
+                sock.sendall(
+                    returns + encode_header(FrameType.CALL, call_id, len(body)) + body,
+                    MSG_NOSIGNAL,
+                )
                 return None
             parts: list[Any] = [returns + encode_header(FrameType.CALL, call_id, len(body)), body]
             self._send_large(parts, deadline)
@@ -1168,7 +1173,7 @@ class WorkerProcess:
         sock = self.sock
         assert sock is not None
         try:
-            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0))
+            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0), MSG_NOSIGNAL)
         except OSError:
             pass  # the worker is gone; its blocks go with it (see dispose)
 
@@ -1735,7 +1740,9 @@ class WorkerProcess:
         if stop is Stop.ASK:
             try:
                 assert self.sock is not None
-                self.sock.send(encode_header(FrameType.SHUTDOWN, 0, 0), socket.MSG_DONTWAIT)
+                self.sock.send(
+                    encode_header(FrameType.SHUTDOWN, 0, 0), socket.MSG_DONTWAIT | MSG_NOSIGNAL
+                )
             except (OSError, AssertionError):
                 self._signal_group(signal.SIGTERM)
         else:
@@ -1768,7 +1775,7 @@ class WorkerProcess:
         """Health check of an idle worker: PING, then PONG within ``timeout`` seconds."""
         assert self.sock is not None and self.reader is not None
         try:
-            self.sock.sendall(encode_header(FrameType.PING, 0, 0))
+            self.sock.sendall(encode_header(FrameType.PING, 0, 0), MSG_NOSIGNAL)
             ftype, _, _, _ = self.read_frame(time.monotonic() + timeout)
         except (OSError, ChannelClosed, FrameError):
             return False
@@ -1782,8 +1789,10 @@ class WorkerProcess:
             if fd is None:
                 return False
             try:
-                # 20 bytes, under PIPE_BUF: written whole or not at all.
-                return os.write(fd, encode_header(FrameType.CANCEL, call_id, 0)) == HEADER_SIZE
+                # 20 bytes, under PIPE_BUF: written whole or not at all. A pipe takes no
+                # MSG_NOSIGNAL: a worker gone is EPIPE here, never SIGPIPE (``_sigpipe``).
+                frame = encode_header(FrameType.CANCEL, call_id, 0)
+                return _sigpipe.write(fd, frame) == HEADER_SIZE
             except OSError:
                 return False
 
@@ -1791,7 +1800,9 @@ class WorkerProcess:
         """Tell the worker to drop kept objects (no reply)."""
         assert self.sock is not None
         payload = pickle.dumps(ref_ids, protocol=5)
-        self.sock.sendall(encode_header(FrameType.RELEASE_REFS, 0, len(payload)) + payload)
+        self.sock.sendall(
+            encode_header(FrameType.RELEASE_REFS, 0, len(payload)) + payload, MSG_NOSIGNAL
+        )
 
     def wait_exit(self, timeout: float) -> int | None:
         """The return code once the process is reaped, or None if it is still running."""

@@ -237,7 +237,7 @@ class Reactor:
 
     def _wake(self) -> None:
         try:
-            self._wake_w.send(b"\0")
+            self._wake_w.send(b"\0", socket.MSG_NOSIGNAL)  # (closing: EPIPE, not SIGPIPE)
         except (BlockingIOError, OSError):
             pass  # already awake (buffer full) or closing
 

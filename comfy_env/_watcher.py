@@ -98,8 +98,10 @@ class HostWatcher:
         """The pool closed cleanly: tell the watcher to exit, and reap it (bounded)."""
         fd, self._write_fd = self._write_fd, None
         if fd is not None:
+            from . import _sigpipe  # (here: the watcher process itself never writes)
+
             try:
-                os.write(fd, b"q")
+                _sigpipe.write(fd, b"q")  # a watcher gone is EPIPE, never SIGPIPE
             except OSError:
                 pass  # it is gone already; reaped below
             os.close(fd)

@@ -36,6 +36,8 @@ import _thread
 import pickle
 import time
 
+from . import native
+
 # Bound at import: the env's code may replace the module attributes (see protocol._monotonic).
 _dumps = pickle.dumps
 _monotonic = time.monotonic
@@ -56,14 +58,11 @@ class Cancelled(BaseException):
 
 
 def _set_async_exc(thread_id: int, exc: Optional[type]) -> None:
-    """Raise ``exc`` in thread ``thread_id`` at its next bytecode (None: disarm a pending one)."""
-    try:
-        import ctypes
-
-        fn = ctypes.pythonapi.PyThreadState_SetAsyncExc
-    except (ImportError, AttributeError):  # not CPython: cooperative checks only
-        return
-    fn(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
+    """Raise ``exc`` in thread ``thread_id`` at its next bytecode (None: disarm a pending one).
+    Through ``native``, resolved on the main thread during the handshake: the watchdog thread
+    calls this during a call, and a first ``import ctypes`` there (a ``dlopen``) deadlocks
+    against a library the call is loading (see ``native``)."""
+    native.set_async_exc(thread_id, exc)
 
 
 class CallControl:

@@ -37,7 +37,7 @@ import pickle
 import sys
 import time
 
-from .protocol import FrameType, encode_header
+from .protocol import MSG_NOSIGNAL, FrameType, encode_header
 
 # Bound at import: the env's code may replace ``pickle.dumps`` or ``time.time`` (a frozen
 # clock, a patched pickler); a record must still go out.
@@ -104,7 +104,7 @@ class Outbox:
         del payload
         with self.lock:
             if self.in_call:
-                self.sock.sendall(frame)
+                self.sock.sendall(frame, MSG_NOSIGNAL)
             elif self.log_fd is not None:
                 _write_all(self.log_fd, frame)
 

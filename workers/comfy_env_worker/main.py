@@ -22,6 +22,13 @@ control has due: see ``control`` for cancellation, progress and events. ``PR_SET
 the second line of defence on Linux. Together they close the race "host killed while the worker
 is inside a long native call".
 
+The worker's own threads (the watchdog, the sentinel, a spare block's helper) never load a
+library (a first import of an extension module, a ``dlopen`` or symbol lookup through ctypes)
+while the env's code may run: a native library whose load-time initialiser drops and retakes
+the GIL (USD in ``bpy``) deadlocks against them. What they need from C is loaded on the main
+thread during the handshake (``native.load``) or before the helper starts
+(``shm.load_native``).
+
 The env's code may fork this process during a call (``os.fork``, ``multiprocessing``): an
 ``os.register_at_fork`` hook (``_forked_by_env_code``) gives the child a dead copy of the
 channel, so only the worker ever reads a request or answers a call, and sends the child's
@@ -33,8 +40,9 @@ plain output. ``faulthandler`` writes there on a fatal signal, which is how a se
 stack reaches the host.
 
 Stdlib only; parses under Python 3.8. Start-up imports only what the first call needs: the
-channel is the C socket type (``_socket``), locks and the watchdog come from ``_thread``, and
-``logging``, ``threading`` and ``ctypes`` load when first used.
+channel is the C socket type (``_socket``), locks and the watchdog come from ``_thread``,
+``_ctypes`` alone (not the ``ctypes`` package) arms the parent-death signal, and ``logging``,
+``threading`` and ``ctypes`` load when first used, on the main thread.
 """
 
 from __future__ import annotations
@@ -50,13 +58,14 @@ import select
 import sys
 import time
 
-from . import arrays, control, logs, refs, shm
+from . import arrays, control, logs, native, refs, shm
 from .protocol import (
     CANARY_TARGET,
     DEFAULT_MAX_FRAME_BYTES,
     FLAG_OOB,
     HEADER,
     HEADER_SIZE,
+    MSG_NOSIGNAL,
     PROTOCOL_VERSION,
     SENTINEL_THREAD_NAME,
     WATCHDOG_THREAD_NAME,
@@ -239,7 +248,7 @@ class Worker:
         with outbox.lock:
             if not outbox.in_call:
                 return False
-            self.sock.sendall(frame)
+            self.sock.sendall(frame, MSG_NOSIGNAL)
             return True
 
     def send(self, ftype: int, call_id: int, payload: bytes = b"") -> None:
@@ -509,6 +518,10 @@ class Worker:
 
         import threading  # not at import: see _start_watchdog
 
+        # What the helper needs from C (ctypes, libc's madvise) is loaded here, on the thread
+        # that serves: the helper runs beside the env's next call, and a library it loaded
+        # could deadlock against one that call loads (see ``native``).
+        shm.load_native()
         threading.Thread(target=make, name="comfy-env-spare", daemon=True).start()
 
     def reply_too_big(self, call_id: int, length: int, retained: List[str]) -> None:
@@ -585,21 +598,6 @@ class Worker:
             "blocks": len(pool.live) if pool is not None else 0,
             "idle_blocks": pool.idle_blocks if pool is not None else 0,
         }
-
-
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL us when the thread that spawned us exits (the host's spawner)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        import signal  # here only: about 1 ms of every worker's start-up otherwise
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:  # noqa: BLE001 - the channel watchdog still covers parent death
-        pass
 
 
 def _name_this_thread(name: str) -> None:
@@ -743,12 +741,6 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
     def watch() -> None:
         _name_this_thread(WATCHDOG_THREAD_NAME)
         _thread.start_new_thread(_sentinel, ())  # here: off the main thread's first call
-        # The parent-death signal is armed here, off the start-up path, and only
-        # _ARM_PDEATHSIG_AFTER seconds after HELLO: importing and loading ctypes costs
-        # a few ms of CPU (and the GIL) that would otherwise land on the canary and the first
-        # call. Until then a host that dies is seen as a hang-up of the channel (polled here,
-        # during calls too) or an EOF between calls, as afterwards.
-        arm_at: Optional[float] = _monotonic() + _ARM_PDEATHSIG_AFTER
         poller = select.poll()
         poller.register(fd, poll_hup)
         if cancel_fd is not None:
@@ -756,13 +748,6 @@ def _start_watchdog(worker: Worker, host_pid: int, cancel_fd: Optional[int] = No
         pending = bytearray()
         wait = 1.0
         while True:
-            if arm_at is not None:
-                now = _monotonic()
-                if now >= arm_at:
-                    arm_at = None
-                    _set_parent_death_signal()
-                else:
-                    wait = min(wait, arm_at - now)
             events = poller.poll(min(wait, 1.0) * 1000 + 1)
             for _fd, ev in events:
                 if _fd == cancel_fd:
@@ -802,8 +787,6 @@ def _sentinel() -> None:
 
 
 _launched_via_wrapper = False
-# Seconds after HELLO at which the watchdog arms PR_SET_PDEATHSIG (see ``watch``).
-_ARM_PDEATHSIG_AFTER = 0.1
 
 # The socket the worker writes its frames on once ``main`` runs (the replies half of the
 # channel); tests and fault-injection tasks use it to write raw bytes at the host. Nothing in
@@ -863,6 +846,12 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
             resolve_target(CANARY_TARGET)
         except Exception:  # noqa: BLE001 - the canary's own call reports it to the host
             pass
+        # Here, on this thread and before any of the env's code can run: the parent-death
+        # signal, and the C functions the watchdog calls during a call. A library loaded (a
+        # dlopen) by another thread while the env's code loads one deadlocks the worker (see
+        # ``native``). About 0.5 ms of every start: CONFIG is usually here already (the host's
+        # turn is shorter than this thread's work since HELLO), so the wait hides little.
+        native.load()
         worker.configure()
         logs.install(worker.outbox, worker.log_level)
         WORKER = worker

@@ -18,6 +18,12 @@ Any framing error (bad magic, unknown type, oversize length, EOF in the middle o
 ``FrameError``. The stream is never resynchronised: the caller retires the worker, because after
 a partial or garbage frame there is no trustworthy boundary to resume from.
 
+Writes never raise SIGPIPE: every send on a channel passes ``MSG_NOSIGNAL``, so a peer that
+is gone is an ``EPIPE`` (``BrokenPipeError``) the writer reports, never a signal. A host that set
+SIGPIPE to its default action (many command-line programs do) would otherwise be killed outright
+by a worker that died while the host wrote a request to it (and a worker whose env's code did
+the same, by a host that went away). Free on the hot path: the flag rides on the same syscall.
+
 This module is stdlib-only and must parse under the oldest Python an env may run (3.8).
 """
 
@@ -40,6 +46,10 @@ PROTOCOL_VERSION = 1
 # the serve loop must neither spin forever on a clock that never moves nor break.
 _monotonic = time.monotonic
 _poll = select.poll
+
+# Pass with every send on a channel (see the module docstring). 0 where the platform has no
+# such flag (macOS): there SIGPIPE is left to the process's disposition, as before.
+MSG_NOSIGNAL = getattr(_socket, "MSG_NOSIGNAL", 0)
 
 HEADER = struct.Struct("<2sBBQQ")
 HEADER_SIZE = HEADER.size  # 20
@@ -172,11 +182,11 @@ def send_parts(sock: _socket.socket, parts: List[Any]) -> None:
     started = False
     while views:
         if not started:
-            sent = sock.sendmsg(views[:512])
+            sent = sock.sendmsg(views[:512], (), MSG_NOSIGNAL)
             started = True
         else:
             try:
-                sent = sock.sendmsg(views[:512])
+                sent = sock.sendmsg(views[:512], (), MSG_NOSIGNAL)
             except (BlockingIOError, TimeoutError):
                 raise
             except OSError as exc:
@@ -196,7 +206,7 @@ def send_frame(sock: _socket.socket, ftype: int, call_id: int, payload: bytes = 
     large ones as header + payload via ``sendmsg`` to avoid copying the payload."""
     header = HEADER.pack(MAGIC, ftype, 0, len(payload), call_id)
     if len(payload) <= 65536:
-        sock.sendall(header + payload)
+        sock.sendall(header + payload, MSG_NOSIGNAL)
         return
     send_parts(sock, [header, payload])
 

@@ -469,22 +469,41 @@ COPY_STEP = 4 << 20
 _madvise: Any = None  # libc's madvise through ctypes, once looked up (False: unavailable)
 
 
+def load_native() -> None:
+    """Import ctypes and look libc's ``madvise`` up, once (idempotent, never raises).
+
+    A worker calls this on the thread that serves before it starts a helper thread that
+    prefaults a spare block beside the env's next call: a first ``import ctypes``, ``CDLL``
+    or symbol lookup is a ``dlopen``/``dlsym`` under the dynamic loader's lock, with the GIL
+    held, which deadlocks against a library the env's code is loading whose initialiser drops
+    and retakes the GIL (see ``comfy_env_worker.native``)."""
+    global _madvise
+    if _madvise is not None:
+        return
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        fn.restype = ctypes.c_int
+        _madvise = fn
+    except (ImportError, AttributeError, OSError):
+        _madvise = False
+
+
 def _populate_without_gil(mm: mmap.mmap, start: int, length: int) -> bool:
     """``madvise(MADV_POPULATE_WRITE)`` over ``length`` bytes of ``mm`` from ``start`` (a page
     boundary) through ctypes, which lets go of the GIL for each call: the process's other
     threads (the caller's, the serve loop) run while the kernel faults the pages in. False
     where ctypes, libc's madvise or the advice (Linux 5.14+) is missing."""
     global _madvise
+    if _madvise is None:
+        load_native()
     if _madvise is False:
         return False
     try:
         import ctypes
 
-        if _madvise is None:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            fn.restype = ctypes.c_int
-            _madvise = fn
         root = loan_root(mm)
         if root is None:
             return False
