@@ -49,8 +49,9 @@ again (that would print "Exception ignored ..." and exit 120), and returns 1. ``
 flushes both streams itself before returning, so output still buffered (stdout into a pipe is
 block-buffered) meets the closed pipe there too. The command's pool is closed on the way out
 (the exception leaves its ``with`` block), so no worker outlives it. SIGPIPE's default action
-(exit 141, like C tools) is deliberately not restored: it would also kill the command when a
-worker's socket or pipe closes while the host writes to it, instead of reporting the crash.
+(exit 141, like C tools) is not restored: the worker's channel and pipes would be safe under it
+(``MSG_NOSIGNAL``, ``_sigpipe``), but the command's own output would then end it without
+stopping its workers in order.
 """
 
 from __future__ import annotations
