@@ -149,15 +149,19 @@ def prepare_comfyui(tarball: str) -> tuple[str, str]:
     _build_once(final, build)
     py = _venv_python(os.path.join(final, "venv"))
     stamp = os.path.join(final, "venv", ".comfy-env-editable")
+    # The checkout and its dependencies: a pyproject.toml that gained a dependency (uv) is
+    # installed again, not only a checkout that moved.
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        wanted = f"{ROOT} {hashlib.sha256(fh.read()).hexdigest()}"
     current = ""
     if os.path.exists(stamp):
         with open(stamp) as fh:
             current = fh.read().strip()
-    if current != ROOT:
+    if current != wanted:
         print(f"dev.py: installing comfy-env (editable, from {ROOT}) into the ComfyUI venv")
         _pip(py, "-e", ROOT)
         with open(stamp, "w") as fh:
-            fh.write(ROOT)
+            fh.write(wanted)
     return os.path.join(final, "ComfyUI"), py
 
 

@@ -31,6 +31,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKS = ("numpy_pack", "torch_pack", "v3_pack", "broken_pack")
+TEST_PACKS = ("declared_pack", "unresolvable_pack")
 
 
 def _need(name: str) -> str:
@@ -143,27 +144,13 @@ def pack_envs() -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str]) -> Iterator[Server]:
-    comfy_dir = _need("COMFY_ENV_TEST_COMFYUI_DIR")
-    python = _need("COMFY_ENV_TEST_COMFYUI_PYTHON")
-    base = tmp_path_factory.mktemp("comfyui")
-    (base / "custom_nodes").mkdir()
-    (base / "output").mkdir()
-    for pack in PACKS:
-        (base / "custom_nodes" / pack).symlink_to(REPO / "examples" / "comfyui" / pack)
-    # test-only, runs in the server: shows and instruments ComfyUI's model manager
-    (base / "custom_nodes" / "ce_probe").symlink_to(REPO / "tests_comfyui" / "probe_pack")
+def start_server(
+    base: Path, comfy_dir: str, python: str, env: dict[str, str], timeout: float = 180
+) -> Server:
+    """Start ComfyUI on a free port with ``base`` as its base directory (its ``custom_nodes``
+    already laid out) and wait until it answers."""
+    (base / "output").mkdir(exist_ok=True)
     port = free_port()
-    env = dict(os.environ)
-    env.update(
-        COMFY_ENV_EXAMPLE_NUMPY_ENV=pack_envs["numpy"],
-        COMFY_ENV_EXAMPLE_TORCH_ENV=pack_envs["torch"],
-        COMFY_ENV_COMFYUI_CACHE=str(base / "scan-cache"),
-        PYTHONFAULTHANDLER="1",
-        # the session provokes many deliberate crashes; the breaker is tested in tests/
-        COMFY_ENV_MAX_RESTARTS="50",
-    )
     log = base / "server.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -190,7 +177,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str]) 
         )
     srv = Server(process, port, base, log)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + timeout
         while True:
             if process.poll() is not None:
                 raise AssertionError(f"ComfyUI exited at start-up:\n{srv.log_text()[-4000:]}")
@@ -203,13 +190,62 @@ def server(tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str]) 
                         f"ComfyUI did not start:\n{srv.log_text()[-4000:]}"
                     ) from exc
                 time.sleep(0.25)
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def stop_server(srv: Server) -> None:
+    """Stop the server's whole process group and check that none of its workers survived."""
+    members = []
+    try:
+        members = psutil.Process(srv.process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        pass
+    _stop(srv.process)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive, f"processes of the server survived its stop: {alive}"
+
+
+@pytest.fixture(scope="session")
+def env_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's servers build declared envs (``COMFY_ENV_HOME``); uv's own cache
+    stays the user's, so a repeat builds from it in seconds."""
+    return tmp_path_factory.mktemp("envs")
+
+
+def server_environment(pack_envs: dict[str, str], base: Path, env_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        COMFY_ENV_EXAMPLE_NUMPY_ENV=pack_envs["numpy"],
+        COMFY_ENV_EXAMPLE_TORCH_ENV=pack_envs["torch"],
+        COMFY_ENV_COMFYUI_CACHE=str(base / "scan-cache"),
+        COMFY_ENV_HOME=str(env_home),
+        PYTHONFAULTHANDLER="1",
+        # the session provokes many deliberate crashes; the breaker is tested in tests/
+        COMFY_ENV_MAX_RESTARTS="50",
+    )
+    return env
+
+
+@pytest.fixture(scope="session")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, pack_envs: dict[str, str], env_home: Path
+) -> Iterator[Server]:
+    comfy_dir = _need("COMFY_ENV_TEST_COMFYUI_DIR")
+    python = _need("COMFY_ENV_TEST_COMFYUI_PYTHON")
+    base = tmp_path_factory.mktemp("comfyui")
+    (base / "custom_nodes").mkdir()
+    for pack in PACKS:
+        (base / "custom_nodes" / pack).symlink_to(REPO / "examples" / "comfyui" / pack)
+    # test-only, runs in the server: shows and instruments ComfyUI's model manager
+    (base / "custom_nodes" / "ce_probe").symlink_to(REPO / "tests_comfyui" / "probe_pack")
+    # test-only packs whose envs are declared in their pyproject.toml (one cannot be built)
+    for pack in TEST_PACKS:
+        (base / "custom_nodes" / pack).symlink_to(REPO / "tests_comfyui" / pack)
+    srv = start_server(base, comfy_dir, python, server_environment(pack_envs, base, env_home))
+    try:
         yield srv
     finally:
-        members = []
-        try:
-            members = psutil.Process(process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-        _stop(process)
-        _, alive = psutil.wait_procs(members, timeout=10)
-        assert not alive, f"processes of the server survived its stop: {alive}"
+        stop_server(srv)
