@@ -93,8 +93,8 @@ class ReapHooks:
 
 def held_refs(entry: EnvEntry, slot: Slot) -> set[int]:
     """The slot's refs that someone in the host still holds (entry lock held): live refs minus
-    those garbage collected and queued for release (``dropped_refs``, drained before the next
-    call), which must not keep an idle worker from being reaped."""
+    those garbage collected and queued for release (``dropped_refs``, released by the reactor
+    in a moment, ``release_idle``), which must not keep an idle worker from being reaped."""
     if not slot.live_refs or not entry.dropped_refs:
         return slot.live_refs
     for _ in range(8):
@@ -222,7 +222,7 @@ def release_idle(entry: EnvEntry) -> int:
     died with it, and a frame must never reach a later generation that reuses the id. A full
     channel (a stopped worker) leaves them queued for the next call."""
     released = 0
-    retire: list[tuple[Slot, int]] = []
+    torn: list[tuple[tuple[lc.Effect, ...], WorkerGeneration]] = []
     with entry.lock:
         for slot in entry.slots:
             state = slot.state
@@ -245,15 +245,19 @@ def release_idle(entry: EnvEntry) -> int:
                     sent += len(batch)
             except PartialSend:
                 # Never seen (see _RELEASE_BATCH): the worker holds part of a frame, so its
-                # stream is torn; retired like any torn stream, the objects with it.
-                retire.append((slot, generation))
+                # stream is torn. Retired like any torn stream, the objects with it, before
+                # the lock is released: no caller may lease it and write after the fragment.
+                effects = entry.apply_locked(slot, lc.ProtocolViolated(generation))
+                if effects is not None:
+                    torn.append((effects, process))
                 continue
             slot.live_refs.difference_update(mine[:sent])
             released += sent
             entry.dropped_refs.extend((slot, generation, i) for i in mine[sent:])
         _take_locked(entry, None, 0)  # purges refs of generations that are gone
-    for slot, generation in retire:
-        entry.apply(slot, lc.ProtocolViolated(generation))
+    for effects, process in torn:  # (as ``EnvEntry.apply``: nobody leases these slots)
+        run_effects(effects, process, False)
+        process.dispose()
     return released
 
 

@@ -402,12 +402,11 @@ class Pool:
         one flag and, once per burst, a callback queued with a wake-up byte
         (``Reactor.notify``). The flag is cleared by the callback *before* it looks at the
         queues, so a ref appended after that look finds the flag clear and queues another."""
-        if self._release_due:
+        reactor = self._reactor
+        if reactor is None or self._release_due:  # (None: no worker ran, no ref exists)
             return
         self._release_due = True
-        reactor = self._reactor
-        if reactor is not None:  # (None: no worker ever ran, so no ref exists)
-            reactor.notify(self._release_dropped)
+        reactor.notify(self._release_dropped)
 
     def _release_dropped(self) -> None:
         """On the reactor: release the dropped refs of every env's idle workers

@@ -10,7 +10,9 @@ under the entry's lock, so it can never interleave with a call's frames.
 from __future__ import annotations
 
 import gc
+import os
 import random
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -203,6 +205,34 @@ def test_a_busy_reactor_delays_the_release_and_loses_nothing(pool: comfy_env.Poo
         assert len(w._entry.dropped_refs) == 5  # queued while the reactor is busy
     assert wait_until(lambda: w.stats().live_refs == 0 and not w._entry.dropped_refs)
     assert w.call(remote_tasks.kept_objects) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_workers_full_channel_leaves_the_rest_to_the_next_call(
+    pool: comfy_env.Pool,
+) -> None:
+    # The background release never blocks: once the channel of a worker that reads nothing
+    # (stopped) is full, the refs stay queued, whole frames only, and the next call (whose
+    # writes may block) releases them first.
+    w = pool.get_worker()
+    refs = [w.call_ref(remote_tasks.make_counter, i) for i in range(3000)]
+    pid = w.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        while refs:
+            refs.pop()  # one release frame each
+            if not wait_until(lambda: not w._entry.dropped_refs, 1.0):
+                break
+        else:
+            pytest.fail("the channel of a stopped worker never filled")
+        assert w.stats().state == "idle"  # not retired: no fragment was written
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert w._entry.dropped_refs
+    assert w.call(remote_tasks.kept_objects) == len(refs)
+    assert not w._entry.dropped_refs and w.stats().live_refs == len(refs)
+    assert w.generation == 1
 
 
 def test_a_ref_dropped_after_its_pool_closed_is_inert(
