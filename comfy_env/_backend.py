@@ -13,6 +13,8 @@ They hold a ``WorkerGeneration`` per slot and reach it only through the members 
                  send_request / reader.read / read_frame / open_reply / finish_request
                                             one call at a time, by the lease holder
                  send_cancel(call_id)       cooperative cancellation (any thread)
+                 release_refs_now(ids)      dropped refs, to an idle worker nobody leases
+                                            (the reactor, under the entry's lock)
                  kill(stop) / dispose()     the gate's effects
     on_exit(gen)      -> the gate's Exited (it died or was stopped)
     on_finished(gen)  -> exit code and last output are final (WorkerRetired, the breaker)
@@ -116,6 +118,11 @@ class WorkerGeneration(Protocol):
     def send_cancel(self, call_id: int) -> bool: ...
 
     def release_refs(self, ref_ids: list[int]) -> None: ...
+
+    def release_refs_now(self, ref_ids: list[int]) -> bool:
+        """The background release to an idle worker, under the entry's lock: never blocks.
+        False: not now (the next call releases them); see ``_policies.release_idle``."""
+        ...
 
     def kill(self, stop: Stop) -> None: ...
 

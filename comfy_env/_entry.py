@@ -14,7 +14,8 @@ Data flow (what each piece holds, and who writes it)::
                                       ``abandoned_locked`` (a timed block that ran out)
       breaker                         this env's own breaker settings (``Pool.set_breaker``),
                                       None: the pool's
-      dropped_refs                    RemoteRefs garbage collected, appended lock-free
+      dropped_refs                    RemoteRefs garbage collected or discarded, appended
+                                      lock-free; ``refs_dropped()`` wakes their release
 
     any thread --event--> EnvEntry.apply(slot, event)      the gate, the only writer of
                           |- under lock: lc.step(state, event) -> new state, effects
@@ -117,6 +118,10 @@ def _no_timer(delay: float, fn: Callable[[], None]) -> None:
     raise AssertionError("a cancel's grace timer needs the pool's reactor")
 
 
+def _no_release() -> None:
+    """An entry outside a pool: its dropped refs wait for its next call."""
+
+
 class EnvEntry:
     """An env's slots, waiters and counters. Its lock guards all of them."""
 
@@ -145,9 +150,12 @@ class EnvEntry:
         self.log_lines_dropped = 0  # of processes no longer in a slot
         self.unsupported: WorkerStartError | None = None  # its Python can never run a worker
         self.python: tuple[int, ...] = ()  # the Python version its last ready worker ran
-        # RemoteRefs garbage-collected since the last call: (slot, generation, id). Appended
-        # without the lock (from __del__), drained under it.
+        # RemoteRefs garbage-collected or discarded, not yet released: (slot, generation, id).
+        # Appended without the lock (from __del__), drained under it.
         self.dropped_refs: deque[tuple[Slot, int, int]] = deque()
+        # Asks the pool's reactor to release them soon (``Pool._refs_dropped``): called right
+        # after an append, from a finaliser too, so it takes no lock and never raises.
+        self.refs_dropped: Callable[[], None] = _no_release
         # Runs a function on the pool's reactor after a delay (the cancel grace timers).
         self.call_later: Callable[[float, Callable[[], None]], object] = _no_timer
 

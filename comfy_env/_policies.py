@@ -14,7 +14,12 @@ event; none of them assigns a state)::
                     (the env's own ``Pool.set_breaker`` settings, else the pool's; with
                     ``abandon_for`` the block carries its end, and the call path's
                     ``EnvEntry.abandoned_locked(now)`` lifts it on the first look after it)
-    dropped refs  call path, before a call on the worker holding them:
+    dropped refs  reactor, woken by a dropped ref (RemoteRef.__del__/discard, lock-free) or
+                    by a slot freed with refs still queued (Pool.settle):
+                    release_idle(entry) -> under entry lock: idle, not leased -> one
+                    release frame, written without blocking
+                  call path, before a call on the worker holding them (the slot was handed
+                    from call to call with refs queued):
                     release_dropped_refs(entry, slot, process) -> one release frame
 
 **Races these prevent**: the reaper's decision names the ``idle_since`` it saw, so a worker
@@ -23,7 +28,9 @@ the stale ``IdleExpired``. Reap hooks run outside every pool lock (a hook may ta
 locks, and ``RemoteRef.discard`` takes the entry lock), so the reaper re-checks under the lock
 afterwards. Garbage-collected refs are appended to ``dropped_refs`` lock-free (``__del__`` may
 run anywhere, even under a pool lock) and drained here under the lock; refs of a generation
-that is gone are dropped with it.
+that is gone are dropped with it. The background release writes its frame only to a worker that
+is idle and not leased, under the entry lock: no call's frames can interleave with it, and no
+caller, reaper or close ever sees the slot taken by it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
+
+from comfy_env_worker.protocol import PartialSend
 
 from . import _lifecycle as lc
 from ._entry import holds, run_effects
@@ -84,8 +93,8 @@ class ReapHooks:
 
 def held_refs(entry: EnvEntry, slot: Slot) -> set[int]:
     """The slot's refs that someone in the host still holds (entry lock held): live refs minus
-    those garbage collected and queued for release (``dropped_refs``, drained before the next
-    call), which must not keep an idle worker from being reaped."""
+    those garbage collected and queued for release (``dropped_refs``, released by the reactor
+    in a moment, ``release_idle``), which must not keep an idle worker from being reaped."""
     if not slot.live_refs or not entry.dropped_refs:
         return slot.live_refs
     for _ in range(8):
@@ -178,25 +187,98 @@ def ping(entry: EnvEntry, slot: Slot, process: WorkerGeneration, timeout: float)
 
 
 def release_dropped_refs(entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
-    """Release garbage-collected refs of the worker the caller holds; requeue the others."""
-    mine, others = [], []
+    """Release dropped refs of the worker the caller holds the lease of (before its call);
+    requeue the others."""
     with entry.lock:
-        while entry.dropped_refs:
-            ref_slot, generation, ref_id = entry.dropped_refs.popleft()
-            if ref_slot is not slot:
-                others.append((ref_slot, generation, ref_id))
-            elif generation == process.generation:
-                # Garbage-collected refs are still counted live; discarded ones
-                # (RemoteRef.discard) were uncounted at once. Both are released here.
-                slot.live_refs.discard(ref_id)
-                mine.append(ref_id)
-            # else: its generation is gone, and the object with it
-        entry.dropped_refs.extend(o for o in others if holds(o[0], o[1]))
+        mine = _take_locked(entry, slot, process.generation)
+        # Garbage-collected refs are still counted live; discarded ones (RemoteRef.discard)
+        # were uncounted at once. Both are released here.
+        slot.live_refs.difference_update(mine)
     if mine:
         try:
             process.release_refs(mine)
         except OSError:
             pass  # the worker is gone, and its objects with it
+
+
+# Ids per release frame sent by ``release_idle``: its pickle stays a few KiB, far below what a
+# non-blocking send writes whole (on Linux a stream socket writes a message under half its
+# buffer, ~100 KiB, whole or not at all).
+_RELEASE_BATCH = 1024
+
+
+def release_idle(entry: EnvEntry) -> int:
+    """The background release of dropped refs (the reactor runs it, woken by
+    ``RemoteRef.__del__``/``discard`` or by a slot freed with refs still queued): the refs of
+    an idle worker nobody leases go to it now; returns how many.
+
+    The release frame is written under the entry's lock, without blocking: a slot that is
+    idle and not leased has nobody writing on its channel, and nobody can lease it (or retire
+    it and write SHUTDOWN, or dispose of its channel) until the lock is released, so the frame
+    can neither interleave with a call's frames nor be seen half-done by a caller, the reaper
+    or ``close``. Refs of a slot in a call (or starting) stay queued: the call's end wakes this
+    again (``Pool.settle``), and a call handed the slot directly releases them before it is
+    sent (``release_dropped_refs``). Refs of a generation that is gone are dropped: the object
+    died with it, and a frame must never reach a later generation that reuses the id. A full
+    channel (a stopped worker) leaves them queued for the next call."""
+    released = 0
+    torn: list[tuple[tuple[lc.Effect, ...], WorkerGeneration]] = []
+    with entry.lock:
+        for slot in entry.slots:
+            state = slot.state
+            process = slot.process
+            if (
+                slot.leased
+                or type(state) is not lc.Idle
+                or process is None
+                or process.generation != state.generation
+            ):
+                continue
+            generation = state.generation
+            mine = _take_locked(entry, slot, generation)
+            sent = 0
+            try:
+                while sent < len(mine):
+                    batch = mine[sent : sent + _RELEASE_BATCH]
+                    if not process.release_refs_now(batch):
+                        break  # the channel is full: the next call releases them
+                    sent += len(batch)
+            except PartialSend:
+                # Never seen (see _RELEASE_BATCH): the worker holds part of a frame, so its
+                # stream is torn. Retired like any torn stream, the objects with it, before
+                # the lock is released: no caller may lease it and write after the fragment.
+                effects = entry.apply_locked(slot, lc.ProtocolViolated(generation))
+                if effects is not None:
+                    torn.append((effects, process))
+                continue
+            slot.live_refs.difference_update(mine[:sent])
+            released += sent
+            entry.dropped_refs.extend((slot, generation, i) for i in mine[sent:])
+        _take_locked(entry, None, 0)  # purges refs of generations that are gone
+    for effects, process in torn:  # (as ``EnvEntry.apply``: nobody leases these slots)
+        run_effects(effects, process, False)
+        process.dispose()
+    return released
+
+
+def _take_locked(entry: EnvEntry, slot: Slot | None, generation: int) -> list[int]:
+    """Take the ids of the dropped refs of ``(slot, generation)`` out of ``entry.dropped_refs``
+    (entry lock held); refs of a generation that is gone are dropped, the rest stay queued, in
+    order. ``RemoteRef.__del__`` appends without the lock meanwhile (even on this thread, from
+    a gc pass in this loop): the loop pops from the left, it appends on the right, nothing is
+    lost."""
+    taken: list[int] = []
+    others: list[tuple[Slot, int, int]] = []
+    queue = entry.dropped_refs
+    while queue:
+        ref_slot, ref_generation, ref_id = queue.popleft()
+        if ref_slot is slot and ref_generation == generation:
+            taken.append(ref_id)
+        elif holds(ref_slot, ref_generation):
+            others.append((ref_slot, ref_generation, ref_id))
+        # else: its generation is gone, and the object with it
+    queue.extend(others)
+    return taken
 
 
 def record_death(

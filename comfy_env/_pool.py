@@ -28,8 +28,9 @@ Where the rest lives (each module's docstring draws its part)::
                 stats snapshots: backend-agnostic, imports no other part of the pool
     _callsite   CallSite: what Worker, RemoteRef and the asyncio path (_acall) may ask of
                 the pool; they import it, never this module
-    _policies   idle reaper, health ping, crash-loop breaker, dropped-ref release: they
-                decide with ``_lifecycle`` and act through the gate
+    _policies   idle reaper, health ping, crash-loop breaker, dropped-ref release (on the
+                reactor, woken lock-free by ``_refs_dropped``): they decide with
+                ``_lifecycle`` and act through the gate
     _failures   the errors a broken call ends with (crash, timeout, protocol, abandoned)
     _shutdown   close: stop every worker with shared deadlines; pools at exit; after fork
     _backend    Backend/WorkerGeneration: what starts, talks to and stops one generation
@@ -209,6 +210,8 @@ class Pool:
         self._sweep_queued = False
         self._status_pending = False
         self._status_dirty = False  # changed while a write was pending: write again after it
+        self._release_due = False  # a background release of dropped refs is queued (see
+        # _refs_dropped)
         self._registration = _shutdown.register(self)
         _shutdown.install_process_hooks()
 
@@ -369,6 +372,7 @@ class Pool:
             if entry is None:
                 entry = EnvEntry(spec, self.settings.max_workers_per_env)
                 entry.call_later = self._call_later
+                entry.refs_dropped = self._refs_dropped
                 self._entries[spec.key] = entry
             elif entry.spec.interpreter != spec.interpreter and not same_interpreter(
                 entry.spec.interpreter, spec.interpreter
@@ -390,6 +394,32 @@ class Pool:
         reactor = self._reactor
         if reactor is not None and reactor.running:
             reactor.call_later(delay, fn)
+
+    def _refs_dropped(self) -> None:
+        """A RemoteRef was dropped (``__del__``, ``discard``), or a slot was freed with dropped
+        refs still queued: the reactor releases them soon (``_release_dropped``).
+
+        Runs inside finalisers: in any thread, under any lock (this pool's and its entries'
+        too), at interpreter exit. So it takes no lock, blocks on nothing and raises nothing:
+        one flag and, once per burst, a callback queued with a wake-up byte
+        (``Reactor.notify``). The flag is cleared by the callback *before* it looks at the
+        queues, so a ref appended after that look finds the flag clear and queues another."""
+        reactor = self._reactor
+        if reactor is None or self._release_due:  # (None: no worker ran, no ref exists)
+            return
+        self._release_due = True
+        reactor.notify(self._release_dropped)
+
+    def _release_dropped(self) -> None:
+        """On the reactor: release the dropped refs of every env's idle workers
+        (``_policies.release_idle``); refs of a worker in a call wait for its end."""
+        self._release_due = False
+        if self._closed:
+            return  # the workers are being stopped, and their objects with them
+        # (A copy made in one C call, no lock: a new entry holds no dropped ref yet.)
+        for entry in tuple(self._entries.values()):
+            if entry.dropped_refs:
+                _policies.release_idle(entry)
 
     def _acquire(
         self, entry: EnvEntry, ticket: Ticket, deadline: float | None, eager: bool = False
@@ -512,6 +542,8 @@ class Pool:
             retired = release_locked(entry, slot)
         if retired is not None:
             retired.dispose()
+        if entry.dropped_refs:
+            entry.refs_dropped()  # the slot may be free now: release what waited for it
 
     def settle(
         self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
@@ -556,6 +588,9 @@ class Pool:
             run_effects(stop, stopped, True)
         if retired is not None:
             self._dispose_later(retired)
+        if entry.dropped_refs:
+            # Refs dropped while this call held the slot waited for its end (release_idle).
+            entry.refs_dropped()
         self._status_changed()
 
     def settle_ok(self, entry: EnvEntry, ticket: Ticket, replied_at: float) -> None:
@@ -565,6 +600,8 @@ class Pool:
             retired = entry.settle_ok_locked(ticket, replied_at)
         if retired is not None:
             self._dispose_later(retired)
+        if entry.dropped_refs:
+            entry.refs_dropped()  # as in ``settle``
         self._status_changed()
 
     def _dispose_later(self, process: WorkerGeneration) -> None:

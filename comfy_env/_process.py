@@ -92,6 +92,7 @@ from comfy_env_worker.protocol import (
     FrameError,
     FrameReader,
     FrameType,
+    PartialSend,
     Payload,
     encode_header,
     send_frame,
@@ -1803,6 +1804,28 @@ class WorkerProcess:
         self.sock.sendall(
             encode_header(FrameType.RELEASE_REFS, 0, len(payload)) + payload, MSG_NOSIGNAL
         )
+
+    def release_refs_now(self, ref_ids: list[int]) -> bool:
+        """Tell the idle worker to drop kept objects, without blocking (the background
+        release, ``_policies.release_idle``: its caller holds the entry's lock and the slot is
+        idle and not leased, so nothing else writes on the channel). True if the frame went
+        out whole, or if the worker is gone (its objects went with it; its exit retires it);
+        False if nothing could be written now (the channel is full: a stopped worker).
+        ``PartialSend`` if only part of it went out (the stream is torn)."""
+        sock = self.sock
+        if sock is None or self._dying:
+            return True
+        payload = pickle.dumps(ref_ids, protocol=5)
+        frame = encode_header(FrameType.RELEASE_REFS, 0, len(payload)) + payload
+        try:
+            sent = sock.send(frame, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        if sent != len(frame):
+            raise PartialSend(f"{sent} of a {len(frame)}-byte release frame written")
+        return True
 
     def wait_exit(self, timeout: float) -> int | None:
         """The return code once the process is reaped, or None if it is still running."""

@@ -806,6 +806,11 @@ class RayWorker:
         if self.actor is not None and not self.exited.is_set():
             self.actor.release_refs.remote(pickle.dumps(ref_ids, protocol=5))
 
+    def release_refs_now(self, ref_ids: list[int]) -> bool:
+        """Not from the background release: submitting to Ray under the entry's lock could
+        wait on Ray itself. The next call on this actor releases them first, as before."""
+        return False
+
     # ---- stopping ----
 
     def kill(self, stop: Stop) -> None:

@@ -161,6 +161,17 @@ class Reactor:
         if threading.current_thread() is not self._thread:
             self._wake()
 
+    def notify(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the reactor soon; callable from a finaliser (``RemoteRef.__del__``),
+        which may run in any thread, inside any lock, even inside this reactor's own code. So
+        it takes no lock and never blocks or raises: an append to the lock-free queue and one
+        non-blocking byte on the wake-up socket (``call_soon`` also asks which thread runs it,
+        and ``threading.current_thread`` may take a lock on a thread ``threading`` never saw).
+        After ``stop`` it does nothing useful and nothing harmful: the byte is refused, and
+        ``fn`` never runs."""
+        self._pending.append(fn)
+        self._wake()
+
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
         handle = TimerHandle(time.monotonic() + delay, fn)
 

@@ -10,9 +10,13 @@ generations, checked in the host before anything is sent and again in the worker
 (``comfy_env_worker.refs.resolve``). A ref never silently resolves to an object of another
 worker, even if a replacement happens to reuse the id.
 
-Releasing: ``ref.release()`` frees the object now (a call to the worker); a ref that is garbage
-collected is queued lock-free (``__del__`` may run inside any code, even under a pool lock) and
-released before the next call on its worker.
+Releasing: ``ref.release()`` frees the object now (a call to the worker). A ref that is garbage
+collected (or ``discard``-ed) is queued lock-free and its release is woken at once: the pool's
+reactor sends it to the worker within milliseconds if the worker is idle, or the moment the
+call in flight on it ends, never waiting for another call (``_policies.release_idle``). The
+finaliser only appends to a deque and writes one non-blocking byte (``Reactor.notify``):
+``__del__`` may run in any thread, inside any lock (a pool's own included), at interpreter exit,
+so it takes no lock, blocks on nothing and raises nothing.
 
 Data flow::
 
@@ -22,8 +26,11 @@ Data flow::
     a later call's arguments -> bound_by_refs(entry, args, kwargs) -> (slot, generation)
                        the call is leased to that slot only; check_bound before it is sent
     ref.release()   -> site.call("comfy_env_worker.refs:release", bound=(slot, generation))
-    ref.discard() / __del__ -> entry.dropped_refs (lock-free), drained by
-                       ``_policies.release_dropped_refs`` before the worker's next call
+    ref.discard() / __del__ -> entry.dropped_refs (lock-free) + entry.refs_dropped()
+                       -> reactor: ``_policies.release_idle`` (an idle worker: one release
+                       frame under the entry lock); a worker in a call: when its slot is freed
+                       (``Pool.settle``), or by the next call first
+                       (``_policies.release_dropped_refs``)
 
 A ref depends on the pool only through ``CallSite`` and on the core's ``EnvEntry``/``Slot``.
 """
@@ -105,15 +112,17 @@ class RemoteRef:
             self._uncount()
 
     def discard(self) -> None:
-        """Let go of the object without calling the worker: it is dropped there before the
-        worker's next call (or with the worker when it is retired). Idempotent; for code that
-        must not call a worker (a reap hook, a finalizer)."""
+        """Let go of the object without calling the worker: the pool's reactor releases it
+        there soon (at once if the worker is idle, else when its call ends), or it goes with
+        the worker when that is retired. Idempotent; for code that must not call a worker (a
+        reap hook, a finalizer)."""
         if self._released:
             return
         self._released = True
         if self._is_live():
             self._entry.dropped_refs.append((self._slot, self.generation, self.id))
             self._uncount()
+            self._entry.refs_dropped()
 
     def _is_live(self) -> bool:
         with self._entry.lock:
@@ -128,10 +137,19 @@ class RemoteRef:
         return (worker_refs.resolve, (self.id, self.generation))
 
     def __del__(self) -> None:
-        if not self._released:
+        # Runs in any thread, inside any lock (the entry's or the pool's, during a gc pass in
+        # their code), or at interpreter exit with the pool closed and modules half torn down:
+        # only an atomic deque.append and a wake-up that takes no lock (``Pool._refs_dropped``)
+        # and nothing that could raise out of here.
+        try:
+            if self._released:
+                return
             self._released = True
-            # Lock-free hand-off: deque.append is atomic; the pool drains it before a call.
-            self._entry.dropped_refs.append((self._slot, self.generation, self.id))
+            entry = self._entry
+            entry.dropped_refs.append((self._slot, self.generation, self.id))
+            entry.refs_dropped()
+        except Exception:  # noqa: BLE001 - a finaliser must never raise
+            pass
 
     def __repr__(self) -> str:
         return f"<RemoteRef {self.id} env={self.env!r} generation={self.generation}>"

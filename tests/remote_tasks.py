@@ -322,6 +322,16 @@ def counter_value(counter: Counter) -> int:
     return counter.value
 
 
+def kept_objects_beside(obj: Any) -> int:
+    """``kept_objects`` in the worker holding ``obj`` (a RemoteRef argument binds the call)."""
+    return kept_objects()
+
+
+def big_buffer(megabytes: int) -> bytearray:
+    """A buffer of ``megabytes`` MiB, every page of it written (resident in the worker)."""
+    return bytearray(b"\x01") * (megabytes << 20)
+
+
 def kept_objects() -> int:
     from comfy_env_worker import refs
 

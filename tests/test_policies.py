@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import remote_tasks
+from conftest import reactor_held
 from conftest import wait_until as _wait
 
 import comfy_env
@@ -703,11 +704,12 @@ def test_every_call_is_counted_once_whichever_path_runs_it(config: comfy_env.Poo
         assert w.call("remote_tasks:add", 3) == 3  # a ping is due first
         assert w.stats().pings == 1
         ref = w.call_ref("remote_tasks:add", 4)
-        del ref  # dropped, not released: the next call releases it first
-        gc.collect()
-        assert w._entry.dropped_refs
-        assert w.call("remote_tasks:add", 5) == 5
-        assert not w._entry.dropped_refs
+        with reactor_held(pool):  # (else the reactor releases it at once: a ref dropped idle)
+            del ref  # dropped, not released: the next call releases it first
+            gc.collect()
+            assert w._entry.dropped_refs
+            assert w.call("remote_tasks:add", 5) == 5
+            assert not w._entry.dropped_refs
         with pytest.raises(ValueError, match="not of the form"):
             w.call("no colon here", 1)  # refused before anything is counted
         stats = w.stats()

@@ -222,3 +222,41 @@ def test_the_reaper_evicts_through_the_model_manager_before_retiring_the_worker(
     assert second["pid"] != first["pid"] and second["loads"] == 1
     [again] = _ours(_probe(server)["entries"], labels)
     assert again["generation"] > entry["generation"] and again["state"] == "loaded"
+
+
+def test_a_model_the_output_cache_drops_frees_the_workers_memory_without_another_call(
+    server: Server,
+) -> None:
+    # A kept model, then a workflow that reaches no worker of its env: ComfyUI's output cache
+    # drops the loader's outputs, the run's RemoteRef is garbage collected, and the worker
+    # frees the model at once (before, it kept it until the env's next call, or the reaper).
+    prompt = _load_prompt({"megabytes": 256})
+    labels = _labels(prompt)
+    first = _report(server, prompt)
+    pid = first["pid"]
+    [entry] = _ours(_probe(server)["entries"], labels)
+    assert entry["state"] == "loaded"
+    rss_loaded = psutil.Process(pid).memory_info().rss
+
+    other = {
+        "1": {
+            "class_type": "EmptyImage",
+            "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": next(_tags)},
+        },
+        "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
+    }
+    history, _ = server.run(other)
+    assert history["status"]["status_str"] == "success", history["status"]
+    started = time.monotonic()
+    _wait(lambda: rss_loaded - psutil.Process(pid).memory_info().rss >= 200 * MIB, 5.0)
+    took = time.monotonic() - started
+    rss_freed = psutil.Process(pid).memory_info().rss
+    print(
+        f"\nworker RSS: {rss_loaded / MIB:.0f} MiB with a 256 MiB model, {rss_freed / MIB:.0f} "
+        f"MiB {took:.2f}s after a workflow that dropped it from the cache (no call to its env)"
+    )
+    # ComfyUI's list lets it go too (its entry is cleaned up with the dropped proxy).
+    _wait(lambda: not _ours(_probe(server)["entries"], labels), 10.0)
+
+    again = _report(server, prompt)  # the worker lived on; the loader runs again
+    assert again["pid"] == pid and again["loads"] == first["loads"] + 1
