@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._call import EventCallback
     from ._envs import EnvSpec
+    from ._interrupts import Deferred
 
 STATE_NAMES: dict[type, str] = {
     lc.Starting: "starting",
@@ -94,6 +95,7 @@ class Ticket:
     bound_generation = 0  # ... and the generation that must still occupy it
     ran_on: Slot | None = None  # the slot the call was sent to
     started: WorkerGeneration | None = None  # started while leasing, not sent yet
+    held: Deferred | None = None  # the call holds Ctrl-C back outside its waits (_interrupts)
     stage = "new"  # "queued" -> "in_flight" -> "done"
     generation = 0
     call_id = 0

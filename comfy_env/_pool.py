@@ -132,6 +132,7 @@ from ._failures import (
     timeout_error,
 )
 from ._identity import HOST_ID_VAR, host_id
+from ._interrupts import Deferred, allowing, in_storm, note_interrupt
 from ._process import RuntimeDir, base_environment, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
@@ -426,10 +427,11 @@ class Pool:
             queue_locked(entry, ticket)
         event = ticket.event
         try:
-            if deadline is None:
-                event.wait()
-            else:
-                event.wait(max(0.0, deadline - time.monotonic()))
+            with allowing(ticket.held):
+                if deadline is None:
+                    event.wait()
+                else:
+                    event.wait(max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.leave_queue(entry, ticket)
             raise
@@ -639,7 +641,12 @@ class Pool:
         return self.call_prepared(entry, ticket, target, body, buffers, by_value, deadline)
 
     def start_plain(
-        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        entry: EnvEntry,
+        target: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ticket: Ticket | None = None,
     ) -> PlainStart | None:
         """Prepare, lease and start the common call in one step: a target string, scalar
         arguments, an idle worker ready to take it and nobody waiting before it. What
@@ -658,7 +665,8 @@ class Pool:
         if len(body) + HEADER_SIZE > config.max_frame_bytes:
             return None  # (``prepare`` says why)
         timeout = config.call_timeout
-        ticket = Ticket()
+        if ticket is None:
+            ticket = Ticket()
         deadline = None
         if timeout is not None:
             deadline = time.monotonic() + timeout
@@ -697,13 +705,17 @@ class Pool:
         or read raised, a log or event frame, an error reply, out-of-band buffers) goes on in
         ``run_leased`` from where it is (``resume``), so every failure is answered by the
         general path's one set of rules."""
-        started = self.start_plain(entry, target, args, kwargs)
-        if started is None:
-            return GENERAL_PATH
-        ticket, process, body, deadline = started
-        slot, call_id = ticket.slot, ticket.call_id
+        if in_storm():
+            return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call_prepared``)
+        ticket = Ticket()
         CALLS_IN_FLIGHT.append(ticket)  # as in ``call_prepared``
         try:
+            # Leased inside the ``try``: an interrupt right after the lease is settled below.
+            started = self.start_plain(entry, target, args, kwargs, ticket)
+            if started is None:
+                return GENERAL_PATH
+            _, process, body, deadline = started
+            slot, call_id = ticket.slot, ticket.call_id
             resume: Resume | None = None
             try:
                 process.send_request(call_id, body, [], deadline)
@@ -736,9 +748,25 @@ class Pool:
                     self.settle(entry, ticket, outcome, replied_at)
             self.settle_ok(entry, ticket, replied_at)
             return result
+        except BaseException as exc:
+            self.settle_interrupted(entry, ticket, exc)
+            raise
         finally:
             if CALLS_IN_FLIGHT:
                 CALLS_IN_FLIGHT.pop()
+
+    def settle_interrupted(self, entry: EnvEntry, ticket: Ticket, exc: BaseException) -> None:
+        """The safety net of a sync call that ends with ``exc``: settle it, held against Ctrl-C
+        (``_interrupts``), if an interrupt cut short the settling its own path does (between
+        the lease and the ``try`` that settles, or inside that settling). ``settle`` is
+        idempotent: a call already settled is left as it is. A call whose worker may still
+        run it is stopped (``settle``), as for any interrupted call."""
+        if isinstance(exc, KeyboardInterrupt):
+            note_interrupt()
+        if ticket.stage == "done" and ticket.slot is None:
+            return
+        with Deferred():
+            self.settle(entry, ticket, outcome_of(exc), None)
 
     def call_prepared(
         self,
@@ -754,17 +782,40 @@ class Pool:
         # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
         CALLS_IN_FLIGHT.append(ticket)
         try:
-            try:
-                slot = self._acquire(entry, ticket, deadline, not by_value)
-            except BaseException as exc:
-                self.settle(entry, ticket, outcome_of(exc), None)
-                if isinstance(exc, CallTimeout):
-                    completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
-                raise
-            return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
+            if in_storm():
+                # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
+                # its waits (queue, send, reply) take one each (``ticket.held``).
+                with Deferred() as held:
+                    ticket.held = held
+                    return self._call_acquired(
+                        entry, ticket, target, body, buffers, by_value, deadline
+                    )
+            return self._call_acquired(entry, ticket, target, body, buffers, by_value, deadline)
+        except BaseException as exc:
+            self.settle_interrupted(entry, ticket, exc)
+            raise
         finally:
             if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
                 CALLS_IN_FLIGHT.pop()
+
+    def _call_acquired(
+        self,
+        entry: EnvEntry,
+        ticket: Ticket,
+        target: str | Callable[..., Any],
+        body: bytes,
+        buffers: list[memoryview],
+        by_value: bool,
+        deadline: float | None,
+    ) -> Any:
+        try:
+            slot = self._acquire(entry, ticket, deadline, not by_value)
+        except BaseException as exc:
+            self.settle(entry, ticket, outcome_of(exc), None)
+            if isinstance(exc, CallTimeout):
+                completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
+            raise
+        return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
 
     def prepare(
         self,
@@ -920,6 +971,7 @@ class Pool:
                     buffers,
                     deadline,
                     None if resumed is None else resumed[1],
+                    ticket.held,
                 )
                 resumed = None
                 if not sent:
@@ -1008,6 +1060,16 @@ class Pool:
         return self._spawn(entry, slot)
 
     def _spawn(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
+        """Start generation g+1 on the leased ``slot`` and return it verified (``HandshakeOk``).
+
+        Ctrl-C is held back from ``SpawnBegan`` to the start's outcome (``_interrupts``): it
+        interrupts only the waits for the activation and the handshake, and then the
+        clean-up that records ``StartFailed`` and stops the process runs whole, so no
+        interrupt leaves the slot starting with no start in progress."""
+        with Deferred() as held:
+            return self._spawn_held(entry, slot, held)
+
+    def _spawn_held(self, entry: EnvEntry, slot: Slot, held: Deferred) -> WorkerGeneration:
         with self._lock:
             if self._closed:
                 raise self.closed_error()
@@ -1063,9 +1125,18 @@ class Pool:
         if self.settings.activate and not entry.spec.is_current:
             from ._activation import activation_for  # not loaded for the current interpreter
 
-            activation = activation_for(entry.spec, base_environment(), self.settings.start_timeout)
+            try:
+                with held.allowing():  # (its scripts may take seconds)
+                    activation = activation_for(
+                        entry.spec, base_environment(), self.settings.start_timeout
+                    )
+            except BaseException:
+                entry.apply(slot, lc.StartFailed(generation))
+                raise
         started = time.monotonic()
         try:
+            # Not interruptible: the fork runs on the reactor, and a caller that left its
+            # wait would leave the forked process's descriptors to nobody.
             process.launch(
                 before_launch=self._refuse_if_closed,
                 after_launch=self._track,
@@ -1084,7 +1155,8 @@ class Pool:
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
         try:
-            process.handshake(started + self.settings.start_timeout)
+            with held.allowing():  # (a slow import: the user may give up)
+                process.handshake(started + self.settings.start_timeout)
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if isinstance(exc, WorkerStartError) and exc.unsupported:
@@ -1317,6 +1389,7 @@ class Pool:
         buffers: list[memoryview],
         deadline: float | None,
         failed: BaseException | None = None,
+        held: Deferred | None = None,
     ) -> tuple[bool, Block | None]:
         """Send the CALL frame. Returns (False, None) if the worker was already gone before any
         byte went out (safe to run the call elsewhere), else (True, the request's shared-memory
@@ -1327,7 +1400,8 @@ class Pool:
         try:
             if failed is not None:
                 raise failed
-            block = process.send_request(call_id, body, buffers, deadline)
+            with allowing(held):
+                block = process.send_request(call_id, body, buffers, deadline)
         except (BrokenPipeError, ConnectionResetError):
             entry.apply(slot, lc.ChannelClosed(process.generation))
             return False, None
@@ -1362,16 +1436,18 @@ class Pool:
         assert reader is not None
         try:
             if resumed is None:
-                ftype, flags, reply_id, reply = reader.read(deadline)
+                with allowing(ticket.held):
+                    ftype, flags, reply_id, reply = reader.read(deadline)
             elif resumed[0] == _READ:
                 ftype, flags, reply_id, reply = resumed[1]
             else:
                 raise resumed[1]
             if ftype == FrameType.LOG or ftype == FrameType.EVENT:
                 # What the call logged or reported: handle it, then read on to the reply.
-                ftype, flags, reply_id, reply = process.read_frame(
-                    deadline, (ftype, reply_id, reply), ticket.sink
-                )
+                with allowing(ticket.held):
+                    ftype, flags, reply_id, reply = process.read_frame(
+                        deadline, (ftype, reply_id, reply), ticket.sink
+                    )
         except TimeoutError:
             label = target_label(target)
             raise chained(  # noqa: B904 - see chained
@@ -1421,7 +1497,8 @@ class Pool:
         stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
         self.cancel(entry, ticket)
         try:
-            frame = process.read_frame(None, None, ticket.sink)
+            with allowing(ticket.held):  # a second Ctrl-C stops the worker at once
+                frame = process.read_frame(None, None, ticket.sink)
         except BaseException:  # noqa: BLE001 - EOF after the kill, a garbled read, a second Ctrl-C
             entry.apply(slot, lc.CallCancelled(process.generation, call_id))
             return None

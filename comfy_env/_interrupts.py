@@ -1,0 +1,168 @@
+"""Ctrl-C held back across the pool's bookkeeping: ``Deferred``.
+
+Why: Python runs a SIGINT handler on the main thread between two bytecodes, so the default one
+raises ``KeyboardInterrupt`` at almost any point of the pool's own code: after the gate marked
+a slot ``Starting`` and before it recorded the start's outcome, between a lease and the ``try``
+whose ``finally`` releases it, inside the ``except`` clause that cleans up after a first Ctrl-C.
+A burst of them (Jupyter's repeated "interrupt kernel", a double Ctrl-C) left a slot starting
+with no process for the pool's lifetime, and every later call queued until its deadline.
+
+How::
+
+    main thread                          SIGINT (C handler trips a flag; Python runs ours)
+    -----------------------------------  -------------------------------------------------
+    with Deferred() as held:             installs ``held._handler`` (the user's is kept)
+        bookkeeping                      -> recorded, nothing raised
+        with held.allowing():            a blocking wait a user must be able to interrupt
+            wait                         -> the first one raises KeyboardInterrupt, once
+        clean-up after it                -> recorded (a second Ctrl-C cannot cut it short)
+    (exit)                               the user's handler is put back; a Ctrl-C recorded
+                                         and not yet raised is delivered to it now
+
+The races it prevents: an interrupt between two steps of a critical section (the section runs
+whole, then the interrupt is delivered); a second interrupt inside the clean-up of a first (the
+handler raises at most once per section, so ``except``/``finally`` clauses that undo a half-
+done start run to their end). A pending signal may fire as ``Deferred`` installs its handler
+(``signal.signal`` runs pending handlers first): that is before the section, where nothing is
+half-done. Nested sections compose: the inner one's "user handler" is the outer one's.
+
+Cost: ``signal.signal`` twice per section, a system call each (about 6 us each on the
+development VM, 12 us the pair; a small call costs ~35 us there). So the hot path (a warm plain
+call) does not use it: its lock sections make no call between their first and last write, and
+a call interrupted outside them is settled by its ``finally`` (the design of ``_pool``). The
+sections that do use it are the cold ones: a worker's start (from ``SpawnBegan`` to its
+outcome) and the clean-up of an interrupted or failed call.
+
+Only the main thread runs Python signal handlers, so elsewhere (the reactor, an asyncio
+call's thread, a caller's own thread) ``Deferred`` does nothing; so too where SIGINT is
+ignored or left to the OS (``SIG_IGN``/``SIG_DFL``: no ``KeyboardInterrupt`` can come).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Any
+
+_MAIN = threading.main_thread()
+
+
+class Deferred:
+    """A critical section during which Ctrl-C is recorded, not raised (see the module
+    docstring); ``allowing()`` opens it for one blocking wait."""
+
+    __slots__ = ("_open", "_pending", "_previous")
+
+    def __init__(self) -> None:
+        self._previous: Any = None  # the handler to put back; None: not installed
+        self._pending = False  # a Ctrl-C came while closed, not yet delivered
+        self._open = False  # in a blocking wait that the next Ctrl-C interrupts
+
+    def __enter__(self) -> Deferred:
+        if threading.current_thread() is not _MAIN:
+            return self
+        try:
+            current = signal.getsignal(signal.SIGINT)
+        except ValueError:  # pragma: no cover - not the main interpreter
+            return self
+        if not callable(current):
+            return self  # ignored or the OS default: no KeyboardInterrupt can come
+        # (A pending Ctrl-C runs the user's handler here, before anything is half-done.)
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        note_interrupt()
+        if self._open:
+            # Once per wait: a second Ctrl-C before the wait's clean-up began is recorded.
+            self._open = False
+            raise KeyboardInterrupt
+        self._pending = True
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        previous = self._previous
+        if previous is None:
+            return
+        self._previous = None
+        # Still ours while it is put back: a Ctrl-C arriving now is recorded, then delivered.
+        signal.signal(signal.SIGINT, previous)
+        if self._pending:
+            self._pending = False
+            if kind is not None and issubclass(kind, KeyboardInterrupt):
+                return  # one interrupt is on its way out already: the rest merge into it
+            # The user's handler decides (the default raises KeyboardInterrupt here, after
+            # the section; an error already on its way becomes its context).
+            previous(signal.SIGINT, None)
+
+    def allowing(self) -> _Allowing:
+        """Open the section for one blocking wait: the first Ctrl-C raises there (one already
+        recorded raises at once, before the wait), later ones are recorded."""
+        return _Allowing(self)
+
+
+class _Allowing:
+    __slots__ = ("_held",)
+
+    def __init__(self, held: Deferred) -> None:
+        self._held = held
+
+    def __enter__(self) -> None:
+        held = self._held
+        if held._previous is None:
+            return
+        if held._pending:
+            held._pending = False
+            raise KeyboardInterrupt
+        held._open = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._held._open = False
+
+
+class _NotHeld:
+    """``allowing`` where no section is held: nothing to open."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+NOT_HELD = _NotHeld()
+
+
+def allowing(held: Deferred | None) -> _Allowing | _NotHeld:
+    """``held.allowing()``, or a no-op where the call holds no section."""
+    return NOT_HELD if held is None else _Allowing(held)
+
+
+# ---- storm mode -------------------------------------------------------------------------
+# The hot path holds no section (two system calls per call: a third of a small call). After
+# a Ctrl-C, calls on the main thread hold one for a while (``STORM_SECONDS``): a burst of
+# interrupts (Jupyter's repeated "interrupt kernel") then meets only sections that run whole
+# and waits that take one interrupt each; only the first interrupt of a burst can meet the
+# hot path's few unprotected steps, whose clean-up the caller's ``except`` runs held.
+STORM_SECONDS = 5.0
+_last = [-1e18]  # monotonic time of the last Ctrl-C the pool saw
+
+
+def note_interrupt() -> None:
+    """A Ctrl-C reached the pool's code (raised through it, or recorded by a section)."""
+    _last[0] = time.monotonic()
+
+
+def in_storm() -> bool:
+    """Whether a Ctrl-C reached the pool in the last ``STORM_SECONDS`` (cheap: one clock
+    read only once there was one)."""
+    last = _last[0]
+    return last > -1e18 and time.monotonic() - last < STORM_SECONDS
