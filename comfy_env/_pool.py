@@ -241,8 +241,12 @@ class Pool:
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
         """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise);
-        also forget that its Python was found too old (it may have been replaced)."""
+        also forget that its Python was found too old (it may have been replaced), and retire
+        a slot stuck starting with no start in progress (``WorkerStats.stuck``), so the next
+        call starts a fresh worker there."""
         entry = self._entry(resolve_env(env))
+        if entry.recover_stuck():
+            self._status_changed()
         with entry.lock:
             was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
             entry.env_state = lc.EnvActive()
@@ -971,7 +975,6 @@ class Pool:
                     buffers,
                     deadline,
                     None if resumed is None else resumed[1],
-                    ticket.held,
                 )
                 resumed = None
                 if not sent:
@@ -1252,6 +1255,15 @@ class Pool:
     def _reap_tick(self) -> None:
         if self._closed:
             return
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in entries:  # (none in a sound pool: a check per slot)
+            if entry.recover_stuck():
+                _log.warning(
+                    "comfy-env: env %s had a slot starting with no start in progress; "
+                    "retired (the next call starts a fresh worker)",
+                    entry.spec.key,
+                )
         self.reap_idle()
         self._schedule_reaper()
 
@@ -1389,7 +1401,6 @@ class Pool:
         buffers: list[memoryview],
         deadline: float | None,
         failed: BaseException | None = None,
-        held: Deferred | None = None,
     ) -> tuple[bool, Block | None]:
         """Send the CALL frame. Returns (False, None) if the worker was already gone before any
         byte went out (safe to run the call elsewhere), else (True, the request's shared-memory
@@ -1400,8 +1411,10 @@ class Pool:
         try:
             if failed is not None:
                 raise failed
-            with allowing(held):
-                block = process.send_request(call_id, body, buffers, deadline)
+            # Not opened to Ctrl-C even when held: the worker is idle and reads the request
+            # (a full socket waits on it, bounded by the deadline), and the send does the
+            # request's shared-memory bookkeeping, which an interrupt must not cut in two.
+            block = process.send_request(call_id, body, buffers, deadline)
         except (BrokenPipeError, ConnectionResetError):
             entry.apply(slot, lc.ChannelClosed(process.generation))
             return False, None
@@ -1647,6 +1660,7 @@ def snapshot_pool(pool: Pool) -> Snapshot:
                     "state": ws.state,
                     "retire_reason": ws.retire_reason,
                     "startup_seconds": ws.startup_seconds,
+                    "stuck": ws.stuck,
                     "idle_since": wall(getattr(state, "idle_since", None)) if same else None,
                     "busy_since": wall(getattr(state, "started_at", None)) if same else None,
                 }
