@@ -1449,8 +1449,12 @@ class Pool:
         assert reader is not None
         try:
             if resumed is None:
-                with allowing(ticket.held):
+                held = ticket.held
+                if held is None:
                     ftype, flags, reply_id, reply = reader.read(deadline)
+                else:
+                    with held.allowing():
+                        ftype, flags, reply_id, reply = reader.read(deadline)
             elif resumed[0] == _READ:
                 ftype, flags, reply_id, reply = resumed[1]
             else:
