@@ -770,6 +770,14 @@ class Pool:
         if ticket.stage == "done" and ticket.slot is None:
             return
         with Deferred():
+            if ticket.slot is None and ticket.stage == "queued":
+                # Its waiter was interrupted before it left the queue (``leave_queue``): out
+                # now, or a slot released later would be handed to a call that is gone.
+                with entry.lock:
+                    try:
+                        entry.waiters.remove(ticket)
+                    except ValueError:
+                        pass
             self.settle(entry, ticket, outcome_of(exc), None)
 
     def call_prepared(
