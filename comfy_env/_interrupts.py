@@ -174,16 +174,17 @@ def allowing(held: Deferred | None) -> _Allowing | _NotHeld:
 # and waits that take one interrupt each; only the first interrupt of a burst can meet the
 # hot path's few unprotected steps, whose clean-up the caller's ``except`` runs held.
 STORM_SECONDS = 5.0
-_last = [-1e18]  # monotonic time of the last Ctrl-C the pool saw
+NEVER = -1e18
+LAST_INTERRUPT = [NEVER]  # monotonic time of the last Ctrl-C the pool saw
 
 
 def note_interrupt() -> None:
     """A Ctrl-C reached the pool's code (raised through it, or recorded by a section)."""
-    _last[0] = time.monotonic()
+    LAST_INTERRUPT[0] = time.monotonic()
 
 
 def in_storm() -> bool:
     """Whether a Ctrl-C reached the pool in the last ``STORM_SECONDS`` (cheap: one clock
     read only once there was one)."""
-    last = _last[0]
-    return last > -1e18 and time.monotonic() - last < STORM_SECONDS
+    last = LAST_INTERRUPT[0]
+    return last > NEVER and time.monotonic() - last < STORM_SECONDS

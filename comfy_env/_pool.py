@@ -54,6 +54,12 @@ Where the rest lives (each module's docstring draws its part)::
   back to ``Idle`` in the same generation; otherwise ``CancelGraceExpired`` kills the worker
   and the reader sees EOF. Both events name the call id, so a late cancel or a late timer of
   call N is dropped when call N+1 runs; the call is settled (and counted) once, by its caller.
+- a burst of Ctrl-C (``_interrupts``): a worker's start holds Ctrl-C back from ``SpawnBegan``
+  to its outcome except in its waits, so no interrupt leaves a slot starting with no start in
+  progress; a sync call leases inside the ``try`` whose safety net (``settle_interrupted``)
+  settles it, held, whatever its own path left undone; for a few seconds after a Ctrl-C,
+  calls hold it back across their bookkeeping too. A slot stuck starting all the same is
+  shown (``WorkerStats.stuck``) and retired by ``reset`` and the reaper.
 - close during a spawn: the reactor refuses to fork once the pool is closing, and ``close`` first
   runs a barrier on the reactor, so every process that was forked is known and gets killed.
 """
@@ -132,7 +138,7 @@ from ._failures import (
     timeout_error,
 )
 from ._identity import HOST_ID_VAR, host_id
-from ._interrupts import Deferred, allowing, in_storm, note_interrupt
+from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm, note_interrupt
 from ._process import RuntimeDir, base_environment, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
@@ -709,7 +715,7 @@ class Pool:
         or read raised, a log or event frame, an error reply, out-of-band buffers) goes on in
         ``run_leased`` from where it is (``resume``), so every failure is answered by the
         general path's one set of rules."""
-        if in_storm():
+        if LAST_INTERRUPT[0] > NEVER and in_storm():  # (one compare until a first Ctrl-C)
             return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call_prepared``)
         ticket = Ticket()
         CALLS_IN_FLIGHT.append(ticket)  # as in ``call_prepared``
@@ -796,7 +802,7 @@ class Pool:
         try:
             if in_storm():
                 # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
-                # its waits (queue, send, reply) take one each (``ticket.held``).
+                # its waits (the queue, the reply) take one each (``ticket.held``).
                 with Deferred() as held:
                     ticket.held = held
                     return self._call_acquired(
