@@ -30,7 +30,8 @@ wait takes one interrupt, so the ``except``/``finally`` clauses that undo a half
 settle an interrupted call run to their end). A pending signal may fire as ``Deferred``
 installs its handler (``signal.signal`` runs pending handlers first): that is before the
 section, where nothing is half-done. Sections nest: the inner one's "user handler" is the outer
-one's, so what the inner one records reaches the outer one at its exit.
+one's, so what the inner one records reaches the outer one at its exit, while a wait the inner
+one opens is opened to the user's own handler (a start's handshake inside a held call).
 
 Cost: ``signal.signal`` twice per section, a system call each: 12 us the pair on the
 development VM, where a small warm call costs ~35 us. So the hot path (a warm plain call, or a
@@ -71,10 +72,11 @@ class Deferred:
     """A critical section during which Ctrl-C is recorded, not raised (see the module
     docstring); ``allowing()`` opens it for one blocking wait."""
 
-    __slots__ = ("_open", "_pending", "_previous")
+    __slots__ = ("_open", "_pending", "_previous", "_user")
 
     def __init__(self) -> None:
         self._previous: Any = None  # the handler to put back; None: not installed
+        self._user: Any = None  # the user's own handler (below every section held now)
         self._pending = False  # a Ctrl-C came while closed, not yet delivered
         self._open = False  # in a blocking wait that the next Ctrl-C interrupts
 
@@ -87,6 +89,12 @@ class Deferred:
             return self
         if not callable(current):
             return self  # ignored or the OS default: no KeyboardInterrupt can come
+        # Inside another section (a start inside a held call): a wait of this one is opened
+        # to the user's handler itself, not to the outer section, which would only record.
+        user: Any = current
+        while getattr(user, "__func__", None) is Deferred._handler:
+            user = user.__self__._user
+        self._user = user
         # (A pending Ctrl-C runs the user's handler here, before anything is half-done.)
         self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
@@ -97,7 +105,7 @@ class Deferred:
             # In a wait: the user's handler decides (the default raises KeyboardInterrupt).
             # Closed meanwhile, so a second Ctrl-C before the wait's clean-up is recorded.
             self._open = False
-            self._previous(signum, frame)
+            self._user(signum, frame)
             self._open = True  # (it did not raise: the wait goes on, open as before)
             return
         self._pending = True
@@ -140,7 +148,7 @@ class _Allowing:
             return
         if held._pending:
             held._pending = False
-            held._previous(signal.SIGINT, None)  # (the default raises KeyboardInterrupt)
+            held._user(signal.SIGINT, None)  # (the default raises KeyboardInterrupt)
         held._open = True
 
     def __exit__(self, *exc: object) -> None:

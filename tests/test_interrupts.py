@@ -67,6 +67,22 @@ def test_a_ctrl_c_recorded_before_a_wait_raises_at_once(ctrl_c: None) -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_wait_opened_inside_nested_sections_is_interrupted(ctrl_c: None) -> None:
+    """A start's handshake inside a call held since a recent Ctrl-C: the inner section's wait
+    takes the interrupt itself (the outer section, closed, would only record it)."""
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with Deferred(), Deferred() as inner, inner.allowing():
+                time.sleep(10)
+    finally:
+        timer.join()
+    assert time.monotonic() - started < 5
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_held_section_keeps_a_users_own_handler(ctrl_c: None) -> None:
     seen: list[int] = []
 
