@@ -882,6 +882,11 @@ def status_command(*, as_json: bool = False) -> int:
                     f"generation {w.generation}",
                     w.state + (f" ({w.retire_reason})" if w.retire_reason else ""),
                 ]
+                if w.stuck:
+                    parts.append(
+                        "STUCK: no start in progress (Pool.reset(env) retires it; so does "
+                        "the idle reaper)"
+                    )
                 if w.rss_bytes is not None:
                     parts.append(f"rss {_mib(w.rss_bytes)}")
                 idle, busy = w.idle_seconds(now), w.busy_seconds(now)

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._call import EventCallback
     from ._envs import EnvSpec
+    from ._interrupts import Deferred
 
 STATE_NAMES: dict[type, str] = {
     lc.Starting: "starting",
@@ -95,6 +96,7 @@ class Ticket:
     bound_generation = 0  # ... and the generation that must still occupy it
     ran_on: Slot | None = None  # the slot the call was sent to
     started: WorkerGeneration | None = None  # started while leasing, not sent yet
+    held: Deferred | None = None  # the call holds Ctrl-C back outside its waits (_interrupts)
     stage = "new"  # "queued" -> "in_flight" -> "done"
     generation = 0
     call_id = 0
@@ -274,6 +276,21 @@ class EnvEntry:
 
         self.call_later(effect.grace, fire)
 
+    def recover_stuck(self) -> int:
+        """Retire every stuck slot (``stuck_locked``) through the gate (``StartFailed``: its
+        process, if one was forked, is stopped), so the next call starts a fresh worker there.
+        Returns how many."""
+        recovered = 0
+        for slot in self.slots:
+            with self.lock:
+                if not stuck_locked(slot):
+                    continue
+                assert slot.state is not None
+                generation = slot.state.generation
+            if self.apply(slot, lc.StartFailed(generation)):
+                recovered += 1
+        return recovered
+
     def abandoned_locked(self, now: float) -> lc.EnvAbandoned | None:
         """The abandonment in force as of ``now`` (entry lock held), or None. A timed one
         (``abandon_for``) whose time has come is lifted here, on the first look after it: no
@@ -353,7 +370,17 @@ def worker_stats(slot: Slot) -> WorkerStats:
         idle_since,
         len(slot.live_refs),
         slot.process.shm_state if slot.process is not None else None,
+        stuck_locked(slot),
     )
+
+
+def stuck_locked(slot: Slot) -> bool:
+    """A slot starting with no start in progress (lock held): only the caller that leases a
+    slot starts its worker, and it records the start's outcome before it lets go of the
+    lease, so a slot starting and not leased was left by a start that never ended (an
+    interrupt the pool did not hold back). Nothing moves it on by itself; ``recover_stuck``
+    (``Pool.reset``, the reaper) does."""
+    return type(slot.state) is lc.Starting and not slot.leased
 
 
 def run_effects(

@@ -55,6 +55,12 @@ Where the rest lives (each module's docstring draws its part)::
   back to ``Idle`` in the same generation; otherwise ``CancelGraceExpired`` kills the worker
   and the reader sees EOF. Both events name the call id, so a late cancel or a late timer of
   call N is dropped when call N+1 runs; the call is settled (and counted) once, by its caller.
+- a burst of Ctrl-C (``_interrupts``): a worker's start holds Ctrl-C back from ``SpawnBegan``
+  to its outcome except in its waits, so no interrupt leaves a slot starting with no start in
+  progress; a sync call leases inside the ``try`` whose safety net (``settle_interrupted``)
+  settles it, held, whatever its own path left undone; for a few seconds after a Ctrl-C,
+  calls hold it back across their bookkeeping too. A slot stuck starting all the same is
+  shown (``WorkerStats.stuck``) and retired by ``reset`` and the reaper.
 - close during a spawn: the reactor refuses to fork once the pool is closing, and ``close`` first
   runs a barrier on the reactor, so every process that was forked is known and gets killed.
 """
@@ -133,6 +139,7 @@ from ._failures import (
     timeout_error,
 )
 from ._identity import HOST_ID_VAR, host_id
+from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm, note_interrupt
 from ._process import RuntimeDir, base_environment, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
@@ -245,8 +252,12 @@ class Pool:
 
     def reset(self, env: str | os.PathLike[str] | None = None) -> None:
         """Bring an env the crash-loop breaker abandoned back into service (no-op otherwise);
-        also forget that its Python was found too old (it may have been replaced)."""
+        also forget that its Python was found too old (it may have been replaced), and retire
+        a slot stuck starting with no start in progress (``WorkerStats.stuck``), so the next
+        call starts a fresh worker there."""
         entry = self._entry(resolve_env(env))
+        if entry.recover_stuck():
+            self._status_changed()
         with entry.lock:
             was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
             entry.env_state = lc.EnvActive()
@@ -458,10 +469,11 @@ class Pool:
             queue_locked(entry, ticket)
         event = ticket.event
         try:
-            if deadline is None:
-                event.wait()
-            else:
-                event.wait(max(0.0, deadline - time.monotonic()))
+            with allowing(ticket.held):
+                if deadline is None:
+                    event.wait()
+                else:
+                    event.wait(max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.leave_queue(entry, ticket)
             raise
@@ -678,7 +690,12 @@ class Pool:
         return self.call_prepared(entry, ticket, target, body, buffers, by_value, deadline)
 
     def start_plain(
-        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        entry: EnvEntry,
+        target: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ticket: Ticket | None = None,
     ) -> PlainStart | None:
         """Prepare, lease and start the common call in one step: a target string, scalar
         arguments, an idle worker ready to take it and nobody waiting before it. What
@@ -697,7 +714,8 @@ class Pool:
         if len(body) + HEADER_SIZE > config.max_frame_bytes:
             return None  # (``prepare`` says why)
         timeout = config.call_timeout
-        ticket = Ticket()
+        if ticket is None:
+            ticket = Ticket()
         deadline = None
         if timeout is not None:
             deadline = time.monotonic() + timeout
@@ -736,13 +754,17 @@ class Pool:
         or read raised, a log or event frame, an error reply, out-of-band buffers) goes on in
         ``run_leased`` from where it is (``resume``), so every failure is answered by the
         general path's one set of rules."""
-        started = self.start_plain(entry, target, args, kwargs)
-        if started is None:
-            return GENERAL_PATH
-        ticket, process, body, deadline = started
-        slot, call_id = ticket.slot, ticket.call_id
+        if LAST_INTERRUPT[0] > NEVER and in_storm():  # (one compare until a first Ctrl-C)
+            return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call_prepared``)
+        ticket = Ticket()
         CALLS_IN_FLIGHT.append(ticket)  # as in ``call_prepared``
         try:
+            # Leased inside the ``try``: an interrupt right after the lease is settled below.
+            started = self.start_plain(entry, target, args, kwargs, ticket)
+            if started is None:
+                return GENERAL_PATH
+            _, process, body, deadline = started
+            slot, call_id = ticket.slot, ticket.call_id
             resume: Resume | None = None
             try:
                 process.send_request(call_id, body, [], deadline)
@@ -775,9 +797,33 @@ class Pool:
                     self.settle(entry, ticket, outcome, replied_at)
             self.settle_ok(entry, ticket, replied_at)
             return result
+        except BaseException as exc:
+            self.settle_interrupted(entry, ticket, exc)
+            raise
         finally:
             if CALLS_IN_FLIGHT:
                 CALLS_IN_FLIGHT.pop()
+
+    def settle_interrupted(self, entry: EnvEntry, ticket: Ticket, exc: BaseException) -> None:
+        """The safety net of a sync call that ends with ``exc``: settle it, held against Ctrl-C
+        (``_interrupts``), if an interrupt cut short the settling its own path does (between
+        the lease and the ``try`` that settles, or inside that settling). ``settle`` is
+        idempotent: a call already settled is left as it is. A call whose worker may still
+        run it is stopped (``settle``), as for any interrupted call."""
+        if isinstance(exc, KeyboardInterrupt):
+            note_interrupt()
+        if ticket.stage == "done" and ticket.slot is None:
+            return
+        with Deferred():
+            if ticket.slot is None and ticket.stage == "queued":
+                # Its waiter was interrupted before it left the queue (``leave_queue``): out
+                # now, or a slot released later would be handed to a call that is gone.
+                with entry.lock:
+                    try:
+                        entry.waiters.remove(ticket)
+                    except ValueError:
+                        pass
+            self.settle(entry, ticket, outcome_of(exc), None)
 
     def call_prepared(
         self,
@@ -793,17 +839,40 @@ class Pool:
         # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
         CALLS_IN_FLIGHT.append(ticket)
         try:
-            try:
-                slot = self._acquire(entry, ticket, deadline, not by_value)
-            except BaseException as exc:
-                self.settle(entry, ticket, outcome_of(exc), None)
-                if isinstance(exc, CallTimeout):
-                    completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
-                raise
-            return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
+            if in_storm():
+                # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
+                # its waits (the queue, the reply) take one each (``ticket.held``).
+                with Deferred() as held:
+                    ticket.held = held
+                    return self._call_acquired(
+                        entry, ticket, target, body, buffers, by_value, deadline
+                    )
+            return self._call_acquired(entry, ticket, target, body, buffers, by_value, deadline)
+        except BaseException as exc:
+            self.settle_interrupted(entry, ticket, exc)
+            raise
         finally:
             if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
                 CALLS_IN_FLIGHT.pop()
+
+    def _call_acquired(
+        self,
+        entry: EnvEntry,
+        ticket: Ticket,
+        target: str | Callable[..., Any],
+        body: bytes,
+        buffers: list[memoryview],
+        by_value: bool,
+        deadline: float | None,
+    ) -> Any:
+        try:
+            slot = self._acquire(entry, ticket, deadline, not by_value)
+        except BaseException as exc:
+            self.settle(entry, ticket, outcome_of(exc), None)
+            if isinstance(exc, CallTimeout):
+                completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
+            raise
+        return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
 
     def prepare(
         self,
@@ -1047,6 +1116,16 @@ class Pool:
         return self._spawn(entry, slot)
 
     def _spawn(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
+        """Start generation g+1 on the leased ``slot`` and return it verified (``HandshakeOk``).
+
+        Ctrl-C is held back from ``SpawnBegan`` to the start's outcome (``_interrupts``): it
+        interrupts only the waits for the activation and the handshake, and then the
+        clean-up that records ``StartFailed`` and stops the process runs whole, so no
+        interrupt leaves the slot starting with no start in progress."""
+        with Deferred() as held:
+            return self._spawn_held(entry, slot, held)
+
+    def _spawn_held(self, entry: EnvEntry, slot: Slot, held: Deferred) -> WorkerGeneration:
         with self._lock:
             if self._closed:
                 raise self.closed_error()
@@ -1102,9 +1181,18 @@ class Pool:
         if self.settings.activate and not entry.spec.is_current:
             from ._activation import activation_for  # not loaded for the current interpreter
 
-            activation = activation_for(entry.spec, base_environment(), self.settings.start_timeout)
+            try:
+                with held.allowing():  # (its scripts may take seconds)
+                    activation = activation_for(
+                        entry.spec, base_environment(), self.settings.start_timeout
+                    )
+            except BaseException:
+                entry.apply(slot, lc.StartFailed(generation))
+                raise
         started = time.monotonic()
         try:
+            # Not interruptible: the fork runs on the reactor, and a caller that left its
+            # wait would leave the forked process's descriptors to nobody.
             process.launch(
                 before_launch=self._refuse_if_closed,
                 after_launch=self._track,
@@ -1123,7 +1211,8 @@ class Pool:
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
         try:
-            process.handshake(started + self.settings.start_timeout)
+            with held.allowing():  # (a slow import: the user may give up)
+                process.handshake(started + self.settings.start_timeout)
         except BaseException as exc:
             entry.apply(slot, lc.StartFailed(generation))
             if isinstance(exc, WorkerStartError) and exc.unsupported:
@@ -1219,6 +1308,15 @@ class Pool:
     def _reap_tick(self) -> None:
         if self._closed:
             return
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in entries:  # (none in a sound pool: a check per slot)
+            if entry.recover_stuck():
+                _log.warning(
+                    "comfy-env: env %s had a slot starting with no start in progress; "
+                    "retired (the next call starts a fresh worker)",
+                    entry.spec.key,
+                )
         self.reap_idle()
         self._schedule_reaper()
 
@@ -1366,6 +1464,9 @@ class Pool:
         try:
             if failed is not None:
                 raise failed
+            # Not opened to Ctrl-C even when held: the worker is idle and reads the request
+            # (a full socket waits on it, bounded by the deadline), and the send does the
+            # request's shared-memory bookkeeping, which an interrupt must not cut in two.
             block = process.send_request(call_id, body, buffers, deadline)
         except (BrokenPipeError, ConnectionResetError):
             entry.apply(slot, lc.ChannelClosed(process.generation))
@@ -1401,16 +1502,22 @@ class Pool:
         assert reader is not None
         try:
             if resumed is None:
-                ftype, flags, reply_id, reply = reader.read(deadline)
+                held = ticket.held
+                if held is None:
+                    ftype, flags, reply_id, reply = reader.read(deadline)
+                else:
+                    with held.allowing():
+                        ftype, flags, reply_id, reply = reader.read(deadline)
             elif resumed[0] == _READ:
                 ftype, flags, reply_id, reply = resumed[1]
             else:
                 raise resumed[1]
             if ftype == FrameType.LOG or ftype == FrameType.EVENT:
                 # What the call logged or reported: handle it, then read on to the reply.
-                ftype, flags, reply_id, reply = process.read_frame(
-                    deadline, (ftype, reply_id, reply), ticket.sink
-                )
+                with allowing(ticket.held):
+                    ftype, flags, reply_id, reply = process.read_frame(
+                        deadline, (ftype, reply_id, reply), ticket.sink
+                    )
         except TimeoutError:
             label = target_label(target)
             raise chained(  # noqa: B904 - see chained
@@ -1460,7 +1567,8 @@ class Pool:
         stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
         self.cancel(entry, ticket)
         try:
-            frame = process.read_frame(None, None, ticket.sink)
+            with allowing(ticket.held):  # a second Ctrl-C stops the worker at once
+                frame = process.read_frame(None, None, ticket.sink)
         except BaseException:  # noqa: BLE001 - EOF after the kill, a garbled read, a second Ctrl-C
             entry.apply(slot, lc.CallCancelled(process.generation, call_id))
             return None
@@ -1609,6 +1717,7 @@ def snapshot_pool(pool: Pool) -> Snapshot:
                     "state": ws.state,
                     "retire_reason": ws.retire_reason,
                     "startup_seconds": ws.startup_seconds,
+                    "stuck": ws.stuck,
                     "idle_since": wall(getattr(state, "idle_since", None)) if same else None,
                     "busy_since": wall(getattr(state, "started_at", None)) if same else None,
                 }

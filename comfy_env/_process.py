@@ -105,6 +105,7 @@ from ._descendants import kill_marked
 from ._envs import EnvSpec
 from ._errors import HostResourceError, SerializationError, WorkerStartError, describe_exit
 from ._identity import HOST_ID_VAR, host_id, host_token
+from ._interrupts import Deferred
 from ._lifecycle import CancelKill, RetireReason, Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor, ReactorFailed
@@ -270,7 +271,10 @@ class RuntimeDir:
     def ready(self) -> str:
         """The path, made and filled (by this call if no earlier one did). Raises ``OSError``
         (or ``ImportError`` without cloudpickle) when it cannot be."""
-        with self._lock:
+        # Held against Ctrl-C (it runs inside the first worker's handshake, which a user may
+        # interrupt): a directory made but not yet marked made failed every later start of the
+        # pool with EEXIST.
+        with self._lock, Deferred():
             if not self._filled:
                 if not self._made:
                     make_private_dir(self._root, self._prefix, self._suffix)
@@ -857,6 +861,7 @@ class WorkerProcess:
             self.blocks = shm.BlockPool(
                 f"{shm.NAME_PREFIX}{host_id()}-h{next(_serials)}-", self.config.shm_pool_bytes
             )
+            self.blocks.hold = Deferred  # (blocks made, given up, destroyed: see BlockPool)
         canary = self._canary_prepare()
         try:
             ftype, _, _, payload = self.reader.read(deadline)

@@ -29,6 +29,7 @@ class WorkerStats:
     idle_since: float | None = None
     live_refs: int = 0
     shared_memory: str | None = None
+    stuck: bool = False
 
 
 @value

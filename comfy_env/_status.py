@@ -304,6 +304,7 @@ class WorkerStatus:
     idle_since: float | None
     busy_since: float | None
     rss_bytes: int | None
+    stuck: bool = False  # starting with no start in progress (``WorkerStats.stuck``)
 
     def idle_seconds(self, now: float | None = None) -> float | None:
         """Seconds idle as of ``now`` (wall time), for an idle worker."""
@@ -510,6 +511,7 @@ def _parse(doc: Any, path: str) -> HostStatus:
                     idle_since=_opt_float(w.get("idle_since")),
                     busy_since=_opt_float(w.get("busy_since")),
                     rss_bytes=None,
+                    stuck=w.get("stuck") is True,
                 )
                 for w in env.get("workers") or ()
             )

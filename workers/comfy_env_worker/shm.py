@@ -71,7 +71,7 @@ _PICKLERS_BY_DUMPS = {pickle.dumps: pickle.Pickler}
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+    from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ce-"
@@ -581,6 +581,19 @@ def random_name_part() -> str:
     return os.urandom(4).hex()
 
 
+class _NotHeld:
+    """A context that holds nothing (``BlockPool.hold`` unset)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOT_HELD = _NotHeld()
+
+
 class BlockPool:
     """Blocks this process reuses for what it sends: pre-faulted after first use (a fresh
     block per call costs about ten memcpys in page faults), bounded in total idle bytes.
@@ -608,6 +621,15 @@ class BlockPool:
         # that come back to back only contend with their spares, so they get none until a
         # block of that size is given back (the caller let go of results: another phase).
         self._late: Set[int] = set()
+        # What the host holds Ctrl-C back with while a block is made and recorded, given up
+        # or destroyed (its ``_interrupts.Deferred``): a block made and not yet in ``live``
+        # when a KeyboardInterrupt lands is known to nobody and outlives the host. None (the
+        # worker, whose main thread takes no Ctrl-C from the host's terminal): nothing held.
+        self.hold: Optional[Callable[[], ContextManager[Any]]] = None
+
+    def _held(self) -> ContextManager[Any]:
+        hold = self.hold
+        return _NOT_HELD if hold is None else hold()
 
     def acquire(self, nbytes: int) -> Block:
         size = size_class(nbytes)
@@ -620,9 +642,10 @@ class BlockPool:
                 return block
             if self._making.get(size) and size < SPARE_MIN_BYTES:
                 self._late.add(size)
-        block = self._new_block(size)
-        with self._lock:
-            self.live[block.name] = block
+        with self._held():
+            block = self._new_block(size)
+            with self._lock:
+                self.live[block.name] = block
         return block
 
     def _new_block(self, size: int) -> Block:
@@ -677,16 +700,17 @@ class BlockPool:
 
     def give_up(self, block: Block) -> None:
         """Unlink ``block`` and never reuse it (its memory lives on in any peer mapping)."""
-        with self._lock:
-            self._idle_since.pop(block.name, None)
-            if self.live.pop(block.name, None) is None:
-                return
-            for blocks in self._free.values():
-                if block in blocks:
-                    blocks.remove(block)
-                    self._idle_bytes -= block.size
-            self.dropped.append(block.name)
-        block.destroy()
+        with self._held():
+            with self._lock:
+                self._idle_since.pop(block.name, None)
+                if self.live.pop(block.name, None) is None:
+                    return
+                for blocks in self._free.values():
+                    if block in blocks:
+                        blocks.remove(block)
+                        self._idle_bytes -= block.size
+                self.dropped.append(block.name)
+            block.destroy()
 
     def has_idle(self, nbytes: int) -> bool:
         with self._lock:
@@ -745,15 +769,16 @@ class BlockPool:
             return sum(len(b) for b in self._free.values())
 
     def destroy_all(self) -> None:
-        with self._lock:
-            self._closed = True
-            blocks = list(self.live.values())
-            self.live.clear()
-            self._free.clear()
-            self._idle_since.clear()
-            self._idle_bytes = 0
-        for block in blocks:
-            block.destroy()
+        with self._held():
+            with self._lock:
+                self._closed = True
+                blocks = list(self.live.values())
+                self.live.clear()
+                self._free.clear()
+                self._idle_since.clear()
+                self._idle_bytes = 0
+            for block in blocks:
+                block.destroy()
 
 
 class PeerMappings:
