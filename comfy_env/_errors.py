@@ -5,7 +5,8 @@
   ``ConfigError``        a ``PoolConfig`` value (or ``COMFY_ENV_*`` variable) is invalid
   ``ArgumentError``      an argument (a target, args, a timeout) cannot be used (also a
                          ``ValueError`` and a ``TypeError``)
-  ``HostResourceError``  the host ran out of descriptors or memory handling a reply
+  ``HostResourceError``  the host could not take a reply (out of descriptors or memory, or
+                         its shared-memory block was gone)
   ``RuntimeRootError``   the runtime root is not ours and no private one could be made
   ``EnvError``           no such env, or no interpreter in it
   ``SerializationError`` an argument (or a by-value callable) cannot travel to the worker
@@ -58,8 +59,11 @@ class ArgumentError(ComfyEnvError, ValueError, TypeError):
 
 
 class HostResourceError(ComfyEnvError):
-    """The host ran out of something (descriptors, memory for a mapping) while handling a
-    call's reply. The host's fault, not the worker's: the worker is kept, the call fails.
+    """The host could not take a call's reply: it ran out of something (descriptors, memory
+    for a mapping), or a shared-memory block of the reply was gone when it came to open it
+    (``errno`` is ``ENOENT``: removed from ``/dev/shm`` by something else, or given up by the
+    worker after ``shm_pinned_ttl`` seconds of the host running without taking it). Not the
+    worker's fault: the worker is kept, the call fails and its result is lost.
 
     ``errno`` is the operating system's error number, if any."""
 

@@ -1062,9 +1062,17 @@ class WorkerProcess:
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
         except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                # The frame was read whole and its table is well formed (names of this host's
+                # workers only): the block is gone, not forged. Something removed it from
+                # /dev/shm, or the worker gave it up after its TTL (it counts only time this
+                # host was seen running: a host starved of CPU that long). Nothing the worker
+                # sent was invalid, so it is kept; the result is lost and the call says so.
+                self._send_consumed(call_id)
+                raise self._reply_block_gone(call_id, exc) from None
             if exc.errno not in _HOST_OUT_OF_RESOURCES:
-                # A block the worker never made (ENOENT), or a name it planted that is no
-                # block: a directory (EISDIR), a symlink (ELOOP), another's file (EACCES).
+                # A name the worker planted that is no block: a directory (EISDIR), a
+                # symlink (ELOOP), another's file (EACCES).
                 raise FrameError(f"bad out-of-band reply: {exc}") from None
             self._send_consumed(call_id)
             raise self._host_fault(call_id, exc) from None
@@ -1097,6 +1105,19 @@ class WorkerProcess:
             f"{self.spec.key}: {exc} (out of file descriptors or memory in the host? see "
             "ulimit -n); the worker is fine and was kept",
             errno=getattr(exc, "errno", None),
+        )
+
+    def _reply_block_gone(self, call_id: int, exc: OSError) -> HostResourceError:
+        """A shared-memory block of the reply of ``call_id`` no longer exists when the host
+        opens it. The channel is in sync and the worker broke no rule: it is kept."""
+        name = os.path.basename(str(exc.filename)) if exc.filename else "?"
+        return HostResourceError(
+            f"the reply of call {call_id} from env {self.spec.key} was lost: its shared-memory "
+            f"block {name} was gone before the host opened it (removed from /dev/shm by "
+            "something else, or given up by the worker after "
+            f"shm_pinned_ttl={self.config.shm_pinned_ttl:g}s of this host running without "
+            "taking it); the worker is fine and was kept",
+            errno=exc.errno,
         )
 
     def _lend(self, call_id: int, roots: list[Any]) -> None:
