@@ -104,6 +104,7 @@ from ._errors import (
     EnvError,
     HostResourceError,
     PoolClosedError,
+    RuntimeRootError,
     SerializationError,
     WorkerCrashed,
     WorkerStartError,
@@ -1080,6 +1081,12 @@ class Pool:
                     WorkerRetired(entry.spec.key, generation, None, "start_failed", None, None)
                 )
                 self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
+            if self._closed and isinstance(exc, WorkerStartError):
+                # close() stopped it before or while it was launched ("stopped before it was
+                # launched", a reactor already stopped): the pool's closing, not the env's.
+                raise chained(  # noqa: B904 - see chained
+                    PoolClosedError("the pool was closed while the worker started"), exc
+                )
             raise
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
@@ -1291,8 +1298,16 @@ class Pool:
             # The window ended between the two tests and may have missed the flag: go on.
         if self._reactor is None or self._closed:
             return
+        try:
+            publisher = host_publisher(live_pool_snapshots)
+        except (OSError, RuntimeRootError):
+            # The first publisher names this host (``host_id``), which reads /proc: a host out
+            # of descriptors. The status file waits for the next change; the call that got
+            # here keeps its own outcome.
+            self._status_dirty = True
+            return
         self._status_pending = True
-        host_publisher(live_pool_snapshots).publish_soon(self._reactor.call_later)
+        publisher.publish_soon(self._reactor.call_later)
         self._reactor.call_later(0.5, self._status_written)
 
     def _status_written(self) -> None:

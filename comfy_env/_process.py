@@ -707,9 +707,12 @@ class WorkerProcess:
         # cost crash detection about 0.2 ms). The exit is the pidfd's news; the output ends
         # at the reaping (``_end_output``), and a descendant that escaped the group cannot
         # hold it open.
+        # And the cancel pipe: CANCEL frames, read by the worker's watchdog while its main
+        # thread runs the call. All four made here, so that a host out of descriptors gets
+        # the typed error below whichever of them fails, and nothing of them kept.
         pipes: list[int] = []
         try:
-            for _ in range(3):
+            for _ in range(4):
                 pipes.extend(os.pipe())
         except OSError as exc:
             for fd in pipes:
@@ -717,13 +720,12 @@ class WorkerProcess:
             for end in (parent_sock, child_sock, reply_sock, child_reply_sock):
                 end.close()
             raise self._no_channel(exc) from exc
-        out_read, out_write, err_read, err_write, log_read, log_write = pipes
+        out_read, out_write, err_read, err_write, log_read, log_write = pipes[:6]
+        cancel_read, self._cancel_fd = pipes[6:]
         self._stdout = os.fdopen(out_read, "rb", buffering=0)
         self._stderr = os.fdopen(err_read, "rb", buffering=0)
         self._log_pipe = os.fdopen(log_read, "rb", buffering=0)
         self._held_ends = [out_write, err_write, log_write]
-        # CANCEL frames, read by the worker's watchdog while its main thread runs the call.
-        cancel_read, self._cancel_fd = os.pipe()
         os.set_blocking(self._cancel_fd, False)
         self.sock = parent_sock
         self.reply_sock = reply_sock

@@ -1887,6 +1887,64 @@ def test_close_while_many_envs_start_is_one_bounded_wait(
                 _kill_quietly(int(pid))
 
 
+_SPARE_DESCRIPTORS_HOST = """
+import os, resource, sys, comfy_env
+pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+for _ in range(int(sys.argv[2])):
+    os.close(held.pop())
+try:
+    pool.get_worker().call("hardening_tasks:add", 1, 2)
+    print("RESULT ok")
+except Exception as exc:
+    print("RESULT", type(exc).__name__, exc)
+for fd in held:
+    os.close(fd)
+try:
+    print("AFTER", pool.get_worker().call("hardening_tasks:add", 1, 2))
+except Exception as exc:
+    print("AFTER", type(exc).__name__, exc)
+pool.close()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_host_short_of_descriptors_at_any_step_of_its_first_spawn_gets_a_typed_error() -> None:
+    # With 0, 1, 2, ... descriptors to spare, the first spawn runs out at each of its steps in
+    # turn (the host's token read from /proc, the runtime root, the channel, the cancel pipe,
+    # the launch, the runtime dir): every one is a WorkerStartError, never a raw OSError or a
+    # RuntimeRootError (the root is fine; the host is short), and the next call, with
+    # descriptors again, runs.
+    seen = set()
+    for spare in range(0, 40):
+        proc = subprocess.run(
+            [sys.executable, "-c", _SPARE_DESCRIPTORS_HOST, str(TESTS_DIR), str(spare)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+        )
+        assert proc.returncode == 0, (spare, proc.stderr[-3000:])
+        result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+        assert result == "RESULT ok" or result.startswith("RESULT WorkerStartError"), (
+            spare,
+            result,
+            proc.stderr[-2000:],
+        )
+        assert "AFTER 3" in proc.stdout, (spare, proc.stdout, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, (spare, proc.stderr[-2000:])
+        seen.add(result.split(":")[0])
+        if result == "RESULT ok":
+            break
+    assert "RESULT ok" in seen and len(seen) >= 3, seen  # it went through the steps
+
+
 def test_a_host_out_of_descriptors_before_its_first_worker_gets_a_typed_error() -> None:
     code = """
     import os, resource, sys, comfy_env
