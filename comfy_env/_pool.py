@@ -156,9 +156,6 @@ _SWEEP_DELAY = 0.005
 # Seconds from a worker's retirement to the release of its sockets and shared memory (see
 # _dispose_later).
 _DISPOSE_DELAY = 0.005
-# Seconds from the first worker's readiness to the host watcher's launch (see
-# ``_start_watcher``): past the first call's reply, which follows readiness by about a ms.
-_WATCHER_DELAY = 0.05
 
 # ---- the pool --------------------------------------------------------------------------------
 
@@ -1141,17 +1138,14 @@ class Pool:
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
         )
         self._status_changed()
-        if self._watcher is None and self._reactor is not None:
-            # Started a moment after the first worker is ready, on the reactor: off the first
-            # call's path. An interpreter start competing with the worker costs that call about
-            # 10 ms; ``Popen`` on the reactor at once still took the GIL from the caller reading
-            # the first reply (0.2-0.4 ms).
-            self._reactor.call_later(_WATCHER_DELAY, self._start_watcher)
         return process
 
     def _start_watcher(self) -> None:
-        """Reactor thread: launch the host watcher once (see ``_watcher``). ``close`` reads
-        ``_watcher`` after the reactor stopped, so no start races a close."""
+        """Reactor thread, right after the first worker's fork (``_track``): launch the host
+        watcher once (see ``_watcher``), before the caller makes the runtime dir that worker
+        waits for, so that no leftover of this host exists without a watcher to remove it. A
+        shell waiting on a pipe: about a millisecond of the first call, no interpreter start.
+        ``close`` reads ``_watcher`` after the reactor stopped, so no start races a close."""
         with self._lock:
             if self._watcher is not None or self._closed:
                 return
@@ -1272,6 +1266,8 @@ class Pool:
             self._processes.add(process)
             first = self.last_sweep is None and not self._sweep_queued
             self._sweep_queued = True
+        if self._watcher is None and self._reactor is not None:
+            self._start_watcher()
         if first and self._reactor is not None:
             # The pool starts: clear what dead hosts left behind, off every caller's path: on
             # the reactor thread, a moment after this fork, when the caller that launched the

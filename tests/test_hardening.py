@@ -1691,6 +1691,56 @@ def _leftovers_of_host(token: str) -> dict[str, list[str]]:
     }
 
 
+_QUICK_DEATH_HOST = """
+import os, signal, sys, comfy_env
+from comfy_env._identity import host_id
+pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+print(host_id(), flush=True)
+# The first call, a moment after its worker is ready (its runtime dir made), kills this host.
+pool.get_worker().call("os:kill", os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_host_killed_by_its_first_call_leaves_nothing_without_a_sweep(tmp_path: Path) -> None:
+    # The watcher came 50 ms after the first worker was ready: a host killed before then left
+    # its runtime dir and status file until some later pool's sweep. Now the watcher exists
+    # before any of them, and removes them at once. (A runtime root of its own: any other
+    # pool starting on this machine meanwhile would sweep the shared one.)
+    base = tmp_path / "xdg"
+    base.mkdir(mode=0o700)
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR), XDG_RUNTIME_DIR=str(base))
+    host = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_QUICK_DEATH_HOST), str(TESTS_DIR)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    root = base / "comfy-env"
+    try:
+        assert host.stdout is not None
+        token = host.stdout.readline().strip()
+        assert token, host.communicate(timeout=30)
+        host.wait(30)
+        assert host.returncode == -signal.SIGKILL
+
+        def left() -> list[str]:
+            made = [n for n in os.listdir(root) if n.startswith(f"host-{token}-")]
+            status = root / "status"
+            if status.is_dir():
+                made += [n for n in os.listdir(status) if n.startswith(token)]
+            return made
+
+        assert wait_until(lambda: not left(), 10), left()
+    finally:
+        if host.poll() is None:
+            host.kill()
+        host.communicate(timeout=30)
+        comfy_env.sweep()  # (its blocks, where the old code left them: not for the leak guard)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def _plant_look_alikes(token: str, tmp_path: Path) -> list[str]:
     """Things the dying host's watcher must leave alone: a live host's block (this process's),
     another dead host's runtime dir and status file (a sweep's business, not the watcher's),
