@@ -149,7 +149,8 @@ class WorkerError(ComfyEnvError):
 class WorkerStartError(WorkerError):
     """The worker could not be started or failed its handshake or canary; it was refused.
 
-    ``stderr_tail`` holds the worker's last output lines, if any. ``unsupported`` is True when
+    ``stderr_tail`` holds the worker's last output lines, if any: one ``str`` (lines joined
+    with ``"\n"``, ``""`` for none), as ``WorkerCrashed.stderr_tail``. ``unsupported`` is True when
     the env's interpreter can never run a worker (Python older than 3.8): the pool then fails
     later calls to that env at once, without starting it again.
     """
@@ -170,6 +171,13 @@ class WorkerCrashed(WorkerError):
     signal), ``signal`` the signal's name (``"SIGSEGV"``) or None, ``call_id`` and ``target``
     identify the call that was running, ``stderr_tail`` the worker's last output lines
     (including a ``faulthandler`` stack on a fatal signal).
+
+    ``stderr_tail`` is one ``str``: the last ``PoolConfig.stderr_tail_lines`` lines (40 by
+    default) of what the worker wrote (its stdout and stderr, at the Python and at the
+    descriptor level, and its log records; a record's traceback stays with it, as one entry),
+    oldest first, joined with ``"\n"`` and without a final newline; ``""`` when it wrote
+    nothing. Not a list: ``err.stderr_tail.splitlines()``
+    gives the lines. The same holds for ``WorkerStartError.stderr_tail``.
     """
 
     def __init__(
