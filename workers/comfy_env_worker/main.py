@@ -571,6 +571,9 @@ class Worker:
         TTL, unstopped, since the reply went out. A host that is gone needs no TTL: the
         watchdog ends the worker, and its blocks with it."""
         now = _monotonic()
+        if not self.pinned:  # (read unlocked: a pin made meanwhile counts from its start)
+            self.pins_seen_at, self.host_was_running, self.pins_wait = now, True, 1.0
+            return 1.0
         stopped = _host_stopped(self.host_pid)
         normal = now - self.pins_seen_at <= self.pins_wait + _PIN_SLACK
         was_running = self.host_was_running
