@@ -31,7 +31,9 @@ frame.
   ``CONSUMED`` for that call id. The host either copies the buffers out and acks at once, or
   *lends* them: the result views the block through a loan root (``loan_root``), and the ack
   goes out when the root's last view dies, so nothing the caller keeps aliases memory the
-  worker will reuse. A timer-driven TTL unlinks pinned blocks the host never acks (it died).
+  worker will reuse. A timer-driven TTL unlinks pinned blocks the host never acks (it lost
+  the ack, or keeps the result long); only time the host is seen running counts toward it, so
+  a stopped host still finds its reply (``main.Worker.expire_pins``).
 - Echoed blocks: a result whose buffers all lie in the call's argument blocks goes back as
   ``("echo", name, offset, length)`` entries naming the host's own block (``echo_table``): no
   reply block, no copy. The host keeps that block out of its pool until the result's last view
