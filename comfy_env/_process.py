@@ -1064,17 +1064,17 @@ class WorkerProcess:
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
         except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                # The frame was read whole and its table is well formed (names of this host's
-                # workers only): the block is gone, not forged. Something removed it from
+            if exc.errno == errno.ENOENT and self._names_its_block(exc.filename):
+                # The frame was read whole and its table is well formed, naming a block of the
+                # worker's own shape: the block is gone, not forged. Something removed it from
                 # /dev/shm, or the worker gave it up after its TTL (it counts only time this
                 # host was seen running: a host starved of CPU that long). Nothing the worker
                 # sent was invalid, so it is kept; the result is lost and the call says so.
                 self._send_consumed(call_id)
                 raise self._reply_block_gone(call_id, exc) from None
             if exc.errno not in _HOST_OUT_OF_RESOURCES:
-                # A name the worker planted that is no block: a directory (EISDIR), a
-                # symlink (ELOOP), another's file (EACCES).
+                # A name no block of the worker can have (ENOENT), or a name it planted that
+                # is no block: a directory (EISDIR), a symlink (ELOOP), another's file (EACCES).
                 raise FrameError(f"bad out-of-band reply: {exc}") from None
             self._send_consumed(call_id)
             raise self._host_fault(call_id, exc) from None
@@ -1108,6 +1108,15 @@ class WorkerProcess:
             "ulimit -n); the worker is fine and was kept",
             errno=getattr(exc, "errno", None),
         )
+
+    def _names_its_block(self, path: object) -> bool:
+        """Whether ``path`` (an ``OSError``'s file) is shaped like a block of this worker."""
+        mappings = self.mappings
+        if mappings is None or not isinstance(path, str):
+            return False
+        if os.path.dirname(path) != shm.SHM_DIR:
+            return False
+        return shm.names_a_block_of(os.path.basename(path), mappings.prefix)
 
     def _reply_block_gone(self, call_id: int, exc: OSError) -> HostResourceError:
         """A shared-memory block of the reply of ``call_id`` no longer exists when the host

@@ -543,6 +543,27 @@ def random_name_part() -> str:
     return os.urandom(4).hex()
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def names_a_block_of(name: str, base: str) -> bool:
+    """Whether ``name`` has the shape of a block a ``BlockPool(base, ...)`` makes:
+    ``<base><8 hex digits>-<sequence number>``. The host tells with it a reply block the worker
+    made and that is gone (given up, removed from /dev/shm by someone else: the result is
+    lost, the worker broke no rule) from a name no block of that worker can have (a forged
+    envelope: a protocol error)."""
+    if not name.startswith(base):
+        return False
+    part, sep, seq = name[len(base) :].partition("-")
+    return (
+        len(part) == 8
+        and set(part) <= _HEX
+        and sep == "-"
+        and 0 < len(seq) <= 20
+        and all("0" <= c <= "9" for c in seq)
+    )
+
+
 class BlockPool:
     """Blocks this process reuses for what it sends: pre-faulted after first use (a fresh
     block per call costs about ten memcpys in page faults), bounded in total idle bytes.
@@ -723,6 +744,7 @@ class PeerMappings:
 
     def __init__(self, allowed_prefix: str, max_mappings: int = 16) -> None:
         self._prefix = allowed_prefix
+        self.prefix = allowed_prefix  # (read only: what every name mapped here starts with)
         self._max = max_mappings
         self._maps: Dict[str, mmap.mmap] = {}
         self._lock = _thread.allocate_lock()
