@@ -84,6 +84,7 @@ import comfy_env_worker
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
     CANARY_TARGET,
+    FLAG_GONE,
     FLAG_OOB,
     HEADER_SIZE,
     PROTOCOL_VERSION,
@@ -1070,7 +1071,7 @@ class WorkerProcess:
                 # /dev/shm, or the worker gave it up after its TTL (it counts only time this
                 # host was seen running: a host starved of CPU that long). Nothing the worker
                 # sent was invalid, so it is kept; the result is lost and the call says so.
-                self._send_consumed(call_id)
+                self._send_consumed(call_id, FLAG_GONE)  # (the worker gives the block up)
                 raise self._reply_block_gone(call_id, exc) from None
             if exc.errno not in _HOST_OUT_OF_RESOURCES:
                 # A name no block of the worker can have (ENOENT), or a name it planted that
@@ -1186,13 +1187,13 @@ class WorkerProcess:
         # Tests turn acks off to exercise the worker's TTL: the returns are then dropped.
         return b"".join(frames) if self.ack_consumed else b""
 
-    def _send_consumed(self, call_id: int) -> None:
+    def _send_consumed(self, call_id: int, flags: int = 0) -> None:
         if not self.ack_consumed:
             return
         sock = self.sock
         assert sock is not None
         try:
-            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0))
+            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0, flags))
         except OSError:
             pass  # the worker is gone; its blocks go with it (see dispose)
 

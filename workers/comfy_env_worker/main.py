@@ -53,6 +53,7 @@ from . import control, logs, refs, shm
 from .protocol import (
     CANARY_TARGET,
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_GONE,
     FLAG_OOB,
     HEADER,
     HEADER_SIZE,
@@ -326,7 +327,7 @@ class Worker:
                     self.control.end()
                     self.reply(FrameType.REPLY_ERR, call_id, error_record(exc))
             elif ftype == FrameType.CONSUMED:
-                self.consumed(call_id)
+                self.consumed(call_id, bool(flags & FLAG_GONE))
             elif ftype == FrameType.RELEASE_REFS:
                 refs.release(_loads(payload))
             elif ftype == FrameType.PING:
@@ -548,11 +549,16 @@ class Worker:
         del views[:]
         return sorted(retained)
 
-    def consumed(self, call_id: int) -> None:
+    def consumed(self, call_id: int, gone: bool = False) -> None:
+        """The host is done with the reply of ``call_id``: its block goes back to the pool,
+        or, ``gone`` (the host found its name removed from /dev/shm), is given up."""
         with self.pin_lock:
             entry = self.pinned.pop(call_id, None)
         if entry is not None and self.pool is not None:
-            self.pool.release(entry.block)
+            if gone:
+                self.pool.give_up(entry.block)
+            else:
+                self.pool.release(entry.block)
 
     def expire_pins(self) -> float:
         """Give up reply blocks the host never acknowledged (the TTL, ``shm_pinned_ttl``).
