@@ -350,16 +350,17 @@ def process_cpu_ns(pid: int) -> int:
 
 
 # How long ``settle_pool`` waits for a pool's watcher to be launched: the reactor launches it
-# ``_pool._WATCHER_DELAY`` (50 ms) after the first worker is ready.
+# right after the first worker's fork (a shell waiting on a pipe; before that, a Python
+# interpreter launched 50 ms after the first worker was ready).
 _WATCHER_WAIT = 1.0
 
 
 def settle_pool(pool: Any, timeout: float = 5.0) -> bool:
     """Wait, untimed, until a fresh comfy_env ``pool`` is done with its one-off start-up work
-    in the background: its host watcher (``comfy_env._watcher``), a Python interpreter the
-    reactor launches ``_WATCHER_DELAY`` after the first worker is ready, has started and
-    sleeps in its read. That start-up took about 50 ms of CPU here (20 ms since the
-    seventeenth round); a batch timed right after a new pool's first call ran beside it, and on
+    in the background: its host watcher (``comfy_env._watcher``) has started and sleeps in
+    its read. As a Python interpreter (now a shell, about a millisecond) that start-up took
+    about 50 ms of CPU here (20 ms since the seventeenth
+    round); a batch timed right after a new pool's first call ran beside it, and on
     one CPU shared its CPU with it (measured: up to 9.5 us a call of the watcher's CPU in a
     batch of 1500 calls after 0.1 s of warm-up; in the small-call benchmark comfy_env's wall
     time ran 10-34 us a call over its caller's and worker's on-CPU sum). A warm call of a

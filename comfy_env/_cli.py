@@ -99,7 +99,8 @@ EXIT_CODES_HELP = """\
 exit codes:
   0    success (doctor: every step passed)
   1    a step, the call or the command failed (details on stderr; in the JSON with --json),
-       or the reader of the output left early (`| head`): quietly
+       or the output had nowhere to go (the reader left early, `| head`; stdout closed,
+       `>&-`): quietly
   2    bad usage: unknown option, malformed JSON arguments, target not module:function,
        invalid COMFY_ENV_* setting (demo, doctor, call; status and sweep do not read them)
   130  interrupted"""
@@ -689,6 +690,10 @@ def parse_call_args(raw: str | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise UsageError(f"JSON_ARGS is not valid JSON ({exc}): {raw!r}") from None
+    except RecursionError:
+        raise UsageError(
+            f"JSON_ARGS is nested too deeply to read ({len(raw)} characters): {_shorten(raw)}"
+        ) from None
     if isinstance(value, list):
         return tuple(value), {}
     if isinstance(value, dict):
@@ -697,6 +702,13 @@ def parse_call_args(raw: str | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         f"JSON_ARGS must be a JSON array (positional arguments) or object (keyword "
         f"arguments), not {type(value).__name__}: {raw!r}"
     )
+
+
+def _shorten(text: str, keep: int = 80) -> str:
+    """``text`` as a repr, cut in the middle when long (an error message names it)."""
+    if len(text) <= 2 * keep:
+        return repr(text)
+    return f"{text[:keep]!r}...{text[-keep:]!r}"
 
 
 def check_target(target: str) -> str:
@@ -906,8 +918,14 @@ def _positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be positive seconds, not {text!r}")
+    # The library's own bound (MAX_SECONDS: a deadline the reactor's waits can hold), here
+    # too, so that 1e300 is the same bad usage as inf, not a failed call.
+    from ._settings import MAX_SECONDS
+
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be positive seconds up to {MAX_SECONDS:g}, not {text!r}"
+        )
     return value
 
 
@@ -1002,6 +1020,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    closed = _plug_closed_standard_streams()
     try:
         code = _run(argv)
         # Here, not at interpreter exit: output still buffered meets a closed pipe where the
@@ -1011,7 +1030,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left early (`| head`): exit quietly
         _silence_closed_streams()
         return EXIT_FAILED
+    if "stdout" in closed and code == EXIT_OK:
+        return EXIT_FAILED  # the output went nowhere, as for a reader that left early
     return code
+
+
+def _plug_closed_standard_streams() -> set[str]:
+    """Started with stdout or stderr closed (``comfy-env status >&-``): Python then has None
+    for the stream, and the descriptor is free, so the next file or socket opened would take
+    it and anything written to fd 1 or 2 (a worker's native output forwarded, a library's
+    ``printf``) would go into it. Each such descriptor gets ``/dev/null`` and its stream a
+    writer to it: the command runs, its output goes nowhere, and nothing raises. Returns the
+    names of the streams that were closed."""
+    closed = set()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            continue
+        if devnull != fd:
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        closed.add(name)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "w", closefd=False))  # kept for the process
+    return closed
 
 
 def _silence_closed_streams() -> None:

@@ -188,7 +188,9 @@ class PoolConfig(BaseModel):
         le=MAX_SECONDS,
         gt=0,
         description="Seconds a worker keeps a reply's blocks pinned waiting for the host's "
-        "ack before it gives them up (the host died or hung).",
+        "ack before it gives them up (the host lost the ack or keeps a result long). Only time "
+        "the host is seen running counts: a stopped host (SIGSTOP, Ctrl-Z, a debugger) keeps "
+        "its replies.",
     )
     backend: Literal["local", "ray"] = Field(
         "local",

@@ -5,7 +5,8 @@
   ``ConfigError``        a ``PoolConfig`` value (or ``COMFY_ENV_*`` variable) is invalid
   ``ArgumentError``      an argument (a target, args, a timeout) cannot be used (also a
                          ``ValueError`` and a ``TypeError``)
-  ``HostResourceError``  the host ran out of descriptors or memory handling a reply
+  ``HostResourceError``  the host could not take a reply (out of descriptors or memory, or
+                         its shared-memory block was gone)
   ``RuntimeRootError``   the runtime root is not ours and no private one could be made
   ``EnvError``           no such env, or no interpreter in it
       ``EnvBuildError``  a declared env (a ``Recipe``) could not be built
@@ -59,8 +60,11 @@ class ArgumentError(ComfyEnvError, ValueError, TypeError):
 
 
 class HostResourceError(ComfyEnvError):
-    """The host ran out of something (descriptors, memory for a mapping) while handling a
-    call's reply. The host's fault, not the worker's: the worker is kept, the call fails.
+    """The host could not take a call's reply: it ran out of something (descriptors, memory
+    for a mapping), or a shared-memory block of the reply was gone when it came to open it
+    (``errno`` is ``ENOENT``: removed from ``/dev/shm`` by something else, or given up by the
+    worker after ``shm_pinned_ttl`` seconds of the host running without taking it). Not the
+    worker's fault: the worker is kept, the call fails and its result is lost.
 
     ``errno`` is the operating system's error number, if any."""
 
@@ -178,7 +182,8 @@ class WorkerError(ComfyEnvError):
 class WorkerStartError(WorkerError):
     """The worker could not be started or failed its handshake or canary; it was refused.
 
-    ``stderr_tail`` holds the worker's last output lines, if any. ``unsupported`` is True when
+    ``stderr_tail`` holds the worker's last output lines, if any: one ``str`` (lines joined
+    with ``"\n"``, ``""`` for none), as ``WorkerCrashed.stderr_tail``. ``unsupported`` is True when
     the env's interpreter can never run a worker (Python older than 3.8): the pool then fails
     later calls to that env at once, without starting it again.
     """
@@ -199,6 +204,13 @@ class WorkerCrashed(WorkerError):
     signal), ``signal`` the signal's name (``"SIGSEGV"``) or None, ``call_id`` and ``target``
     identify the call that was running, ``stderr_tail`` the worker's last output lines
     (including a ``faulthandler`` stack on a fatal signal).
+
+    ``stderr_tail`` is one ``str``: the last ``PoolConfig.stderr_tail_lines`` lines (40 by
+    default) of what the worker wrote (its stdout and stderr, at the Python and at the
+    descriptor level, and its log records; a record's traceback stays with it, as one entry),
+    oldest first, joined with ``"\n"`` and without a final newline; ``""`` when it wrote
+    nothing. Not a list: ``err.stderr_tail.splitlines()``
+    gives the lines. The same holds for ``WorkerStartError.stderr_tail``.
     """
 
     def __init__(

@@ -22,6 +22,7 @@ unreadable ``/proc``, a name in an older format) counts as alive: the sweep leav
 
 from __future__ import annotations
 
+import errno
 import os
 
 # The variable that carries the host's ``host_token()`` to every process it launches (set by
@@ -80,7 +81,11 @@ def host_token() -> str:
     ns = pid_namespace()
     try:
         stat = proc_stat("self") if ns is not None else None
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            # Out of descriptors for a moment: raised (the caller's error says so), never the
+            # fallback below, whose other token would name this host differently from then on.
+            raise
         stat = None
     if ns is None or stat is None:
         import psutil

@@ -111,6 +111,7 @@ from ._errors import (
     EnvError,
     HostResourceError,
     PoolClosedError,
+    RuntimeRootError,
     SerializationError,
     WorkerCrashed,
     WorkerStartError,
@@ -164,9 +165,6 @@ _SWEEP_DELAY = 0.005
 # Seconds from a worker's retirement to the release of its sockets and shared memory (see
 # _dispose_later).
 _DISPOSE_DELAY = 0.005
-# Seconds from the first worker's readiness to the host watcher's launch (see
-# ``_start_watcher``): past the first call's reply, which follows readiness by about a ms.
-_WATCHER_DELAY = 0.05
 
 # ---- the pool --------------------------------------------------------------------------------
 
@@ -1207,6 +1205,12 @@ class Pool:
                     WorkerRetired(entry.spec.key, generation, None, "start_failed", None, None)
                 )
                 self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
+            if self._closed and isinstance(exc, WorkerStartError):
+                # close() stopped it before or while it was launched ("stopped before it was
+                # launched", a reactor already stopped): the pool's closing, not the env's.
+                raise chained(  # noqa: B904 - see chained
+                    PoolClosedError("the pool was closed while the worker started"), exc
+                )
             raise
         if process.popen is not None:
             self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
@@ -1262,17 +1266,14 @@ class Pool:
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
         )
         self._status_changed()
-        if self._watcher is None and self._reactor is not None:
-            # Started a moment after the first worker is ready, on the reactor: off the first
-            # call's path. An interpreter start competing with the worker costs that call about
-            # 10 ms; ``Popen`` on the reactor at once still took the GIL from the caller reading
-            # the first reply (0.2-0.4 ms).
-            self._reactor.call_later(_WATCHER_DELAY, self._start_watcher)
         return process
 
     def _start_watcher(self) -> None:
-        """Reactor thread: launch the host watcher once (see ``_watcher``). ``close`` reads
-        ``_watcher`` after the reactor stopped, so no start races a close."""
+        """Reactor thread, right after the first worker's fork (``_track``): launch the host
+        watcher once (see ``_watcher``), before the caller makes the runtime dir that worker
+        waits for, so that no leftover of this host exists without a watcher to remove it. A
+        shell waiting on a pipe: about a millisecond of the first call, no interpreter start.
+        ``close`` reads ``_watcher`` after the reactor stopped, so no start races a close."""
         with self._lock:
             if self._watcher is not None or self._closed:
                 return
@@ -1402,6 +1403,8 @@ class Pool:
             self._processes.add(process)
             first = self.last_sweep is None and not self._sweep_queued
             self._sweep_queued = True
+        if self._watcher is None and self._reactor is not None:
+            self._start_watcher()
         if first and self._reactor is not None:
             # The pool starts: clear what dead hosts left behind, off every caller's path: on
             # the reactor thread, a moment after this fork, when the caller that launched the
@@ -1428,8 +1431,16 @@ class Pool:
             # The window ended between the two tests and may have missed the flag: go on.
         if self._reactor is None or self._closed:
             return
+        try:
+            publisher = host_publisher(live_pool_snapshots)
+        except (OSError, RuntimeRootError):
+            # The first publisher names this host (``host_id``), which reads /proc: a host out
+            # of descriptors. The status file waits for the next change; the call that got
+            # here keeps its own outcome.
+            self._status_dirty = True
+            return
         self._status_pending = True
-        host_publisher(live_pool_snapshots).publish_soon(self._reactor.call_later)
+        publisher.publish_soon(self._reactor.call_later)
         self._reactor.call_later(0.5, self._status_written)
 
     def _status_written(self) -> None:

@@ -84,6 +84,7 @@ import comfy_env_worker
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
     CANARY_TARGET,
+    FLAG_GONE,
     FLAG_OOB,
     HEADER_SIZE,
     MSG_NOSIGNAL,
@@ -722,9 +723,12 @@ class WorkerProcess:
         # cost crash detection about 0.2 ms). The exit is the pidfd's news; the output ends
         # at the reaping (``_end_output``), and a descendant that escaped the group cannot
         # hold it open.
+        # And the cancel pipe: CANCEL frames, read by the worker's watchdog while its main
+        # thread runs the call. All four made here, so that a host out of descriptors gets
+        # the typed error below whichever of them fails, and nothing of them kept.
         pipes: list[int] = []
         try:
-            for _ in range(3):
+            for _ in range(4):
                 pipes.extend(os.pipe())
         except OSError as exc:
             for fd in pipes:
@@ -732,13 +736,12 @@ class WorkerProcess:
             for end in (parent_sock, child_sock, reply_sock, child_reply_sock):
                 end.close()
             raise self._no_channel(exc) from exc
-        out_read, out_write, err_read, err_write, log_read, log_write = pipes
+        out_read, out_write, err_read, err_write, log_read, log_write = pipes[:6]
+        cancel_read, self._cancel_fd = pipes[6:]
         self._stdout = os.fdopen(out_read, "rb", buffering=0)
         self._stderr = os.fdopen(err_read, "rb", buffering=0)
         self._log_pipe = os.fdopen(log_read, "rb", buffering=0)
         self._held_ends = [out_write, err_write, log_write]
-        # CANCEL frames, read by the worker's watchdog while its main thread runs the call.
-        cancel_read, self._cancel_fd = os.pipe()
         os.set_blocking(self._cancel_fd, False)
         self.sock = parent_sock
         self.reply_sock = reply_sock
@@ -1081,9 +1084,17 @@ class WorkerProcess:
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
         except OSError as exc:
+            if exc.errno == errno.ENOENT and self._names_its_block(exc.filename):
+                # The frame was read whole and its table is well formed, naming a block of the
+                # worker's own shape: the block is gone, not forged. Something removed it from
+                # /dev/shm, or the worker gave it up after its TTL (it counts only time this
+                # host was seen running: a host starved of CPU that long). Nothing the worker
+                # sent was invalid, so it is kept; the result is lost and the call says so.
+                self._send_consumed(call_id, FLAG_GONE)  # (the worker gives the block up)
+                raise self._reply_block_gone(call_id, exc) from None
             if exc.errno not in _HOST_OUT_OF_RESOURCES:
-                # A block the worker never made (ENOENT), or a name it planted that is no
-                # block: a directory (EISDIR), a symlink (ELOOP), another's file (EACCES).
+                # A name no block of the worker can have (ENOENT), or a name it planted that
+                # is no block: a directory (EISDIR), a symlink (ELOOP), another's file (EACCES).
                 raise FrameError(f"bad out-of-band reply: {exc}") from None
             self._send_consumed(call_id)
             raise self._host_fault(call_id, exc) from None
@@ -1116,6 +1127,28 @@ class WorkerProcess:
             f"{self.spec.key}: {exc} (out of file descriptors or memory in the host? see "
             "ulimit -n); the worker is fine and was kept",
             errno=getattr(exc, "errno", None),
+        )
+
+    def _names_its_block(self, path: object) -> bool:
+        """Whether ``path`` (an ``OSError``'s file) is shaped like a block of this worker."""
+        mappings = self.mappings
+        if mappings is None or not isinstance(path, str):
+            return False
+        if os.path.dirname(path) != shm.SHM_DIR:
+            return False
+        return shm.names_a_block_of(os.path.basename(path), mappings.prefix)
+
+    def _reply_block_gone(self, call_id: int, exc: OSError) -> HostResourceError:
+        """A shared-memory block of the reply of ``call_id`` no longer exists when the host
+        opens it. The channel is in sync and the worker broke no rule: it is kept."""
+        name = os.path.basename(str(exc.filename)) if exc.filename else "?"
+        return HostResourceError(
+            f"the reply of call {call_id} from env {self.spec.key} was lost: its shared-memory "
+            f"block {name} was gone before the host opened it (removed from /dev/shm by "
+            "something else, or given up by the worker after "
+            f"shm_pinned_ttl={self.config.shm_pinned_ttl:g}s of this host running without "
+            "taking it); the worker is fine and was kept",
+            errno=exc.errno,
         )
 
     def _lend(self, call_id: int, roots: list[Any]) -> None:
@@ -1173,13 +1206,13 @@ class WorkerProcess:
         # Tests turn acks off to exercise the worker's TTL: the returns are then dropped.
         return b"".join(frames) if self.ack_consumed else b""
 
-    def _send_consumed(self, call_id: int) -> None:
+    def _send_consumed(self, call_id: int, flags: int = 0) -> None:
         if not self.ack_consumed:
             return
         sock = self.sock
         assert sock is not None
         try:
-            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0), MSG_NOSIGNAL)
+            sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0, flags), MSG_NOSIGNAL)
         except OSError:
             pass  # the worker is gone; its blocks go with it (see dispose)
 

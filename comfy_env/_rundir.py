@@ -44,6 +44,7 @@ carries the host's token; see ``_leftovers``). If no safe place is left for it,
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -64,19 +65,32 @@ _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0
 _private: tuple[int, str] | None = None
 
 
+# The host's own shortages, never a property of the path being checked.
+_HOST_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
 def check_private_dir(path: str, *, create: bool = True) -> str | None:
     """Make ``path`` (mode 0700) if missing and check it is ours: None if it is, else why not.
-    A directory of ours with group or other permissions gets mode 0700."""
+    A directory of ours with group or other permissions gets mode 0700.
+
+    Raises ``OSError`` when this process is out of descriptors or memory (EMFILE, ENFILE,
+    ENOMEM): that says nothing about the directory, and a reason returned for it would make the
+    caller give the directory up (``runtime_root`` would move this process to a private root
+    for good, or refuse with a ``RuntimeRootError``) over a shortage that passes."""
     if create:
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass
         except OSError as exc:
+            if exc.errno in _HOST_OUT_OF_RESOURCES:
+                raise
             return f"cannot create it: {exc.strerror or exc}"
     try:
         fd = os.open(path, _DIR_FLAGS)
     except OSError as exc:
+        if exc.errno in _HOST_OUT_OF_RESOURCES:
+            raise
         try:
             if stat.S_ISLNK(os.lstat(path).st_mode):
                 return "it is a symbolic link"

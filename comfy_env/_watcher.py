@@ -5,12 +5,16 @@ Workers die with their host through ``PR_SET_PDEATHSIG``, and their process grou
 A descendant that called ``setsid`` left the group and is re-parented to init: nothing the
 host set up reaches it, and a host killed with SIGKILL (or SIGTERM without a handler: ``docker
 stop``, systemd) runs no code, so its shared-memory blocks, runtime dirs and status file stay
-too. So each pool, a moment after its first worker is ready (off the first call's path),
-starts one small watcher process that outlives the host::
+too. So each pool starts one small watcher process that outlives the host, on the reactor
+right after its first worker's fork, before the runtime dir that worker needs is made: no
+leftover of the host exists before its watcher does (a host killed in the first moments after
+its first worker, when the watcher came 50 ms after it, left its runtime dir and status file
+until the next sweep)::
 
-    host (pool)  --pipe, write end (close-on-exec)-->  watcher: python -I -S, blocked in read(0)
+    host (pool)  --pipe, write end (close-on-exec)-->  watcher: /bin/sh, blocked in ``read``
     pool.close(): writes "q", closes      ->  watcher exits (close stopped the workers itself)
-    host dies: the kernel closes the pipe ->  watcher reads EOF -> SIGKILLs every process marked
+    host dies: the kernel closes the pipe ->  watcher reads EOF, execs python -I -S, which
+                                              reads EOF too -> SIGKILLs every process marked
                                               COMFY_ENV_HOST_ID=<host> (``_descendants``)
                                           ->  waits (bounded) until the host is proven dead,
                                               removes its blocks ``ce-<host>-...``, runtime dirs
@@ -46,13 +50,24 @@ from comfy_env_worker import shm
 # three quarters of the watcher's start for a process that then sleeps in a read. Counted
 # with callgrind, to the read: 114 million instructions with the ``__init__``, 36 without,
 # 34 for a bare ``python -I -S``; on-CPU time 20 ms against 49 (15 interleaved starts). That
-# CPU is spent 50 ms after a new pool's first call, beside whatever the host does next.
+# CPU was spent 50 ms after a new pool's first call, beside whatever the host did next; now only
+# a host that died pays for it (``_WAIT``).
 _BODY = (
     "import os, sys; package = type(sys)('comfy_env'); "
     "package.__path__ = [os.path.join(sys.argv[1], 'comfy_env')]; "
     "sys.modules['comfy_env'] = package; "
     "from comfy_env._descendants import watch_host; watch_host(*sys.argv[2:])"
 )
+
+
+# What the watcher runs while its host lives: a shell blocked in ``read`` on the pipe, so that
+# launching it with the first worker costs a fork and a shell's start (about a millisecond),
+# not an interpreter's (20 ms of CPU against that worker's start and the first call: about 10
+# ms of the call on two CPUs). "q" (the pool closed) ends it; end of file (the host is gone)
+# turns it into the Python watcher (``_BODY``), which reads the same end of file and acts.
+# ``$0`` is the watcher's name in ``ps``; ``$@`` the interpreter's command line.
+_SHELL = "/bin/sh"
+_WAIT = 'IFS= read -r said; [ "$said" = q ] && exit 0; exec "$@"'
 
 
 class HostWatcher:
@@ -77,10 +92,13 @@ class HostWatcher:
         args = [package_parent, name, value]
         if runtime_root is not None:
             args += [runtime_root, shm.SHM_DIR, shm.NAME_PREFIX]
+        argv = [sys.executable, "-I", "-S", "-c", _BODY, *args]
+        if os.path.exists(_SHELL):
+            argv = [_SHELL, "-c", _WAIT, "comfy-env-watcher", *argv]
         read_fd, write_fd = os.pipe()  # both close-on-exec: no worker inherits them
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _BODY, *args],
+                argv,
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

@@ -225,6 +225,41 @@ def filled(value: float, n: int, dtype: str = "float32") -> Any:
     return np.full(n, value, dtype=dtype)
 
 
+def filled_once_stopped(path: str, host_pid: int, value: float, n: int) -> Any:
+    """Write ``path`` (the test's cue to stop the host), wait until the host ``host_pid`` is
+    stopped (state T), then return ``filled(value, n)``: the reply goes out to a host that
+    cannot read it yet."""
+    with open(path + ".tmp", "w") as fh:
+        fh.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # whole when it appears
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(f"/proc/{host_pid}/stat", "rb") as stat:
+            if stat.read().rsplit(b")", 1)[1].split()[0] == b"T":
+                break
+        time.sleep(0.005)
+    return filled(value, n)
+
+
+def filled_in_a_block_that_vanishes(value: float, n: int) -> Any:
+    """Return ``filled(value, n)`` in a reply block that is unlinked just before the reply goes
+    out (as a hand-cleaned /dev/shm would do): the host finds the block gone."""
+    from comfy_env_worker import main
+
+    worker = main.WORKER
+    assert worker is not None
+    original = worker.reply_oob
+
+    def reply_oob(call_id: int, data: Any, table: Any, block: Any, *rest: Any) -> None:
+        del worker.reply_oob  # once
+        if block is not None and worker.pool is not None:
+            worker.pool.give_up(block)
+        original(call_id, data, table, block, *rest)
+
+    worker.reply_oob = reply_oob  # type: ignore[method-assign]
+    return filled(value, n)
+
+
 _KEPT: list[Any] = []
 
 

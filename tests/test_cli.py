@@ -253,6 +253,58 @@ def test_bad_usage_under_json_is_a_json_document_on_stdout_too(
     assert needle in document["error"]["message"] and needle in err
 
 
+_DEEP = "[" * 5000 + "]" * 5000  # 10 KB of JSON, 5000 levels: past the JSON reader's depth
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("call", "-", "builtins:len", _DEEP), "nested too deeply"),
+        (("call", "-", "builtins:len", _DEEP, "--json"), "nested too deeply"),
+        (("call", "-", "builtins:len", "[[]]", "--timeout", "inf"), "--timeout"),
+        (("call", "-", "builtins:len", "[[]]", "--timeout", "1e300"), "--timeout"),
+        (("call", "-", "builtins:len", "[[]]", "--timeout", "1e300", "--json"), "--timeout"),
+        (("doctor", "-", "--timeout", "1e300"), "--timeout"),
+    ],
+)
+def test_arguments_past_what_can_be_read_or_waited_for_are_bad_usage(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], needle: str
+) -> None:
+    """Deeply nested JSON_ARGS was a RecursionError traceback with an empty stdout, and a
+    --timeout of 1e300 a failed call (exit 1) where inf was bad usage (exit 2)."""
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, (out, err)
+    assert needle in err and "Traceback" not in err
+    if "--json" in argv:
+        document = json.loads(out)
+        assert document["ok"] is False and document["error"]["type"] == "UsageError"
+        assert needle in document["error"]["message"]
+    else:
+        assert out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("status",),
+        ("status", "--json"),
+        ("sweep", "--dry-run"),
+        ("call", "-", "builtins:len", "[[]]"),
+    ],
+)
+def test_a_command_started_with_stdout_closed_prints_no_traceback(argv: tuple[str, ...]) -> None:
+    """``comfy-env status >&-``: Python's sys.stdout is None; the final flush raised an
+    AttributeError traceback."""
+    result = subprocess.run(
+        ["sh", "-c", 'exec "$0" -m comfy_env "$@" >&-', sys.executable, *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1  # the output went nowhere: as for a reader that left early
+
+
 def test_a_subcommand_s_help_says_only_what_applies_to_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -47,6 +47,24 @@ def test_segfault_fails_that_call_with_the_full_story(pool: comfy_env.Pool) -> N
     assert "in crash" in err.stderr_tail
 
 
+def test_stderr_tail_is_one_string_of_the_last_lines_as_documented(
+    config: comfy_env.PoolConfig,
+) -> None:
+    # Its type was undocumented (a str? a list of lines?): the docstring says, and it holds.
+    assert "``stderr_tail`` is one ``str``" in (WorkerCrashed.__doc__ or "")
+    assert "one ``str``" in (comfy_env.WorkerStartError.__doc__ or "")
+    with comfy_env.Pool(config.model_copy(update={"stderr_tail_lines": 5})) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:noisy", 10)
+        with pytest.raises(WorkerCrashed) as info:
+            w.call("comfy_env_worker.tasks:crash")
+    tail = info.value.stderr_tail
+    assert isinstance(tail, str) and not tail.endswith("\n")
+    # The last 5 lines: the end of faulthandler's stack, the noisy lines before it gone.
+    assert len(tail.splitlines()) == 5 and "File " in tail
+    assert "print line" not in tail and "stderr line" not in tail
+
+
 def test_the_crashed_caller_collects_exit_and_last_words_without_the_reactor(
     pool: comfy_env.Pool,
 ) -> None:

@@ -1691,6 +1691,56 @@ def _leftovers_of_host(token: str) -> dict[str, list[str]]:
     }
 
 
+_QUICK_DEATH_HOST = """
+import os, signal, sys, comfy_env
+from comfy_env._identity import host_id
+pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+print(host_id(), flush=True)
+# The first call, a moment after its worker is ready (its runtime dir made), kills this host.
+pool.get_worker().call("os:kill", os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_host_killed_by_its_first_call_leaves_nothing_without_a_sweep(tmp_path: Path) -> None:
+    # The watcher came 50 ms after the first worker was ready: a host killed before then left
+    # its runtime dir and status file until some later pool's sweep. Now the watcher exists
+    # before any of them, and removes them at once. (A runtime root of its own: any other
+    # pool starting on this machine meanwhile would sweep the shared one.)
+    base = tmp_path / "xdg"
+    base.mkdir(mode=0o700)
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR), XDG_RUNTIME_DIR=str(base))
+    host = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_QUICK_DEATH_HOST), str(TESTS_DIR)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    root = base / "comfy-env"
+    try:
+        assert host.stdout is not None
+        token = host.stdout.readline().strip()
+        assert token, host.communicate(timeout=30)
+        host.wait(30)
+        assert host.returncode == -signal.SIGKILL
+
+        def left() -> list[str]:
+            made = [n for n in os.listdir(root) if n.startswith(f"host-{token}-")]
+            status = root / "status"
+            if status.is_dir():
+                made += [n for n in os.listdir(status) if n.startswith(token)]
+            return made
+
+        assert wait_until(lambda: not left(), 10), left()
+    finally:
+        if host.poll() is None:
+            host.kill()
+        host.communicate(timeout=30)
+        comfy_env.sweep()  # (its blocks, where the old code left them: not for the leak guard)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def _plant_look_alikes(token: str, tmp_path: Path) -> list[str]:
     """Things the dying host's watcher must leave alone: a live host's block (this process's),
     another dead host's runtime dir and status file (a sweep's business, not the watcher's),
@@ -1885,6 +1935,64 @@ def test_close_while_many_envs_start_is_one_bounded_wait(
         if pidfile.exists():
             for pid in pidfile.read_text().split():
                 _kill_quietly(int(pid))
+
+
+_SPARE_DESCRIPTORS_HOST = """
+import os, resource, sys, comfy_env
+pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+for _ in range(int(sys.argv[2])):
+    os.close(held.pop())
+try:
+    pool.get_worker().call("hardening_tasks:add", 1, 2)
+    print("RESULT ok")
+except Exception as exc:
+    print("RESULT", type(exc).__name__, exc)
+for fd in held:
+    os.close(fd)
+try:
+    print("AFTER", pool.get_worker().call("hardening_tasks:add", 1, 2))
+except Exception as exc:
+    print("AFTER", type(exc).__name__, exc)
+pool.close()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_host_short_of_descriptors_at_any_step_of_its_first_spawn_gets_a_typed_error() -> None:
+    # With 0, 1, 2, ... descriptors to spare, the first spawn runs out at each of its steps in
+    # turn (the host's token read from /proc, the runtime root, the channel, the cancel pipe,
+    # the launch, the runtime dir): every one is a WorkerStartError, never a raw OSError or a
+    # RuntimeRootError (the root is fine; the host is short), and the next call, with
+    # descriptors again, runs.
+    seen = set()
+    for spare in range(0, 40):
+        proc = subprocess.run(
+            [sys.executable, "-c", _SPARE_DESCRIPTORS_HOST, str(TESTS_DIR), str(spare)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)),
+        )
+        assert proc.returncode == 0, (spare, proc.stderr[-3000:])
+        result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+        assert result == "RESULT ok" or result.startswith("RESULT WorkerStartError"), (
+            spare,
+            result,
+            proc.stderr[-2000:],
+        )
+        assert "AFTER 3" in proc.stdout, (spare, proc.stdout, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, (spare, proc.stderr[-2000:])
+        seen.add(result.split(":")[0])
+        if result == "RESULT ok":
+            break
+    assert "RESULT ok" in seen and len(seen) >= 3, seen  # it went through the steps
 
 
 def test_a_host_out_of_descriptors_before_its_first_worker_gets_a_typed_error() -> None:

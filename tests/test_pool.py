@@ -194,6 +194,46 @@ def test_close_fails_running_and_queued_calls_with_pool_closed(
     assert _invariant_holds(stats) and stats.failed == 3
 
 
+def test_a_call_whose_worker_close_stopped_before_its_launch_gets_pool_closed(
+    config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # close() lands between the slot's new generation and its launch on the reactor (29 of
+    # 48 calls in a try with many envs starting): the call is failed by the close, told as
+    # PoolClosedError, never as a WorkerStartError "stopped before it was launched".
+    from comfy_env._process import WorkerProcess
+
+    original = WorkerProcess.launch
+    launching = threading.Event()
+
+    def launch_once_stopped(self: WorkerProcess, *args: object, **kwargs: object) -> None:
+        launching.set()
+        assert _wait(lambda: self._kill_requested, 30)  # close() stopped it: launch now
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(WorkerProcess, "launch", launch_once_stopped)
+    pool = comfy_env.Pool(config)
+    w = pool.get_worker()
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            w.call("comfy_env_worker.tasks:echo", 0)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        assert launching.wait(30)
+        pool.close()
+    finally:
+        caller.join(30)
+        pool.close()
+    assert len(errors) == 1 and isinstance(errors[0], PoolClosedError), errors
+    stats = w.stats()
+    assert _invariant_holds(stats) and stats.failed == 1 and stats.restarts_in_window == 0
+
+
 def test_close_stops_workers_in_parallel(config: comfy_env.PoolConfig, tmp_path: Path) -> None:
     envs = []
     for i in range(4):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -16,7 +19,7 @@ from conftest import run_host as _run_host
 from conftest import wait_until as _wait
 
 import comfy_env
-from comfy_env import ProtocolError, WorkerCrashed
+from comfy_env import HostResourceError, ProtocolError, WorkerCrashed
 
 MiB = 1024 * 1024
 
@@ -667,6 +670,86 @@ def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) 
         time.sleep(1.5)
         stats = _worker_shm(w)
         assert stats["pinned"] == 0
+
+
+_PAUSED_HOST = """
+    import json, os, sys
+    import comfy_env
+
+    marker, tests = sys.argv[1], sys.argv[2]
+    config = comfy_env.PoolConfig(shm_pinned_ttl=0.3, sys_path=(tests,))
+    with comfy_env.Pool(config) as pool:
+        w = pool.get_worker()
+        w.call("remote_tasks:add", 1)
+        before = [w.pid, w.generation]
+        out, error = None, None
+        try:
+            out = w.call("remote_tasks:filled_once_stopped", marker, os.getpid(), 2.0, 1 << 20)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        right = out is not None and out.shape == (1 << 20,) and bool((out == 2.0).all())
+        del out
+        again = w.call("remote_tasks:add", 2)
+        report = {
+            "before": before,
+            "after": [w.pid, w.generation],
+            "right": right,
+            "error": error,
+            "again": again,
+            "spawns": pool.stats()[w.env].spawns,
+            "restarts": pool.stats()[w.env].restarts_in_window,
+        }
+    print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_host_stopped_past_the_ttl_still_gets_its_reply(tmp_path: Path) -> None:
+    # The host is stopped (SIGSTOP: Ctrl-Z, a debugger, a paused VM) before the worker sends
+    # a shared-memory reply, and stays stopped for many times shm_pinned_ttl. The worker's TTL
+    # counts only time the host runs: the block is still there when the host goes on.
+    marker = tmp_path / "replying"
+    host = _run_host(_PAUSED_HOST, str(marker), str(Path(remote_tasks.__file__).parent))
+    try:
+        assert _wait(marker.exists, 30.0), host.communicate(timeout=30)
+        os.kill(host.pid, signal.SIGSTOP)
+        worker_pid = int(marker.read_text())
+        time.sleep(2.5)  # the TTL (0.3 s) many times over, and the watchdog's wake-ups (1 s)
+        assert alive(worker_pid)
+        os.kill(host.pid, signal.SIGCONT)
+        out, err = host.communicate(timeout=60)
+    finally:
+        if host.poll() is None:
+            os.kill(host.pid, signal.SIGCONT)
+            host.kill()
+            host.communicate(timeout=30)
+    assert host.returncode == 0, err
+    report = json.loads(out.splitlines()[-1])
+    assert report["error"] is None and report["right"], report
+    # The same worker, never retired, never counted as a death.
+    assert report["after"] == report["before"], report
+    assert report["spawns"] == 1 and report["restarts"] == 0, report
+    assert report["again"] == 2
+    assert not alive(worker_pid)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host.pid}-")]
+
+
+def test_a_reply_block_gone_before_the_host_opens_it_fails_that_call_only(
+    pool: comfy_env.Pool,
+) -> None:
+    # Nothing the worker sent is invalid: its block was removed from /dev/shm under it. The
+    # call fails with a HostResourceError that says so, and the worker is kept.
+    w = pool.get_worker()
+    w.call("remote_tasks:add", 1)
+    pid, generation = w.pid, w.generation
+    with pytest.raises(HostResourceError, match="gone before the host opened it") as info:
+        w.call(remote_tasks.filled_in_a_block_that_vanishes, 1.0, MiB)
+    assert info.value.errno == errno.ENOENT
+    assert (w.pid, w.generation) == (pid, generation)
+    out = w.call(remote_tasks.filled, 3.0, MiB)
+    assert out.shape == (MiB,) and bool((out == 3.0).all())
+    del out  # (the error's traceback cycle holds this frame until a gc: not the result too)
+    assert pool.stats()[w.env].spawns == 1
 
 
 def test_a_crash_with_pinned_blocks_leaks_nothing(pool: comfy_env.Pool) -> None:

@@ -62,6 +62,7 @@ from . import arrays, control, logs, native, refs, shm
 from .protocol import (
     CANARY_TARGET,
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_GONE,
     FLAG_OOB,
     HEADER,
     HEADER_SIZE,
@@ -81,7 +82,7 @@ from .protocol import (
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+    from typing import Any, Callable, Dict, List, Optional, Set
 
 _PICKLE_PROTOCOL = 5
 # Bound at import, like everything the serve loop calls on a module: the env's code may
@@ -234,8 +235,15 @@ class Worker:
         # in, mappings of the host's argument blocks, and reply blocks pinned until CONSUMED.
         self.pool: Optional[shm.BlockPool] = None
         self.mappings: Optional[shm.PeerMappings] = None
-        self.pinned: Dict[int, Tuple[shm.Block, float]] = {}
+        self.pinned: Dict[int, _Pin] = {}
         self.pinned_ttl = 60.0
+        # The host's pid (0: unknown, a Ray actor's), and what the watchdog saw of it at its
+        # last look at the pins (``expire_pins``): when, whether it was running, and how long
+        # it then meant to wait before the next look.
+        self.host_pid = 0
+        self.pins_seen_at = _monotonic()
+        self.host_was_running = True
+        self.pins_wait = 1.0
         self.pin_lock = _thread.allocate_lock()
         self.spares_pending: Set[int] = set()  # size classes a helper thread is faulting in
         self.control = control.CallControl(self.send_event, 0.5)
@@ -337,7 +345,7 @@ class Worker:
                     self.control.end()
                     self.reply(FrameType.REPLY_ERR, call_id, error_record(exc))
             elif ftype == FrameType.CONSUMED:
-                self.consumed(call_id)
+                self.consumed(call_id, bool(flags & FLAG_GONE))
             elif ftype == FrameType.RELEASE_REFS:
                 refs.release(_loads(payload))
             elif ftype == FrameType.PING:
@@ -488,7 +496,7 @@ class Worker:
             return
         if block is not None:
             with self.pin_lock:
-                self.pinned[call_id] = (block, _monotonic() + self.pinned_ttl)
+                self.pinned[call_id] = _Pin(block, _monotonic())
         header = encode_header(FrameType.REPLY_OK, call_id, length, FLAG_OOB)
         with self.outbox.lock:
             send_parts(self.sock, [header, *parts])
@@ -565,29 +573,65 @@ class Worker:
         del views[:]
         return sorted(retained)
 
-    def consumed(self, call_id: int) -> None:
+    def consumed(self, call_id: int, gone: bool = False) -> None:
+        """The host is done with the reply of ``call_id``: its block goes back to the pool,
+        or, ``gone`` (the host found its name removed from /dev/shm), is given up."""
         with self.pin_lock:
             entry = self.pinned.pop(call_id, None)
         if entry is not None and self.pool is not None:
-            self.pool.release(entry[0])
+            if gone:
+                self.pool.give_up(entry.block)
+            else:
+                self.pool.release(entry.block)
 
     def expire_pins(self) -> float:
-        """Give up reply blocks the host never acknowledged (TTL). Returns seconds until the
-        next expiry (or 1.0)."""
+        """Give up reply blocks the host never acknowledged (the TTL, ``shm_pinned_ttl``).
+        Called by the watchdog at each wake-up; returns seconds until it should look again.
+
+        The TTL counts only time the host was seen running: a reply sent to a host that is
+        stopped (SIGSTOP, Ctrl-Z, a debugger) must still be there when the host goes on and
+        opens it, or its result is lost (the race this prevents: a host stopped longer than
+        the TTL with a reply in flight, whose block was unlinked before it could map it).
+        So a pin's clock is reset whenever the host is seen stopped (state T or t in
+        ``/proc/<host pid>/stat``), and an interval is counted only when the host was seen
+        running at both ends of it (a new pin's start counts as such an end) and the interval
+        was no longer than the watchdog meant to sleep (a longer one means this process did
+        not run either: the machine was suspended or the VM paused, and the host may not
+        have had a turn yet). A block is given up once the host was seen running for the
+        TTL, unstopped, since the reply went out. A host that is gone needs no TTL: the
+        watchdog ends the worker, and its blocks with it."""
         now = _monotonic()
+        if not self.pinned:  # (read unlocked: a pin made meanwhile counts from its start)
+            self.pins_seen_at, self.host_was_running, self.pins_wait = now, True, 1.0
+            return 1.0
+        stopped = _host_stopped(self.host_pid)
+        normal = now - self.pins_seen_at <= self.pins_wait + _PIN_SLACK
+        was_running = self.host_was_running
+        seen_at = self.pins_seen_at
+        ttl = self.pinned_ttl
         expired = []
+        left = ttl
         with self.pin_lock:
-            for call_id, (block, deadline) in list(self.pinned.items()):
-                if deadline <= now:
-                    expired.append(block)
+            for call_id, pin in list(self.pinned.items()):
+                if stopped:
+                    pin.counted = 0.0
+                elif normal and (was_running or pin.since > seen_at):
+                    pin.counted += now - pin.since
+                pin.since = now
+                if pin.counted >= ttl:
+                    expired.append(pin.block)
                     del self.pinned[call_id]
-            upcoming = [d for _, d in self.pinned.values()]
+                else:
+                    left = min(left, ttl - pin.counted)
+            pinned = bool(self.pinned)
+        self.host_was_running = not stopped
+        self.pins_seen_at = now
         if self.pool is not None:
             for block in expired:
                 self.pool.give_up(block)
-        if upcoming:
-            return max(0.0, min(upcoming) - now)
-        return 1.0
+        wait = min(1.0, max(0.01, left)) if pinned and not stopped else 1.0
+        self.pins_wait = wait
+        return wait
 
     def shm_stats(self) -> Dict[str, int]:
         with self.pin_lock:
@@ -598,6 +642,44 @@ class Worker:
             "blocks": len(pool.live) if pool is not None else 0,
             "idle_blocks": pool.idle_blocks if pool is not None else 0,
         }
+
+
+class _Pin(object):
+    """A reply block pinned until the host's CONSUMED: ``counted`` seconds of the TTL have
+    passed (time the host was seen running), counted up to ``since``."""
+
+    __slots__ = ("block", "counted", "since")
+
+    def __init__(self, block: shm.Block, since: float) -> None:
+        self.block = block
+        self.counted = 0.0
+        self.since = since
+
+
+# Seconds a watchdog wake-up may come later than it meant to sleep before the interval is taken
+# for a pause of this whole process (a suspended machine), not counted toward a pin's TTL.
+_PIN_SLACK = 1.0
+
+
+def _host_stopped(pid: int) -> bool:
+    """Whether the host is stopped (a job-control stop or a debugger: state T or t). False
+    where that cannot be read (no /proc, no pid: a Ray actor), and for a host that is gone
+    (the watchdog's hang-up check ends the worker then)."""
+    if not pid:
+        return False
+    try:
+        fd = os.open("/proc/%d/stat" % pid, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        data = os.read(fd, 1024)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    # "pid (comm) S ...": the command may hold ")" and spaces, the state follows the last ")".
+    end = data.rfind(b")")
+    return end >= 0 and data[end + 2 : end + 3] in (b"T", b"t")
 
 
 def _name_this_thread(name: str) -> None:
@@ -834,6 +916,7 @@ def serve(worker: Worker, host_pid: int, cancel_fd: Optional[int]) -> int:
     global WORKER
     code = 0
     try:
+        worker.host_pid = host_pid  # (whose stops the pins' TTL waits out: ``expire_pins``)
         worker.send_hello()
         # While the host answers HELLO (CONFIG, then the canary right behind it), what needs no
         # configuration: the watchdog's start and the canary's module. Started after READY,

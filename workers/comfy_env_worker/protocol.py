@@ -7,7 +7,9 @@ A frame is a fixed 20-byte header followed by ``length`` payload bytes::
 
     magic  b"CE"      2 bytes, catches a stream that is not ours (or lost sync)
     type   u8         one of the ``FrameType`` values below
-    flags  u8         FLAG_OOB: the payload carries out-of-band buffers (see ``shm``)
+    flags  u8         FLAG_OOB: the payload carries out-of-band buffers (see ``shm``);
+                      FLAG_GONE (on CONSUMED): the reply's block was gone when the host
+                      came to open it: the worker gives it up instead of reusing it
     length u64 LE     payload size, checked against the receiver's limit *before* reading
     call   u64 LE     call id the frame belongs to (0 for handshake and control frames)
 
@@ -81,6 +83,9 @@ class FrameType:
 
 
 FLAG_OOB = 1
+# On CONSUMED only. Without it the worker would put a block whose name someone removed from
+# /dev/shm back in its pool, and every later reply in it would be lost the same way.
+FLAG_GONE = 2
 
 # The names (``/proc/<pid>/task/<tid>/comm``, at most 15 bytes) a worker gives its watchdog
 # thread and its sentinel thread (which only waits): the host watches the end of either as the

@@ -31,7 +31,9 @@ frame.
   ``CONSUMED`` for that call id. The host either copies the buffers out and acks at once, or
   *lends* them: the result views the block through a loan root (``loan_root``), and the ack
   goes out when the root's last view dies, so nothing the caller keeps aliases memory the
-  worker will reuse. A timer-driven TTL unlinks pinned blocks the host never acks (it died).
+  worker will reuse. A timer-driven TTL unlinks pinned blocks the host never acks (it lost
+  the ack, or keeps the result long); only time the host is seen running counts toward it, so
+  a stopped host still finds its reply (``main.Worker.expire_pins``).
 - Echoed blocks: a result whose buffers all lie in the call's argument blocks goes back as
   ``("echo", name, offset, length)`` entries naming the host's own block (``echo_table``): no
   reply block, no copy. The host keeps that block out of its pool until the result's last view
@@ -594,6 +596,27 @@ class _NotHeld:
 _NOT_HELD = _NotHeld()
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def names_a_block_of(name: str, base: str) -> bool:
+    """Whether ``name`` has the shape of a block a ``BlockPool(base, ...)`` makes:
+    ``<base><8 hex digits>-<sequence number>``. The host tells with it a reply block the worker
+    made and that is gone (given up, removed from /dev/shm by someone else: the result is
+    lost, the worker broke no rule) from a name no block of that worker can have (a forged
+    envelope: a protocol error)."""
+    if not name.startswith(base):
+        return False
+    part, sep, seq = name[len(base) :].partition("-")
+    return (
+        len(part) == 8
+        and set(part) <= _HEX
+        and sep == "-"
+        and 0 < len(seq) <= 20
+        and all("0" <= c <= "9" for c in seq)
+    )
+
+
 class BlockPool:
     """Blocks this process reuses for what it sends: pre-faulted after first use (a fresh
     block per call costs about ten memcpys in page faults), bounded in total idle bytes.
@@ -786,6 +809,7 @@ class PeerMappings:
 
     def __init__(self, allowed_prefix: str, max_mappings: int = 16) -> None:
         self._prefix = allowed_prefix
+        self.prefix = allowed_prefix  # (read only: what every name mapped here starts with)
         self._max = max_mappings
         self._maps: Dict[str, mmap.mmap] = {}
         self._lock = _thread.allocate_lock()
