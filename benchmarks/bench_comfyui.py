@@ -34,7 +34,7 @@ Measured, in interleaved rounds (so drift of the machine hits all variants alike
 Writes its section, section 7 of ``benchmarks/RESULTS.md``, between markers into that file
 (``--no-write`` to skip): in place of the block already there, else before section 8. The rest
 of the file is ``benchmarks/run_all.py``'s, which keeps this block when it rewrites the file
-(``section_block``, ``place_section``): the two commands never erase each other's sections.
+(``sections.keep_sections``): the two commands never erase each other's sections.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import importlib.util
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -51,34 +50,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sections
+
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples" / "comfyui"
-BEGIN, END = "<!-- bench_comfyui:begin -->", "<!-- bench_comfyui:end -->"
-# A heading that comes after section 7 in the results file: where a missing block goes.
-_LATER_HEADING = re.compile(r"## (?:(?:[89]|[1-9][0-9]+)\. |Process hygiene$)")
-
-
-def section_block(results: str) -> str | None:
-    """The section-7 block of a results file's text, markers included; None when it has none
-    (or only half of its markers)."""
-    if BEGIN not in results:
-        return None
-    inner, end, _ = results.split(BEGIN, 1)[1].partition(END)
-    return BEGIN + inner + END if end else None
-
-
-def place_section(results: str, block: str) -> str:
-    """``results`` with ``block`` (markers included) as its section 7: in place of the block
-    already there; else before the first later section (``## 8.`` on, or ``## Process
-    hygiene``), where the sections' order puts it; else appended."""
-    old = section_block(results)
-    if old is not None:
-        return results.replace(old, block, 1)
-    lines = results.split("\n")
-    for i, line in enumerate(lines):
-        if _LATER_HEADING.match(line):
-            return "\n".join([*lines[:i], block, "", *lines[i:]])
-    return results.rstrip("\n") + "\n\n" + block + "\n"
+SECTION = sections.COMFYUI
+BEGIN, END = SECTION.begin, SECTION.end
 
 
 def _load_in_process(path: Path) -> Any:
@@ -244,9 +221,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        results = HERE / "RESULTS.md"
-        current = results.read_text() if results.exists() else ""
-        results.write_text(place_section(current, text))
+        SECTION.write(HERE / "RESULTS.md", text)
     return 0
 
 

@@ -923,3 +923,22 @@ class ArmProcess:
         if not answer:
             raise RuntimeError(f"arm {self.spec} died")
         return answer.strip()
+
+
+def compile_bytecode() -> str:
+    """Compile comfy_env and comfy_env_worker to byte code, as ``pip install`` does (the
+    peers are pip-installed and have theirs). A development checkout run with
+    ``PYTHONDONTWRITEBYTECODE=1`` otherwise compiles every module from source in every fresh
+    host and in every worker (the runtime dir copies the package with its ``__pycache__``),
+    which is not what an installed package costs."""
+    import compileall
+
+    import comfy_env
+    import comfy_env_worker
+
+    ok = True
+    for package in (comfy_env, comfy_env_worker):
+        directory = os.path.dirname(os.path.abspath(package.__file__ or ""))
+        ok = bool(compileall.compile_dir(directory, quiet=1)) and ok
+    note = "comfy_env and comfy_env_worker compiled before the run (as pip install does)"
+    return note if ok else note + "; some modules failed to compile"

@@ -22,8 +22,10 @@ the seven measurements in order, each on its own references measured in the same
 
 Section 7 (a ComfyUI node on a 512x512 IMAGE, ``bench_comfyui``) is not measured here: it needs
 ComfyUI's venv and comes from ``python3 dev.py bench-comfyui``, which writes it between markers
-into ``benchmarks/RESULTS.md``. When this script rewrites its results file it keeps the section-7
-block already in it, in its place (``write_results``), so a full run never loses it.
+into ``benchmarks/RESULTS.md``; neither is section 9 (declared envs: build, first call, list, shared
+pages), which ``bench_build.py`` writes. When this script rewrites its results file it keeps
+those blocks already in it, each in its place (``write_results``, ``sections.keep_sections``),
+so a full run never loses them.
 
 A measurement that fails is reported with its error and the suite goes on; a peer that cannot
 be installed or does not work is reported as "unavailable: reason". Targets are printed as
@@ -48,7 +50,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import bench_comfyui
 import bench_crash
 import bench_first_call
 import bench_memory
@@ -57,6 +58,7 @@ import bench_ray
 import bench_scale
 import bench_small_call
 import peers
+import sections
 from benchlib import (
     BENCH_DIR,
     SHM_DIR,
@@ -64,6 +66,7 @@ from benchlib import (
     Section,
     become_subreaper,
     cmdline,
+    compile_bytecode,
     kill_leftovers,
     live_descendants,
     machine_info,
@@ -150,25 +153,6 @@ def stale_shm(before: set[str]) -> list[str]:
     return found
 
 
-def compile_bytecode() -> str:
-    """Compile comfy_env and comfy_env_worker to byte code, as ``pip install`` does (the
-    peers are pip-installed and have theirs). A development checkout run with
-    ``PYTHONDONTWRITEBYTECODE=1`` otherwise compiles every module from source in every fresh
-    host and in every worker (the runtime dir copies the package with its ``__pycache__``),
-    which is not what an installed package costs."""
-    import compileall
-
-    import comfy_env
-    import comfy_env_worker
-
-    ok = True
-    for package in (comfy_env, comfy_env_worker):
-        directory = os.path.dirname(os.path.abspath(package.__file__ or ""))
-        ok = bool(compileall.compile_dir(directory, quiet=1)) and ok
-    note = "comfy_env and comfy_env_worker compiled before the run (as pip install does)"
-    return note if ok else note + "; some modules failed to compile"
-
-
 def render(
     info: dict[str, Any],
     args: argparse.Namespace,
@@ -249,17 +233,16 @@ def render(
 
 
 def write_results(path: str, text: str) -> None:
-    """Write the results ``text`` to ``path``, keeping the section-7 block (ComfyUI, written
-    by ``python3 dev.py bench-comfyui``, which this suite does not measure) of the file already
-    there, in its place between sections 6 and 8."""
+    """Write the results ``text`` to ``path``, keeping the blocks of the file already there
+    that other scripts wrote (``sections.KEPT``: section 7, ComfyUI, from ``python3 dev.py
+    bench-comfyui``, between sections 6 and 8; section 9, declared envs, from
+    ``bench_build.py``, before the hygiene check), each in its place."""
     try:
         with open(path) as f:
             previous = f.read()
     except FileNotFoundError:
         previous = ""
-    block = bench_comfyui.section_block(previous)
-    if block is not None:
-        text = bench_comfyui.place_section(text, block)
+    text = sections.keep_sections(previous, text)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)

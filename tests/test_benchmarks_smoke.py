@@ -89,16 +89,65 @@ def test_a_rewrite_of_the_results_keeps_the_comfyui_section_in_its_place(tmp_pat
     assert _rewrite(out, "old results\n", head + tail) == head + tail
 
 
-def test_the_tracked_results_are_run_all_output_plus_the_comfyui_section(tmp_path: Path) -> None:
+BUILD_BLOCK = (
+    "<!-- bench_build:begin -->\n## 9. Declared envs: build, first call, list, shared pages\n\n"
+    "build figures of its own run\n<!-- bench_build:end -->"
+)
+
+
+def test_a_rewrite_of_the_results_keeps_the_declared_envs_section_in_its_place(
+    tmp_path: Path,
+) -> None:
+    """Section 9 comes from ``bench_build.py``, not from run_all: a full run rewriting the
+    results file must keep it before the hygiene check, beside section 7 in its own place."""
+    previous = (
+        "# comfy-env benchmark results\n\n## 6. Scale: 1 to 64 envs\n\nold six\n\n"
+        f"{COMFYUI_BLOCK}\n\n## 8. Ray backend beside the local backend\n\nold eight\n\n"
+        f"{BUILD_BLOCK}\n\n## Process hygiene\n\nold hygiene\n"
+    )
+    head = "# comfy-env benchmark results\n\n## 6. Scale: 1 to 64 envs\n\nnew six\n\n"
+    eight = "## 8. Ray backend beside the local backend\n\nnew eight\n\n"
+    hygiene = "## Process hygiene\n\nnew\n"
+    out = tmp_path / "results.md"
+    assert _rewrite(out, previous, head + eight + hygiene) == (
+        head + COMFYUI_BLOCK + "\n\n" + eight + BUILD_BLOCK + "\n\n" + hygiene
+    )
+    # Only section 9 in the old file: section 7 is not made up, 9 still lands before hygiene.
+    only_build = f"# old\n\n{BUILD_BLOCK}\n\n## Process hygiene\n\nold\n"
+    assert _rewrite(out, only_build, head + eight + hygiene) == (
+        head + eight + BUILD_BLOCK + "\n\n" + hygiene
+    )
+
+
+def test_the_declared_envs_section_goes_in_place_of_its_old_block(tmp_path: Path) -> None:
+    """``bench_build.py`` writes its block where the old one was, else before the hygiene
+    check, and leaves the rest of the file (section 7 included) as it was."""
+    results = tmp_path / "results.md"
+    code = (
+        "import sys, pathlib, sections\n"
+        "sections.BUILD.write(pathlib.Path(sys.argv[1]), sys.argv[2])\n"
+    )
+    new_block = BUILD_BLOCK.replace("build figures of its own run", "new build figures")
+    head = f"# results\n\n{COMFYUI_BLOCK}\n\n## 8. Ray\n\neight\n\n"
+    results.write_text(head + "## Process hygiene\n\nclean\n")
+    _in_benchmarks(code, str(results), BUILD_BLOCK)
+    assert results.read_text() == head + BUILD_BLOCK + "\n\n## Process hygiene\n\nclean\n"
+    _in_benchmarks(code, str(results), new_block)
+    assert results.read_text() == head + new_block + "\n\n## Process hygiene\n\nclean\n"
+
+
+def test_the_tracked_results_are_run_all_output_plus_the_kept_sections(tmp_path: Path) -> None:
     """``benchmarks/RESULTS.md`` holds no hand-written notes (they live in HISTORY.md): with
-    its section 7 taken out it is what run_all writes, and a rewrite puts the section back
-    exactly where it was."""
+    its sections 7 (ComfyUI) and 9 (declared envs) taken out it is what run_all writes, and a
+    rewrite puts both back exactly where they were."""
     tracked = (ROOT / "benchmarks" / "RESULTS.md").read_text()
-    begin, end = "<!-- bench_comfyui:begin -->", "<!-- bench_comfyui:end -->"
-    assert tracked.count(begin) == 1 and tracked.count(end) == 1
-    before, rest = tracked.split(begin)
-    _block, after = rest.split(end)
-    generated = before + after.removeprefix("\n\n")
+    generated = tracked
+    for name in ("bench_comfyui", "bench_build"):
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        assert generated.count(begin) == 1 and generated.count(end) == 1, name
+        before, rest = generated.split(begin)
+        _block, after = rest.split(end)
+        generated = before + after.removeprefix("\n\n")
     # The last thing run_all writes is the hygiene check: round notes would come after it.
     assert "## Closing note" not in tracked
     assert generated.rstrip("\n").endswith(("left behind at the end of the run.", "unnoticed.)"))
