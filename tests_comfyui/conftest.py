@@ -226,6 +226,10 @@ def server_environment(pack_envs: dict[str, str], base: Path, env_home: Path) ->
         # the session provokes many deliberate crashes; the breaker is tested in tests/
         COMFY_ENV_MAX_RESTARTS="50",
     )
+    # The server imports comfy_env from this checkout, whichever checkout last installed itself
+    # (editable) into the shared, cached ComfyUI venv: two checkouts running the suite at once
+    # would otherwise test each other's code. Workers never see it (PYTHONPATH is stripped).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env
 
 
