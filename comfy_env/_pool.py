@@ -67,6 +67,7 @@ Where the rest lives (each module's docstring draws its part)::
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import math
@@ -1292,7 +1293,15 @@ class Pool:
     def _sweep(self) -> None:
         from ._sweep import sweep
 
-        self.last_sweep = report = sweep()
+        try:
+            self.last_sweep = report = sweep()
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
+            # A host short of descriptors or memory right now: the sweep is a backstop (the
+            # next pool start, or ``comfy-env sweep``, runs it), not worth a traceback.
+            _log.warning("comfy-env: the start-up sweep was skipped: %s", exc)
+            return
         if report:
             self._events.emit(ShmSwept(report))
 
