@@ -4,7 +4,8 @@
 each writes its own section into that file, between markers of its own name:
 
 - ``bench_comfyui.py`` (``python3 dev.py bench-comfyui``): section 7, a ComfyUI node;
-- ``bench_build.py``: section 9, declared envs (build, first call, list, shared pages).
+- ``bench_build.py``: section 9, declared envs (build, first call, list, shared pages);
+- ``bench_start.py``: section 10, warm starts (the first call after ``start(preload=...)``).
 
 Data flow: a script's section is a block ``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``;
 ``Section.write`` puts it in place of the block already in the file, else where the
@@ -67,7 +68,9 @@ class Section:
 COMFYUI = Section("bench_comfyui", re.compile(r"## (?:(?:[89]|[1-9][0-9]+)\. |Process hygiene$)"))
 # Section 9 goes before section 10 on, or the closing hygiene check.
 BUILD = Section("bench_build", re.compile(r"## (?:[1-9][0-9]+\. |Process hygiene$)"))
-KEPT = (COMFYUI, BUILD)
+# Section 10 goes before section 11 on, or the closing hygiene check.
+START = Section("bench_start", re.compile(r"## (?:1[1-9]\. |[2-9][0-9]\. |Process hygiene$)"))
+KEPT = (COMFYUI, BUILD, START)
 
 
 def keep_sections(previous: str, text: str) -> str:

@@ -45,6 +45,8 @@ from ._errors import (
 # ``comfy-env status`` needs it at run time (``Any`` and the lazy names are for the checker).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from concurrent.futures import Future
     from typing import Any
 
     from ._build import build_env
@@ -166,6 +168,7 @@ __all__ = [
     "get_worker",
     "resolve_env",
     "shutdown",
+    "start",
     "sweep",
 ]
 
@@ -204,6 +207,17 @@ def get_worker(env: str | os.PathLike[str] | Recipe | None = None) -> Worker:
     first use) in the default pool. Spawns nothing; the first call does. Raises ``EnvError`` if
     the env has no interpreter (``EnvBuildError`` if a recipe's build failed)."""
     return default_pool().get_worker(env)
+
+
+def start(
+    *envs: str | os.PathLike[str] | Recipe | None,
+    preload: Iterable[str] | str = (),
+    timeout: float | None = None,
+) -> list[Future[Worker]]:
+    """Start ``envs``' workers in the default pool in the background and import ``preload`` in
+    each (``Pool.start``); returns one ``Future[Worker]`` per env (no env: the current
+    interpreter). A call made meanwhile waits for the start."""
+    return default_pool().start(*envs, preload=preload, timeout=timeout)
 
 
 def shutdown() -> None:

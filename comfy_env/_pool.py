@@ -68,6 +68,7 @@ Where the rest lives (each module's docstring draws its part)::
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import math
@@ -155,6 +156,9 @@ from ._watcher import HostWatcher
 from ._worker import Worker, check_plain_callable
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from concurrent.futures import Future
+
     from ._config import PoolConfig
     from ._recipe import Recipe
     from ._sweep import SweepReport
@@ -168,6 +172,10 @@ _SWEEP_DELAY = 0.005
 _DISPOSE_DELAY = 0.005
 
 # ---- the pool --------------------------------------------------------------------------------
+
+
+def _same(worker: Worker) -> Worker:
+    return worker
 
 
 class Pool:
@@ -227,6 +235,34 @@ class Pool:
         """A handle on ``env``'s workers (None: the current interpreter; a ``Recipe``: its
         env, built first if it was not yet). Spawns nothing."""
         return Worker(self, self._entry(resolve_env(env)))
+
+    def start(
+        self,
+        *envs: str | os.PathLike[str] | Recipe | None,
+        preload: Iterable[str] | str = (),
+        timeout: float | None = None,
+    ) -> list[Future[Worker]]:
+        """Start each env's worker in the background, side by side, and import ``preload`` in
+        each (``Worker.start``); no env: the current interpreter. A ``Recipe`` is built first,
+        on the start's thread (its failure is an ``EnvBuildError`` from ``result()``); an env
+        path that does not resolve raises ``EnvError`` here, as ``get_worker``. Returns
+        one ``concurrent.futures.Future`` per env, in order, whose result is the env's
+        ``Worker``; ``concurrent.futures.wait`` waits for several."""
+        from ._start import describe, module_names, start_in_background
+
+        names = module_names(preload)
+        if self._closed:
+            raise self.closed_error()
+        starts = []
+        for env in envs or (None,):
+            # A recipe is built on the start's thread; anything else resolves here (by name,
+            # as resolve_env: the recipe machinery loads only in programs that use it).
+            if type(env).__name__ == "Recipe" and not isinstance(env, (str, os.PathLike)):
+                open_worker: Callable[[], Worker] = functools.partial(self.get_worker, env)
+            else:
+                open_worker = functools.partial(_same, self.get_worker(env))
+            starts.append(start_in_background(open_worker, names, timeout, describe(env)))
+        return starts
 
     def subscribe(self, callback: Callable[[Event], object]) -> Callable[[], None]:
         """Deliver lifecycle events (``WorkerSpawned``, ``WorkerReady``, ``WorkerRetired``,

@@ -27,6 +27,9 @@ from ._errors import ArgumentError, CallCancelled
 from ._refs import call_ref
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from concurrent.futures import Future
+
     from ._call import Call, CallEvent
     from ._callsite import CallSite
     from ._entry import EnvEntry
@@ -214,6 +217,22 @@ class Worker:
         call = Call(entry.spec.key, ticket, lambda force: pool.cancel(entry, ticket, force=force))
         call._start(lambda: pool.call_prepared(entry, ticket, target, *prepared))
         return call
+
+    def start(
+        self, preload: Iterable[str] | str = (), *, timeout: float | None = None
+    ) -> Future[Worker]:
+        """Start this env's worker in the background (spawn, handshake, canary) and import the
+        ``preload`` modules in it (e.g. ``("bpy",)``); return at once a
+        ``concurrent.futures.Future`` whose result is this ``Worker`` once the worker is ready
+        with the modules imported. A call made meanwhile waits for the start and runs on the
+        warmed worker. A failure is the error a call would get (``ImportError``,
+        ``WorkerCrashed``, ``CallTimeout``, ...), raised by ``future.result()``. ``timeout``:
+        deadline of the start and the imports, in seconds (None: ``PoolConfig.call_timeout``).
+        Bad ``preload`` names or ``timeout`` raise ``ArgumentError`` here."""
+        from ._start import describe, module_names, start_in_background
+
+        names = module_names(preload)
+        return start_in_background(lambda: self, names, timeout, describe(self.env))
 
     def call_ref(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> RemoteRef:
         """Run ``target(*args, **kwargs)`` and keep the result alive inside the worker; return

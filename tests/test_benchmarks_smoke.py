@@ -8,10 +8,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
 
 
 @pytest.mark.timeout(240)
@@ -51,6 +53,18 @@ def _in_benchmarks(code: str, *args: str) -> str:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+def _sections() -> Any:
+    """benchmarks/sections.py, loaded from its file (the benchmarks are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_sections", BENCH / "sections.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 def _rewrite(out: Path, previous: str, new: str) -> str:
@@ -138,11 +152,13 @@ def test_the_declared_envs_section_goes_in_place_of_its_old_block(tmp_path: Path
 
 def test_the_tracked_results_are_run_all_output_plus_the_kept_sections(tmp_path: Path) -> None:
     """``benchmarks/RESULTS.md`` holds no hand-written notes (they live in HISTORY.md): with
-    its sections 7 (ComfyUI) and 9 (declared envs) taken out it is what run_all writes, and a
-    rewrite puts both back exactly where they were."""
+    its kept sections (7 ComfyUI, 9 declared envs, 10 warm starts) taken out it is what run_all
+    writes, and a rewrite puts them back exactly where they were."""
     tracked = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     generated = tracked
-    for name in ("bench_comfyui", "bench_build"):
+    names = ("bench_comfyui", "bench_build", "bench_start")
+    assert {section.name for section in _sections().KEPT} == set(names)
+    for name in names:
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
         assert generated.count(begin) == 1 and generated.count(end) == 1, name
         before, rest = generated.split(begin)

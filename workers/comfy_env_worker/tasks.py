@@ -12,7 +12,7 @@ import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Dict
+    from typing import Any, Dict, List
 
 
 def echo(value: Any) -> Any:
@@ -40,6 +40,24 @@ def info() -> Dict[str, Any]:
         "prefix": sys.prefix,
         "sys_path": list(sys.path),
     }
+
+
+def preload(names: List[str], host_has_numpy: bool = False) -> Any:
+    """Import the named modules (a warm start: ``Worker.start(preload=...)``), in order, on the
+    worker's main thread as a call would; an import that fails raises as it would in a call.
+
+    Where numpy is loaded here and in the host, the reply is a one-element array: the first
+    array a process pickles or unpickles makes the codec's array pickler, numpy's scalar-type
+    set and the dtype (about 0.1 ms in the worker, 0.05 ms in the host, once per process), so
+    the first real call that returns an array finds both ends ready. Otherwise the names."""
+    import importlib
+
+    for name in names:
+        importlib.import_module(name)
+    np = sys.modules.get("numpy")
+    if host_has_numpy and np is not None and getattr(np, "ndarray", None) is not None:
+        return np.zeros(1)
+    return list(names)
 
 
 def crash() -> None:
