@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 _PREFIX = "comfy-env-"
 _sequence = itertools.count(1)
-_found: tuple[str, str, str] | None | bool = False  # (version, path, why) once looked up
+_found: tuple[str, str, str] | None = None  # (version, path, why), once looked up
 _found_lock = threading.Lock()
 
 
@@ -141,7 +141,7 @@ def hierarchy() -> tuple[str, str, str]:
     once per process."""
     global _found
     with _found_lock:
-        if isinstance(_found, tuple):
+        if _found is not None:
             return _found
         mounts = _mounts()
         path, why2 = _v2(mounts)
