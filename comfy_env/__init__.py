@@ -38,6 +38,7 @@ from ._errors import (
     StaleGenerationError,
     WorkerCrashed,
     WorkerError,
+    WorkerOutOfMemory,
     WorkerStartError,
 )
 
@@ -158,6 +159,7 @@ __all__ = [
     "Worker",
     "WorkerCrashed",
     "WorkerError",
+    "WorkerOutOfMemory",
     "WorkerReady",
     "WorkerRetired",
     "WorkerSpawned",

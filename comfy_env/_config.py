@@ -35,7 +35,9 @@ from pydantic import (
 from ._errors import ArgumentError, ConfigError
 from ._settings import (  # re-exported: their home was this module
     ENV_PREFIX,
+    MAX_MEMORY_LIMIT,
     MAX_SECONDS,
+    MIN_MEMORY_LIMIT,
     Settings,
     check_timeout,
     default_values,
@@ -191,6 +193,15 @@ class PoolConfig(BaseModel):
         "ack before it gives them up (the host lost the ack or keeps a result long). Only time "
         "the host is seen running counts: a stopped host (SIGSTOP, Ctrl-Z, a debugger) keeps "
         "its replies.",
+    )
+    memory_limit: int | None = Field(
+        None,
+        ge=MIN_MEMORY_LIMIT,
+        le=MAX_MEMORY_LIMIT,
+        description="Bytes of memory each worker may use (None: no limit). Past it the call "
+        "fails with WorkerOutOfMemory and the worker is replaced. Counted by the kernel in a "
+        "memory cgroup per worker where the host may make one, else an RLIMIT_DATA the worker "
+        "sets on itself.",
     )
     backend: Literal["local", "ray"] = Field(
         "local",

@@ -232,6 +232,32 @@ class WorkerCrashed(WorkerError):
         self.stderr_tail = stderr_tail
 
 
+class WorkerOutOfMemory(WorkerCrashed):
+    """The worker ran out of memory during the call, and was replaced as after any crash.
+
+    ``how`` says who ended it: ``"cgroup v2"`` or ``"cgroup v1"`` (the kernel killed it at
+    ``PoolConfig.memory_limit``, counted in the worker's own memory cgroup), ``"RLIMIT_DATA"``
+    (no cgroup could be used: an allocation failed at the limit and the worker left), or
+    ``"OOM killer"`` (no limit of ours was reached; the kernel's OOM killer ran while the worker
+    died by SIGKILL: the machine, or a cgroup above the host, ran out). ``limit`` and ``peak``
+    are bytes (``limit`` None for the OOM killer; ``peak`` None where the kernel keeps none).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: int | None = None,
+        peak: int | None = None,
+        how: str = "",
+        **kw: Any,
+    ) -> None:
+        super().__init__(message, **kw)
+        self.limit = limit
+        self.peak = peak
+        self.how = how
+
+
 class CallTimeout(WorkerError, TimeoutError):
     """The call's total deadline passed. The worker (if the call had reached one) was killed
     and is replaced on the next call."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -268,3 +269,91 @@ def _counters(text: str | None) -> dict[str, int]:
 def system_oom_kills() -> int | None:
     """The machine's count of OOM kills so far (``/proc/vmstat``), None where not shown."""
     return _counters(_read("/proc/vmstat")).get("oom_kill")
+
+
+# The line a worker writes on fd 2 before it leaves at its RLIMIT_DATA limit
+# (``comfy_env_worker.main._exit_out_of_memory``), and its exit code there.
+_RLIMIT_LINE = re.compile(
+    r"comfy-env: memory limit reached: limit=(\d+) peak=(\d+) \(RLIMIT_DATA\)"
+)
+EXIT_OUT_OF_MEMORY = 72
+
+
+class WorkerMemory:
+    """One worker generation's memory guard: its leaf (None without a cgroup or a limit), the
+    machine's OOM kill count when it started, and the limit it was given."""
+
+    __slots__ = ("leaf", "limit", "oom_kills_at_start")
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.leaf = Leaf.make(limit) if limit else None
+        self.oom_kills_at_start = system_oom_kills()
+
+    def worker_variables(self) -> dict[str, str]:
+        """Variables for the worker's environment: its own RLIMIT_DATA where a limit was asked
+        for and no leaf could be made."""
+        if self.limit and self.leaf is None:
+            return {"COMFY_ENV_MEMORY_RLIMIT": str(self.limit)}
+        return {}
+
+    def verdict(self, exitcode: int | None, tail: str) -> MemoryVerdict | None:
+        """Whether the worker that ended with ``exitcode`` (and wrote ``tail`` last) ran out of
+        memory, and how; None when nothing says so."""
+        if self.leaf is not None:
+            facts = self.leaf.facts()
+            if facts.oom_kills:
+                return MemoryVerdict(facts.limit, facts.peak, facts.how)
+        if exitcode == EXIT_OUT_OF_MEMORY:
+            found = _RLIMIT_LINE.findall(tail)
+            if found:
+                limit, peak = found[-1]
+                return MemoryVerdict(int(limit), int(peak) or None, "RLIMIT_DATA")
+        if exitcode == -9 and self.oom_kills_at_start is not None:
+            now = system_oom_kills()
+            if now is not None and now > self.oom_kills_at_start:
+                return MemoryVerdict(None, None, "OOM killer")
+        return None
+
+    def release(self) -> None:
+        """Remove the leaf (once the worker's processes are gone)."""
+        if self.leaf is not None:
+            self.leaf.remove()
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """A worker ran out of memory: the limit it had and its peak, in bytes (None: unknown),
+    and who ended it (``WorkerOutOfMemory.how``)."""
+
+    limit: int | None
+    peak: int | None
+    how: str
+
+    def text(self) -> str:
+        """What happened, for the error's message ("... during call 3 to f")."""
+        if self.how == "OOM killer":
+            return (
+                "was killed by SIGKILL while the kernel's OOM killer ran: likely out of "
+                "memory (no limit of comfy-env's was reached; the machine, or a cgroup above "
+                "the host, ran out)"
+            )
+        peak = f", peak {_size(self.peak)}" if self.peak else ""
+        if self.how == "RLIMIT_DATA":
+            return (
+                f"ran out of memory: an allocation failed at its memory limit of "
+                f"{_size(self.limit)}{peak} (RLIMIT_DATA; no memory cgroup could be used)"
+            )
+        return (
+            f"was killed by the kernel at its memory limit of {_size(self.limit)}{peak} "
+            f"({self.how})"
+        )
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "?"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"

@@ -30,6 +30,10 @@ ENV_PREFIX = "COMFY_ENV_"
 # The longest timeout (seconds, about 11.6 days) any field or call accepts: deadlines go into
 # poll(2) in milliseconds and timer heaps; longer waits are spelled None (no deadline).
 MAX_SECONDS = 1_000_000.0
+# A worker's memory limit, in bytes: below 32 MiB an interpreter cannot start and run its
+# handshake; above 2**62 the kernel's counters cannot take it.
+MIN_MEMORY_LIMIT = 32 * 1024 * 1024
+MAX_MEMORY_LIMIT = 2**62
 
 
 # PoolConfig's fields, in its order.
@@ -58,6 +62,7 @@ FIELDS = (
     "shm_threshold_bytes",
     "shm_pool_bytes",
     "shm_pinned_ttl",
+    "memory_limit",
     "backend",
     "ray_address",
     "spin_wait",
@@ -94,6 +99,7 @@ class Settings:
     shm_threshold_bytes: int
     shm_pool_bytes: int
     shm_pinned_ttl: float
+    memory_limit: int | None
     backend: str
     ray_address: str | None
     spin_wait: float
@@ -152,6 +158,7 @@ def _defaults() -> dict[str, Any]:
         "shm_threshold_bytes": 64 * 1024,  # measured: shared memory beats inline from 64 KiB
         "shm_pool_bytes": 1024**3,
         "shm_pinned_ttl": 60.0,
+        "memory_limit": None,
         "backend": "local",
         "ray_address": None,
         "spin_wait": 100e-6,
@@ -177,6 +184,7 @@ OTHER_VARIABLES = frozenset(
     {
         "COMFY_ENV_HOST_ID",  # a worker's host (_process, _sweep, _descendants)
         "COMFY_ENV_WORKER_ID",  # a worker generation's mark (_process, _descendants)
+        "COMFY_ENV_MEMORY_RLIMIT",  # a worker's own memory limit where no cgroup is used
         "COMFY_ENV_COMFYUI_CACHE",  # comfy_env.comfyui's scan cache directory
         "COMFY_ENV_HOME",  # where built envs live (_build.env_root)
         "COMFY_ENV_COMFYUI_SRC",  # dev.py: the ComfyUI source tarball

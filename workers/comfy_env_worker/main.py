@@ -419,6 +419,8 @@ class Worker:
             raise
         except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are replies too
             self.control.end()  # idempotent: disarm before anything else runs
+            if _memory_rlimit and isinstance(exc, MemoryError):
+                _exit_out_of_memory(self)
             try:
                 data = error_record(exc, self.max_frame_bytes)
             finally:
@@ -706,6 +708,61 @@ def _exit_orphaned(worker: Worker, code: int = 0) -> None:
 # The exit code of a worker whose channel the env's code closed or replaced (see
 # ``_channel_failed``); 70 is a protocol error.
 EXIT_CHANNEL_TAKEN = 71
+# The exit code of a worker that met its memory limit where no cgroup counts it (``RLIMIT_DATA``,
+# see ``_arm_memory_limit``): a MemoryError left the env's code; the worker's heap may be in any
+# state, so it leaves and says so, as a worker the kernel killed at a cgroup's limit would.
+EXIT_OUT_OF_MEMORY = 72
+MEMORY_LIMIT_VAR = "COMFY_ENV_MEMORY_RLIMIT"
+# Bytes of RLIMIT_DATA this worker set on itself (0: none).
+_memory_rlimit = 0
+
+
+def _arm_memory_limit() -> None:
+    """Set ``RLIMIT_DATA`` (the heap and private writable mappings; not PROT_NONE reservations,
+    not files or shared memory) to the bytes the host put in ``COMFY_ENV_MEMORY_RLIMIT``: the
+    host does so only where it cannot give the worker a memory cgroup. On the main thread before
+    the handshake (``resource`` is an extension module: no ``dlopen`` once env code may run)."""
+    global _memory_rlimit
+    raw = os.environ.get(MEMORY_LIMIT_VAR, "")
+    if not raw.isdigit() or not int(raw):
+        return
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (int(raw), int(raw)))
+    except (ImportError, OSError, ValueError) as exc:
+        _say("comfy-env: could not set the memory limit (RLIMIT_DATA): %s\n" % (exc,))
+        return
+    _memory_rlimit = int(raw)
+
+
+def _peak_bytes() -> int:
+    """This process's peak resident set (``VmHWM``), 0 where /proc does not tell."""
+    try:
+        fd = os.open("/proc/self/status", os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        data = os.read(fd, 8192)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    for line in data.split(b"\n"):
+        if line.startswith(b"VmHWM:"):
+            parts = line.split()
+            return int(parts[1]) * 1024 if len(parts) > 1 and parts[1].isdigit() else 0
+    return 0
+
+
+def _exit_out_of_memory(worker: Worker) -> None:
+    """A MemoryError under RLIMIT_DATA: say the limit and the peak on fd 2 (the host reads the
+    line back into ``WorkerOutOfMemory``) and leave with ``EXIT_OUT_OF_MEMORY``."""
+    _say(
+        "comfy-env: memory limit reached: limit=%d peak=%d (RLIMIT_DATA)\n"
+        % (_memory_rlimit, _peak_bytes())
+    )
+    _exit_orphaned(worker, EXIT_OUT_OF_MEMORY)
 
 
 def _say(text: str) -> None:
@@ -889,6 +946,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     reply_fd = int(args[4]) if len(args) > 4 else None
     _launched_via_wrapper = bool(host_pid) and os.getppid() != host_pid
     faulthandler.enable(all_threads=False)
+    _arm_memory_limit()
     if host_pid and not _launched_via_wrapper and os.getppid() != host_pid:
         os._exit(0)  # the host died before we started
     # The C socket type: the ``socket`` module (its enums, ``selectors``) costs a worker
