@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ._envs import EnvSpec
     from ._lifecycle import CancelKill, RetireReason, Stop
     from ._logs import WorkerLog
+    from ._memlimit import WorkerMemory
     from ._process import RuntimeDir
     from ._reactor import Reactor
     from ._settings import Settings
@@ -77,6 +78,7 @@ class WorkerGeneration(Protocol):
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
     popen: Any  # the launched process, if the backend has one (None for an actor)
     death_detail: str | None  # how it died, where no exit code says it (Ray)
+    memory: WorkerMemory | None  # its memory limit and OOM evidence (None: Ray's actors)
     death_reported: bool  # the pool reported this generation's end (breaker, event)
 
     @property

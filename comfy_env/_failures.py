@@ -47,6 +47,7 @@ from ._errors import (
     PoolClosedError,
     ProtocolError,
     WorkerCrashed,
+    WorkerOutOfMemory,
     describe_exit,
     signal_name,
 )
@@ -152,6 +153,9 @@ def crash_error(
         what = process.death_detail
     else:
         what = describe_exit(rc)
+    verdict = process.memory.verdict(rc, tail) if process.memory is not None else None
+    if verdict is not None:
+        what = verdict.text()
     message = (
         f"worker for env {entry.spec.key} (pid {process.pid}, generation "
         f"{process.generation}) {what} during call {call_id} to {label or '?'}; "
@@ -159,7 +163,7 @@ def crash_error(
     )
     if tail:
         message += "\n--- worker output (last lines) ---\n" + tail
-    return WorkerCrashed(
+    error = (WorkerCrashed if verdict is None else WorkerOutOfMemory)(
         message,
         env=entry.spec.key,
         pid=process.pid,
@@ -170,6 +174,9 @@ def crash_error(
         target=label or None,
         stderr_tail=tail,
     )
+    if isinstance(error, WorkerOutOfMemory) and verdict is not None:
+        error.limit, error.peak, error.how = verdict.limit, verdict.peak, verdict.how
+    return error
 
 
 def cancelled_text(

@@ -241,20 +241,17 @@ class Leaf:
             kills = 1 if failed.get("failcnt", 0) and peak is not None and peak >= self.limit else 0
         return MemoryFacts(self.limit, peak, kills, "cgroup v1")
 
-    def remove(self) -> None:
-        """Remove the leaf (best effort: a leaf still holding a process stays, and the next
-        host's ``make`` in this cgroup removes it once it is empty and its host is gone)."""
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    return
-                # the kernel frees a killed process's leaf membership a moment after its exit
-                threading.Event().wait(0.002)
+    def remove(self) -> bool:
+        """Remove the leaf; False while it still holds a process (the kernel lets a killed
+        process go a moment after its exit: try again later). A leaf never removed is removed
+        by the next host's ``make`` in this cgroup once its host is gone."""
+        try:
+            os.rmdir(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            return exc.errno not in (errno.EBUSY, errno.EAGAIN)
+        return True
 
 
 def _counters(text: str | None) -> dict[str, int]:
@@ -283,12 +280,18 @@ class WorkerMemory:
     """One worker generation's memory guard: its leaf (None without a cgroup or a limit), the
     machine's OOM kill count when it started, and the limit it was given."""
 
-    __slots__ = ("leaf", "limit", "oom_kills_at_start")
+    __slots__ = ("facts", "leaf", "limit", "oom_kills_at_start")
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self.leaf = Leaf.make(limit) if limit else None
         self.oom_kills_at_start = system_oom_kills()
+        self.facts: MemoryFacts | None = None  # the leaf's, read once the worker was reaped
+
+    def seal(self) -> None:
+        """Keep the leaf's facts of now (the worker was reaped): the leaf may go after."""
+        if self.leaf is not None and self.facts is None:
+            self.facts = self.leaf.facts()
 
     def worker_variables(self) -> dict[str, str]:
         """Variables for the worker's environment: its own RLIMIT_DATA where a limit was asked
@@ -301,7 +304,7 @@ class WorkerMemory:
         """Whether the worker that ended with ``exitcode`` (and wrote ``tail`` last) ran out of
         memory, and how; None when nothing says so."""
         if self.leaf is not None:
-            facts = self.leaf.facts()
+            facts = self.facts or self.leaf.facts()
             if facts.oom_kills:
                 return MemoryVerdict(facts.limit, facts.peak, facts.how)
         if exitcode == EXIT_OUT_OF_MEMORY:
@@ -315,10 +318,10 @@ class WorkerMemory:
                 return MemoryVerdict(None, None, "OOM killer")
         return None
 
-    def release(self) -> None:
-        """Remove the leaf (once the worker's processes are gone)."""
-        if self.leaf is not None:
-            self.leaf.remove()
+    def release(self) -> bool:
+        """Remove the leaf once the worker's processes are gone; False: not yet (try again)."""
+        self.seal()
+        return self.leaf is None or self.leaf.remove()
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,7 @@ from ._identity import HOST_ID_VAR, host_id, host_token
 from ._interrupts import Deferred
 from ._lifecycle import CancelKill, RetireReason, Stop
 from ._logs import WorkerLog
+from ._memlimit import WorkerMemory
 from ._reactor import Reactor, ReactorFailed
 from ._rundir import (
     check_private_dir,
@@ -597,6 +598,9 @@ class WorkerProcess:
         self.retire_reason: RetireReason | None = None  # set by the pool's gate
         self.cancel_kill: CancelKill | None = None  # set by the gate with the reason
         self.popen: subprocess.Popen[bytes] | None = None
+        # The memory cgroup leaf and OOM evidence of this generation (``_memlimit``), made at
+        # launch; its leaf goes once the worker was reaped (``_release_memory``).
+        self.memory: WorkerMemory | None = None
         # The channel: two socketpairs, one per direction (see ``launch``). ``sock`` is the
         # host's end of the requests (it only writes there), ``reply_sock`` its end of the
         # replies (``reader`` reads it).
@@ -699,6 +703,16 @@ class WorkerProcess:
         reactor. ``activation``: the env's, worked out by the pool beforehand (never here:
         its scripts must not run on the reactor thread)."""
         environment = worker_environment(self.config, self.worker_id, activation)
+        try:
+            self.memory = WorkerMemory(self.config.memory_limit)
+        except OSError as exc:  # the hierarchy is usable, but no leaf could be made now
+            raise WorkerStartError(
+                f"cannot give a worker of env {self.spec.key} its memory limit "
+                f"(PoolConfig.memory_limit): making its memory cgroup failed: {exc}",
+                env=self.spec.key,
+                generation=self.generation,
+            ) from exc
+        environment.update(self.memory.worker_variables())
         # One socketpair per direction, never one for both: a Unix stream socket wakes every
         # thread asleep on it when the bytes it *sent* are read (the "write space" wake-up,
         # whatever the sleeper waits for), so on one socket each call woke its caller, asleep
@@ -799,6 +813,20 @@ class WorkerProcess:
                     cwd=cwd,
                 )
                 self.popen = proc
+                leaf = self.memory.leaf if self.memory is not None else None
+                if leaf is not None:
+                    # Before the GO byte (the handshake sends it): nothing of the env's runs
+                    # outside the leaf.
+                    try:
+                        leaf.adopt(proc.pid)
+                    except OSError as exc:
+                        proc.kill()
+                        raise WorkerStartError(
+                            f"cannot move a worker of env {self.spec.key} into its memory "
+                            f"cgroup {leaf.path}: {exc}",
+                            env=self.spec.key,
+                            generation=self.generation,
+                        ) from exc
                 # The launched process's pid until the hello names the interpreter's own
                 # (they differ only behind a wrapper script): set before ``_watch`` starts
                 # reading its output, so what it says before its hello (a broken env's
@@ -823,6 +851,8 @@ class WorkerProcess:
             self.dispose()
             if self.popen is None:  # nothing forked, so the reactor never took the pipes
                 self._close_pipes()
+                if self.memory is not None:
+                    self.memory.release()  # an empty leaf
             raise
         finally:
             child_sock.close()  # the worker holds the only other ends now
@@ -1674,6 +1704,17 @@ class WorkerProcess:
         finally:
             os.close(fd)
 
+    def _release_memory(self, tries: int) -> None:
+        """Remove the generation's memory cgroup leaf; the kernel lets a killed process go a
+        moment after its exit (and the group's survivors were just killed), so a busy leaf is
+        tried again on the reactor, every 50 ms for about 2 s, then left to the next host's
+        sweep of the leaves of hosts that are gone."""
+        memory = self.memory
+        if memory is None or memory.release() or tries >= 40:
+            return
+        if self.reactor.running:
+            self.reactor.call_later(0.05, lambda: self._release_memory(tries + 1))
+
     def _reaped(self, returncode: int) -> None:
         with self._exit_lock:
             if self.returncode is not None:
@@ -1684,6 +1725,9 @@ class WorkerProcess:
         self._worker_blocks_orphaned(exited=True)
         # Survivors of the group (the worker's own children) go with it.
         self._signal_group(signal.SIGKILL)
+        if self.memory is not None:
+            self.memory.seal()  # the leaf's counters, before the leaf goes
+            self._release_memory(0)
         # Report before waking waiters, so a caller that waited for the exit sees the pool's
         # bookkeeping (gate, breaker) already up to date.
         self._on_exit(self)

@@ -100,6 +100,7 @@ from ._settings import Settings
 
 if TYPE_CHECKING:
     from ._activation import Activation
+    from ._memlimit import WorkerMemory
     from ._process import RuntimeDir
 
 _log = logging.getLogger("comfy_env")
@@ -573,6 +574,7 @@ class RayWorker:
         self.hello: dict[str, Any] = {}
         self.returncode: int | None = None  # Ray reports none; a signal when the log says it
         self.death_detail: str | None = None  # what Ray said about the death
+        self.memory: WorkerMemory | None = None  # (Ray counts an actor's memory itself)
         self.death_reported = False  # by the pool (breaker, WorkerRetired), once
         self.fault: str | None = None  # a Ray error that made the host stop the actor
         self.exited = threading.Event()
