@@ -1094,7 +1094,7 @@ def test_a_boolean_is_no_number_for_any_numeric_config_field(field: str, value: 
 
 
 def test_the_numeric_config_fields_are_the_ones_expected() -> None:
-    assert len(_numeric_fields()) == 18  # the list above is not empty by accident
+    assert len(_numeric_fields()) == 19  # the list above is not empty by accident
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e300, -1.0, 0, True, "5"])
