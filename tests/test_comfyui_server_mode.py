@@ -304,7 +304,7 @@ def test_comfyui_server_outside_a_comfyui_server_and_a_bad_mode_are_refused(
     assert pool.stats() == {}
 
 
-def test_module_init_isolates_another_packs_unchanged_directory(
+def test_module_init_isolates_another_packs_unchanged_directory_with_its_own_str_types(
     tmp_path: Path, pool: comfy_env.Pool
 ) -> None:
     """A shim pack points isolate() at another pack whose own ``__init__.py`` builds the
@@ -321,7 +321,19 @@ def test_module_init_isolates_another_packs_unchanged_directory(
         "        return {'required': {'n': ('INT',)}}\n"
         "    def run(self, n):\n"
         "        return (2 * n,)\n"
-        "IMAGE_CLASS_MAPPINGS = {'Twice+': Twice}\n"
+        "class AnyType(str):\n"
+        "    def __ne__(self, other):\n"
+        "        return False\n"
+        "class Anything:\n"
+        "    RETURN_TYPES = (AnyType('*'),)\n"
+        "    FUNCTION = 'run'\n"
+        "    CATEGORY = 't'\n"
+        "    @classmethod\n"
+        "    def INPUT_TYPES(cls):\n"
+        "        return {'required': {'value': (AnyType('*'), {})}}\n"
+        "    def run(self, value):\n"
+        "        return (value,)\n"
+        "IMAGE_CLASS_MAPPINGS = {'Twice+': Twice, 'Anything+': Anything}\n"
     )
     (other / "__init__.py").write_text(
         "from .image import IMAGE_CLASS_MAPPINGS\n"
@@ -334,3 +346,8 @@ def test_module_init_isolates_another_packs_unchanged_directory(
     )
     assert display == {"Twice+": "Twice"}
     assert asyncio.run(mappings["Twice+"]().run(n=21)) == (42,)  # type: ignore[attr-defined]
+    # The pack's own str subclass for "any" sockets (ComfyUI_essentials' AnyType) crosses as
+    # its plain value: the host cannot import the pack's module to unpickle it.
+    anything: Any = mappings["Anything+"]
+    assert anything.RETURN_TYPES == ("*",) and type(anything.RETURN_TYPES[0]) is str
+    assert anything.INPUT_TYPES()["required"]["value"][0] == "*"

@@ -84,8 +84,8 @@ def mods_server(
     layered = base / "layered-env"
     subprocess.run([python, "-m", "venv", "--without-pip", str(layered)], check=True)
     env = server_environment(pack_envs, base, env_home)
-    env["COMFY_ENV_TEST_ESSENTIALS"] = str(essentials)
-    env["COMFY_ENV_TEST_LAYERED_ENV"] = str(layered)
+    env["CE_TEST_ESSENTIALS"] = str(essentials)
+    env["CE_TEST_LAYERED_ENV"] = str(layered)
     srv = start_server(base, comfy_dir, python, env, timeout=400)
     try:
         yield srv

@@ -1,5 +1,5 @@
 """A test-only shim: cubiq's ComfyUI_essentials, unchanged (its directory named by
-``COMFY_ENV_TEST_ESSENTIALS``), isolated with the server's ComfyUI in its worker. Its nodes are
+``CE_TEST_ESSENTIALS``), isolated with the server's ComfyUI in its worker. Its nodes are
 registered under their own names plus `` (isolated)``, beside the same pack loaded in-process,
 so one prompt runs both; ``CE_TensorHash`` (in-process) digests what they return."""
 
@@ -10,7 +10,7 @@ from comfy_env.comfyui import isolate
 
 SUFFIX = " (isolated)"
 _mappings, _display = isolate(
-    os.environ["COMFY_ENV_TEST_ESSENTIALS"], env=None, module="__init__", comfyui="server"
+    os.environ["CE_TEST_ESSENTIALS"], env=None, module="__init__", comfyui="server"
 )
 
 

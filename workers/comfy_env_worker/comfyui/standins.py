@@ -175,9 +175,10 @@ class _PromptServerInstance:
 
     def __getattr__(self, name: str) -> Any:  # what the stand-in lacks (routes, loop, ...)
         raise AttributeError(
-            "PromptServer.instance has no attribute %r: it is comfy-env's stand-in in an env "
-            "without ComfyUI, which offers only send_sync, routes, client_id, last_node_id and "
-            "last_prompt_id (the server's loop and app live in the ComfyUI process)" % name
+            "PromptServer.instance has no attribute %r: it is comfy-env's stand-in for the "
+            "server's PromptServer in a worker, which offers only send_sync, routes, "
+            "client_id, last_node_id and last_prompt_id (the server's loop and app live in "
+            "the ComfyUI process)" % name
         )
 
 
