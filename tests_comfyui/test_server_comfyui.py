@@ -18,6 +18,7 @@ import os
 import struct
 import subprocess
 import tarfile
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,3 +226,26 @@ def test_server_comfyui_the_worker_sees_the_servers_device_directories_and_progr
     progress = [m for m in messages if m["type"] == "progress" and m["data"]["node"] == "2"]
     assert progress and progress[-1]["data"]["value"] == 3 and progress[-1]["data"]["max"] == 3
     assert any(m["type"] == "ce_server_probe" for m in messages)
+
+
+def test_server_comfyui_an_interrupt_stops_the_node_at_comfyuis_own_check_and_keeps_the_worker(
+    mods_server: Server,
+) -> None:
+    def report() -> dict[str, Any]:
+        prompt = {
+            "1": {"class_type": "LoadImage", "inputs": {"image": SRC}},
+            "2": {"class_type": "CE_ServerReport", "inputs": {"image": ["1", 0]}},
+        }
+        return dict(json.loads(_ok(mods_server.run(prompt)[0])["2"]["report"][0]))
+
+    before = report()
+
+    def on_message(message: dict[str, Any]) -> None:
+        if message["type"] == "executing" and message["data"].get("node") == "1":
+            threading.Timer(1.0, mods_server.post, ("/interrupt", {})).start()
+
+    prompt = {"1": {"class_type": "CE_ServerSteps", "inputs": {"steps": 2000}}}
+    history, messages = mods_server.run(prompt, timeout=60, on_message=on_message)
+    assert any(m["type"] == "execution_interrupted" for m in messages), history["status"]
+    # the node stopped at comfy.model_management's check (cooperatively): same worker after
+    assert report()["pid"] == before["pid"]

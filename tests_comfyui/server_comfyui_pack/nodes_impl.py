@@ -48,10 +48,34 @@ class Report:
         return {"ui": {"report": [json.dumps(info)]}, "result": (json.dumps(info),)}
 
 
+class Steps:
+    """Loops, checking ComfyUI's interrupt the way ComfyUI's samplers do (through the module
+    attribute, and a ProgressBar), until interrupted."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"steps": ("INT", {"default": 2000, "max": 100000})}}
+
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "run"
+    OUTPUT_NODE = True
+    CATEGORY = "comfy-env tests"
+
+    def run(self, steps):
+        import time
+
+        bar = comfy.utils.ProgressBar(steps)
+        for _ in range(steps):
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            bar.update(1)
+            time.sleep(0.05)
+        return (os.getpid(),)
+
+
 class Save(nodes.SaveImage):
     """ComfyUI's own SaveImage, subclassed: saves into the server's output directory."""
 
     CATEGORY = "comfy-env tests"
 
 
-NODE_CLASS_MAPPINGS = {"CE_ServerReport": Report, "CE_ServerSave": Save}
+NODE_CLASS_MAPPINGS = {"CE_ServerReport": Report, "CE_ServerSave": Save, "CE_ServerSteps": Steps}
