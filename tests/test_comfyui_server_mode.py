@@ -39,7 +39,8 @@ TREE = {
         "parser = argparse.ArgumentParser()\n"
         "parser.add_argument('--cpu', action='store_true')\n"
         "parser.add_argument('--base-directory', default=None)\n"
-        "parser.add_argument('--listen', default='127.0.0.1')\n"
+        "parser.add_argument('--listen', nargs='?', const='0.0.0.0', default='127.0.0.1')\n"
+        "parser.add_argument('--port', type=int, default=8188)\n"
         "args = parser.parse_args() if comfy.options.args_parsing else parser.parse_args([])\n"
     ),
     "comfy/utils.py": (
@@ -351,3 +352,51 @@ def test_module_init_isolates_another_packs_unchanged_directory_with_its_own_str
     anything: Any = mappings["Anything+"]
     assert anything.RETURN_TYPES == ("*",) and type(anything.RETURN_TYPES[0]) is str
     assert anything.INPUT_TYPES()["required"]["value"][0] == "*"
+
+
+def test_a_v3_pack_with_comfyui_server_fails_its_scan_saying_why(
+    tmp_path: Path, server: dict[str, Any], pool: comfy_env.Pool
+) -> None:
+    pack = tmp_path / "v3pack"
+    pack.mkdir()
+    (pack / "v3_nodes.py").write_text(
+        "from comfy_api.latest import ComfyExtension, io\n"
+        "class Node(io.ComfyNode):\n"
+        "    @classmethod\n"
+        "    def define_schema(cls):\n"
+        "        return io.Schema(node_id='V3Node', inputs=[], outputs=[])\n"
+        "class Extension(ComfyExtension):\n"
+        "    async def get_node_list(self):\n"
+        "        return [Node]\n"
+        "async def comfy_entrypoint():\n"
+        "    return Extension()\n"
+    )
+    with pytest.raises(NodePackError, match="does not support V3 packs"):
+        isolate(
+            str(pack), None, "v3_nodes", pool=pool, cache_dir=str(tmp_path / "c"), comfyui="server"
+        )
+
+
+def test_the_scan_cache_survives_a_new_port_but_not_other_arguments(
+    pack: Path,
+    server: dict[str, Any],
+    config: comfy_env.PoolConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = str(tmp_path / "c")
+    base = str(server["base"])
+
+    def scans(argv: list[str]) -> int:
+        monkeypatch.setattr(sys, "argv", ["main.py", *argv])
+        monkeypatch.setattr(_server, "_DESCRIBED", [])
+        with comfy_env.Pool(config) as pool:
+            isolate(str(pack), None, "nodes_impl", pool=pool, cache_dir=cache, comfyui="server")
+            return sum(s.spawns for s in pool.stats().values())
+
+    assert scans(["--cpu", "--base-directory", base, "--port", "8188"]) == 1
+    assert scans(["--cpu", "--base-directory", base, "--port=8190", "--listen"]) == 0
+    assert scans(["--base-directory", base, "--cpu", "--port", "8190"]) == 1  # order: a new key
+    assert _server.key_arguments(["--listen", "--port", "1", "--cpu", "--verbose", "DEBUG"]) == [
+        "--cpu"
+    ]

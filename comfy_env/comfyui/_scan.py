@@ -37,7 +37,7 @@ from comfy_env_worker.comfyui.scan import package_name
 
 from .._envs import EnvSpec
 from .._errors import ComfyEnvError
-from ._server import describe, server_comfyui
+from ._server import describe, key_arguments, server_comfyui
 
 SCAN_TARGET = "comfy_env_worker.comfyui.scan:scan"
 _SKIP_DIRS = frozenset((".git", ".hg", "__pycache__", "node_modules", ".venv", ".pixi", "venv"))
@@ -143,7 +143,9 @@ def cache_key(pack: PackSpec) -> str:
     h.update(f"module={pack.module}\0lib={_library_digest()}\0".encode())
     h.update(json.dumps(server_directories(), sort_keys=True).encode())
     if pack.comfyui == "server":  # the server's ComfyUI: where, which arguments, which Python
-        h.update(f"comfyui=server\0{json.dumps(describe(), sort_keys=True)}\0".encode())
+        described = describe() or {}
+        described["argv"] = key_arguments(described.get("argv") or [])
+        h.update(f"comfyui=server\0{json.dumps(described, sort_keys=True)}\0".encode())
     env_dir = os.path.realpath(pack.env.key)
     for root, dirs, files in os.walk(pack.pack_dir):
         dirs[:] = sorted(

@@ -67,6 +67,43 @@ def describe() -> dict[str, Any] | None:
     return dict(described)
 
 
+# Server arguments that change nothing a pack's module can see at import (how the server
+# listens and logs, its front end): left out of the scan's cache key, so a server restarted on
+# another port still starts warm. (name, takes a value)
+_KEYLESS = {
+    "--listen": True,
+    "--port": True,
+    "--tls-keyfile": True,
+    "--tls-certfile": True,
+    "--enable-cors-header": True,
+    "--max-upload-size": True,
+    "--front-end-version": True,
+    "--front-end-root": True,
+    "--verbose": True,
+    "--auto-launch": False,
+    "--disable-auto-launch": False,
+    "--log-stdout": False,
+    "--dont-print-server": False,
+}
+
+
+def key_arguments(argv: list[str]) -> list[str]:
+    """``argv`` without the arguments in ``_KEYLESS`` (and their values)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            if not arg.startswith("-"):
+                continue
+        name = arg.split("=", 1)[0]
+        if name in _KEYLESS:
+            skip = _KEYLESS[name] and "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
 def folder_state() -> dict[str, Any]:
     """``folder_paths``' model folders and base directories as the server holds them now."""
     folder_paths = sys.modules.get("folder_paths")

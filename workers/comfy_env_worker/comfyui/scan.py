@@ -238,6 +238,12 @@ def scan(
             )
     elif hasattr(loaded, "comfy_entrypoint"):
         kind = "v3"
+        if _server_comfyui() is not None:
+            raise TypeError(
+                "%s is a V3 pack (comfy_entrypoint): V3 schemas are recorded on comfy-env's "
+                "stand-in io module, so comfyui=\"server\" does not support V3 packs yet; "
+                "isolate it with the stand-ins (the default)" % loaded.__name__
+            )
         for node_id, cls in v3_nodes(pack_dir, module).items():
             schema = cls.define_schema()
             if not isinstance(schema, standins.Recorded):
