@@ -241,7 +241,7 @@ def scan(
         if _server_comfyui() is not None:
             raise TypeError(
                 "%s is a V3 pack (comfy_entrypoint): V3 schemas are recorded on comfy-env's "
-                "stand-in io module, so comfyui=\"server\" does not support V3 packs yet; "
+                'stand-in io module, so comfyui="server" does not support V3 packs yet; '
                 "isolate it with the stand-ins (the default)" % loaded.__name__
             )
         for node_id, cls in v3_nodes(pack_dir, module).items():
