@@ -400,3 +400,33 @@ def test_the_scan_cache_survives_a_new_port_but_not_other_arguments(
     assert _server.key_arguments(["--listen", "--port", "1", "--cpu", "--verbose", "DEBUG"]) == [
         "--cpu"
     ]
+
+
+def test_a_stand_ins_pack_and_a_server_pack_share_the_servers_interpreter(
+    pack: Path, server: dict[str, Any], pool: comfy_env.Pool, tmp_path: Path
+) -> None:
+    """``env=None`` packs of both modes share one worker: the stand-ins pack imported first
+    keeps its stand-ins, the server pack imported after gets ComfyUI's real modules."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "nodes.py").write_text(
+        "import folder_paths\n"
+        "class Where:\n"
+        "    RETURN_TYPES = ('STRING',)\n"
+        "    FUNCTION = 'run'\n"
+        "    CATEGORY = 't'\n"
+        "    @classmethod\n"
+        "    def INPUT_TYPES(cls):\n"
+        "        return {'required': {}}\n"
+        "    def run(self):\n"
+        "        return (folder_paths.get_output_directory(),)\n"
+        "NODE_CLASS_MAPPINGS = {'Where': Where}\n"
+    )
+    cache = str(tmp_path / "c")
+    first, _ = isolate(str(plain), None, "nodes", pool=pool, cache_dir=cache)
+    assert asyncio.run(first["Where"]().run()) == (server["output"],)  # type: ignore[attr-defined]
+    second, _ = isolate(str(pack), None, "nodes_impl", pool=pool, cache_dir=cache, comfyui="server")
+    report = _report(second)
+    assert report["device"] == "cpu" and report["checkpoints"] == server["checkpoints"]
+    assert asyncio.run(first["Where"]().run()) == (server["output"],)  # type: ignore[attr-defined]
+    assert len(pool.stats()) == 1  # one env, one worker

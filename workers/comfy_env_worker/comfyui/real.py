@@ -87,13 +87,12 @@ def _import(info: Dict[str, Any], comfy_dir: str, directories: Dict[str, Any]) -
         )
     if not os.path.isfile(os.path.join(comfy_dir, "folder_paths.py")):
         raise ServerComfyUIError("comfyui='server': %s holds no ComfyUI source tree" % comfy_dir)
-    for name in ("comfy", "folder_paths", "server", "nodes", "comfy_api"):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "__comfy_env_standin__", False):
-            raise ServerComfyUIError(
-                "comfyui='server': stand-ins were installed in this worker before ComfyUI "
-                "(another pack of this env uses stand-ins; give this pack its own env)"
-            )
+    # Another pack of this env (env=None packs share the server's interpreter) may have run
+    # here on the stand-ins: its module keeps the stand-ins it imported (they work without
+    # sys.modules), but from now on the names are ComfyUI's.
+    for name, module in list(sys.modules.items()):
+        if module is not None and module.__dict__.get("__comfy_env_standin__", False):
+            del sys.modules[name]
     # Where main.py's directory is for the server: first after the worker's runtime dir, so
     # ComfyUI's top-level modules (utils, server, nodes, app) win over same-named packages.
     if comfy_dir in sys.path:
