@@ -51,6 +51,8 @@ from ._scan import (
     run_scan,
     write_cached,
 )
+from ._server import MODES as COMFYUI_MODES
+from ._server import describe as describe_server
 from ._warm import Warmer
 
 __all__ = ["CROSSING_TYPES", "KeptOutput", "NodePackError", "isolate"]
@@ -218,6 +220,7 @@ def isolate(
     restart_window: float | None = None,
     abandon_for: float | None = None,
     warm: bool = False,
+    comfyui: str = "standins",
 ) -> tuple[dict[str, type], dict[str, str]]:
     """Register a node pack whose nodes run in ``env``; returns ``(NODE_CLASS_MAPPINGS,
     NODE_DISPLAY_NAME_MAPPINGS)``.
@@ -249,7 +252,15 @@ def isolate(
     worker and import its node module in the background now, and again right after each death
     of its worker, so that the first prompt after a server start and the first one after a
     crash do not pay the worker's start and the pack's imports (a prompt arriving meanwhile
-    waits for the warm-up); see ``comfy_env.comfyui._warm``.
+    waits for the warm-up); see ``comfy_env.comfyui._warm``. ``comfyui``: ``"standins"``
+    (the default: ``folder_paths``, ``comfy.utils``, ``comfy.model_management``, ``server``
+    and ``comfy_api`` get small stand-ins where the env lacks ComfyUI) or ``"server"``: the
+    worker imports the server's own ComfyUI (its source tree, in place), set up as the server
+    set itself up (its command line, so ``comfy.model_management`` picks the server's device;
+    its directories and model folders), with the server's site-packages after the env's own
+    packages, for packs that import ``nodes``, ``node_helpers``, ``comfy.*`` or
+    ``comfy_extras``; see ``comfy_env.comfyui._server``. ``module="__init__"`` names the
+    pack's own ``__init__.py`` (a shim pack isolating another pack's unchanged directory).
 
     Raises ``NodePackError`` when the env is missing, cannot be built or the scan fails,
     ``ArgumentError`` for an argument it cannot use (checked before anything runs, so a typo
@@ -269,6 +280,8 @@ def isolate(
         )
     if not isinstance(warm, bool):
         raise ArgumentError(f"isolate(warm=...) must be True or False, not {warm!r}")
+    if comfyui not in COMFYUI_MODES:
+        raise ArgumentError(f'isolate(comfyui=...) must be "standins" or "server", not {comfyui!r}')
     crossing_types = _type_names("crossing_types", crossing_types)
     extra_types = _type_names("extra_crossing_types", extra_crossing_types) or frozenset()
     pack_dir = os.path.abspath(
@@ -300,7 +313,15 @@ def isolate(
             pack_dir=pack_dir,
             env=str(env_path),
         ) from None  # (its text is in the message: ComfyUI's log shows it once, not twice)
-    spec = PackSpec(pack_dir, module, env_spec, cache_dir or default_cache_dir())
+    if comfyui == "server" and describe_server() is None:
+        raise NodePackError(
+            f'comfy-env: node pack {pack_dir} asks for comfyui="server", but this process is '
+            "no ComfyUI server (ComfyUI's folder_paths is not imported here): the worker "
+            "would have no ComfyUI to import",
+            pack_dir=pack_dir,
+            env=env_spec.key,
+        )
+    spec = PackSpec(pack_dir, module, env_spec, cache_dir or default_cache_dir(), comfyui)
     # The pack's modules log as ``<pack dir>.impl.nodes`` in the server's logging, the name
     # ``readable`` gives them in messages, not as the hashed package they are in the worker.
     show_package_as(env_spec.key, spec.worker_package, spec.shown_package)

@@ -95,7 +95,7 @@ class LiveInputs:
 
     def _ask(self) -> None:
         spec = self.pack.spec
-        args = (spec.pack_dir, spec.module, list(self.names), server_directories())
+        args = (spec.pack_dir, spec.module, list(self.names), server_directories(spec))
         self.calls += 1
         try:
             answer = self.pack.worker.run(INPUT_TYPES_TARGET, args, timeout=LIVE_TIMEOUT)

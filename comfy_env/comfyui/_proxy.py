@@ -145,8 +145,8 @@ def _server_module(name: str) -> Any:
     return sys.modules.get(name)
 
 
-def _context() -> dict[str, Any]:
-    context: dict[str, Any] = server_directories()
+def _context(pack: _Pack | None = None) -> dict[str, Any]:
+    context: dict[str, Any] = server_directories(pack.spec if pack is not None else None)
     execution = _server_module("comfy_execution.utils")
     if execution is not None:
         executing = execution.get_executing_context()
@@ -169,6 +169,20 @@ def _raise_interrupt() -> None:
         raise asyncio.CancelledError() from None
     mm.throw_exception_if_processing_interrupted()
     raise mm.InterruptProcessingException()
+
+
+_INTERRUPTS = (
+    "comfy_env_worker.comfyui.standins.InterruptProcessingException",
+    # comfyui="server": ComfyUI's own, raised in the worker (a RemoteError of that name
+    # where this process has no comfy.model_management)
+    "comfy.model_management.InterruptProcessingException",
+)
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    """Whether the node stopped on an interrupt (the stand-in's or ComfyUI's own)."""
+    name = f"{type(exc).__module__}.{type(exc).__name__}"
+    return name in _INTERRUPTS or getattr(exc, "type_name", None) in _INTERRUPTS
 
 
 def _to_host(value: Any) -> Any:
@@ -448,7 +462,7 @@ async def run_node(
     unique_id = kwargs.pop(UNIQUE_ID_INPUT, None)
     skeleton, tensors, refs = _encode_inputs(pack, kwargs)
     instance_id = getattr(instance, "_comfy_env_instance", None)
-    context = _context()
+    context = _context(pack)
     if hidden:
         context["hidden"] = hidden
     args: tuple[Any, ...] = (
@@ -488,9 +502,7 @@ async def run_node(
                 pack, worker.arun(RUN, args, timeout=pack.timeout, on_event=on_event)
             )
     except Exception as exc:  # noqa: BLE001 - re-raised, with the worker's traceback folded in
-        if type(exc).__name__ == "InterruptProcessingException" and type(exc).__module__ in (
-            "comfy_env_worker.comfyui.standins",
-        ):
+        if _is_interrupt(exc):
             _raise_interrupt()
         shown, cause = with_remote_traceback(exc, pack)
         raise shown from cause
@@ -547,7 +559,7 @@ async def call_hook(
 ) -> Any:
     skeleton, tensors, _ = _encode_inputs(pack, kwargs)
     instance_id = getattr(instance, "_comfy_env_instance", None)
-    args = (node.spec, instance_id, method, skeleton, tensors, _context())
+    args = (node.spec, instance_id, method, skeleton, tensors, _context(pack))
     try:
         return await _guarded(pack, pack.worker.arun(HOOK, args, timeout=pack.timeout))
     except Exception as exc:  # noqa: BLE001 - re-raised, with the worker's traceback folded in

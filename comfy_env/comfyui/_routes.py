@@ -75,7 +75,7 @@ def _forwarder(pack: _Pack, method: str, path: str) -> Any:
         }
         spec = pack.spec
         kind = pack.scan.get("kind", "v1")
-        args = (spec.pack_dir, spec.module, kind, method, path, data, server_directories())
+        args = (spec.pack_dir, spec.module, kind, method, path, data, server_directories(spec))
         try:
             reply = await pack.worker.arun(
                 ROUTE_TARGET, args, timeout=pack.timeout or ROUTE_TIMEOUT

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from comfy_env_worker.comfyui.scan import package_name
 
 from .._envs import EnvSpec
 from .._errors import ComfyEnvError
+from ._server import describe, key_arguments, server_comfyui
 
 SCAN_TARGET = "comfy_env_worker.comfyui.scan:scan"
 _SKIP_DIRS = frozenset((".git", ".hg", "__pycache__", "node_modules", ".venv", ".pixi", "venv"))
@@ -66,6 +68,9 @@ class PackSpec:
     module: str
     env: EnvSpec
     cache_dir: str
+    # "standins" (the default) or "server": the worker imports the server's own ComfyUI
+    # (``_server``, ``comfy_env_worker.comfyui.real``).
+    comfyui: str = "standins"
 
     def readable(self, text: str) -> str:
         """``text`` with the pack's package name in the worker (``comfy_env_pack_<hash>``,
@@ -110,18 +115,25 @@ def _library_digest() -> str:
     return h.hexdigest()
 
 
-def server_directories() -> dict[str, str]:
+def server_directories(pack: PackSpec | None = None) -> dict[str, Any]:
     """The ComfyUI server's output, temp and input directories, when this process is a ComfyUI
     server (its ``folder_paths`` is imported), else ``{}``. Sent to the env with the scan and
-    with every node call (the ``folder_paths`` stand-in answers with them)."""
+    with every node call (the ``folder_paths`` stand-in answers with them). For a pack with
+    ``comfyui="server"`` also the server's ComfyUI (``_server.server_comfyui``) under
+    ``"comfyui"``: the worker imports it before the pack's module."""
     folder_paths = sys.modules.get("folder_paths")
     if folder_paths is None:
         return {}
-    return {
+    directories: dict[str, Any] = {
         "output_directory": str(folder_paths.get_output_directory()),
         "temp_directory": str(folder_paths.get_temp_directory()),
         "input_directory": str(folder_paths.get_input_directory()),
     }
+    if pack is not None and pack.comfyui == "server":
+        server = server_comfyui()
+        if server is not None:
+            directories["comfyui"] = server
+    return directories
 
 
 def cache_key(pack: PackSpec) -> str:
@@ -130,6 +142,10 @@ def cache_key(pack: PackSpec) -> str:
     h = hashlib.sha256()
     h.update(f"module={pack.module}\0lib={_library_digest()}\0".encode())
     h.update(json.dumps(server_directories(), sort_keys=True).encode())
+    if pack.comfyui == "server":  # the server's ComfyUI: where, which arguments, which Python
+        described = describe() or {}
+        described["argv"] = key_arguments(described.get("argv") or [])
+        h.update(f"comfyui=server\0{json.dumps(described, sort_keys=True)}\0".encode())
     env_dir = os.path.realpath(pack.env.key)
     for root, dirs, files in os.walk(pack.pack_dir):
         dirs[:] = sorted(
@@ -193,6 +209,17 @@ class _Collect(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+# ComfyUI's top-level modules; a scan that fails on one of them needs comfyui="server".
+_COMFYUI_MODULES = re.compile(
+    r"No module named '(nodes|node_helpers|comfy_extras|comfy_execution|latent_preview|"
+    r"execution|comfy\.[a-z_.]+|comfy_api\.[a-z_.]+)'|it is comfy-env's stand-in"
+)
+
+
+def _needs_server_comfyui(text: str) -> bool:
+    return _COMFYUI_MODULES.search(text) is not None
+
+
 def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
     """Scan in the env (a worker call); failures become ``NodePackError``."""
     collect = _Collect()
@@ -204,7 +231,7 @@ def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
         logger.setLevel(logging.INFO)
     logger.addHandler(collect)
     try:
-        args = (pack.pack_dir, pack.module, server_directories())
+        args = (pack.pack_dir, pack.module, server_directories(pack))
         result: dict[str, Any] = worker.run(SCAN_TARGET, args, timeout=timeout)
         return result
     except Exception as exc:
@@ -220,6 +247,12 @@ def run_scan(pack: PackSpec, worker: Any, timeout: float) -> dict[str, Any]:
             message += f"\nworker traceback:\n{pack.readable(detail).rstrip()}"
         if output:
             message += f"\nworker output:\n{output.rstrip()}"
+        if pack.comfyui == "standins" and _needs_server_comfyui(f"{exc}\n{detail}"):
+            message += (
+                "\n(the pack imports ComfyUI's own modules, which the stand-ins do not cover: "
+                'isolate(..., comfyui="server") imports the server\'s ComfyUI in its worker; '
+                "see docs/comfyui.md, 'ComfyUI's own modules')"
+            )
         message += "\n(the pack is not imported into the server instead)"
         error = NodePackError(
             message, pack_dir=pack.pack_dir, env=pack.env.key, worker_output=output

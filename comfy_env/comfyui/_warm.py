@@ -96,7 +96,7 @@ class Warmer:
         try:
             self.pack.worker.run(
                 WARM_TARGET,
-                (spec.pack_dir, spec.module, kind, server_directories()),
+                (spec.pack_dir, spec.module, kind, server_directories(spec)),
                 timeout=self.timeout,
             )
         except Exception as exc:  # noqa: BLE001 - any failure of the pack's import: logged

@@ -99,8 +99,8 @@ def _node(spec: Spec, instance_id: Optional[int]) -> Any:
 
 
 def _inputs(inputs: Any, tensors: List[Any], refs: Sequence[Any], context: Dict[str, Any]) -> Any:
-    standins.install()
     standins.set_context(context)
+    standins.prepare(context)
     rebuilt = values.join(inputs, tensors, values.to_env_tensor)
     if not refs:
         return rebuilt

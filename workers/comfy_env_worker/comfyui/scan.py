@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -49,6 +50,8 @@ V1_METHODS = ("IS_CHANGED", "VALIDATE_INPUTS", "check_lazy_status")
 V3_METHODS = ("fingerprint_inputs", "validate_inputs", "check_lazy_status")
 
 _MODULES: Dict[Tuple[str, str], types.ModuleType] = {}
+# ``module=`` naming the pack's own ``__init__.py`` (the pack directory is the package).
+OWN_INIT = "__init__"
 _V3_NODES: Dict[Tuple[str, str], Dict[str, Any]] = {}
 
 
@@ -64,17 +67,41 @@ def load_module(pack_dir: str, module: str) -> types.ModuleType:
         return _MODULES[key]
     standins.install()
     name = package_name(pack_dir)
-    if name not in sys.modules:
-        package = types.ModuleType(name, "comfy-env: the node pack at %s" % pack_dir)
-        package.__path__ = [pack_dir]
-        sys.modules[name] = package
     routes.LOADING.append((pack_dir, module))  # routes registered now are this pack's
     try:
-        loaded = importlib.import_module("%s.%s" % (name, module))
+        if module == OWN_INIT:
+            loaded = _load_own_init(name, pack_dir)
+        else:
+            if name not in sys.modules:
+                package = types.ModuleType(name, "comfy-env: the node pack at %s" % pack_dir)
+                package.__path__ = [pack_dir]
+                sys.modules[name] = package
+            loaded = importlib.import_module("%s.%s" % (name, module))
     finally:
         routes.LOADING.pop()
     _MODULES[key] = loaded
     return loaded
+
+
+def _load_own_init(name: str, pack_dir: str) -> types.ModuleType:
+    """The pack's own ``__init__.py`` as its package (``module="__init__"``: a shim pack
+    isolates another, unchanged pack directory whose ``__init__`` builds the mappings from its
+    submodules with relative imports)."""
+    existing = sys.modules.get(name)
+    if existing is not None and getattr(existing, "__file__", None):
+        return existing
+    init = os.path.join(pack_dir, "__init__.py")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[pack_dir])
+    if spec is None or spec.loader is None:
+        raise ImportError("cannot import %s as a package" % init)
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return package
 
 
 def _run(value: Any) -> Any:
@@ -103,9 +130,7 @@ def warm(
 ) -> None:
     """Import the pack's node module (and list a V3 pack's nodes) ahead of its first node call,
     as that call would: ``isolate(..., warm=True)`` runs it in a fresh worker."""
-    standins.install()
-    if directories:
-        standins.set_directories(directories)
+    standins.prepare(directories)
     if kind == "v3":
         v3_nodes(pack_dir, module)
     else:
@@ -117,9 +142,7 @@ def input_types(
 ) -> Dict[str, Any]:
     """``INPUT_TYPES()`` of the V1 nodes ``names``, as they answer now (lists of files change
     while the server runs); a node whose ``INPUT_TYPES`` raises is left out."""
-    standins.install()
-    if directories:
-        standins.set_directories(directories)
+    standins.prepare(directories)
     mappings = load_module(pack_dir, module).NODE_CLASS_MAPPINGS
     answer: Dict[str, Any] = {}
     for name in names:
@@ -175,13 +198,18 @@ def _overridden(cls: Any, name: str) -> bool:
     return getattr(own, "__func__", own) is not getattr(base, "__func__", base)
 
 
+def _server_comfyui() -> Optional[str]:
+    """The server's ComfyUI directory this worker imported (``comfyui="server"``), else None."""
+    real = sys.modules.get("comfy_env_worker.comfyui.real")
+    return getattr(real, "STATE", {}).get("dir") if real is not None else None
+
+
 def scan(
     pack_dir: str, module: str, directories: Optional[Dict[str, Any]] = None
 ) -> Dict[str, Any]:
     """Describe the pack's nodes as plain data. ``directories`` are the server's directories
     (``standins.DIRECTORY_KEYS``), known to ``folder_paths`` before the pack's module imports."""
-    if directories:
-        standins.set_directories(directories)
+    standins.prepare(directories)
     loaded = load_module(pack_dir, module)
     nodes: List[Dict[str, Any]] = []
     mappings = getattr(loaded, "NODE_CLASS_MAPPINGS", None)
@@ -210,6 +238,12 @@ def scan(
             )
     elif hasattr(loaded, "comfy_entrypoint"):
         kind = "v3"
+        if _server_comfyui() is not None:
+            raise TypeError(
+                "%s is a V3 pack (comfy_entrypoint): V3 schemas are recorded on comfy-env's "
+                'stand-in io module, so comfyui="server" does not support V3 packs yet; '
+                "isolate it with the stand-ins (the default)" % loaded.__name__
+            )
         for node_id, cls in v3_nodes(pack_dir, module).items():
             schema = cls.define_schema()
             if not isinstance(schema, standins.Recorded):
@@ -237,6 +271,7 @@ def scan(
         "has_torch": values.env_has_torch(),
         "standins": standins.install(),
         "python": "%d.%d.%d" % sys.version_info[:3],
+        "comfyui": _server_comfyui(),
         "nodes": nodes,
         **routes.table((pack_dir, module)),
     }

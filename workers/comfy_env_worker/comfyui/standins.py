@@ -86,6 +86,30 @@ def cancelled() -> bool:
     return bool(hook()) if hook is not None else False
 
 
+def report_progress(value: Any, total: Any, preview: Any, node: Any) -> None:
+    """A progress update of the running node: ComfyUI's progress on the host (the stand-in
+    ``ProgressBar`` and, with the server's ComfyUI in the worker, its global progress hook)."""
+    if preview is not None:
+        # Not coalesced: a preview image is its own event, in order with the progress.
+        emit("comfyui.preview", {"value": value, "max": total, "node": node, "preview": preview})
+    else:
+        progress(value, total, node=node)
+
+
+def prepare(directories: Optional[Dict[str, Any]]) -> List[str]:
+    """Everything a pack's module needs before it runs in this worker: the server's
+    directories, the server's own ComfyUI where the pack asked for it (``comfyui`` in
+    ``directories``: ``real.set_up``), then the stand-ins for whatever is still missing."""
+    if directories:
+        set_directories(directories)
+        server = directories.get("comfyui")
+        if server:
+            from . import real
+
+            real.set_up(server, directories)
+    return install()
+
+
 # ---- comfy.model_management ------------------------------------------------------------------
 
 
@@ -130,14 +154,7 @@ class ProgressBar:
             value = self.total
         self.current = value
         throw_exception_if_processing_interrupted()
-        if preview is not None:
-            # Not coalesced: a preview image is its own event, in order with the progress.
-            emit(
-                "comfyui.preview",
-                {"value": value, "max": self.total, "node": self.node_id, "preview": preview},
-            )
-        else:
-            progress(value, self.total, node=self.node_id)
+        report_progress(value, self.total, preview, self.node_id)
 
     def update(self, value: Any) -> None:
         self.update_absolute(self.current + value)
@@ -158,9 +175,10 @@ class _PromptServerInstance:
 
     def __getattr__(self, name: str) -> Any:  # what the stand-in lacks (routes, loop, ...)
         raise AttributeError(
-            "PromptServer.instance has no attribute %r: it is comfy-env's stand-in in an env "
-            "without ComfyUI, which offers only send_sync, routes, client_id, last_node_id and "
-            "last_prompt_id (the server's loop and app live in the ComfyUI process)" % name
+            "PromptServer.instance has no attribute %r: it is comfy-env's stand-in for the "
+            "server's PromptServer in a worker, which offers only send_sync, routes, "
+            "client_id, last_node_id and last_prompt_id (the server's loop and app live in "
+            "the ComfyUI process)" % name
         )
 
 
@@ -285,8 +303,13 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or type(value) in (bool, int, float, str):
         return value
+    for plain in (bool, int, float, str):
+        # A subclass (a pack's ``AnyType(str)`` for "*" sockets) would pickle by reference
+        # to the pack's module, which the host cannot import: its plain value crosses.
+        if isinstance(value, plain):
+            return plain(value)
     return repr(value)
 
 
