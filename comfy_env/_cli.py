@@ -825,6 +825,19 @@ def sweep_command(*, as_json: bool = False, dry_run: bool = False) -> int:
 # ---- status ----------------------------------------------------------------------------------
 
 
+def _setting(name: str, value: Any) -> str:
+    """One of an env's own settings for ``status``: seconds with an s, bytes in MiB."""
+    if name == "env_vars":
+        return f"env_vars={' '.join(value) or '-'}"
+    if value is None:
+        return f"{name}=None"
+    if name == "memory_limit":
+        return f"{name}={value / (1 << 20):g} MiB"
+    if name in ("call_timeout", "cancel_grace", "idle_timeout", "restart_window", "abandon_for"):
+        return f"{name}={value:g}s"
+    return f"{name}={value}"
+
+
 def _ago(seconds: float | None) -> str:
     if seconds is None:
         return "?"
@@ -887,6 +900,8 @@ def status_command(*, as_json: bool = False) -> int:
                 f"{env.failed} failed, {env.in_flight} in flight, {env.queued} queued; "
                 f"{env.spawns} spawns"
             )
+            if env.own_settings:
+                print("    own settings: " + ", ".join(_setting(k, v) for k, v in env.own_settings))
             for w in env.workers:
                 parts = [
                     f"slot {w.slot}",

@@ -34,6 +34,7 @@ from pydantic import (
 
 from ._errors import ArgumentError, ConfigError
 from ._settings import (  # re-exported: their home was this module
+    ENV_FIELDS,
     ENV_PREFIX,
     MAX_MEMORY_LIMIT,
     MAX_SECONDS,
@@ -436,3 +437,21 @@ def _parse_env_value(var: str, raw: str, annotation: Any, field: str) -> Any:
     except ValidationError as exc:
         detail = exc.errors()[0].get("msg", str(exc))
         raise _EnvValueError(field, var, raw, detail) from None
+
+
+def settings_for_env(base: Settings, changes: dict[str, Any]) -> Settings:
+    """``base`` (the pool's settings) with an env's own ``changes`` (``ENV_FIELDS`` only;
+    ``env_vars`` are added to the pool's, the env's winning), checked by ``PoolConfig`` as a
+    pool's values are: a bad value is a ``ConfigError`` naming the field."""
+    unknown = sorted(set(changes) - set(ENV_FIELDS))
+    if unknown:
+        raise ArgumentError(
+            f"an env cannot set {', '.join(unknown)} for itself; its own settings are "
+            f"{', '.join(ENV_FIELDS)}"
+        )
+    values = base.values()
+    for name, value in changes.items():
+        if name == "env_vars" and isinstance(value, dict):
+            value = {**base.env_vars, **value}
+        values[name] = value
+    return Settings.of(PoolConfig(**values))

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle as lc
 from ._errors import CallCancelled, CallTimeout, WorkerStartError
+from ._settings import Settings
 from ._stats import EnvStats, WorkerStats
 
 if TYPE_CHECKING:
@@ -127,8 +128,13 @@ def _no_release() -> None:
 class EnvEntry:
     """An env's slots, waiters and counters. Its lock guards all of them."""
 
-    def __init__(self, spec: EnvSpec, max_workers: int) -> None:
+    def __init__(self, spec: EnvSpec, max_workers: int, settings: Settings | None = None) -> None:
         self.spec = spec
+        # What this env's workers and calls run with: the pool's settings, or a copy with the
+        # env's own (``Pool.configure``). Replaced whole, never changed in place: a reader
+        # without the lock sees the old or the new one.
+        self.settings = settings if settings is not None else Settings()
+        self.own_settings: dict[str, Any] = {}  # what ``configure`` gave, field by field
         self.lock = threading.Lock()
         self.slots = [Slot(i) for i in range(max_workers)]
         self.waiters: deque[Ticket] = deque()
@@ -338,6 +344,8 @@ class EnvEntry:
                 log_lines_dropped=self.log_lines_dropped
                 + sum(s.process.log.dropped for s in self.slots if s.process is not None),
                 shared_memory=primary.shared_memory,
+                settings=self.settings,
+                own_settings=tuple(self.own_settings),
             )
 
     def _deaths_in_window(self, now: float | None, restart_window: float | None) -> int:

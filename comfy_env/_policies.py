@@ -112,14 +112,19 @@ def held_refs(entry: EnvEntry, slot: Slot) -> set[int]:
 
 
 def reap_idle(entries: Iterable[EnvEntry], now: float, config: Settings, hooks: ReapHooks) -> int:
-    """Retire workers idle longer than ``config.idle_timeout`` as of ``now``; returns how many.
+    """Retire workers idle longer than their env's ``idle_timeout`` (``entry.settings``: the
+    pool's, or the env's own) as of ``now``; returns how many.
 
     The decision and its application happen under the env's lock, and the decision names the
     ``idle_since`` it observed, so a worker that ran a call in between (or is leased by a caller
     right now) is never reaped."""
-    if config.idle_timeout is None:
-        return 0
-    return _retire_expired(entries, now, config.idle_timeout, not config.reap_with_refs, hooks)
+    reaped = 0
+    for entry in entries:
+        idle_timeout = entry.settings.idle_timeout
+        if idle_timeout is not None:
+            keep = not config.reap_with_refs
+            reaped += _retire_expired((entry,), now, idle_timeout, keep, hooks)
+    return reaped
 
 
 def retire_idle(entry: EnvEntry, now: float) -> int:

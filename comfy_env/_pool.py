@@ -174,6 +174,9 @@ _DISPOSE_DELAY = 0.005
 # ---- the pool --------------------------------------------------------------------------------
 
 
+_UNSET = object()  # (no value: a setting an env's own settings do not hold yet)
+
+
 def _same(worker: Worker) -> Worker:
     return worker
 
@@ -234,7 +237,11 @@ class Pool:
     def get_worker(self, env: str | os.PathLike[str] | Recipe | None = None) -> Worker:
         """A handle on ``env``'s workers (None: the current interpreter; a ``Recipe``: its
         env, built first if it was not yet). Spawns nothing."""
-        return Worker(self, self._entry(resolve_env(env)))
+        entry = self._entry(resolve_env(env))
+        own = getattr(env, "settings", None) if type(env).__name__ == "Recipe" else None
+        if own and any(entry.own_settings.get(k, _UNSET) != v for k, v in own.items()):
+            self.configure(entry.spec.key, **own)  # a recipe's own settings, once per change
+        return Worker(self, entry)
 
     def start(
         self,
@@ -329,6 +336,47 @@ class Pool:
         with entry.lock:
             entry.breaker = breaker
 
+    def configure(
+        self, env: str | os.PathLike[str] | Recipe | None = None, **settings: Any
+    ) -> None:
+        """Give ``env`` settings of its own, in place of the pool's: ``env_vars`` (added to the
+        pool's, the env's winning), ``call_timeout``, ``cancel_grace``, ``idle_timeout``,
+        ``memory_limit``, ``max_restarts``, ``restart_window``, ``abandon_for``, with the
+        meanings of ``PoolConfig``'s fields (None is a value here: ``call_timeout=None`` is no
+        deadline for this env). A later call adds to what an earlier one gave. Bad values are a
+        ``ConfigError`` naming the field, as in ``PoolConfig``, and change nothing; a field an
+        env cannot set (the channel, shared memory, the backend: the pool's) is an
+        ``ArgumentError``. The env's next calls take the new deadlines and grace; workers
+        started from now on take the variables and the memory limit (running ones keep theirs:
+        ``retire_idle(env)`` replaces idle ones now); the breaker counts from the next death.
+        ``stats()[env].settings`` shows what the env runs with."""
+        from ._config import settings_for_env
+
+        entry = self._entry(resolve_env(env))
+        own = {**entry.own_settings, **settings}
+        effective = settings_for_env(self.settings, own)  # raises before anything changes
+        breaker_fields = ("max_restarts", "restart_window", "abandon_for")
+        breaker = None
+        if any(name in own for name in breaker_fields):
+            breaker = lc.Breaker(
+                effective.max_restarts, effective.restart_window, effective.abandon_for
+            )
+        with entry.lock:
+            entry.own_settings = own
+            entry.settings = effective
+            if breaker is not None:
+                entry.breaker = breaker
+        reactor = self._reactor
+        if "idle_timeout" in settings and reactor is not None:
+            # On the reactor, where the reaper's ticks run: one timer chain, never two.
+            reactor.call_later(0, self._reschedule_reaper)
+
+    def _reschedule_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if not self._closed:
+            self._schedule_reaper()
+
     def retire_idle(self, env: str | os.PathLike[str] | None = None) -> int:
         """Retire ``env``'s idle workers now instead of after ``idle_timeout`` (None: the
         current interpreter's env); returns how many. For a worker nobody will call again soon
@@ -416,7 +464,7 @@ class Pool:
                 raise self.closed_error()
             entry = self._entries.get(spec.key)
             if entry is None:
-                entry = EnvEntry(spec, self.settings.max_workers_per_env)
+                entry = EnvEntry(spec, self.settings.max_workers_per_env, self.settings)
                 entry.call_later = self._call_later
                 entry.refs_dropped = self._refs_dropped
                 self._entries[spec.key] = entry
@@ -698,7 +746,7 @@ class Pool:
             if force:
                 event = lc.CallCancelled(ticket.generation, ticket.call_id)
             else:
-                grace = self.settings.cancel_grace
+                grace = entry.settings.cancel_grace
                 event = lc.CancelRequested(ticket.generation, ticket.call_id, self.clock(), grace)
         entry.apply(slot, event)
         return False
@@ -748,7 +796,7 @@ class Pool:
         body, _, _ = encode_call(target, args, kwargs, self._oob_threshold, True)
         if len(body) + HEADER_SIZE > config.max_frame_bytes:
             return None  # (``prepare`` says why)
-        timeout = config.call_timeout
+        timeout = entry.settings.call_timeout
         if ticket is None:
             ticket = Ticket()
         deadline = None
@@ -943,7 +991,7 @@ class Pool:
         if timeout is not None:
             timeout = check_timeout(timeout)
         if timeout is None:
-            timeout = config.call_timeout
+            timeout = entry.settings.call_timeout
         deadline = None
         if timeout is not None:
             deadline = time.monotonic() + timeout
@@ -1199,7 +1247,7 @@ class Pool:
             process: WorkerGeneration = self._backend.new_generation(
                 entry.spec,
                 generation,
-                self.settings,
+                entry.settings,
                 reactor,
                 runtime_dir,
                 lambda p: self._on_exit(entry, slot, p),
@@ -1345,10 +1393,15 @@ class Pool:
 
     def _schedule_reaper(self) -> None:
         """One periodic timer on the reactor serves every env (no thread per worker)."""
-        timeout = self.settings.idle_timeout
-        if timeout is None or self._reactor is None:
+        # (No lock: the first schedule runs under the pool's lock. Copying a dict's values is
+        # one C call, atomic under the GIL; an env added meanwhile is seen at the next tick.)
+        entries = list(self._entries.values())
+        timeouts = [e.settings.idle_timeout for e in entries] + [self.settings.idle_timeout]
+        known = [t for t in timeouts if t is not None]
+        if not known or self._reactor is None:
+            self._reaper = None  # (``configure`` schedules it when an env gets a timeout)
             return
-        interval = min(max(timeout / 4, 0.02), 5.0)
+        interval = min(max(min(known) / 4, 0.02), 5.0)
         self._reaper = self._reactor.call_later(interval, self._reap_tick)
 
     def _reap_tick(self) -> None:
@@ -1598,7 +1651,7 @@ class Pool:
             # KeyboardInterrupt (or another async exception) while waiting: the call's result
             # can no longer be delivered. Ctrl-C asks the worker first (it may keep its
             # caches); anything else, or a second Ctrl-C, stops the worker at once.
-            if not isinstance(exc, KeyboardInterrupt) or self.settings.cancel_grace <= 0:
+            if not isinstance(exc, KeyboardInterrupt) or entry.settings.cancel_grace <= 0:
                 entry.apply(slot, lc.CallCancelled(process.generation, call_id))
                 raise
             frame = self._drain_cancelled(entry, slot, process, ticket, call_id)
@@ -1657,7 +1710,7 @@ class Pool:
         def report_death(returncode: int | None, tail: str) -> None:
             self._report_death(entry, process, returncode, tail)
 
-        closed, grace = self._closed, self.settings.cancel_grace
+        closed, grace = self._closed, entry.settings.cancel_grace
         return entry, slot, process, call_id, label, closed, grace, report_death
 
     # ---- shutdown ----
@@ -1782,8 +1835,21 @@ def snapshot_pool(pool: Pool) -> Snapshot:
         for name in CALL_COUNTERS:
             env[name] = getattr(env_stats, name)
         env["workers"] = workers
+        if entry is not None and entry.own_settings:
+            env["settings"] = own_settings_shown(entry.settings, entry.own_settings)
         envs.append(env)
     return {"pool": f"{id(pool):x}", "envs": envs}
+
+
+def own_settings_shown(settings: Settings, own: dict[str, Any]) -> dict[str, Any]:
+    """An env's own settings as the status file shows them: the effective value of each field
+    the env set, ``env_vars`` by name only (their values may be secrets; the status file is
+    readable by the user's other processes)."""
+    shown: dict[str, Any] = {}
+    for name in sorted(own):
+        value = getattr(settings, name)
+        shown[name] = sorted(own[name]) if name == "env_vars" else value
+    return shown
 
 
 def live_pool_snapshots() -> list[Snapshot]:

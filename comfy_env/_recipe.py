@@ -35,9 +35,10 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
-from ._errors import EnvBuildError
+from ._errors import ArgumentError, EnvBuildError
 
 # Bumped whenever the way a recipe becomes an env changes (uv flags, layout of the env
 # directory): an env built by an older recipe version is then never reused for a new recipe.
@@ -137,6 +138,23 @@ class CudaWheels:
         ]
 
 
+def _env_settings(settings: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """A recipe's own settings, checked now as ``Pool.configure`` will take them (a bad one is
+    an ``ArgumentError`` or ``ConfigError`` here, not at the first call); read-only."""
+    if not settings:
+        return MappingProxyType({})
+    if not isinstance(settings, Mapping):
+        raise ArgumentError(
+            f"Recipe(settings=...) must be a mapping of setting names, not "
+            f"{type(settings).__name__}"
+        )
+    from ._config import settings_for_env
+    from ._settings import Settings
+
+    settings_for_env(Settings(), dict(settings))
+    return MappingProxyType(dict(settings))
+
+
 @dataclass(frozen=True, init=False)
 class Recipe:
     """What an env holds: requirement lines, the Python version (``"3.12"``; None: the host's
@@ -144,7 +162,9 @@ class Recipe:
     ``extra_index_urls`` add to it), ``cuda_wheels`` routing, and ``lock``: the path of a lock
     the author ships (``uv pip compile --generate-hashes`` output, installed as is instead of
     resolving). ``name`` labels the env in logs and ``comfy-env env list`` (not in its key);
-    ``source`` says where the recipe came from, for messages.
+    ``source`` says where the recipe came from, for messages. ``settings``: the env's own
+    settings (``Pool.configure``'s fields: ``{"memory_limit": 2 << 30, "env_vars": {...}}``),
+    given to every pool that uses the recipe; not in the key (they change no file).
 
     Accepted wherever an env is (``get_worker(recipe)``, ``Pool.get_worker``,
     ``isolate(env=...)``): it is built on first use (``comfy_env.build_env``) and then used as
@@ -158,6 +178,7 @@ class Recipe:
     lock: str | None = None
     name: str | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)
+    settings: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __init__(
         self,
@@ -170,6 +191,7 @@ class Recipe:
         lock: str | os.PathLike[str] | None = None,
         name: str | None = None,
         source: str | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         lines = tuple(
             _normalise_requirement(line)
@@ -194,6 +216,7 @@ class Recipe:
         set_(self, "lock", None if lock is None else os.path.abspath(os.fspath(lock)))
         set_(self, "name", name)
         set_(self, "source", source)
+        set_(self, "settings", _env_settings(settings))
         if not self.requirements and self.lock is None:
             raise EnvBuildError(
                 f"recipe {source or ''} lists no requirements and ships no lock: nothing to "

@@ -69,6 +69,20 @@ FIELDS = (
 )
 
 
+# The fields an env may set for itself (``Pool.configure``, a ``Recipe``'s): what its own
+# workers and calls run with. The rest (the channel, shared memory, the backend) is the pool's.
+ENV_FIELDS = (
+    "env_vars",
+    "call_timeout",
+    "cancel_grace",
+    "idle_timeout",
+    "memory_limit",
+    "max_restarts",
+    "restart_window",
+    "abandon_for",
+)
+
+
 class Settings:
     """The fields of ``PoolConfig``, valid, read-only. ``Settings()`` holds the defaults;
     ``Settings.of(config)`` the values of a validated ``PoolConfig``."""
@@ -123,6 +137,10 @@ class Settings:
     def values(self) -> dict[str, Any]:
         """Every field and its value."""
         return {name: getattr(self, name) for name in FIELDS}
+
+    def env_values(self) -> dict[str, Any]:
+        """The fields an env may set for itself (``ENV_FIELDS``) and their values here."""
+        return {name: getattr(self, name) for name in ENV_FIELDS}
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Settings are read-only (tried to set {name!r})")

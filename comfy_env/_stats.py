@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from ._values import value
 
+TYPE_CHECKING = False  # (``comfy-env status`` loads this module: no typing import at run time)
+if TYPE_CHECKING:
+    from ._settings import Settings
+
 # How a call ended, and the counters that add up to ``submitted`` (with spawns alongside).
 OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
 CALL_COUNTERS = ("submitted", *OUTCOMES, "in_flight", "queued", "spawns")
@@ -70,3 +74,7 @@ class EnvStats:
     abandoned: bool = False
     log_lines_dropped: int = 0
     shared_memory: str | None = None  # the first slot's ``WorkerStats.shared_memory``
+    # What the env runs with (the pool's settings with the env's own, ``Pool.configure``), and
+    # the names of the fields the env set itself.
+    settings: Settings | None = None
+    own_settings: tuple[str, ...] = ()

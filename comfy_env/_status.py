@@ -338,6 +338,8 @@ class EnvStatus:
     queued: int
     spawns: int
     workers: tuple[WorkerStatus, ...]
+    # The env's own settings (``Pool.configure``), effective values; ``env_vars`` by name.
+    own_settings: tuple[tuple[str, Any], ...] = ()
 
 
 @value
@@ -494,6 +496,11 @@ def _opt_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _frozen(value: Any) -> Any:
+    """A JSON value as a hashable one (lists as tuples), for a frozen status value."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
 def _parse(doc: Any, path: str) -> HostStatus:
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
@@ -523,6 +530,9 @@ def _parse(doc: Any, path: str) -> HostStatus:
                     interpreter=_opt_str(env.get("interpreter")),
                     generation=int(env.get("generation", 0)),
                     workers=workers,
+                    own_settings=tuple(
+                        (str(k), _frozen(v)) for k, v in (env.get("settings") or {}).items()
+                    ),
                     **counters,
                 )
             )

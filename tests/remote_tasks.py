@@ -675,3 +675,9 @@ def hold_memory_and_sleep(mib: int, seconds: float) -> None:
     sleep."""
     _HELD.append(b"\x01" * (mib << 20))
     time.sleep(seconds)
+
+
+def allocate_mib(mib: int) -> int:
+    """Allocate and touch ``mib`` MiB, 8 MiB at a time; return how many 8 MiB pieces."""
+    held = [bytearray(8 << 20) for _ in range(mib // 8)]
+    return len(held)
