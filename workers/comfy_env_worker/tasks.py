@@ -12,7 +12,7 @@ import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Dict
+    from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 
 def echo(value: Any) -> Any:
@@ -64,3 +64,15 @@ def shm_stats() -> Dict[str, int]:
 
     worker = main.WORKER
     return worker.shm_stats() if worker is not None else {}
+
+
+def starmap(fn: Union[str, Callable[..., Any]], chunk: Sequence[Tuple[Any, ...]]) -> List[Any]:
+    """``[fn(*args) for args in chunk]``: one call runs a chunk of ``comfy_env.Executor.map``
+    (its ``chunksize``), as ``ProcessPoolExecutor`` batches items. ``fn`` is a ``"module:name"``
+    target (imported and cached as a call's own target is) or a callable that came with the
+    arguments. The first exception ends the chunk and is the call's error."""
+    if isinstance(fn, str):
+        from .main import resolve_target
+
+        fn = resolve_target(fn)
+    return [fn(*args) for args in chunk]
