@@ -24,7 +24,7 @@ def identity(x: object) -> object:
 
 
 def version() -> str:
-    return "%d.%d" % sys.version_info[:2]
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 def pid(_: object = None) -> int:

@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import executor_tasks as tasks
 import pytest
+from conftest import TESTS_DIR, other_python, wait_until
 
 import comfy_env
-import executor_tasks as tasks
 from comfy_env import ArgumentError, SerializationError, WorkerCrashed
-from conftest import TESTS_DIR, other_python, wait_until
 
 
 @pytest.fixture
@@ -103,12 +103,21 @@ def test_map_with_chunksize_gives_the_same_results(
     ]
     assert list(executor.map(lambda x: -x, range(5), chunksize=chunksize)) == [0, -1, -2, -3, -4]
     assert list(executor.map(tasks.square, [], chunksize=chunksize)) == []
+    assert list(executor.map(tasks.pid, chunksize=chunksize)) == []  # no iterables: no calls
 
 
 def test_map_with_chunksize_sends_one_call_per_chunk(executor: comfy_env.Executor) -> None:
     before = executor.pool.stats()[executor.env].submitted
     assert len(list(executor.map(tasks.square, range(100), chunksize=25))) == 100
     assert executor.pool.stats()[executor.env].submitted - before == 4
+
+
+def test_map_chunks_carry_non_scalar_items_and_results(executor: comfy_env.Executor) -> None:
+    # Scalars travel as one pickle per chunk; anything else (here tuples, bytes, a dict) as the
+    # call path sends any argument and result.
+    items = [(1, "a"), b"bytes", {"k": [1, 2]}, None, 2.5, "text"]
+    assert list(executor.map(tasks.identity, items, chunksize=4)) == items
+    assert list(executor.map(tasks.identity, range(5), chunksize=2)) == list(range(5))
 
 
 @pytest.mark.parametrize("chunksize", [1, 2])
@@ -262,9 +271,8 @@ def test_an_exception_in_a_done_callback_is_logged_not_raised(
 def test_usable_with_loop_run_in_executor(executor: comfy_env.Executor) -> None:
     async def main() -> list[int]:
         loop = asyncio.get_running_loop()
-        return list(
-            await asyncio.gather(*(loop.run_in_executor(executor, tasks.square, x) for x in range(6)))
-        )
+        calls = (loop.run_in_executor(executor, tasks.square, x) for x in range(6))
+        return list(await asyncio.gather(*calls))
 
     assert asyncio.run(main()) == [0, 1, 4, 9, 16, 25]
 
@@ -299,7 +307,7 @@ def test_an_env_of_another_python_runs_submit_map_and_crashes(
 ) -> None:
     with comfy_env.Executor(other_env, max_workers=2, config=config) as ex:
         version = ex.submit(tasks.version).result(timeout=60)
-        assert version != "%d.%d" % sys.version_info[:2]
+        assert version != f"{sys.version_info[0]}.{sys.version_info[1]}"
         assert list(ex.map(tasks.square, range(10))) == [x * x for x in range(10)]
         assert list(ex.map(tasks.add, range(10), range(10), chunksize=3)) == list(range(0, 20, 2))
         with pytest.raises(KeyError, match="boom"):

@@ -12,7 +12,7 @@ import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
+    from typing import Any, Callable, Dict, List, Sequence, Union
 
 
 def echo(value: Any) -> Any:
@@ -66,13 +66,30 @@ def shm_stats() -> Dict[str, int]:
     return worker.shm_stats() if worker is not None else {}
 
 
-def starmap(fn: Union[str, Callable[..., Any]], chunk: Sequence[Tuple[Any, ...]]) -> List[Any]:
-    """``[fn(*args) for args in chunk]``: one call runs a chunk of ``comfy_env.Executor.map``
-    (its ``chunksize``), as ``ProcessPoolExecutor`` batches items. ``fn`` is a ``"module:name"``
-    target (imported and cached as a call's own target is) or a callable that came with the
-    arguments. The first exception ends the chunk and is the call's error."""
+def starmap(
+    fn: Union[str, Callable[..., Any]], chunk: Union[bytes, Sequence[Any]], star: bool = True
+) -> Union[bytes, List[Any]]:
+    """One call of ``comfy_env.Executor.map``'s chunks (its ``chunksize``, as
+    ``ProcessPoolExecutor`` batches items): ``[fn(*args) for args in chunk]`` (``star``) or
+    ``[fn(x) for x in chunk]``. ``fn`` is a ``"module:name"`` target (imported and cached as a
+    call's own target is) or a callable that came with the arguments.
+
+    ``chunk`` is a list, or the host's pickle of one (bytes) when every item is a scalar; the
+    results come back the same way: pickled here when every result is a scalar, else the list
+    itself (whose arrays and large buffers then travel as any result's do). One pickle each
+    way is much cheaper than the call path's scan of every item. The first exception ends the
+    chunk and is the call's error."""
+    import pickle
+
     if isinstance(fn, str):
         from .main import resolve_target
 
         fn = resolve_target(fn)
-    return [fn(*args) for args in chunk]
+    items = chunk if isinstance(chunk, (list, tuple)) else pickle.loads(chunk)  # type: ignore[arg-type]
+    results = [fn(*args) for args in items] if star else [fn(x) for x in items]
+    from .shm import SCALARS
+
+    for result in results:
+        if type(result) not in SCALARS:
+            return results
+    return pickle.dumps(results, protocol=5)
