@@ -9,6 +9,9 @@ What is measured
     same ``max_workers`` for every method. Figures: wall time per item, and on-CPU time per
     item of the host and all its worker processes (from ``/proc/<pid>/task/*/schedstat``:
     what the machine spent, not only what the caller waited).
+``comfy_env.Executor spin_wait=100us``
+    The same executor with the pool's default ``PoolConfig.spin_wait`` (an ``Executor`` sets
+    it to 0 unless told): why it does.
 ``submit latency``
     ``ex.submit(f, x).result()`` one at a time: the round trip of one future, per call
     (median and p99 over the calls of all rounds).
@@ -70,6 +73,10 @@ def make_executors(workers: int) -> tuple[dict[str, Any], dict[str, str]]:
     """The executors to compare, by name, and why the missing ones are missing."""
     made: dict[str, Any] = {
         "comfy_env.Executor": comfy_env.Executor(None, max_workers=workers),
+        # The pool's own default polling, which the Executor turns off (see _executor).
+        "comfy_env.Executor spin_wait=100us": comfy_env.Executor(
+            None, max_workers=workers, config=comfy_env.PoolConfig(spin_wait=100e-6)
+        ),
         "ProcessPoolExecutor": concurrent.futures.ProcessPoolExecutor(max_workers=workers),
     }
     missing: dict[str, str] = {}
@@ -190,7 +197,7 @@ def report(result: dict[str, Any]) -> Iterator[str]:
         yield f"| {n} | {fmt(s.median)} | {fmt(s.percentile(99))} | {fmt(s.min)} | {fmt(s.max)} |"
     yield ""
     for c in CHUNKSIZES:
-        peers = {n: wall[(n, c)].median for n in names if n != "comfy_env.Executor"}
+        peers = {n: wall[(n, c)].median for n in names if not n.startswith("comfy_env")}
         ours = wall[("comfy_env.Executor", c)].median
         target = target_faster_than(
             SECTION, f"Executor.map faster than the peers (chunksize {c})", ours, peers, "us/item"

@@ -49,7 +49,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
-import pickle
 import queue
 import threading
 import time
@@ -58,6 +57,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from comfy_env_worker.shm import SCALARS
+from comfy_env_worker.tasks import pack, unpack
 
 from ._codec import reference_name
 
@@ -71,6 +71,13 @@ _T = TypeVar("_T")
 
 # The worker-side helper that runs a chunk of ``map`` in one call (stdlib, in every env).
 STARMAP_TARGET = "comfy_env_worker.tasks:starmap"
+
+# ``PoolConfig.spin_wait`` is 0 in an executor's pool unless the config (or this variable)
+# sets it: a dispatcher polling for its reply holds the GIL between polls, against the caller
+# reading results and the other dispatchers, and takes a CPU the workers need. Measured with
+# bench_executor.py (2 CPUs, 2 workers, 10,000 items): map 1.3-1.9x faster without polling at
+# chunksize 1 and 100 (benchmarks/README.md, the lead's RESULTS.md).
+_SPIN_WAIT_VARIABLE = "COMFY_ENV_SPIN_WAIT"
 
 # A queued item: the future and what to call. ``None`` on the queue is the shutdown sentinel.
 _Item = tuple[
@@ -147,11 +154,12 @@ def _chunks(iterables: tuple[Iterable[Any], ...], size: int) -> Iterator[list[An
         yield chunk
 
 
-def _chunk_payload(chunk: list[Any], star: bool) -> bytes | list[Any]:
-    """What a chunk travels as: its pickle when every value is a scalar (one C-speed pickle,
-    where the call path would scan every item for buffers and refs: about half the cost of a
-    chunk of 100 small items), else the list itself, so arrays and large buffers in it take
-    the call path's shared memory, version-neutral arrays and refs."""
+def _chunk_payload(chunk: list[Any], star: bool) -> str | bytes | list[Any]:
+    """What a chunk travels as: packed (one C-speed pickle, as a latin-1 ``str`` when small,
+    see ``comfy_env_worker.tasks.pack``) when every value is a scalar, where the call path
+    would scan every item for buffers and refs (about half the cost of a chunk of 100 small
+    items, measured); else the list itself, so arrays and large buffers in it take the call
+    path's shared memory, version-neutral arrays and refs."""
     if star:
         for args in chunk:
             for value in args:
@@ -161,12 +169,12 @@ def _chunk_payload(chunk: list[Any], star: bool) -> bytes | list[Any]:
         for value in chunk:
             if type(value) not in SCALARS:
                 return chunk
-    return pickle.dumps(chunk, protocol=5)
+    return pack(chunk)
 
 
 def _chunk_results(reply: Any) -> list[Any]:
-    # ``starmap`` pickles scalar results (bytes, or a buffer if it came out of band).
-    return reply if isinstance(reply, list) else pickle.loads(reply)
+    # ``starmap`` packs scalar results (a str, bytes, or a buffer if it came out of band).
+    return reply if isinstance(reply, list) else unpack(reply)
 
 
 def _result_or_cancel(future: concurrent.futures.Future[_T], timeout: float | None = None) -> _T:
@@ -208,7 +216,10 @@ class Executor(concurrent.futures.Executor):
             from ._errors import ArgumentError
 
             raise ArgumentError(f"config must be a PoolConfig or None, not {type(base).__name__}")
-        self._pool: Pool = Pool(base.model_copy(update={"max_workers_per_env": self._max_workers}))
+        update: dict[str, Any] = {"max_workers_per_env": self._max_workers}
+        if "spin_wait" not in base.model_fields_set and not os.environ.get(_SPIN_WAIT_VARIABLE):
+            update["spin_wait"] = 0.0  # see _SPIN_WAIT_VARIABLE
+        self._pool: Pool = Pool(base.model_copy(update=update))
         try:
             self._worker: Worker = self._pool.get_worker(env)
         except BaseException:

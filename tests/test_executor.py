@@ -118,6 +118,10 @@ def test_map_chunks_carry_non_scalar_items_and_results(executor: comfy_env.Execu
     items = [(1, "a"), b"bytes", {"k": [1, 2]}, None, 2.5, "text"]
     assert list(executor.map(tasks.identity, items, chunksize=4)) == items
     assert list(executor.map(tasks.identity, range(5), chunksize=2)) == list(range(5))
+    # A big chunk of scalars (its pickle over comfy_env_worker.tasks.PACKED_MAX) goes as bytes,
+    # which may travel out of band.
+    words = [f"word-{i:08d}" for i in range(30_000)]
+    assert list(executor.map(tasks.identity, words, chunksize=15_000)) == words
 
 
 @pytest.mark.parametrize("chunksize", [1, 2])
