@@ -271,10 +271,23 @@ class Executor(concurrent.futures.Executor):
             thread.start()
 
     def _dispatch(self) -> None:
-        worker, get, idle = self._worker, self._queue.get, self._idle
+        worker, get, get_nowait, idle = (
+            self._worker,
+            self._queue.get,
+            self._queue.get_nowait,
+            self._idle,
+        )
         try:
             while True:
-                item = get()
+                try:
+                    item = get_nowait()
+                except queue.Empty:
+                    # About to wait: a submit may count on this dispatcher instead of starting
+                    # one. (Said only here, not after every call: a busy map saves the
+                    # semaphore's lock and notify per item. Counted loosely, as
+                    # ThreadPoolExecutor counts: at worst a dispatcher fewer starts.)
+                    idle.release()
+                    item = get()
                 if item is None:
                     self._queue.put(None)  # wake the next dispatcher too
                     return
@@ -291,7 +304,6 @@ class Executor(concurrent.futures.Executor):
                         del result
                 # (Dropped before waiting: a result must not live on in an idle dispatcher.)
                 del future, target, args, kwargs
-                idle.release()
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
