@@ -934,8 +934,8 @@ def own_hosts(hosts: list[HostStatus], mine: int | None) -> list[HostStatus]:
     Status files are per user already; this tells apart people who share one account (a
     lab's ``comfy`` account, ``root`` on a shared box): each login sees the hosts it started,
     from any terminal, tmux or ``nohup`` of that login. Where the reader has no login session
-    (no audit support, a container, cron) nothing can be told apart and every host is shown.
-    Hosts of no login (a service, cron) are shown only with ``--all``."""
+    (no audit support, a container) nothing can be told apart and every host is shown.
+    Hosts of no login (a service) are shown only with ``--all``."""
     if mine is None:
         return list(hosts)
     return [host for host in hosts if host.login_session == mine]

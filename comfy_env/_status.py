@@ -83,9 +83,9 @@ NO_LOGIN_SESSION = 4294967295
 def login_session(pid: int | str = "self") -> int | None:
     """The login session of ``pid``: the kernel's audit session id, which ``pam_loginuid``
     gives each login (ssh, console, a desktop session) and every process started from it
-    inherits, through ``setsid``, tmux or screen started there, ``nohup`` and ``sudo``. None
-    where there is none (no audit support, a process started by no login: a container, cron,
-    a service) or it cannot be read. ``comfy-env status`` shows the hosts of its own login
+    inherits, through ``setsid``, ``nohup`` and a tmux or screen started there. None where
+    there is none (no audit support, a process no login started: a container, a service) or
+    it cannot be read. ``comfy-env status`` shows the hosts of its own login
     session, so that people sharing one account see their own hosts by default."""
     try:
         with open(f"/proc/{pid}/sessionid") as f:

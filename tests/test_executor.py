@@ -354,3 +354,21 @@ with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=100
     ).stdout
     assert "RESULT 9" not in out
+
+
+@pytest.mark.timeout(60)
+def test_an_executor_not_shut_down_runs_out_its_queue_at_interpreter_exit(tmp_path: Path) -> None:
+    # As concurrent.futures' executors do: the host exits only after the queued calls ran.
+    code = f"""
+import sys
+sys.path.insert(0, {str(TESTS_DIR)!r})
+import comfy_env, executor_tasks
+ex = comfy_env.Executor(None, 1, config=comfy_env.PoolConfig(sys_path=({str(TESTS_DIR)!r},)))
+for i in range(4):
+    ex.submit(executor_tasks.touch, {str(tmp_path)!r} + f"/m{{i}}", 0.1)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=50
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m0", "m1", "m2", "m3"]
