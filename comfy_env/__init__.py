@@ -62,6 +62,7 @@ if TYPE_CHECKING:
         WorkerRetired,
         WorkerSpawned,
     )
+    from ._executor import Executor
     from ._pool import Pool
     from ._recipe import CudaWheels, Recipe
     from ._refs import RemoteRef
@@ -91,6 +92,7 @@ _LAZY = {
     "build_env": "._build",
     "RemoteRef": "._refs",
     "EnvStats": "._stats",
+    "Executor": "._executor",
     "WorkerStats": "._stats",
     "SweepReport": "._sweep",
     "sweep": "._sweep",
@@ -141,6 +143,7 @@ __all__ = [
     "EnvReset",
     "EnvSpec",
     "EnvStats",
+    "Executor",
     "HostResourceError",
     "Pool",
     "PoolClosedError",

@@ -14,8 +14,9 @@ Commands:
                             (positional) or object (keyword), and print the result.
   sweep                     remove what dead hosts left behind (shared-memory blocks, runtime
                             directories, stray workers, status files).
-  status                    list live comfy-env hosts of this user on this machine: their envs,
-                            worker pids, generations, states, RSS, idle time, call counts.
+  status [--all]            list live comfy-env hosts of this login session on this machine
+                            (--all: of this user): their envs, worker pids, generations,
+                            states, RSS, idle time, call counts.
   env build|list|gc|rm      declared envs built with uv (see ``comfy_env._cli_envs``).
 
 ENV is an env directory or an interpreter path; ``-`` (or, for doctor, nothing) is the current
@@ -85,6 +86,7 @@ if TYPE_CHECKING:
 
     from ._config import PoolConfig
     from ._envs import EnvSpec
+    from ._status import HostStatus
     from ._worker import Worker
 
 # pydantic, the pool and the process machinery are imported by the commands that run workers
@@ -855,14 +857,18 @@ OTHER_NAMESPACE_NOTE = (
 )
 
 
-def status_command(*, as_json: bool = False) -> int:
-    """List live hosts from their status files; returns the exit code."""
-    from ._status import read_status, status_dir
+def status_command(*, as_json: bool = False, all_hosts: bool = False) -> int:
+    """List live hosts from their status files; returns the exit code. Only the hosts of this
+    login session unless ``all_hosts`` (see ``own_hosts``)."""
+    from ._status import login_session, read_status, status_dir
 
     notes: list[str] = []
-    hosts = read_status(notes=notes)
+    every = read_status(notes=notes)
     for note in notes:
         print(f"comfy-env: status: note: {note}", file=sys.stderr)
+    mine = login_session()
+    hosts = every if all_hosts else own_hosts(every, mine)
+    hidden = len(every) - len(hosts)
     now = time.time()
     if as_json:
         documents = []
@@ -876,10 +882,20 @@ def status_command(*, as_json: bool = False) -> int:
                     w_doc["idle_seconds"] = None if idle is None else round(idle, 3)
                     w_doc["busy_seconds"] = None if busy is None else round(busy, 3)
             documents.append(doc)
-        _print_json({"status_dir": status_dir(), "hosts": documents, "notes": notes})
+        _print_json(
+            {
+                "status_dir": status_dir(),
+                "login_session": mine,
+                "all": all_hosts,
+                "hidden_hosts": hidden,
+                "hosts": documents,
+                "notes": notes,
+            }
+        )
         return EXIT_OK
     if not hosts:
         print(f"no live comfy-env hosts for this user (status dir {status_dir()})")
+        _say_hidden(hidden)
         return EXIT_OK
     for host in hosts:
         command = " ".join(host.argv) or "?"
@@ -922,7 +938,30 @@ def status_command(*, as_json: bool = False) -> int:
                 if busy is not None:
                     parts.append(f"in a call for {_ago(busy)}")
                 print("    " + ", ".join(parts))
+    _say_hidden(hidden)
     return EXIT_OK
+
+
+def own_hosts(hosts: list[HostStatus], mine: int | None) -> list[HostStatus]:
+    """The hosts ``comfy-env status`` shows by default: those of the reader's login session
+    (``_status.login_session``: the kernel's audit session, one per ssh or console login).
+
+    Status files are per user already; this tells apart people who share one account (a
+    lab's ``comfy`` account, ``root`` on a shared box): each login sees the hosts it started,
+    from any terminal, tmux or ``nohup`` of that login. Where the reader has no login session
+    (no audit support, a container) nothing can be told apart and every host is shown.
+    Hosts of no login (a service) are shown only with ``--all``."""
+    if mine is None:
+        return list(hosts)
+    return [host for host in hosts if host.login_session == mine]
+
+
+def _say_hidden(hidden: int) -> None:
+    if hidden:
+        print(
+            f"({hidden} host{'s' if hidden != 1 else ''} of other login sessions of this user "
+            "not shown; comfy-env status --all lists every host)"
+        )
 
 
 # ---- the parser ------------------------------------------------------------------------------
@@ -1024,7 +1063,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_json(p_sweep)
 
-    p_status = add("status", "list live comfy-env hosts of this user and their workers")
+    p_status = add("status", "list live comfy-env hosts of this login session and their workers")
+    p_status.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_hosts",
+        help="every host of this user, not only this login session's (an account shared by "
+        "several people)",
+    )
     add_json(p_status)
 
     from ._cli_envs import add_env_commands
@@ -1119,7 +1165,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "sweep":
             return sweep_command(as_json=args.json, dry_run=args.dry_run)
         if args.command == "status":
-            return status_command(as_json=args.json)
+            return status_command(as_json=args.json, all_hosts=args.all_hosts)
         if args.command == "env":
             from ._cli_envs import env_command
 

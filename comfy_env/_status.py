@@ -76,6 +76,25 @@ def status_dir() -> str:
     return private_subdir(runtime_root(), STATUS_DIR_NAME)
 
 
+# The kernel's "no audit session" ((u32)-1 in ``/proc/<pid>/sessionid``).
+NO_LOGIN_SESSION = 4294967295
+
+
+def login_session(pid: int | str = "self") -> int | None:
+    """The login session of ``pid``: the kernel's audit session id, which ``pam_loginuid``
+    gives each login (ssh, console, a desktop session) and every process started from it
+    inherits, through ``setsid``, ``nohup`` and a tmux or screen started there. None where
+    there is none (no audit support, a process no login started: a container, a service) or
+    it cannot be read. ``comfy-env status`` shows the hosts of its own login
+    session, so that people sharing one account see their own hosts by default."""
+    try:
+        with open(f"/proc/{pid}/sessionid") as f:
+            value = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if value == NO_LOGIN_SESSION else value
+
+
 # ---- the publisher (host side) ------------------------------------------------------------
 
 
@@ -210,6 +229,8 @@ class StatusPublisher:
             "argv": [str(a)[:200] for a in sys.argv[:16]],
             "executable": sys.executable,
             "version": _version(),
+            # (For readers in another pid namespace: the audit session id is not namespaced.)
+            "login_session": login_session(),
             "pools": pools,
         }
         import json  # here, not at import: publishing runs on the reactor, off the first call
@@ -350,7 +371,10 @@ class HostStatus:
     container sharing the runtime directory, ``unshare --pid``), or one that cannot be told
     (its token's namespace is 0: it had no ``/proc``). Its ``pid`` and its workers' pids are
     numbers in that namespace, not processes here, and it is "live" only because its death
-    cannot be proven from here: a host killed there stays listed until its file is removed."""
+    cannot be proven from here: a host killed there stays listed until its file is removed.
+
+    ``login_session``: the host's login session (``login_session``), read from ``/proc`` for
+    a host in the reader's pid namespace, else as its file says; None: none, or not known."""
 
     host_id: str
     pid: int
@@ -362,6 +386,7 @@ class HostStatus:
     envs: tuple[EnvStatus, ...]
     path: str
     other_pid_namespace: bool = False
+    login_session: int | None = None
 
 
 def read_status(
@@ -397,7 +422,11 @@ def read_status(
         # and nothing is measured for it.
         if int(match.group(3)) != pid_namespace():
             host = replace(host, other_pid_namespace=True)
-        elif measure:
+            hosts.append(host)
+            continue
+        # Read live where it can be (a file written by an older comfy-env does not say it).
+        host = replace(host, login_session=login_session(host.pid))
+        if measure:
             try:
                 host = _measured(host)
             except (ValueError, OverflowError, TypeError) as exc:
@@ -546,6 +575,7 @@ def _parse(doc: Any, path: str) -> HostStatus:
         version=_opt_str(doc.get("version")),
         envs=tuple(envs),
         path=path,
+        login_session=_opt_int(doc.get("login_session")),
     )
 
 

@@ -225,3 +225,29 @@ def test_the_instruction_counter_counts_a_raw_pipe_call(tmp_path: Path) -> None:
     assert 2_000 < counts["caller"] < 200_000, counts
     assert 2_000 < counts["worker"] < 200_000, counts
     assert "| raw pipe |" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_executor_benchmark_runs_at_tiny_size(tmp_path: Path) -> None:
+    # benchmarks/bench_executor.py (not part of run_all): Executor.map and submit latency
+    # against ProcessPoolExecutor, at tiny sizes, writing where it is told.
+    out = tmp_path / "executor.md"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_executor.py"),
+            "--quick",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = out.read_text()
+    assert "| comfy_env.Executor | 1 |" in text
+    assert "| ProcessPoolExecutor | 100 |" in text
+    assert "target Executor.map faster than ProcessPoolExecutor" in text
+    assert json.loads(out.with_suffix(".json").read_text())["items"] == 200

@@ -12,7 +12,7 @@ import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Dict, List
+    from typing import Any, Callable, Dict, List, Sequence, Union
 
 
 def echo(value: Any) -> Any:
@@ -82,3 +82,53 @@ def shm_stats() -> Dict[str, int]:
 
     worker = main.WORKER
     return worker.shm_stats() if worker is not None else {}
+
+
+def starmap(
+    fn: Union[str, Callable[..., Any]], chunk: Union[str, bytes, Sequence[Any]], star: bool = True
+) -> Union[str, bytes, List[Any]]:
+    """One call of ``comfy_env.Executor.map``'s chunks (its ``chunksize``, as
+    ``ProcessPoolExecutor`` batches items): ``[fn(*args) for args in chunk]`` (``star``) or
+    ``[fn(x) for x in chunk]``. ``fn`` is a ``"module:name"`` target (imported and cached as a
+    call's own target is) or a callable that came with the arguments.
+
+    ``chunk`` is a list, or, when every item is a scalar, the host's pickle of one: as a
+    latin-1 ``str`` (so the call is all scalars and takes the pool's straight-line path) up to
+    ``PACKED_MAX`` bytes, as bytes above. The results come back the same way: packed here when
+    every result is a scalar, else the list itself (whose arrays and large buffers then travel
+    as any result's do). One pickle each way is much cheaper than the call path's scan of every
+    item. The first exception ends the chunk and is the call's error."""
+    if isinstance(fn, str):
+        from .main import resolve_target
+
+        fn = resolve_target(fn)
+    items = chunk if isinstance(chunk, (list, tuple)) else unpack(chunk)
+    results = [fn(*args) for args in items] if star else [fn(x) for x in items]
+    from .shm import SCALARS
+
+    for result in results:
+        if type(result) not in SCALARS:
+            return results
+    return pack(results)
+
+
+# Packed chunks up to this size travel as a latin-1 ``str`` (a scalar argument: the pool's
+# straight-line path), larger ones as bytes (which may go out of band, through shared memory).
+PACKED_MAX = 64 * 1024
+
+
+def pack(values: List[Any]) -> Union[str, bytes]:
+    """``values`` (all scalars) pickled, as ``starmap`` sends and takes them."""
+    import pickle
+
+    data = pickle.dumps(values, protocol=5)
+    return data.decode("latin-1") if len(data) <= PACKED_MAX else data
+
+
+def unpack(packed: Any) -> Any:
+    """The values ``pack`` packed (``packed`` may also be a buffer that came out of band)."""
+    import pickle
+
+    if isinstance(packed, str):
+        return pickle.loads(packed.encode("latin-1"))
+    return pickle.loads(packed)
