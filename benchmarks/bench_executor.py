@@ -43,8 +43,10 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import sections
 from benchlib import (
     BENCH_DIR,
     Series,
@@ -217,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "out", "bench_executor.md"))
+    parser.add_argument("--write", action="store_true", help="write section 11 of RESULTS.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.items, args.rounds, args.latency_calls = 200, 2, 20
@@ -227,6 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
+    if args.write and not args.quick:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+        body = text.replace(f"## {SECTION}:", f"## 11. {SECTION}:", 1).rstrip("\n")
+        head, _, rest = body.partition("\n\n")
+        block = (
+            f"{sections.EXECUTOR.begin}\n{head}\n\n`.venv/bin/python benchmarks/bench_executor.py"
+            f" --write`, {when}; load average at the end: {load} (a shared 2-core machine). "
+            f"{rest}\n{sections.EXECUTOR.end}"
+        )
+        sections.EXECUTOR.write(Path(BENCH_DIR) / "RESULTS.md", block)
     result.pop("_series")
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump({"machine": machine_info(), **result}, f, indent=1, default=str)

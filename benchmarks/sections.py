@@ -5,7 +5,8 @@ each writes its own section into that file, between markers of its own name:
 
 - ``bench_comfyui.py`` (``python3 dev.py bench-comfyui``): section 7, a ComfyUI node;
 - ``bench_build.py``: section 9, declared envs (build, first call, list, shared pages);
-- ``bench_start.py``: section 10, warm starts (the first call after ``start(preload=...)``).
+- ``bench_start.py``: section 10, warm starts (the first call after ``start(preload=...)``);
+- ``bench_executor.py``: section 11, ``comfy_env.Executor`` against ``ProcessPoolExecutor``.
 
 Data flow: a script's section is a block ``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``;
 ``Section.write`` puts it in place of the block already in the file, else where the
@@ -70,7 +71,9 @@ COMFYUI = Section("bench_comfyui", re.compile(r"## (?:(?:[89]|[1-9][0-9]+)\. |Pr
 BUILD = Section("bench_build", re.compile(r"## (?:[1-9][0-9]+\. |Process hygiene$)"))
 # Section 10 goes before section 11 on, or the closing hygiene check.
 START = Section("bench_start", re.compile(r"## (?:1[1-9]\. |[2-9][0-9]\. |Process hygiene$)"))
-KEPT = (COMFYUI, BUILD, START)
+# Section 11 goes before section 12 on, or the closing hygiene check.
+EXECUTOR = Section("bench_executor", re.compile(r"## (?:1[2-9]\. |[2-9][0-9]\. |Process hygiene$)"))
+KEPT = (COMFYUI, BUILD, START, EXECUTOR)
 
 
 def keep_sections(previous: str, text: str) -> str:

@@ -152,11 +152,11 @@ def test_the_declared_envs_section_goes_in_place_of_its_old_block(tmp_path: Path
 
 def test_the_tracked_results_are_run_all_output_plus_the_kept_sections(tmp_path: Path) -> None:
     """``benchmarks/RESULTS.md`` holds no hand-written notes (they live in HISTORY.md): with
-    its kept sections (7 ComfyUI, 9 declared envs, 10 warm starts) taken out it is what run_all
-    writes, and a rewrite puts them back exactly where they were."""
+    its kept sections (7 ComfyUI, 9 declared envs, 10 warm starts, 11 Executor) taken out it
+    is what run_all writes, and a rewrite puts them back exactly where they were."""
     tracked = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     generated = tracked
-    names = ("bench_comfyui", "bench_build", "bench_start")
+    names = ("bench_comfyui", "bench_build", "bench_start", "bench_executor")
     assert {section.name for section in _sections().KEPT} == set(names)
     for name in names:
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
