@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from ._envs import EnvSpec
     from ._lifecycle import CancelKill, RetireReason, Stop
     from ._logs import WorkerLog
-    from ._process import RuntimeDir
     from ._reactor import Reactor
+    from ._runtime_store import RuntimeDir
     from ._settings import Settings
 
 LOCAL_CAPABILITIES = frozenset(

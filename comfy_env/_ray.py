@@ -100,7 +100,7 @@ from ._settings import Settings
 
 if TYPE_CHECKING:
     from ._activation import Activation
-    from ._process import RuntimeDir
+    from ._runtime_store import RuntimeDir
 
 _log = logging.getLogger("comfy_env")
 
