@@ -68,16 +68,24 @@ class WorkerGeneration(Protocol):
 
     generation: int
     pid: int | None
-    returncode: int | None
     startup_seconds: float
     retire_reason: RetireReason | None
     cancel_kill: CancelKill | None  # how a cancel killed it (set by the gate with the reason)
-    shm_state: str
     log: WorkerLog
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
-    popen: Any  # the launched process, if the backend has one (None for an actor)
     death_detail: str | None  # how it died, where no exit code says it (Ray)
     death_reported: bool  # the pool reported this generation's end (breaker, event)
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def shm_state(self) -> str: ...
+
+    @property
+    def popen(self) -> Any:
+        """The launched process, if the backend has one (None for an actor)."""
+        ...
 
     @property
     def reader(self) -> FrameSource | None: ...

@@ -680,7 +680,7 @@ class RayWorker:
         self.startup_seconds = time.monotonic() - started
 
     def _canary(self, deadline: float) -> None:
-        from ._process import canary_value
+        from ._handshake import canary_value
 
         value = canary_value(min(self.config.shm_threshold_bytes, self.config.max_frame_bytes // 4))
         body, buffers, _ = encode_call(

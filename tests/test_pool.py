@@ -207,7 +207,7 @@ def test_a_call_whose_worker_close_stopped_before_its_launch_gets_pool_closed(
 
     def launch_once_stopped(self: WorkerProcess, *args: object, **kwargs: object) -> None:
         launching.set()
-        assert _wait(lambda: self._kill_requested, 30)  # close() stopped it: launch now
+        assert _wait(lambda: self.watch.kill_requested, 30)  # close() stopped it: launch now
         original(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(WorkerProcess, "launch", launch_once_stopped)
