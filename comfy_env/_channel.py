@@ -21,7 +21,7 @@ Races it prevents: ``shut`` (any thread, to wake a reader with EOF) and ``close_
 (``dispose``) run under ``lock``, so a descriptor number is never shut after its close; the
 cancel pipe's descriptor is never closed under a writer (``_cancel_lock``); a result never
 aliases memory the worker will reuse (it keeps a lent block pinned until CONSUMED), and our
-own argument block a result views stays out of our pool until that view dies (``_lend_own``);
+own argument block a result views stays out of our pool until that view dies (``Loans``);
 the worker's blocks are unlinked only once the worker has exited *and* the host is done with
 the channel (``worker_blocks_orphaned``), so a caller can still open a reply written just
 before a crash.
@@ -150,26 +150,13 @@ def _names_a_block_of(mappings: shm.PeerMappings | None, path: object) -> bool:
     return shm.names_a_block_of(os.path.basename(path), mappings.prefix)
 
 
-class Channel:
-    """The host end of one generation's channel: frames, replies, shared-memory loans, the
-    cancel pipe. Made by ``WorkerProcess``; opened by its launch, filled in by the handshake
-    (``pid``, ``blocks``, ``mappings``)."""
+class Loans:
+    """The shared memory of one channel: our argument blocks (``blocks``), our mappings of
+    the worker's reply blocks (``mappings``), and what results hold of either (loans)."""
 
-    def __init__(self, key: str, config: Settings, log: WorkerLog) -> None:
-        self.key = key  # the env key, for error messages
-        self.config = config
-        self.log = log
-        self.sock: socket.socket | None = None  # requests (the host only writes here)
-        self.reply_sock: socket.socket | None = None  # replies (``reader`` reads them)
-        self.reader: FrameReader | None = None
-        self.pid: int | None = None  # the interpreter's own pid, from its hello
-        # ``close_sockets`` (dispose) closes the sockets under it, and a shutdown from another
-        # thread (``shut``) runs under it: a descriptor number is never shut after its close.
-        self.lock = threading.Lock()
-        self.disposed = False
-        self._cancel_fd: int | None = None  # write end of the cancel pipe (CANCEL frames)
-        self._cancel_lock = threading.Lock()  # a descriptor is never closed under a writer
-        # Shared memory, set up at the handshake when both sides can use it.
+    def __init__(self, config: Settings, disposed: Callable[[], bool]) -> None:
+        self._disposed = disposed  # the channel's ``disposed`` (no spare made after it)
+        # Set up at the handshake when both sides can use it.
         self.shm_wanted = config.shared_memory and shm.shm_available()
         if config.shared_memory and not self.shm_wanted:
             _warn_once(f"{shm.SHM_DIR} is not usable here; large buffers are streamed inline")
@@ -186,14 +173,151 @@ class Channel:
         self.returned: deque[int] = deque()
         # Reply mappings lent out and still alive (each may hold a descriptor), in a list so
         # that the finalizers need no reference to this object.
-        self._loans = [0]
-        self._loans_lock = threading.Lock()
+        self.count = [0]
+        self.lock = threading.Lock()
         # Our argument blocks a result holds (the worker echoed them back), by name: LENT
         # until finish_request, then FINISHED until the last view dies (its finalizer puts
         # the block back in the pool); RETURNED when the views died before finish_request.
         self._own_lent: dict[str, int] = {}
         # Threads faulting in a spare argument block (joined before our blocks go).
-        self._spares: list[threading.Thread] = []
+        self.spares: list[threading.Thread] = []
+
+    def lend(self, call_id: int, roots: list[Any]) -> None:
+        """Queue ``CONSUMED(call_id)`` for when every loan root of the reply has died."""
+        left = [len(roots)]
+        lock, loans, returned = self.lock, self.count, self.returned
+        with lock:
+            loans[0] += len(roots)
+
+        def gone() -> None:  # any thread, at any time (garbage collection)
+            with lock:
+                left[0] -= 1
+                loans[0] -= 1
+                last = left[0] == 0
+            if last:
+                returned.append(call_id)
+
+        for root in roots:
+            weakref.finalize(root, gone)
+
+    def lend_own(self, block: shm.Block, root: Any) -> None:
+        """The result views our own argument block ``block`` (through the loan root ``root``):
+        keep the block out of our pool until the root dies, so that no later request writes
+        into memory a result still shows."""
+        lock, loans, lent, pool = self.lock, self.count, self._own_lent, self.blocks
+        name = block.name
+        with lock:
+            loans[0] += 1
+            lent[name] = _LENT
+
+        def gone() -> None:  # any thread, at any time (garbage collection)
+            with lock:
+                loans[0] -= 1
+                state = lent.get(name)
+                if state == _LENT:
+                    lent[name] = _RETURNED  # finish_request puts it back
+                    return
+                if state is None:
+                    return
+                del lent[name]
+            if pool is not None:
+                pool.release(block)  # a no-op once the block was given up
+
+        weakref.finalize(root, gone)
+
+    def take_returns(self) -> bytes:
+        """CONSUMED frames of the loans returned so far (lease holder only)."""
+        frames = []
+        while True:
+            try:
+                call_id = self.returned.popleft()
+            except IndexError:
+                break
+            frames.append(encode_header(FrameType.CONSUMED, call_id, 0))
+        # Tests turn acks off to exercise the worker's TTL: the returns are then dropped.
+        return b"".join(frames) if self.ack_consumed else b""
+
+    def shm_unavailable(self, why: str, err: int | None = None) -> None:
+        """Shared memory failed (``err``: the errno, where this side saw it): stream inline,
+        and warn once per process, whichever side failed first."""
+        self.shm_state = "unavailable"
+        _log.debug("comfy-env: shared memory failed: %s", why)
+        _warn_once(
+            f"shared memory is unavailable ({why}); large buffers are streamed inline "
+            f"until it works again ({shm_failure_hint(err)})",
+            key="shm-unavailable",
+        )
+
+    def finish_request(self, block: shm.Block | None, retained: list[str]) -> None:
+        """The request's block may be reused, unless the worker kept a view of it."""
+        blocks = self.blocks
+        if block is None or blocks is None:
+            return
+        name = block.name
+        lent = False
+        if self._own_lent:
+            with self.lock:
+                state = self._own_lent.get(name)
+                if state == _LENT:
+                    self._own_lent[name] = _FINISHED  # the loan's finalizer puts it back
+                    lent = True
+                elif state == _RETURNED:
+                    del self._own_lent[name]
+        if name in retained:
+            blocks.give_up(block)  # the result's mapping keeps its memory
+        elif not lent:
+            blocks.release(block)
+        elif blocks.wants_spare(block.size):
+            self._spare_soon(block.size)
+
+    def _spare_soon(self, size: int) -> None:
+        """A result holds our last idle argument block of its size (``shm.BlockPool.
+        wants_spare``): fault in a spare on a helper thread, so that the next request of that
+        size (results kept) finds one ready instead of faulting fresh pages on its path (about
+        175 ms per 256 MiB)."""
+        blocks = self.blocks
+        assert blocks is not None
+        with self.lock:
+            self.spares = [t for t in self.spares if t.is_alive()]
+            if self.spares or self._disposed():
+                return  # one at a time: a caller keeping results gets one per call anyway
+
+            def make() -> None:
+                try:
+                    if not blocks.has_idle(size):
+                        blocks.add_spare(size)
+                except OSError:
+                    pass  # /dev/shm full: the next request makes its own or goes inline
+
+            thread = threading.Thread(target=make, name="comfy-env-spare", daemon=True)
+            self.spares.append(thread)
+        thread.start()
+
+    # ---- the idle channel, side frames ----
+
+
+class Channel:
+    """The host end of one generation's channel: frames, replies, the cancel pipe, and its
+    shared memory (``loans``). Made by ``WorkerProcess``; opened by its launch, filled in by
+    the handshake (``pid``, ``loans.blocks``, ``loans.mappings``)."""
+
+    def __init__(self, key: str, config: Settings, log: WorkerLog) -> None:
+        self.key = key  # the env key, for error messages
+        self.config = config
+        self.log = log
+        self.sock: socket.socket | None = None  # requests (the host only writes here)
+        self.reply_sock: socket.socket | None = None  # replies (``reader`` reads them)
+        self.reader: FrameReader | None = None
+        self.pid: int | None = None  # the interpreter's own pid, from its hello
+        # ``close_sockets`` (dispose) closes the sockets under it, and a shutdown from another
+        # thread (``shut``) runs under it: a descriptor number is never shut after its close.
+        self.lock = threading.Lock()
+        self.disposed = False
+        self._cancel_fd: int | None = None  # write end of the cancel pipe (CANCEL frames)
+        self._cancel_lock = threading.Lock()  # a descriptor is never closed under a writer
+        self.loans = loans = Loans(config, lambda: self.disposed)
+        self.returned = loans.returned  # (the same deque: read before every request)
+        self.finish_request = loans.finish_request
         self._orphan_lock = threading.Lock()
         self._orphans = [False, False, False]  # exit seen, dispose seen, unlinked
 
@@ -241,7 +365,7 @@ class Channel:
         sock = self.sock
         assert sock is not None
         # Loans returned since the last request ride in front of it, in the same write.
-        returns = self.take_returns() if self.returned else b""
+        returns = self.loans.take_returns() if self.returned else b""
         if not buffers:
             if len(body) <= 65536:
                 sock.sendall(
@@ -253,12 +377,13 @@ class Channel:
             self.send_large(parts, deadline)
             return None
         block = None
-        if self.blocks is not None and use_shm(buffers, self.config.shm_threshold_bytes):
+        loans = self.loans
+        if loans.blocks is not None and use_shm(buffers, self.config.shm_threshold_bytes):
             try:
-                parts, block, length = shm.pack(body, buffers, self.blocks)
-                self.shm_state = "on"
+                parts, block, length = shm.pack(body, buffers, loans.blocks)
+                loans.shm_state = "on"
             except OSError as exc:  # /dev/shm full (ENOSPC at reservation): inline this time
-                self.shm_unavailable(f"cannot create a block ({exc})", exc.errno)
+                loans.shm_unavailable(f"cannot create a block ({exc})", exc.errno)
                 parts, block, length = shm.pack(body, buffers, None)
         else:
             parts, block, length = shm.pack(body, buffers, None)
@@ -306,7 +431,7 @@ class Channel:
         aliases memory the worker will reuse: a block the worker gives up after its TTL is
         unlinked, never reused, and the root keeps its mapping. Buffers the worker sent back
         in our own argument block (``echo`` entries) are views of a loan root of that block,
-        which stays out of our pool until they die (``_lend_own``, ``finish_request``). A
+        which stays out of our pool until they die (``Loans.lend_own``, ``finish_request``). A
         forged or malformed table raises ``FrameError``."""
         if flags & ~FLAG_OOB:
             raise FrameError(f"unknown frame flags 0x{flags:x} on the reply of call {call_id}")
@@ -315,22 +440,23 @@ class Channel:
         # Beyond MAX_LOANS live loans (a caller collecting many results) replies are copied
         # out and returned at once: every loan pins a block of the worker's (and, where ctypes
         # is missing, a fresh mapping that keeps a descriptor before Python 3.13).
-        loaned: list[Any] | None = [] if self._loans[0] < MAX_LOANS else None
+        loans = self.loans
+        loaned: list[Any] | None = [] if loans.count[0] < MAX_LOANS else None
         echoed: list[tuple[shm.Block, Any]] = []
         try:
             body, buffers, sources, retained = shm.unpack(
                 payload,
-                self.mappings,
+                loans.mappings,
                 copy_out=loaned is None,
                 loaned=loaned,
                 loan_min=LOAN_MIN,
-                own=self.blocks,
+                own=loans.blocks,
                 echoed=echoed,
             )
         except ValueError as exc:
             raise FrameError(f"bad out-of-band reply: {exc}") from None
         except OSError as exc:
-            if exc.errno == errno.ENOENT and _names_a_block_of(self.mappings, exc.filename):
+            if exc.errno == errno.ENOENT and _names_a_block_of(loans.mappings, exc.filename):
                 # The frame was read whole and its table is well formed, naming a block of the
                 # worker's own shape: the block is gone, not forged. Something removed it from
                 # /dev/shm, or the worker gave it up after its TTL (it counts only time this
@@ -348,81 +474,26 @@ class Channel:
         except MemoryError as exc:
             self.send_consumed(call_id)
             raise host_fault(self.key, call_id, exc) from None
-        if self.mappings is not None and buffers:
+        if loans.mappings is not None and buffers:
             if echoed or any(source is not None for source in sources):
-                self.shm_state = "on"
+                loans.shm_state = "on"
             elif use_shm(buffers, self.config.shm_threshold_bytes):
                 # Enough for shared memory (the worker's rule too), yet inline: the worker could
                 # not create a reply block. (Under the threshold inline is the rule, not a
                 # failure: a pool whose threshold is above its messages, say.)
-                self.shm_unavailable("the worker cannot create a block")
+                loans.shm_unavailable("the worker cannot create a block")
         for block, root in echoed:
             if root is not None:
-                self._lend_own(block, root)
+                loans.lend_own(block, root)
         if loaned:
-            self._lend(call_id, loaned)
+            loans.lend(call_id, loaned)
         elif any(source is not None for source in sources):
             self.send_consumed(call_id)  # copied out (few bytes, or too many loans)
         return body, buffers, retained
 
-    def _lend(self, call_id: int, roots: list[Any]) -> None:
-        """Queue ``CONSUMED(call_id)`` for when every loan root of the reply has died."""
-        left = [len(roots)]
-        lock, loans, returned = self._loans_lock, self._loans, self.returned
-        with lock:
-            loans[0] += len(roots)
-
-        def gone() -> None:  # any thread, at any time (garbage collection)
-            with lock:
-                left[0] -= 1
-                loans[0] -= 1
-                last = left[0] == 0
-            if last:
-                returned.append(call_id)
-
-        for root in roots:
-            weakref.finalize(root, gone)
-
-    def _lend_own(self, block: shm.Block, root: Any) -> None:
-        """The result views our own argument block ``block`` (through the loan root ``root``):
-        keep the block out of our pool until the root dies, so that no later request writes
-        into memory a result still shows."""
-        lock, loans, lent, pool = self._loans_lock, self._loans, self._own_lent, self.blocks
-        name = block.name
-        with lock:
-            loans[0] += 1
-            lent[name] = _LENT
-
-        def gone() -> None:  # any thread, at any time (garbage collection)
-            with lock:
-                loans[0] -= 1
-                state = lent.get(name)
-                if state == _LENT:
-                    lent[name] = _RETURNED  # finish_request puts it back
-                    return
-                if state is None:
-                    return
-                del lent[name]
-            if pool is not None:
-                pool.release(block)  # a no-op once the block was given up
-
-        weakref.finalize(root, gone)
-
-    def take_returns(self) -> bytes:
-        """CONSUMED frames of the loans returned so far (lease holder only)."""
-        frames = []
-        while True:
-            try:
-                call_id = self.returned.popleft()
-            except IndexError:
-                break
-            frames.append(encode_header(FrameType.CONSUMED, call_id, 0))
-        # Tests turn acks off to exercise the worker's TTL: the returns are then dropped.
-        return b"".join(frames) if self.ack_consumed else b""
-
     def send_consumed(self, call_id: int, flags: int = 0) -> None:
         """CONSUMED for ``call_id`` now (the reply's blocks were not lent)."""
-        if not self.ack_consumed:
+        if not self.loans.ack_consumed:
             return
         sock = self.sock
         assert sock is not None
@@ -430,64 +501,6 @@ class Channel:
             sock.sendall(encode_header(FrameType.CONSUMED, call_id, 0, flags), MSG_NOSIGNAL)
         except OSError:
             pass  # the worker is gone; its blocks go with it (see dispose)
-
-    def shm_unavailable(self, why: str, err: int | None = None) -> None:
-        """Shared memory failed (``err``: the errno, where this side saw it): stream inline,
-        and warn once per process, whichever side failed first."""
-        self.shm_state = "unavailable"
-        _log.debug("comfy-env: shared memory failed: %s", why)
-        _warn_once(
-            f"shared memory is unavailable ({why}); large buffers are streamed inline "
-            f"until it works again ({shm_failure_hint(err)})",
-            key="shm-unavailable",
-        )
-
-    def finish_request(self, block: shm.Block | None, retained: list[str]) -> None:
-        """The request's block may be reused, unless the worker kept a view of it."""
-        blocks = self.blocks
-        if block is None or blocks is None:
-            return
-        name = block.name
-        lent = False
-        if self._own_lent:
-            with self._loans_lock:
-                state = self._own_lent.get(name)
-                if state == _LENT:
-                    self._own_lent[name] = _FINISHED  # the loan's finalizer puts it back
-                    lent = True
-                elif state == _RETURNED:
-                    del self._own_lent[name]
-        if name in retained:
-            blocks.give_up(block)  # the result's mapping keeps its memory
-        elif not lent:
-            blocks.release(block)
-        elif blocks.wants_spare(block.size):
-            self._spare_soon(block.size)
-
-    def _spare_soon(self, size: int) -> None:
-        """A result holds our last idle argument block of its size (``shm.BlockPool.
-        wants_spare``): fault in a spare on a helper thread, so that the next request of that
-        size (results kept) finds one ready instead of faulting fresh pages on its path (about
-        175 ms per 256 MiB)."""
-        blocks = self.blocks
-        assert blocks is not None
-        with self._loans_lock:
-            self._spares = [t for t in self._spares if t.is_alive()]
-            if self._spares or self.disposed:
-                return  # one at a time: a caller keeping results gets one per call anyway
-
-            def make() -> None:
-                try:
-                    if not blocks.has_idle(size):
-                        blocks.add_spare(size)
-                except OSError:
-                    pass  # /dev/shm full: the next request makes its own or goes inline
-
-            thread = threading.Thread(target=make, name="comfy-env-spare", daemon=True)
-            self._spares.append(thread)
-        thread.start()
-
-    # ---- the idle channel, side frames ----
 
     def idle_channel_state(self) -> str:
         """Before a call: ``"quiet"`` if nothing is waiting on the idle channel (the normal
@@ -630,14 +643,15 @@ class Channel:
     def release_shm(self) -> None:
         """Unlink our argument blocks, close mappings of the worker's blocks, and unlink the
         worker's blocks by name prefix (a dead worker cannot unlink its own)."""
-        if self.blocks is not None:
-            self.blocks.destroy_all()  # a spare still being made is destroyed when done
-            with self._loans_lock:
-                spares, self._spares = self._spares, []
+        loans = self.loans
+        if loans.blocks is not None:
+            loans.blocks.destroy_all()  # a spare still being made is destroyed when done
+            with loans.lock:
+                spares, loans.spares = loans.spares, []
             for thread in spares:
                 thread.join()
-        if self.mappings is not None:
-            self.mappings.close_all()
+        if loans.mappings is not None:
+            loans.mappings.close_all()
         self.worker_blocks_orphaned(disposed=True)
 
     def worker_blocks_orphaned(self, exited: bool = False, disposed: bool = False) -> None:
@@ -651,7 +665,7 @@ class Channel:
             due = seen[0] and seen[1] and not seen[2]
             if due:
                 seen[2] = True
-        if due and self.pid is not None and self.blocks is not None:
+        if due and self.pid is not None and self.loans.blocks is not None:
             shm.unlink_blocks(f"{shm.NAME_PREFIX}{host_id()}-w{self.pid}-")
 
     def abandon(self) -> None:

@@ -148,11 +148,12 @@ def _go(process: Starting) -> Canary:
     # starts (this thread would only wait for HELLO): off the first call's path when the
     # host has a CPU of its own. A worker that turns out unable to use shared memory gets
     # it inline instead (the block goes back with the pool, below).
-    if channel.shm_wanted:
-        channel.blocks = shm.BlockPool(
+    loans = channel.loans
+    if loans.shm_wanted:
+        loans.blocks = shm.BlockPool(
             f"{shm.NAME_PREFIX}{host_id()}-h{next(SERIALS)}-", config.shm_pool_bytes
         )
-        channel.blocks.hold = Deferred  # (blocks made, given up, destroyed: see BlockPool)
+        loans.blocks.hold = Deferred  # (blocks made, given up, destroyed: see BlockPool)
     return _canary_prepare(channel)
 
 
@@ -176,7 +177,7 @@ def _converse(process: Starting, deadline: float, canary: Canary) -> None:
     # moment later. Scheduled here, while this thread waits for READY, the wake-up of
     # the reactor it takes costs nothing; after the canary it took the GIL from this
     # thread on its way to the first call.
-    process.watch.watch_threads_soon()
+    process.watch.threads.watch_soon()
     ftype, _, _, _ = reader.read(deadline)
     if ftype != FrameType.READY:
         raise FrameError(f"expected READY, got frame type {ftype}")
@@ -200,19 +201,20 @@ def _hello(process: Starting, deadline: float, canary: Canary) -> tuple[Canary, 
     process.hello = hello
     process.pid = channel.pid = int(hello["pid"])
     process.log.pid = process.pid
-    use_shm = channel.shm_wanted and bool(hello.get("shm"))
+    loans = channel.loans
+    use_shm = loans.shm_wanted and bool(hello.get("shm"))
     worker_settings = worker_config(
         config, process.generation, host_id() if use_shm else None, config.shm_pool_bytes
     )
     if use_shm:
-        channel.mappings = shm.PeerMappings(f"{shm.NAME_PREFIX}{host_id()}-w{process.pid}-")
+        loans.mappings = shm.PeerMappings(f"{shm.NAME_PREFIX}{host_id()}-w{process.pid}-")
     else:
-        if channel.blocks is not None:  # prepared for a worker without shared memory
-            channel.blocks.destroy_all()
-            channel.blocks = None
+        if loans.blocks is not None:  # prepared for a worker without shared memory
+            loans.blocks.destroy_all()
+            loans.blocks = None
             canary = _canary_prepare(channel)
         if config.shared_memory:
-            channel.shm_state = "unavailable"
+            loans.shm_state = "unavailable"
     return canary, worker_settings
 
 
@@ -222,16 +224,16 @@ def _canary_prepare(channel: Channel) -> Canary:
     (header first) and the request's block."""
     config = channel.config
     oob = config.shm_threshold_bytes
-    if channel.blocks is None:
+    if channel.loans.blocks is None:
         oob = min(oob, config.max_frame_bytes // 4)
     value = canary_value(oob)
     body, buffers, _ = encode_call(
         CANARY_TARGET, (value,), {}, oob_threshold(config.shm_threshold_bytes)
     )
     try:
-        parts, block, length = shm.pack(body, buffers, channel.blocks)
+        parts, block, length = shm.pack(body, buffers, channel.loans.blocks)
     except OSError as exc:  # /dev/shm full: inline, as send_request does
-        channel.shm_unavailable(f"cannot create a block ({exc})", exc.errno)
+        channel.loans.shm_unavailable(f"cannot create a block ({exc})", exc.errno)
         parts, block, length = shm.pack(body, buffers, None)
     parts.insert(0, encode_header(FrameType.CALL, 1, length, FLAG_OOB))
     return value, parts, block

@@ -205,7 +205,7 @@ class WorkerProcess:
         self.send_cancel = channel.send_cancel
         self.release_refs = channel.release_refs
         self.request_unread = channel.request_unread
-        self.take_returns = channel.take_returns
+        self.take_returns = channel.loans.take_returns
         # What a caller whose read saw the EOF asks the exit watch.
         self.status_at_eof = watch.status_at_eof
         self.collect_exit = watch.collect_exit
@@ -239,16 +239,16 @@ class WorkerProcess:
 
     @property
     def shm_state(self) -> str:
-        """``"on"``, ``"off"`` or ``"unavailable"`` (see ``Channel.shm_state``)."""
-        return self.channel.shm_state
+        """``"on"``, ``"off"`` or ``"unavailable"`` (see ``_channel.Loans``)."""
+        return self.channel.loans.shm_state
 
     @property
     def blocks(self) -> shm.BlockPool | None:
-        return self.channel.blocks
+        return self.channel.loans.blocks
 
     @property
     def mappings(self) -> shm.PeerMappings | None:
-        return self.channel.mappings
+        return self.channel.loans.mappings
 
     # ---- launch and handshake ----
 
@@ -436,8 +436,8 @@ class WorkerProcess:
                 return
             channel.disposed = True
             channel.close_sockets()
-            fds = self.watch.take_thread_fds()
-        self.watch.close_thread_fds(fds)
+            fds = self.watch.threads.take_fds()
+        self.watch.threads.close_fds(fds)
         channel.close_cancel_pipe()
         channel.release_shm()
 

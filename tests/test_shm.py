@@ -281,7 +281,7 @@ def test_the_consumed_ack_frees_pinned_reply_blocks_at_once(pool: comfy_env.Pool
     out = w.call(remote_tasks.filled, 1.0, MiB)  # copied out (copies_for_all)
     assert out.nbytes == 4 * MiB
     assert _worker_shm(w)["pinned"] == 0
-    _host_process(w).channel.ack_consumed = False
+    _host_process(w).channel.loans.ack_consumed = False
     w.call(remote_tasks.filled, 1.0, MiB)
     assert _worker_shm(w)["pinned"] == 1  # no ack: the reply block stays pinned
 
@@ -343,12 +343,12 @@ def test_an_echo_loan_lasts_as_long_as_any_view_taken_from_the_result(
     process = _host_process(w)
     raw = memoryview(out).cast("B")[:16]
     del out
-    assert len(process.channel._own_lent) == 1  # the argument block stays out of our pool
+    assert len(process.channel.loans._own_lent) == 1  # the argument block stays out of our pool
     later = w.call("comfy_env_worker.tasks:echo", np.full(MiB, 2.0, dtype=np.float32))
     assert np.frombuffer(raw, dtype=np.float32).tolist() == [1.0] * 4  # not overwritten
     del later
     del raw
-    assert process.channel._own_lent == {}
+    assert process.channel.loans._own_lent == {}
 
 
 def test_a_lent_result_outlives_its_pool(config: comfy_env.PoolConfig) -> None:
@@ -383,7 +383,7 @@ def test_without_ctypes_a_fresh_mapping_stands_in_for_the_loan_root(
         assert isinstance(base, memoryview) and type(base.obj).__name__ == "mmap"
     raw = memoryview(out).cast("B")[:8]
     del out, echoed, result, base
-    assert _worker_shm(w)["pinned"] == 1 and _host_process(w).channel._own_lent == {}
+    assert _worker_shm(w)["pinned"] == 1 and _host_process(w).channel.loans._own_lent == {}
     del raw
     assert _worker_shm(w)["pinned"] == 0
 
@@ -442,10 +442,10 @@ def test_an_echoed_array_comes_back_in_the_hosts_own_block_with_no_reply_block(
     assert _is_loan(_owner_block(out))  # a view of our block, not a copy
     stats = _worker_shm(w)
     assert (stats["blocks"], stats["pinned"]) == (before, 0)  # the worker made no reply block
-    assert len(process.channel._own_lent) == 1  # our argument block, lent to the result
+    assert len(process.channel.loans._own_lent) == 1  # our argument block, lent to the result
     idle = process.blocks.idle_blocks
     del out  # its last view: the block goes back to our pool at once
-    assert process.channel._own_lent == {} and process.blocks.idle_blocks == idle + 1
+    assert process.channel.loans._own_lent == {} and process.blocks.idle_blocks == idle + 1
 
 
 def test_a_kept_echo_result_is_never_overwritten_by_a_later_request(
@@ -461,7 +461,7 @@ def test_a_kept_echo_result_is_never_overwritten_by_a_later_request(
     assert np.array_equal(sliced, np.arange(1000, MiB, dtype=np.float64))  # at an offset
     kept.clear()
     del sliced
-    assert _host_process(w).channel._own_lent == {}
+    assert _host_process(w).channel.loans._own_lent == {}
 
 
 def test_a_result_the_function_also_keeps_is_a_copy_not_shared_with_its_cache(
@@ -471,7 +471,7 @@ def test_a_result_the_function_also_keeps_is_a_copy_not_shared_with_its_cache(
     ones = np.ones(2 * MiB, dtype=np.float32)
     out = w.call(remote_tasks.keep_and_return, ones)  # returned and cached in the worker
     assert float(out.sum()) == float(2 * MiB)
-    assert _host_process(w).channel._own_lent == {}  # not a view of our block: a reply block
+    assert _host_process(w).channel.loans._own_lent == {}  # not a view of our block: a reply block
     out[:] = 5.0  # the caller's to change: the worker's cache must not see it
     assert w.call(remote_tasks.kept_sum, -1) == float(2 * MiB)
     w.call("comfy_env_worker.tasks:echo", np.full(2 * MiB, 2.0, dtype=np.float32))
@@ -491,7 +491,9 @@ def test_kept_echo_results_get_a_spare_block_made_off_the_call_path(
     assert _wait(lambda: process.blocks.has_idle(wshm.SPARE_MIN_BYTES), 10.0)
     ready = set(process.blocks.live)
     second = w.call("comfy_env_worker.tasks:echo", np.full(n, 2.0, dtype=np.float32))
-    assert set(process.channel._own_lent) <= ready  # the request took the spare: no block made
+    assert (
+        set(process.channel.loans._own_lent) <= ready
+    )  # the request took the spare: no block made
     assert float(first.max()) == 1.0 and float(second.min()) == 2.0
     del first, second
 
@@ -542,13 +544,15 @@ def test_kept_small_echo_results_get_spare_argument_blocks_from_the_second_call_
     n = MiB // 2  # float32: 2 MiB, a size class under SPARE_MIN_BYTES
     kept = [w.call("comfy_env_worker.tasks:echo", np.full(n, 1.0, dtype=np.float32))]
     process = _host_process(w)
-    size = next(b.size for b in process.blocks.live.values() if b.name in process.channel._own_lent)
+    size = next(
+        b.size for b in process.blocks.live.values() if b.name in process.channel.loans._own_lent
+    )
     assert not process.blocks.has_idle(size)  # the first lent block: no spare asked for
     kept.append(w.call("comfy_env_worker.tasks:echo", np.full(n, 2.0, dtype=np.float32)))
     assert _wait(lambda: process.blocks.has_idle(size), 10.0)  # the second: a spare
     ready = set(process.blocks.live)
     kept.append(w.call("comfy_env_worker.tasks:echo", np.full(n, 3.0, dtype=np.float32)))
-    assert set(process.channel._own_lent) <= ready  # the third request took the spare
+    assert set(process.channel.loans._own_lent) <= ready  # the third request took the spare
     assert [float(k.max()) for k in kept] == [1.0, 2.0, 3.0]
     kept.clear()
 
@@ -662,7 +666,7 @@ def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) 
     with comfy_env.Pool(config.model_copy(update={"shm_pinned_ttl": 0.3})) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
-        _host_process(w).channel.ack_consumed = False
+        _host_process(w).channel.loans.ack_consumed = False
         w.call(remote_tasks.filled, 1.0, MiB)
         w.call(remote_tasks.filled, 1.0, 2 * MiB)
         assert _worker_shm(w)["pinned"] == 2
@@ -755,7 +759,7 @@ def test_a_reply_block_gone_before_the_host_opens_it_fails_that_call_only(
 def test_a_crash_with_pinned_blocks_leaks_nothing(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
-    _host_process(w).channel.ack_consumed = False
+    _host_process(w).channel.loans.ack_consumed = False
     w.call(remote_tasks.filled, 1.0, 2 * MiB)
     pid = w.pid
     prefix = f"ce-{os.getpid()}-"
@@ -943,7 +947,7 @@ def _double_crash_then_sweep(pool: comfy_env.Pool) -> None:
         import os, time, numpy as np, comfy_env
         w = comfy_env.get_worker()
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
-        w._entry.slots[0].process.channel.ack_consumed = False
+        w._entry.slots[0].process.channel.loans.ack_consumed = False
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
         pool = comfy_env.default_pool()
         while pool._watcher is None:  # started on the reactor once the first worker is ready

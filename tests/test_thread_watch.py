@@ -64,7 +64,9 @@ def _watched(w: comfy_env.Worker) -> WorkerProcess:
     """Start ``w``'s worker and wait until the host watches both its named threads."""
     w.call("comfy_env_worker.tasks:echo", 0)
     process = _process(w)
-    assert wait_until(lambda: len(process.watch._watched_fds) == 2, 5.0), process.watch._watched_fds
+    assert wait_until(lambda: len(process.watch.threads._watched_fds) == 2, 5.0), (
+        process.watch.threads._watched_fds
+    )
     return process
 
 
@@ -187,7 +189,7 @@ def test_a_killed_worker_is_told_before_its_teardown_ends() -> None:
         assert not torn_down
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL  # what the reaping says, the same
-        assert process.watch._watched_fds == set()
+        assert process.watch.threads._watched_fds == set()
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3  # the next generation serves
 
 
@@ -201,12 +203,12 @@ def test_a_named_thread_ending_while_the_worker_lives_changes_nothing(
     process = _watched(w)
     reactor = pool._reactor
     assert reactor is not None
-    fd = sorted(process.watch._watched_fds)[0]
-    reactor.run_sync(lambda: process.watch._on_thread_exit(fd))
-    watched = process.watch._watched_fds
+    fd = sorted(process.watch.threads._watched_fds)[0]
+    reactor.run_sync(lambda: process.watch.threads._on_thread_exit(fd))
+    watched = process.watch.threads._watched_fds
     assert watched and fd not in watched  # the other stays watched
     # Its rechecks (the main thread might just not have begun to exit) end without a word.
-    checks = process.watch._EXIT_RECHECKS * process.watch._EXIT_RECHECK_DELAY
+    checks = process.watch.threads._EXIT_RECHECKS * process.watch.threads._EXIT_RECHECK_DELAY
     threading.Event().wait(checks + 0.05)
     assert not process.exit_noticed
     pid = w.pid
@@ -278,13 +280,13 @@ def test_a_thread_end_and_the_exit_in_one_wake_up_leave_no_watch_behind() -> Non
         assert process.returncode == -signal.SIGKILL
         assert process.exit_noticed, "the exit came alone: nothing was tested"
         assert wait_until(lambda: not _watches_of(pool, process), 5.0), _watches_of(pool, process)
-        assert process.watch._watched_fds == set()
+        assert process.watch.threads._watched_fds == set()
         for value in range(3):  # the next generations start, are watched, and serve
             assert w.call("comfy_env_worker.tasks:echo", value) == value
         assert w.generation == 2
         # Closed with the channel (the retired worker's ``dispose``).
         watch = process.watch
-        assert wait_until(lambda: not watch._thread_fds and watch._stat_fd is None, 5.0)
+        assert wait_until(lambda: not watch.threads._fds and watch.threads.stat_fd is None, 5.0)
 
 
 # ---- the caller's own alarms (FrameReader.set_alarms) ----
@@ -414,7 +416,7 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
         process = _watched(w)
-        assert wait_until(lambda: _alarms_armed(process), 5.0), process.watch._thread_fds
+        assert wait_until(lambda: _alarms_armed(process), 5.0), process.watch.threads._fds
         err, torn_down = _kill_holding_512_mib(pool, w, hold_reactor=True)
         assert isinstance(err, WorkerCrashed), err
         assert (err.exitcode, err.signal) == (-signal.SIGKILL, "SIGKILL")
@@ -422,7 +424,9 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3
-    assert process.watch._thread_fds == [] and process.watch._stat_fd is None  # closed by dispose
+    assert (
+        process.watch.threads._fds == [] and process.watch.threads.stat_fd is None
+    )  # closed by dispose
 
 
 @needs_thread_pidfds
