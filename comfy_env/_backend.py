@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from comfy_env_worker.shm import Block
 
     from ._activation import Activation
+    from ._channel import Channel
     from ._envs import EnvSpec
     from ._lifecycle import CancelKill, RetireReason, Stop
     from ._logs import WorkerLog
@@ -89,6 +90,11 @@ class WorkerGeneration(Protocol):
 
     @property
     def reader(self) -> FrameSource | None: ...
+
+    @property
+    def channel(self) -> Channel | None:
+        """The host end of a local worker's channel (``_channel``); None for an actor."""
+        ...
 
     @property
     def python_version(self) -> tuple[int, ...]: ...

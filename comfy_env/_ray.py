@@ -580,6 +580,7 @@ class RayWorker:
         self.startup_seconds = 0.0
         self.log = WorkerLog(spec.key, spec.name, generation, config.stderr_tail_lines)
         self.shm_state = "off"
+        self.channel = None  # no fd channel: calls go through the actor (see ``_channel``)
         self.actor: Any = None
         self.actor_id = ""
         self.pending: Any = None  # the ObjectRef of the call in flight
