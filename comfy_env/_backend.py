@@ -42,12 +42,13 @@ if TYPE_CHECKING:
     from comfy_env_worker.shm import Block
 
     from ._activation import Activation
+    from ._channel import Channel
     from ._envs import EnvSpec
     from ._lifecycle import CancelKill, RetireReason, Stop
     from ._logs import WorkerLog
     from ._memlimit import WorkerMemory
-    from ._process import RuntimeDir
     from ._reactor import Reactor
+    from ._runtime_store import RuntimeDir
     from ._settings import Settings
 
 LOCAL_CAPABILITIES = frozenset(
@@ -69,20 +70,33 @@ class WorkerGeneration(Protocol):
 
     generation: int
     pid: int | None
-    returncode: int | None
     startup_seconds: float
     retire_reason: RetireReason | None
     cancel_kill: CancelKill | None  # how a cancel killed it (set by the gate with the reason)
-    shm_state: str
     log: WorkerLog
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
-    popen: Any  # the launched process, if the backend has one (None for an actor)
     death_detail: str | None  # how it died, where no exit code says it (Ray)
     memory: WorkerMemory | None  # its memory limit and OOM evidence (None: Ray's actors)
     death_reported: bool  # the pool reported this generation's end (breaker, event)
 
     @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def shm_state(self) -> str: ...
+
+    @property
+    def popen(self) -> Any:
+        """The launched process, if the backend has one (None for an actor)."""
+        ...
+
+    @property
     def reader(self) -> FrameSource | None: ...
+
+    @property
+    def channel(self) -> Channel | None:
+        """The host end of a local worker's channel (``_channel``); None for an actor."""
+        ...
 
     @property
     def python_version(self) -> tuple[int, ...]: ...

@@ -101,7 +101,7 @@ from ._settings import Settings
 if TYPE_CHECKING:
     from ._activation import Activation
     from ._memlimit import WorkerMemory
-    from ._process import RuntimeDir
+    from ._runtime_store import RuntimeDir
 
 _log = logging.getLogger("comfy_env")
 
@@ -582,6 +582,7 @@ class RayWorker:
         self.startup_seconds = 0.0
         self.log = WorkerLog(spec.key, spec.name, generation, config.stderr_tail_lines)
         self.shm_state = "off"
+        self.channel = None  # no fd channel: calls go through the actor (see ``_channel``)
         self.actor: Any = None
         self.actor_id = ""
         self.pending: Any = None  # the ObjectRef of the call in flight
@@ -682,7 +683,7 @@ class RayWorker:
         self.startup_seconds = time.monotonic() - started
 
     def _canary(self, deadline: float) -> None:
-        from ._process import canary_value
+        from ._handshake import canary_value
 
         value = canary_value(min(self.config.shm_threshold_bytes, self.config.max_frame_bytes // 4))
         body, buffers, _ = encode_call(

@@ -26,7 +26,7 @@ fails it is skipped for the next (one warning), so a hostile ``TMPDIR`` falls th
 A few ``lstat`` calls, on every ``runtime_root()``.
 
 The same check applies to the status directory inside the root, and to the runtime stores
-(``store-<content key>``, see ``_process.RuntimeDir``) that per-host runtime directories
+(``store-<content key>``, see ``_runtime_store.RuntimeDir``) that per-host runtime directories
 are hard-linked from. Below a checked root with a safe parent, nobody else can create, rename
 or remove entries, so paths under it are stable; new directories are made with
 ``mkdir(dir_fd=...)`` and files with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to the opened
@@ -431,7 +431,7 @@ def copy_tree(source: str, dest: str) -> None:
 
 def link_tree(source: str, dest: str) -> None:
     """Fill the existing directory ``dest`` (ours) with hard links to the regular files of
-    ``source`` (a runtime store of ours: see ``_process.RuntimeDir``), directories made
+    ``source`` (a runtime store of ours: see ``_runtime_store.RuntimeDir``), directories made
     anew. Everything is created relative to opened directory descriptors; symlinks and special
     files are skipped; nothing is followed. One ``link`` a file instead of a read and a write:
     the per-host copy costs a fraction of a millisecond. Raises ``OSError`` if any link

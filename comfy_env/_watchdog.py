@@ -10,9 +10,9 @@ thread and the watchdog alone, the watchdog often is). A pidfd of a *thread* (Li
 ``PIDFD_THREAD``) becomes readable when that thread has exited. Two watch the same pidfds
 (one per thread, closed with the channel):
 
-* the reactor (``WorkerProcess._on_thread_exit``): when one fires while the worker's main
-  thread is exiting (its ``PF_EXITING`` flag, with the exit status stored), it shuts the
-  host's end of the channel down, so a caller blocked reading it sees EOF at once;
+* the reactor (``_exitwatch.ThreadWatch._on_thread_exit``): when one fires while the
+  worker's main thread is exiting (its ``PF_EXITING`` flag, with the exit status stored), it
+  shuts the host's end of the channel down, so a caller blocked reading it sees EOF at once;
 * the caller itself, once its wait for a reply has lasted ``_ALARM_AFTER`` (the channel's
   reader, ``FrameReader.set_alarms``): the same check, and its read ends as at EOF. On a
   2-CPU machine the reactor was often queued behind the dying worker's teardown, on the very

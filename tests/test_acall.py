@@ -359,7 +359,7 @@ def test_an_acall_never_goes_to_a_worker_that_wrote_on_its_idle_channel(
 class _NoThreads:
     """Makes any thread started while active fail the test (patches ``threading.Thread``),
     but for the helper that faults in a spare block for a caller keeping its results (it
-    never runs a call: ``WorkerProcess._spare_soon``)."""
+    never runs a call: ``_channel.Loans._spare_soon``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.monkeypatch = monkeypatch

@@ -131,7 +131,7 @@ def test_last_words_without_a_newline_reach_the_crash_report(pool: comfy_env.Poo
 
 
 def test_exit_status_is_read_before_the_reaping_and_leaves_the_zombie() -> None:
-    from comfy_env._process import _peek_exit, exiting_status
+    from comfy_env._exitwatch import _peek_exit, exiting_status
 
     code = "import os, sys; sys.stdin.read(1); os._exit(int(sys.argv[1]))"
     for how, expected in (("exit 3", 3), ("exit 0", 0), ("SIGKILL", -signal.SIGKILL)):
@@ -462,9 +462,9 @@ def test_worker_runs_in_its_own_session_and_holds_only_its_channel(
         # mapped itself
         assert targets[1].startswith("pipe:") and targets[2].startswith("pipe:")
         process = w._entry.slots[0].process
-        assert process is not None and process._cancel_fd is not None
-        log_pipe = os.readlink(f"/proc/self/fd/{process._log_pipe.fileno()}")
-        cancel_pipe = os.readlink(f"/proc/self/fd/{process._cancel_fd}")
+        assert process is not None and process.channel._cancel_fd is not None
+        log_pipe = os.readlink(f"/proc/self/fd/{process.pipes._log_pipe.fileno()}")
+        cancel_pipe = os.readlink(f"/proc/self/fd/{process.channel._cancel_fd}")
         assert cancel_pipe in targets.values()
         own = {log_pipe, cancel_pipe}
         rest = {fd for fd, t in targets.items() if fd > 2 and t not in sockets and t not in own}
@@ -496,13 +496,13 @@ def test_a_retired_worker_whose_release_is_due_is_released_at_once_when_needed(
         assert isinstance(crashed, WorkerProcess)
         with pytest.raises(WorkerCrashed):
             w.call("comfy_env_worker.tasks:crash")
-        assert not crashed._disposed  # due in an hour
+        assert not crashed.channel.disposed  # due in an hour
         if then == "next call":
             assert w.call("comfy_env_worker.tasks:echo", 1) == 1
-            assert w.generation == 2 and crashed._disposed
+            assert w.generation == 2 and crashed.channel.disposed
     finally:
         pool.close()
-    assert crashed._disposed
+    assert crashed.channel.disposed
     # Its channel is closed, both halves.
     assert crashed.sock is not None and crashed.sock.fileno() == -1
     assert crashed.reply_sock is not None and crashed.reply_sock.fileno() == -1

@@ -439,7 +439,7 @@ def test_a_worker_without_shared_memory_gets_the_canary_inline(
     # block made in advance is unlinked (the leak guard checks /dev/shm).
     import pickle
 
-    from comfy_env import _process
+    from comfy_env import _channel
     from comfy_env_worker.protocol import FrameReader, FrameType
 
     class NoShmHello(FrameReader):
@@ -450,7 +450,7 @@ def test_a_worker_without_shared_memory_gets_the_canary_inline(
                 payload = pickle.dumps({**hello, "shm": False}, protocol=5)
             return ftype, flags, call_id, payload
 
-    monkeypatch.setattr(_process, "FrameReader", NoShmHello)
+    monkeypatch.setattr(_channel, "FrameReader", NoShmHello)
     with comfy_env.Pool(config) as pool:
         worker = pool.get_worker()
         payload = bytes(range(256)) * 4096  # 1 MiB: over the shared-memory threshold

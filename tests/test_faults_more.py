@@ -296,7 +296,7 @@ _DYING_HOST = """
     def work():
         for w, target, payload in zip(workers, targets, payloads):
             w.call(target, payload)
-            w._entry.slots[0].process.ack_consumed = False
+            w._entry.slots[0].process.channel.loans.ack_consumed = False
             w.call(target, payload)  # its reply blocks stay pinned
 
     if how == "thread-exit":

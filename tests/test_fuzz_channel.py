@@ -468,14 +468,13 @@ def test_an_unforeseen_error_opening_a_reply_never_leaves_the_slot_stuck(
     """An error nobody foresaw (here: ``open_reply`` raising ``RuntimeError``) reaches the
     caller, and the slot is free again: before, the sync path left it in the call, and every
     later call of the env queued until its deadline."""
-    from comfy_env._process import WorkerProcess
-
     worker = warm(fuzz_pool)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("open_reply broke")
 
-    monkeypatch.setattr(WorkerProcess, "open_reply", broken)
+    # The process's ``open_reply`` is its channel's bound method, set on the instance.
+    monkeypatch.setattr(worker._entry.slots[0].process, "open_reply", broken)
     with pytest.raises(RuntimeError, match="open_reply broke"):
         call_target(worker, mode, "comfy_env_worker.tasks:echo", bytes(1 << 20))
     monkeypatch.undo()

@@ -1524,9 +1524,9 @@ def test_a_descendant_scan_still_due_at_close_runs_at_close(
     # The scan for a dead generation's setsid descendants runs on a reactor timer after the
     # exit (off the crash report's path). Here the timer is set far out: only close() can run
     # the scan, also for a generation the pool no longer lists (its slot holds generation 2).
-    from comfy_env import _process
+    from comfy_env import _exitwatch
 
-    monkeypatch.setattr(_process, "_MARKED_SCAN_DELAY", 3600.0)
+    monkeypatch.setattr(_exitwatch, "_MARKED_SCAN_DELAY", 3600.0)
     with comfy_env.Pool(config) as pool:
         worker = pool.get_worker()
         descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", False)
@@ -1849,9 +1849,9 @@ def test_a_dead_generation_holds_no_host_descriptors_while_a_descendant_keeps_it
     try:
         process = pool._entries[worker.env].slots[0].process
         assert process is not None and process.popen is not None
-        streams = (process._stdout, process._stderr, process._log_pipe)
+        streams = (process.pipes._stdout, process.pipes._stderr, process.pipes._log_pipe)
         # Both ends: the host keeps the write ends open until the reaping (see launch).
-        pipes = [p.fileno() for p in streams if p] + list(process._held_ends)
+        pipes = [p.fileno() for p in streams if p] + list(process.pipes._held_ends)
         assert len(pipes) == 6
         held = _links(pipes)
         assert held and all(link.startswith("pipe:") for link in held)
@@ -1870,7 +1870,8 @@ def test_close_while_many_envs_start_is_one_bounded_wait(
     import threading
     import time
 
-    from comfy_env._process import WorkerProcess
+    from comfy_env._exitwatch import ExitWatch
+    from comfy_env._outputpipes import OutputPipes
 
     real = os.path.realpath(sys.executable)
     pidfile = tmp_path / "escaped.pids"
@@ -1893,15 +1894,16 @@ def test_close_while_many_envs_start_is_one_bounded_wait(
         envs.append(str(env))
     closer: list[threading.Thread] = []
     deadlines: list[float] = []
-    for name in ("wait_exit", "wait_output"):
-        original = getattr(WorkerProcess, name)
+    # (``WorkerProcess.wait_exit`` and ``wait_output`` are these parts' bound methods.)
+    for part, name in ((ExitWatch, "wait_exit"), (OutputPipes, "wait")):
+        original = getattr(part, name)
 
-        def recording(self: WorkerProcess, timeout: float, _original: Any = original) -> Any:
+        def recording(self: Any, timeout: float, _original: Any = original) -> Any:
             if closer and threading.current_thread() is closer[0]:
                 deadlines.append(time.monotonic() + timeout)
             return _original(self, timeout)
 
-        monkeypatch.setattr(WorkerProcess, name, recording)
+        monkeypatch.setattr(part, name, recording)
     cfg = comfy_env.PoolConfig(close_timeout=1.0, kill_grace=5.0, start_timeout=120)
     pool = comfy_env.Pool(cfg)
     errors: list[BaseException] = []

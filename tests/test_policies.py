@@ -777,16 +777,19 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
             # right after the check said quiet, so the send fails before a byte went out
             # and the call runs on a fresh worker (it never ran: not a replay).
             assert w.call("remote_tasks:add", 3, 3) == 6  # generation 3
-            checked = WorkerProcess.idle_channel_state
+            # (The process's ``idle_channel_state`` is its channel's bound method.)
+            process = w._entry.slots[0].process
+            assert isinstance(process, WorkerProcess)
+            checked = process.idle_channel_state
 
-            def quiet_then_gone(process: WorkerProcess) -> str:
-                answer = checked(process)
+            def quiet_then_gone() -> str:
+                answer = checked()
                 assert process.sock is not None
                 process.sock.shutdown(socket.SHUT_WR)
-                monkeypatch.setattr(WorkerProcess, "idle_channel_state", checked)
+                monkeypatch.setattr(process, "idle_channel_state", checked)
                 return answer
 
-            monkeypatch.setattr(WorkerProcess, "idle_channel_state", quiet_then_gone)
+            monkeypatch.setattr(process, "idle_channel_state", quiet_then_gone)
             resumed.clear()
             assert w.call("remote_tasks:add", 4, 4) == 8
             assert resumed == kinds(_pool._SEND_FAILED)

@@ -207,7 +207,7 @@ def test_a_call_whose_worker_close_stopped_before_its_launch_gets_pool_closed(
 
     def launch_once_stopped(self: WorkerProcess, *args: object, **kwargs: object) -> None:
         launching.set()
-        assert _wait(lambda: self._kill_requested, 30)  # close() stopped it: launch now
+        assert _wait(lambda: self.watch.kill_requested, 30)  # close() stopped it: launch now
         original(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(WorkerProcess, "launch", launch_once_stopped)
@@ -368,7 +368,7 @@ def test_the_runtime_package_is_byte_compiled_once_and_recompiled_when_stale(
     # The runtime directory is filled from packages whose byte code is current (pip compiles
     # on install); a missing or older .pyc is compiled before the copy, so workers import
     # byte code rather than compiling the runtime at every start.
-    from comfy_env._process import _byte_code_current, _precompile
+    from comfy_env._runtime_store import _byte_code_current, _precompile
 
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)
@@ -440,7 +440,7 @@ def test_without_xdg_runtime_dir_the_root_is_where_tempfile_would_put_it(
 def test_runtime_dirs_are_hard_links_into_one_store_of_ours(own_runtime_root: str) -> None:
     # A fresh host links its runtime dir from a content-addressed store made by the first
     # host: same files (inode, size, time), directories of its own, nothing followed.
-    from comfy_env._process import RuntimeDir
+    from comfy_env._runtime_store import RuntimeDir
 
     first, second = RuntimeDir().ready(), RuntimeDir().ready()
     try:
@@ -466,7 +466,7 @@ def test_runtime_dirs_are_hard_links_into_one_store_of_ours(own_runtime_root: st
 def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path, own_runtime_root: str) -> None:
     # The store's name is predictable: a symlink (or anything not ours) at it is refused and
     # the host copies the packages itself; nothing is read from the planted target.
-    from comfy_env import _process
+    from comfy_env import _runtime_store
 
     root = own_runtime_root
     assert not [name for name in os.listdir(root) if name.startswith("store-")]
@@ -475,14 +475,14 @@ def test_a_store_planted_as_a_symlink_is_never_used(tmp_path: Path, own_runtime_
         ("cloudpickle", os.path.dirname(cloudpickle.__file__)),
     ]
     for _, source in sources:
-        _process._precompile(source)
+        _runtime_store._precompile(source)
     planted = tmp_path / "planted"
     (planted / "comfy_env_worker").mkdir(parents=True)
     (planted / "comfy_env_worker" / "main.py").write_text("raise SystemExit('planted')\n")
     (planted / "cloudpickle").mkdir()
-    link = os.path.join(root, "store-" + _process._content_key(sources))
+    link = os.path.join(root, "store-" + _runtime_store._content_key(sources))
     os.symlink(planted, link)
-    path = _process.RuntimeDir().ready()
+    path = _runtime_store.RuntimeDir().ready()
     try:
         main = os.path.join(path, "comfy_env_worker", "main.py")
         assert "planted" not in Path(main).read_text()
@@ -515,9 +515,9 @@ def test_the_runtime_dir_is_filled_while_the_first_worker_starts(
     # made.
     import psutil
 
-    from comfy_env import _process
+    from comfy_env import _process, _runtime_store
 
-    fill = _process._fill_runtime_dir
+    fill = _runtime_store._fill_runtime_dir
     children_at_fill: list[list[str]] = []
 
     def slow_fill(path: str, root: str) -> None:
@@ -525,7 +525,7 @@ def test_the_runtime_dir_is_filled_while_the_first_worker_starts(
         time.sleep(0.5)  # the interpreter is up long before this ends
         fill(path, root)
 
-    monkeypatch.setattr(_process, "_fill_runtime_dir", slow_fill)
+    monkeypatch.setattr(_runtime_store, "_fill_runtime_dir", slow_fill)
     with comfy_env.Pool() as pool:
         worker = pool.get_worker(None)
         assert worker.call("comfy_env_worker.tasks:echo", 7) == 7
@@ -541,17 +541,17 @@ def test_the_runtime_dir_is_named_before_the_launch_and_made_after_it(
     # it) and makes it once the worker's interpreter is starting, before GO.
     import psutil
 
-    from comfy_env import _process
+    from comfy_env import _process, _runtime_store
     from comfy_env._identity import host_id
 
-    make = _process.make_private_dir
+    make = _runtime_store.make_private_dir
     made: list[tuple[list[str], str | None]] = []
 
     def recording(parent: str, prefix: str, suffix: str | None = None) -> str:
         made.append(([" ".join(c.cmdline()) for c in psutil.Process().children()], suffix))
         return make(parent, prefix, suffix)
 
-    monkeypatch.setattr(_process, "make_private_dir", recording)
+    monkeypatch.setattr(_runtime_store, "make_private_dir", recording)
     with comfy_env.Pool() as pool:
         worker = pool.get_worker(None)
         assert worker.call("comfy_env_worker.tasks:echo", 3) == 3
@@ -580,9 +580,9 @@ def test_a_named_private_dir_that_is_taken_is_refused(own_runtime_root: str) -> 
 def test_a_runtime_dir_that_cannot_be_filled_fails_the_start_and_is_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from comfy_env import WorkerStartError, _process
+    from comfy_env import WorkerStartError, _runtime_store
 
-    fill = _process._fill_runtime_dir
+    fill = _runtime_store._fill_runtime_dir
     attempts: list[str] = []
 
     def failing_once(path: str, root: str) -> None:
@@ -591,7 +591,7 @@ def test_a_runtime_dir_that_cannot_be_filled_fails_the_start_and_is_tried_again(
             raise OSError(28, "No space left on device")
         fill(path, root)
 
-    monkeypatch.setattr(_process, "_fill_runtime_dir", failing_once)
+    monkeypatch.setattr(_runtime_store, "_fill_runtime_dir", failing_once)
     with comfy_env.Pool() as pool:
         worker = pool.get_worker(None)
         with pytest.raises(WorkerStartError, match=r"runtime directory .*No space left"):
@@ -629,13 +629,13 @@ def test_a_store_that_cannot_be_linked_from_is_copied_instead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A store pruned by a host of another version while this host links from it: copy.
-    from comfy_env import _process
+    from comfy_env import _runtime_store
 
     def fail(source: str, dest: str) -> None:
         raise FileNotFoundError(source)
 
-    monkeypatch.setattr(_process, "link_tree", fail)
-    path = _process.RuntimeDir().ready()
+    monkeypatch.setattr(_runtime_store, "link_tree", fail)
+    path = _runtime_store.RuntimeDir().ready()
     try:
         main = os.path.join(path, "comfy_env_worker", "main.py")
         source = os.path.join(os.path.dirname(comfy_env_worker.__file__), "main.py")
@@ -655,25 +655,25 @@ def _edit(path: Path, text: str) -> None:
 def test_a_store_of_other_package_files_is_replaced(tmp_path: Path, own_runtime_root: str) -> None:
     # The key covers every file's path, size and time: edited packages get a new store; the
     # old one is pruned once unused for an hour (two versions in use side by side keep both).
-    from comfy_env import _process
+    from comfy_env import _runtime_store
 
     package = tmp_path / "comfy_env_worker"
     package.mkdir()
     (package / "__init__.py").write_text("X = 1\n")
     sources = [("comfy_env_worker", str(package))]
     root = own_runtime_root
-    old = _process._runtime_store(root, sources)
+    old = _runtime_store._runtime_store(root, sources)
     assert old is not None and os.path.isdir(old)
-    assert _process._runtime_store(root, sources) == old  # same files: the same store
+    assert _runtime_store._runtime_store(root, sources) == old  # same files: the same store
     _edit(package / "__init__.py", "X = 2\n")
-    new = _process._runtime_store(root, sources)
+    new = _runtime_store._runtime_store(root, sources)
     assert new is not None and new != old
     assert os.path.isdir(old)  # used a moment ago: kept
     assert Path(new, "comfy_env_worker", "__init__.py").read_text() == "X = 2\n"
-    hour_ago = time.time() - _process._STORE_IDLE_S - 60
+    hour_ago = time.time() - _runtime_store._STORE_IDLE_S - 60
     os.utime(old, (hour_ago, hour_ago))
     _edit(package / "__init__.py", "X = 3\n")
-    newest = _process._runtime_store(root, sources)
+    newest = _runtime_store._runtime_store(root, sources)
     assert newest is not None and newest not in (old, new)
     assert not os.path.exists(old)  # unused for an hour: pruned
     assert os.path.isdir(new)

@@ -270,9 +270,9 @@ def test_a_block_the_worker_keeps_is_never_reused_when_the_call_then_fails(
 @pytest.fixture
 def copies_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """Copy every shared-memory reply out (no loans): the plain consumed-ack protocol."""
-    import comfy_env._process
+    import comfy_env._channel
 
-    monkeypatch.setattr(comfy_env._process, "LOAN_MIN", 1 << 40)
+    monkeypatch.setattr(comfy_env._channel, "LOAN_MIN", 1 << 40)
 
 
 @pytest.mark.usefixtures("copies_for_all")
@@ -281,7 +281,7 @@ def test_the_consumed_ack_frees_pinned_reply_blocks_at_once(pool: comfy_env.Pool
     out = w.call(remote_tasks.filled, 1.0, MiB)  # copied out (copies_for_all)
     assert out.nbytes == 4 * MiB
     assert _worker_shm(w)["pinned"] == 0
-    _host_process(w).ack_consumed = False
+    _host_process(w).channel.loans.ack_consumed = False
     w.call(remote_tasks.filled, 1.0, MiB)
     assert _worker_shm(w)["pinned"] == 1  # no ack: the reply block stays pinned
 
@@ -289,9 +289,9 @@ def test_the_consumed_ack_frees_pinned_reply_blocks_at_once(pool: comfy_env.Pool
 @pytest.fixture
 def loans_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lend every shared-memory reply, however small (the tests' buffers are a few MiB)."""
-    import comfy_env._process
+    import comfy_env._channel
 
-    monkeypatch.setattr(comfy_env._process, "LOAN_MIN", 0)
+    monkeypatch.setattr(comfy_env._channel, "LOAN_MIN", 0)
 
 
 @pytest.mark.usefixtures("loans_for_all")
@@ -343,12 +343,12 @@ def test_an_echo_loan_lasts_as_long_as_any_view_taken_from_the_result(
     process = _host_process(w)
     raw = memoryview(out).cast("B")[:16]
     del out
-    assert len(process._own_lent) == 1  # the argument block stays out of our pool
+    assert len(process.channel.loans._own_lent) == 1  # the argument block stays out of our pool
     later = w.call("comfy_env_worker.tasks:echo", np.full(MiB, 2.0, dtype=np.float32))
     assert np.frombuffer(raw, dtype=np.float32).tolist() == [1.0] * 4  # not overwritten
     del later
     del raw
-    assert process._own_lent == {}
+    assert process.channel.loans._own_lent == {}
 
 
 def test_a_lent_result_outlives_its_pool(config: comfy_env.PoolConfig) -> None:
@@ -383,7 +383,7 @@ def test_without_ctypes_a_fresh_mapping_stands_in_for_the_loan_root(
         assert isinstance(base, memoryview) and type(base.obj).__name__ == "mmap"
     raw = memoryview(out).cast("B")[:8]
     del out, echoed, result, base
-    assert _worker_shm(w)["pinned"] == 1 and _host_process(w)._own_lent == {}
+    assert _worker_shm(w)["pinned"] == 1 and _host_process(w).channel.loans._own_lent == {}
     del raw
     assert _worker_shm(w)["pinned"] == 0
 
@@ -420,7 +420,7 @@ def test_async_calls_give_loaned_blocks_back_too(pool: comfy_env.Pool) -> None:
 
 @pytest.mark.usefixtures("loans_for_all")
 def test_beyond_the_loan_bound_results_are_private_copies(pool: comfy_env.Pool) -> None:
-    from comfy_env._process import MAX_LOANS
+    from comfy_env._channel import MAX_LOANS
 
     w = pool.get_worker()
     kept = [w.call(remote_tasks.filled, 1.0, MiB // 4) for _ in range(MAX_LOANS + 3)]
@@ -442,10 +442,10 @@ def test_an_echoed_array_comes_back_in_the_hosts_own_block_with_no_reply_block(
     assert _is_loan(_owner_block(out))  # a view of our block, not a copy
     stats = _worker_shm(w)
     assert (stats["blocks"], stats["pinned"]) == (before, 0)  # the worker made no reply block
-    assert len(process._own_lent) == 1  # our argument block, lent to the result
+    assert len(process.channel.loans._own_lent) == 1  # our argument block, lent to the result
     idle = process.blocks.idle_blocks
     del out  # its last view: the block goes back to our pool at once
-    assert process._own_lent == {} and process.blocks.idle_blocks == idle + 1
+    assert process.channel.loans._own_lent == {} and process.blocks.idle_blocks == idle + 1
 
 
 def test_a_kept_echo_result_is_never_overwritten_by_a_later_request(
@@ -461,7 +461,7 @@ def test_a_kept_echo_result_is_never_overwritten_by_a_later_request(
     assert np.array_equal(sliced, np.arange(1000, MiB, dtype=np.float64))  # at an offset
     kept.clear()
     del sliced
-    assert _host_process(w)._own_lent == {}
+    assert _host_process(w).channel.loans._own_lent == {}
 
 
 def test_a_result_the_function_also_keeps_is_a_copy_not_shared_with_its_cache(
@@ -471,7 +471,7 @@ def test_a_result_the_function_also_keeps_is_a_copy_not_shared_with_its_cache(
     ones = np.ones(2 * MiB, dtype=np.float32)
     out = w.call(remote_tasks.keep_and_return, ones)  # returned and cached in the worker
     assert float(out.sum()) == float(2 * MiB)
-    assert _host_process(w)._own_lent == {}  # not a view of our block: a reply block
+    assert _host_process(w).channel.loans._own_lent == {}  # not a view of our block: a reply block
     out[:] = 5.0  # the caller's to change: the worker's cache must not see it
     assert w.call(remote_tasks.kept_sum, -1) == float(2 * MiB)
     w.call("comfy_env_worker.tasks:echo", np.full(2 * MiB, 2.0, dtype=np.float32))
@@ -491,7 +491,9 @@ def test_kept_echo_results_get_a_spare_block_made_off_the_call_path(
     assert _wait(lambda: process.blocks.has_idle(wshm.SPARE_MIN_BYTES), 10.0)
     ready = set(process.blocks.live)
     second = w.call("comfy_env_worker.tasks:echo", np.full(n, 2.0, dtype=np.float32))
-    assert set(process._own_lent) <= ready  # the request took the spare: no block made
+    assert (
+        set(process.channel.loans._own_lent) <= ready
+    )  # the request took the spare: no block made
     assert float(first.max()) == 1.0 and float(second.min()) == 2.0
     del first, second
 
@@ -542,13 +544,15 @@ def test_kept_small_echo_results_get_spare_argument_blocks_from_the_second_call_
     n = MiB // 2  # float32: 2 MiB, a size class under SPARE_MIN_BYTES
     kept = [w.call("comfy_env_worker.tasks:echo", np.full(n, 1.0, dtype=np.float32))]
     process = _host_process(w)
-    size = next(b.size for b in process.blocks.live.values() if b.name in process._own_lent)
+    size = next(
+        b.size for b in process.blocks.live.values() if b.name in process.channel.loans._own_lent
+    )
     assert not process.blocks.has_idle(size)  # the first lent block: no spare asked for
     kept.append(w.call("comfy_env_worker.tasks:echo", np.full(n, 2.0, dtype=np.float32)))
     assert _wait(lambda: process.blocks.has_idle(size), 10.0)  # the second: a spare
     ready = set(process.blocks.live)
     kept.append(w.call("comfy_env_worker.tasks:echo", np.full(n, 3.0, dtype=np.float32)))
-    assert set(process._own_lent) <= ready  # the third request took the spare
+    assert set(process.channel.loans._own_lent) <= ready  # the third request took the spare
     assert [float(k.max()) for k in kept] == [1.0, 2.0, 3.0]
     kept.clear()
 
@@ -662,7 +666,7 @@ def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) 
     with comfy_env.Pool(config.model_copy(update={"shm_pinned_ttl": 0.3})) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
-        _host_process(w).ack_consumed = False
+        _host_process(w).channel.loans.ack_consumed = False
         w.call(remote_tasks.filled, 1.0, MiB)
         w.call(remote_tasks.filled, 1.0, 2 * MiB)
         assert _worker_shm(w)["pinned"] == 2
@@ -755,7 +759,7 @@ def test_a_reply_block_gone_before_the_host_opens_it_fails_that_call_only(
 def test_a_crash_with_pinned_blocks_leaks_nothing(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
-    _host_process(w).ack_consumed = False
+    _host_process(w).channel.loans.ack_consumed = False
     w.call(remote_tasks.filled, 1.0, 2 * MiB)
     pid = w.pid
     prefix = f"ce-{os.getpid()}-"
@@ -864,13 +868,13 @@ def test_when_every_name_tried_is_taken_the_warning_says_so(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from comfy_env import _process
+    from comfy_env import _channel
     from comfy_env._process import host_id
     from comfy_env_worker import shm
 
     # The host's random part is made predictable, and every name it would try is taken.
     monkeypatch.setattr(shm, "random_name_part", lambda: "0000beef")
-    monkeypatch.setattr(_process, "_warned", set())
+    monkeypatch.setattr(_channel, "_warned", set())
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
         w.call("remote_tasks:add", 1)
@@ -943,7 +947,7 @@ def _double_crash_then_sweep(pool: comfy_env.Pool) -> None:
         import os, time, numpy as np, comfy_env
         w = comfy_env.get_worker()
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
-        w._entry.slots[0].process.ack_consumed = False
+        w._entry.slots[0].process.channel.loans.ack_consumed = False
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
         pool = comfy_env.default_pool()
         while pool._watcher is None:  # started on the reactor once the first worker is ready

@@ -7,6 +7,9 @@
   they depend on ``_callsite.CallSite`` and the core types of ``_entry``.
 * The core and its policies are backend-agnostic: they import neither the pool nor the local
   backend's process code.
+* The local backend's mechanism (``_channel``, ``_exitwatch``, ``_outputpipes``) reports
+  facts: it reaches neither the gate (``_entry``), the lifecycle table, the pool nor the
+  ``WorkerProcess`` facade over it, directly or through another module.
 
 Pure AST reads of the source: no import runs, no process starts.
 """
@@ -154,3 +157,27 @@ def test_no_module_reaches_into_another_modules_private_names() -> None:
                 if private and f"{target}.{name}" not in modules:
                     offenders.append(f"{module}: from {target} import {name}")
     assert not offenders, offenders
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every package module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for imported in graph.get(todo.pop(), set()):
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    return seen
+
+
+@pytest.mark.parametrize("part", ["_channel", "_exitwatch", "_outputpipes"])
+def test_the_mechanism_reports_facts_and_imports_no_policy(part: str) -> None:
+    # The local backend's mechanism (the channel's host end, the exit watch, the output
+    # pipes) only reports what it sees: it never reaches the gate, the lifecycle table or
+    # the pool that decide what those facts mean, not even through another module.
+    graph = _graph()
+    assert f"{NAME}.{part}" in graph
+    reached = _reachable(graph, f"{NAME}.{part}")
+    policy = {f"{NAME}._entry", f"{NAME}._lifecycle", f"{NAME}._pool", f"{NAME}._process"}
+    assert not reached & policy, sorted(reached & policy)

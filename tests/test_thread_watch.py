@@ -21,7 +21,8 @@ from conftest import reactor_held, wait_until
 
 import comfy_env
 from comfy_env import WorkerCrashed, _watchdog
-from comfy_env._process import _ALARM_AFTER, WorkerProcess
+from comfy_env._channel import _ALARM_AFTER
+from comfy_env._process import WorkerProcess
 from comfy_env_worker.protocol import (
     ALARM_RECHECKS,
     SENTINEL_THREAD_NAME,
@@ -63,7 +64,9 @@ def _watched(w: comfy_env.Worker) -> WorkerProcess:
     """Start ``w``'s worker and wait until the host watches both its named threads."""
     w.call("comfy_env_worker.tasks:echo", 0)
     process = _process(w)
-    assert wait_until(lambda: len(process._watched_fds) == 2, 5.0), process._watched_fds
+    assert wait_until(lambda: len(process.watch.threads._watched_fds) == 2, 5.0), (
+        process.watch.threads._watched_fds
+    )
     return process
 
 
@@ -100,9 +103,10 @@ def test_a_worker_starts_its_threads_while_the_host_answers_its_hello(
     # CONFIG back until it sees both threads (or gives up): they must not need CONFIG.
     import psutil
 
+    from comfy_env import _handshake
     from comfy_env import _process as process_module
 
-    make_config = process_module.worker_config
+    make_config = _handshake.worker_config
     seen_before_config: list[bool] = []
 
     def config_once_threads_run(*args: Any, **kwargs: Any) -> Any:
@@ -113,7 +117,7 @@ def test_a_worker_starts_its_threads_while_the_host_answers_its_hello(
         seen_before_config.append(wait_until(lambda: wanted <= _thread_names(worker.pid), 5.0))
         return make_config(*args, **kwargs)
 
-    monkeypatch.setattr(process_module, "worker_config", config_once_threads_run)
+    monkeypatch.setattr(_handshake, "worker_config", config_once_threads_run)
     with comfy_env.Pool() as pool:
         assert pool.get_worker().call("comfy_env_worker.tasks:echo", 5) == 5
     assert seen_before_config == [True]
@@ -185,7 +189,7 @@ def test_a_killed_worker_is_told_before_its_teardown_ends() -> None:
         assert not torn_down
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL  # what the reaping says, the same
-        assert process._watched_fds == set()
+        assert process.watch.threads._watched_fds == set()
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3  # the next generation serves
 
 
@@ -199,11 +203,12 @@ def test_a_named_thread_ending_while_the_worker_lives_changes_nothing(
     process = _watched(w)
     reactor = pool._reactor
     assert reactor is not None
-    fd = sorted(process._watched_fds)[0]
-    reactor.run_sync(lambda: process._on_thread_exit(fd))
-    assert process._watched_fds and fd not in process._watched_fds  # the other stays watched
+    fd = sorted(process.watch.threads._watched_fds)[0]
+    reactor.run_sync(lambda: process.watch.threads._on_thread_exit(fd))
+    watched = process.watch.threads._watched_fds
+    assert watched and fd not in watched  # the other stays watched
     # Its rechecks (the main thread might just not have begun to exit) end without a word.
-    checks = process._EXIT_RECHECKS * process._EXIT_RECHECK_DELAY
+    checks = process.watch.threads._EXIT_RECHECKS * process.watch.threads._EXIT_RECHECK_DELAY
     threading.Event().wait(checks + 0.05)
     assert not process.exit_noticed
     pid = w.pid
@@ -275,12 +280,13 @@ def test_a_thread_end_and_the_exit_in_one_wake_up_leave_no_watch_behind() -> Non
         assert process.returncode == -signal.SIGKILL
         assert process.exit_noticed, "the exit came alone: nothing was tested"
         assert wait_until(lambda: not _watches_of(pool, process), 5.0), _watches_of(pool, process)
-        assert process._watched_fds == set()
+        assert process.watch.threads._watched_fds == set()
         for value in range(3):  # the next generations start, are watched, and serve
             assert w.call("comfy_env_worker.tasks:echo", value) == value
         assert w.generation == 2
         # Closed with the channel (the retired worker's ``dispose``).
-        assert wait_until(lambda: not process._thread_fds and process._stat_fd is None, 5.0)
+        watch = process.watch
+        assert wait_until(lambda: not watch.threads._fds and watch.threads.stat_fd is None, 5.0)
 
 
 # ---- the caller's own alarms (FrameReader.set_alarms) ----
@@ -410,7 +416,7 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
         process = _watched(w)
-        assert wait_until(lambda: _alarms_armed(process), 5.0), process._thread_fds
+        assert wait_until(lambda: _alarms_armed(process), 5.0), process.watch.threads._fds
         err, torn_down = _kill_holding_512_mib(pool, w, hold_reactor=True)
         assert isinstance(err, WorkerCrashed), err
         assert (err.exitcode, err.signal) == (-signal.SIGKILL, "SIGKILL")
@@ -418,7 +424,9 @@ def test_a_caller_hears_of_a_death_itself_while_the_reactor_is_busy() -> None:
         assert wait_until(lambda: process.exited.is_set(), 10.0)
         assert process.returncode == -signal.SIGKILL
         assert w.call("comfy_env_worker.tasks:echo", 3) == 3
-    assert process._thread_fds == [] and process._stat_fd is None  # closed by dispose
+    assert (
+        process.watch.threads._fds == [] and process.watch.threads.stat_fd is None
+    )  # closed by dispose
 
 
 @needs_thread_pidfds
@@ -482,6 +490,6 @@ def test_a_request_left_unread_is_told_after_the_dying_worker_let_go_of_it() -> 
             os.kill(pid, signal.SIGKILL)
             process.sock.sendall(encode_header(FrameType.PING, 0, 0))  # never read
             assert wait_until(lambda: _torn_down(pid), 10.0)  # its socket is gone
-            process.noticed_status = -signal.SIGKILL  # what the notice would have read
+            process.watch.noticed_status = -signal.SIGKILL  # what the notice would have read
             assert process.request_unread()
         assert w.call("comfy_env_worker.tasks:echo", 1) == 1  # the next generation serves
