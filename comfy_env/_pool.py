@@ -87,22 +87,13 @@ from comfy_env_worker.protocol import (
 )
 from comfy_env_worker.shm import SCALARS, Block
 
+from . import _lease, _policies, _shutdown
 from . import _lifecycle as lc
-from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._call import EventCallback, event_handler
 from ._callsite import GENERAL_PATH
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
-from ._entry import (
-    EnvEntry,
-    Slot,
-    Ticket,
-    lease_at_once_locked,
-    outcome_of,
-    queue_locked,
-    release_locked,
-    run_effects,
-)
+from ._entry import EnvEntry, Slot, Ticket
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
     ArgumentError,
@@ -140,7 +131,7 @@ from ._failures import (
     timeout_error,
 )
 from ._identity import HOST_ID_VAR, host_id
-from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm, note_interrupt
+from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm
 from ._process import RuntimeDir, base_environment, python_mismatch
 from ._reactor import Reactor, TimerHandle
 from ._refs import bound_by_refs, check_bound
@@ -163,7 +154,7 @@ _log = logging.getLogger("comfy_env")
 # launching caller blocks on the worker's hello, well before the hello can arrive.
 _SWEEP_DELAY = 0.005
 # Seconds from a worker's retirement to the release of its sockets and shared memory (see
-# _dispose_later).
+# dispose_later).
 _DISPOSE_DELAY = 0.005
 
 # ---- the pool --------------------------------------------------------------------------------
@@ -255,7 +246,7 @@ class Pool:
         call starts a fresh worker there."""
         entry = self._entry(resolve_env(env))
         if entry.recover_stuck():
-            self._status_changed()
+            self.status_changed()
         with entry.lock:
             was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
             entry.env_state = lc.EnvActive()
@@ -430,63 +421,6 @@ class Pool:
             if entry.dropped_refs:
                 _policies.release_idle(entry)
 
-    def _acquire(
-        self, entry: EnvEntry, ticket: Ticket, deadline: float | None, eager: bool = False
-    ) -> Slot:
-        """Lease a slot for the call (FIFO; waits while all are leased).
-
-        ``eager``: if the slot leased at once holds a verified idle worker that needs nothing
-        before the call (no ping, no refs to release, a quiet channel, deadline not passed),
-        the call is also started here, in the same lock section (``CallStarted`` through the
-        gate; ``ticket.started`` names the process), which saves the common call a second
-        lock round and the checks ``_exchange`` would repeat. Anything unusual leaves the
-        start to ``_exchange``, which runs the general checks; nothing is counted twice."""
-        with entry.lock:
-            if self._closed:
-                raise self.closed_error()
-            entry.submitted += 1
-            if ticket.cancelled:  # a submitted call cancelled before its thread got here
-                # (Checked first: its ``Call`` already settled as cancelled, see ``cancel``.)
-                ticket.stage = "in_flight"
-                entry.in_flight += 1
-                raise CallCancelled(
-                    "the call was cancelled before it was queued", env=entry.spec.key
-                )
-            if isinstance(entry.env_state, lc.EnvAbandoned) and (
-                abandoned := entry.abandoned_locked(self.clock())
-            ):
-                ticket.stage = "in_flight"
-                entry.in_flight += 1
-                raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
-            slot = lease_at_once_locked(entry, ticket)
-            if slot is not None:
-                if eager and ticket.wanted is None and not entry.dropped_refs:
-                    self.start_locked(entry, slot, ticket, deadline)
-                return slot
-            ticket.event = threading.Event()
-            queue_locked(entry, ticket)
-        event = ticket.event
-        try:
-            with allowing(ticket.held):
-                if deadline is None:
-                    event.wait()
-                else:
-                    event.wait(max(0.0, deadline - time.monotonic()))
-        except BaseException:
-            self.leave_queue(entry, ticket)
-            raise
-        if ticket.slot is not None:
-            return ticket.slot
-        self.leave_queue(entry, ticket)
-        if ticket.closed:
-            raise PoolClosedError("the pool was closed while the call was queued")
-        if ticket.cancelled:
-            raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
-        raise CallTimeout(
-            f"the call's deadline passed while it was queued for env {entry.spec.key}",
-            env=entry.spec.key,
-        )
-
     def start_locked(
         self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
     ) -> None:
@@ -538,83 +472,7 @@ class Pool:
             return None
         return now
 
-    def leave_queue(self, entry: EnvEntry, ticket: Ticket) -> None:
-        """Called by a waiter that gives up; if a slot was handed over meanwhile, pass it on."""
-        with entry.lock:
-            slot = ticket.slot
-            if slot is None:
-                try:
-                    entry.waiters.remove(ticket)
-                except ValueError:
-                    pass
-                return
-            ticket.slot = None
-            retired = release_locked(entry, slot)
-        if retired is not None:
-            retired.dispose()
-        if entry.dropped_refs:
-            entry.refs_dropped()  # the slot may be free now: release what waited for it
-
-    def settle(
-        self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
-    ) -> None:
-        """End of a call, in one lock section: apply its ``Replied`` (``replied_at``: when the
-        worker's whole reply arrived; None if it did not), release its slot (to the next
-        waiter, if any) and count its outcome."""
-        retired = None
-        stop: tuple[lc.Effect, ...] | None = None
-        stopped: WorkerGeneration | None = None
-        with entry.lock:
-            slot = ticket.slot
-            if slot is not None:
-                if replied_at is not None:
-                    # A reply that raced a kill is still delivered (the function completed);
-                    # the gate drops this late Replied if the worker was retired meanwhile.
-                    entry.replied_locked(slot, ticket.generation, ticket.call_id, replied_at)
-                elif type(slot.state) is lc.InCall and slot.state.call_id == ticket.call_id:
-                    # The call ended with neither its reply read nor its worker retired (an
-                    # error nobody foresaw while it held the slot): what the worker still
-                    # writes is unknown, and a slot left in the call would never be free
-                    # again (every later call would queue until its deadline). Stopped at
-                    # once, as the sync path stops a worker whose wait an exception broke.
-                    stop = entry.apply_locked(
-                        slot, lc.CallCancelled(ticket.generation, ticket.call_id)
-                    )
-                    stopped = slot.process
-                ticket.slot = None
-                retired = release_locked(entry, slot)
-            stage = ticket.stage
-            if stage == "queued" or stage == "in_flight":
-                if stage == "queued":
-                    entry.queued -= 1
-                else:
-                    entry.in_flight -= 1
-                ticket.stage = "done"
-                if outcome == "ok":  # the common call: no attribute lookup by name
-                    entry.ok += 1
-                else:
-                    setattr(entry, outcome, getattr(entry, outcome) + 1)
-        if stop:
-            run_effects(stop, stopped, True)
-        if retired is not None:
-            self._dispose_later(retired)
-        if entry.dropped_refs:
-            # Refs dropped while this call held the slot waited for its end (release_idle).
-            entry.refs_dropped()
-        self._status_changed()
-
-    def settle_ok(self, entry: EnvEntry, ticket: Ticket, replied_at: float) -> None:
-        """``settle(entry, ticket, "ok", replied_at)`` for a call that holds its slot and
-        replied ok (the plain call, a warm ``acall``), in one step of the gate."""
-        with entry.lock:
-            retired = entry.settle_ok_locked(ticket, replied_at)
-        if retired is not None:
-            self._dispose_later(retired)
-        if entry.dropped_refs:
-            entry.refs_dropped()  # as in ``settle``
-        self._status_changed()
-
-    def _dispose_later(self, process: WorkerGeneration) -> None:
+    def dispose_later(self, process: WorkerGeneration) -> None:
         """Release a retired worker's sockets and shared memory on the reactor thread, off the
         caller's path (a crash report should not wait for unlinking blocks), and a moment
         later: at once, the reactor's work (Python between system calls) took the GIL from
@@ -629,42 +487,8 @@ class Pool:
             process.dispose()
 
     def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
-        """Cancel a call from any thread: unqueue it, or ask the worker running it to stop
-        (``CancelRequested``: CANCEL frame, then the kill after ``cancel_grace``); ``force``
-        kills at once. A call holding a slot but not sent yet (its worker is starting) sees
-        the flag before it is sent.
-
-        True when the call will never run, so its handle may settle as cancelled at once
-        (``Call.cancel``): it was queued, and is now out of the queue and counted cancelled
-        here, in the same lock section (its waiter, woken, finds it settled and counts
-        nothing); or it was not queued yet, and its thread stops it on the flag before it
-        queues (and counts it there). False otherwise: the call's own end settles it."""
-        with entry.lock:
-            ticket.cancelled = True
-            stage = ticket.stage
-            if stage == "new":
-                return True
-            if stage == "queued" and ticket.slot is None:
-                try:
-                    entry.waiters.remove(ticket)
-                except ValueError:
-                    pass
-                entry.queued -= 1
-                entry.cancelled += 1
-                ticket.stage = "done"
-                ticket.wake()
-                return True
-            slot = ticket.slot
-            if slot is None or ticket.call_id == 0:
-                return False
-            event: lc.Event
-            if force:
-                event = lc.CallCancelled(ticket.generation, ticket.call_id)
-            else:
-                grace = self.settings.cancel_grace
-                event = lc.CancelRequested(ticket.generation, ticket.call_id, self.clock(), grace)
-        entry.apply(slot, event)
-        return False
+        """Cancel a call from any thread (``_lease.cancel``; ``Call.cancel`` goes here)."""
+        return _lease.cancel(self, entry, ticket, force)
 
     # ---- the call ----
 
@@ -740,6 +564,7 @@ class Pool:
             if process is None or now is None:
                 return None
             entry.start_plain_locked(ticket, slot, state, next(self.call_ids), now)
+            _lease.lease_plain_locked(entry, ticket, slot)
         return ticket, process, body, deadline
 
     def call_plain(
@@ -792,36 +617,15 @@ class Pool:
                 raise
             finally:
                 if outcome != "ok":
-                    self.settle(entry, ticket, outcome, replied_at)
-            self.settle_ok(entry, ticket, replied_at)
+                    _lease.settle(self, entry, ticket, outcome, replied_at)
+            _lease.settle_ok(self, entry, ticket, replied_at)
             return result
         except BaseException as exc:
-            self.settle_interrupted(entry, ticket, exc)
+            _lease.settle_interrupted(self, entry, ticket, exc)
             raise
         finally:
             if CALLS_IN_FLIGHT:
                 CALLS_IN_FLIGHT.pop()
-
-    def settle_interrupted(self, entry: EnvEntry, ticket: Ticket, exc: BaseException) -> None:
-        """The safety net of a sync call that ends with ``exc``: settle it, held against Ctrl-C
-        (``_interrupts``), if an interrupt cut short the settling its own path does (between
-        the lease and the ``try`` that settles, or inside that settling). ``settle`` is
-        idempotent: a call already settled is left as it is. A call whose worker may still
-        run it is stopped (``settle``), as for any interrupted call."""
-        if isinstance(exc, KeyboardInterrupt):
-            note_interrupt()
-        if ticket.stage == "done" and ticket.slot is None:
-            return
-        with Deferred():
-            if ticket.slot is None and ticket.stage == "queued":
-                # Its waiter was interrupted before it left the queue (``leave_queue``): out
-                # now, or a slot released later would be handed to a call that is gone.
-                with entry.lock:
-                    try:
-                        entry.waiters.remove(ticket)
-                    except ValueError:
-                        pass
-            self.settle(entry, ticket, outcome_of(exc), None)
 
     def call_prepared(
         self,
@@ -847,7 +651,7 @@ class Pool:
                     )
             return self._call_acquired(entry, ticket, target, body, buffers, by_value, deadline)
         except BaseException as exc:
-            self.settle_interrupted(entry, ticket, exc)
+            _lease.settle_interrupted(self, entry, ticket, exc)
             raise
         finally:
             if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
@@ -864,9 +668,9 @@ class Pool:
         deadline: float | None,
     ) -> Any:
         try:
-            slot = self._acquire(entry, ticket, deadline, not by_value)
+            slot = _lease.acquire(self, entry, ticket, deadline, not by_value)
         except BaseException as exc:
-            self.settle(entry, ticket, outcome_of(exc), None)
+            _lease.settle(self, entry, ticket, _lease.outcome_of(exc), None)
             if isinstance(exc, CallTimeout):
                 completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
             raise
@@ -972,7 +776,7 @@ class Pool:
             outcome = "crashed"
             raise
         finally:
-            self.settle(entry, ticket, outcome, replied_at)
+            _lease.settle(self, entry, ticket, outcome, replied_at)
 
     @staticmethod
     def _pid_of(slot: Slot | None, generation: int) -> int | None:
@@ -1265,7 +1069,7 @@ class Pool:
         self._events.emit(
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
         )
-        self._status_changed()
+        self.status_changed()
         return process
 
     def _start_watcher(self) -> None:
@@ -1417,9 +1221,9 @@ class Pool:
         with self._lock:
             self._processes.discard(process)
         entry.apply(slot, lc.Exited(process.generation, process.returncode))
-        self._status_changed()
+        self.status_changed()
 
-    def _status_changed(self) -> None:
+    def status_changed(self) -> None:
         """Keep this host's status file (``comfy-env status``) current, throttled, written on
         the reactor thread. On every call's path: one flag test (and one store) while a write
         is pending; a change inside the throttle window is written when the window ends, so
@@ -1448,7 +1252,7 @@ class Pool:
         self._status_pending = False
         if self._status_dirty:
             self._status_dirty = False
-            self._status_changed()
+            self.status_changed()
 
     def _on_finished(self, entry: EnvEntry, process: WorkerGeneration) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
@@ -1576,7 +1380,7 @@ class Pool:
         """After Ctrl-C: ask the worker to stop ``call_id`` and read on until its reply (the
         grace timer kills it if it does not stop). The reply frame, or None if the worker was
         stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
-        self.cancel(entry, ticket)
+        _lease.cancel(self, entry, ticket)
         try:
             with allowing(ticket.held):  # a second Ctrl-C stops the worker at once
                 frame = process.read_frame(None, None, ticket.sink)
