@@ -105,24 +105,16 @@ from ._errors import (
     RuntimeRootError,
     SerializationError,
     WorkerCrashed,
-    WorkerStartError,
     chained,
-    describe_exit,
-    signal_name,
 )
 from ._events import (
     Dispatcher,
     EnvReset,
     Event,
-    ShmSwept,
-    WorkerReady,
-    WorkerRetired,
-    WorkerSpawned,
 )
 from ._failures import (
     HostFault,
     NotDelivered,
-    abandoned_error,
     completed_timeout,
     crash_error,
     not_the_reply,
@@ -130,15 +122,14 @@ from ._failures import (
     retire_reason,
     timeout_error,
 )
-from ._identity import HOST_ID_VAR, host_id
 from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm
-from ._process import RuntimeDir, base_environment, python_mismatch
-from ._reactor import Reactor, TimerHandle
+from ._process import python_mismatch
+from ._reactor import Reactor
 from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables
+from ._spawner import Spawner
 from ._stats import CALL_COUNTERS, EnvStats
 from ._status import Snapshot, host_publisher
-from ._watcher import HostWatcher
 
 # Imported with the pool, not on first use: a first call made when the host is out of
 # descriptors must fail as WorkerStartError, not as an import's EMFILE.
@@ -150,12 +141,6 @@ if TYPE_CHECKING:
     from ._sweep import SweepReport
 
 _log = logging.getLogger("comfy_env")
-# Seconds from a pool's first fork to its start-up sweep (see ``_track``): past the moment the
-# launching caller blocks on the worker's hello, well before the hello can arrive.
-_SWEEP_DELAY = 0.005
-# Seconds from a worker's retirement to the release of its sockets and shared memory (see
-# dispose_later).
-_DISPOSE_DELAY = 0.005
 
 # ---- the pool --------------------------------------------------------------------------------
 
@@ -187,23 +172,19 @@ class Pool:
 
             self.settings, self._config = settings_for(config)
         self._oob_threshold = oob_threshold(self.settings.shm_threshold_bytes)  # once, not per call
-        self._backend: Backend = backend_for(self.settings)
+        self.backend: Backend = backend_for(self.settings)
         self.clock = clock
-        self._events = Dispatcher()
+        self.events = Dispatcher()
         self._reap_hooks = _policies.ReapHooks()  # see add_reap_hook
-        self._reaper: TimerHandle | None = None
         self._lock = threading.Lock()
         self._entries: dict[str, EnvEntry] = {}
         self._closed = False
         self._close_done = threading.Event()
-        self._reactor: Reactor | None = None
-        self._runtime_dir: RuntimeDir | None = None
-        self._watcher: HostWatcher | None = None  # stops setsid descendants if we die
-        self._processes: set[WorkerGeneration] = set()  # forked and not yet reaped
+        # Starts generations and reports their ends; holds the reactor and the runtime dir.
+        self._spawner = Spawner(self, self._lock)
+        self.dispose_later = self._spawner.dispose_later  # (CallSite: one call, no hop)
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
-        self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
-        self._sweep_queued = False
         self._status_pending = False
         self._status_dirty = False  # changed while a write was pending: write again after it
         self._release_due = False  # a background release of dropped refs is queued (see
@@ -225,7 +206,7 @@ class Pool:
         if self._closed:
             raise self.closed_error()
         check_plain_callable(callback, "a subscribe callback")
-        return self._events.subscribe(callback)
+        return self.events.subscribe(callback)
 
     def add_reap_hook(self, hook: Callable[[str, int], object]) -> Callable[[], None]:
         """Call ``hook(env, generation)`` before the idle reaper skips an expired worker because
@@ -252,7 +233,7 @@ class Pool:
             entry.env_state = lc.EnvActive()
             entry.unsupported = None
         if was_abandoned:
-            self._events.emit(EnvReset(entry.spec.key))
+            self.events.emit(EnvReset(entry.spec.key))
 
     def set_breaker(
         self,
@@ -320,6 +301,16 @@ class Pool:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def last_sweep(self) -> SweepReport | None:
+        """What the pool's start-up sweep removed (None until it ran)."""
+        return self._spawner.last_sweep
+
+    def entries(self) -> list[EnvEntry]:
+        """The env entries as of now (a copy: one may be added meanwhile)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def closed_error(self) -> PoolClosedError:
         """The error of a call to this pool once it is closed (or inherited by fork)."""
         if self._owner_pid != os.getpid():
@@ -342,7 +333,7 @@ class Pool:
                 self._closed = True
                 first = True
             entries = list(self._entries.values())
-            reactor = self._reactor
+            reactor = self._spawner.reactor
         if not first:
             self._close_done.wait(self.settings.close_timeout + 10.0)
             return
@@ -391,7 +382,7 @@ class Pool:
     def _call_later(self, delay: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the reactor after ``delay`` seconds (a running call implies a
         reactor); if the pool is closing, its workers are being stopped anyway."""
-        reactor = self._reactor
+        reactor = self._spawner.reactor
         if reactor is not None and reactor.running:
             reactor.call_later(delay, fn)
 
@@ -404,7 +395,7 @@ class Pool:
         one flag and, once per burst, a callback queued with a wake-up byte
         (``Reactor.notify``). The flag is cleared by the callback *before* it looks at the
         queues, so a ref appended after that look finds the flag clear and queues another."""
-        reactor = self._reactor
+        reactor = self._spawner.reactor
         if reactor is None or self._release_due:  # (None: no worker ran, no ref exists)
             return
         self._release_due = True
@@ -471,20 +462,6 @@ class Pool:
         if process.idle_channel_state() != "quiet":
             return None
         return now
-
-    def dispose_later(self, process: WorkerGeneration) -> None:
-        """Release a retired worker's sockets and shared memory on the reactor thread, off the
-        caller's path (a crash report should not wait for unlinking blocks), and a moment
-        later: at once, the reactor's work (Python between system calls) took the GIL from
-        the caller still raising its crash report at each of its calls (measured: 0.1-0.37 ms
-        added to a quarter of the crashes). The retired worker stays in its slot until then:
-        a new generation taking the slot (``_spawn``) or the pool closing releases it at once
-        instead (``dispose`` is idempotent)."""
-        reactor = self._reactor
-        if reactor is not None and reactor.running:
-            reactor.call_later(_DISPOSE_DELAY, process.dispose)
-        else:
-            process.dispose()
 
     def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
         """Cancel a call from any thread (``_lease.cancel``; ``Call.cancel`` goes here)."""
@@ -915,215 +892,7 @@ class Pool:
         state = slot.state
         if isinstance(state, lc.Idle) and slot.process is not None:
             return slot.process
-        return self._spawn(entry, slot)
-
-    def _spawn(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
-        """Start generation g+1 on the leased ``slot`` and return it verified (``HandshakeOk``).
-
-        Ctrl-C is held back from ``SpawnBegan`` to the start's outcome (``_interrupts``): it
-        interrupts only the waits for the activation and the handshake, and then the
-        clean-up that records ``StartFailed`` and stops the process runs whole, so no
-        interrupt leaves the slot starting with no start in progress."""
-        with Deferred() as held:
-            return self._spawn_held(entry, slot, held)
-
-    def _spawn_held(self, entry: EnvEntry, slot: Slot, held: Deferred) -> WorkerGeneration:
-        with self._lock:
-            if self._closed:
-                raise self.closed_error()
-            try:
-                if self._reactor is None:
-                    self._reactor = Reactor()
-                    self._reactor.start()
-                    self._schedule_reaper()
-                if self._runtime_dir is None:
-                    # Named here; the first spawn makes and fills it while its worker starts.
-                    self._runtime_dir = RuntimeDir()
-            except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
-                error = WorkerStartError(
-                    f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
-                    "host out of file descriptors or disk space?)",
-                    env=entry.spec.key,
-                )
-                raise chained(error, exc)  # noqa: B904
-            reactor, runtime_dir = self._reactor, self._runtime_dir
-        with entry.lock:
-            if isinstance(entry.env_state, lc.EnvAbandoned) and (
-                abandoned := entry.abandoned_locked(self.clock())
-            ):
-                raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
-            if entry.unsupported is not None:  # said once; never started again
-                raise WorkerStartError(str(entry.unsupported), env=entry.spec.key, unsupported=True)
-            generation = entry.generation + 1
-            effects = entry.apply_locked(slot, lc.SpawnBegan(generation))
-            if effects is None:  # pragma: no cover - the lease makes this impossible
-                raise AssertionError(f"slot {slot.index} of {entry.spec.key} is not free")
-            entry.generation = generation
-            entry.spawns += 1
-            old = slot.process
-            if old is not None:
-                entry.log_lines_dropped += old.log.dropped
-            process: WorkerGeneration = self._backend.new_generation(
-                entry.spec,
-                generation,
-                self.settings,
-                reactor,
-                runtime_dir,
-                lambda p: self._on_exit(entry, slot, p),
-                lambda p: self._on_finished(entry, p),
-            )
-            slot.process = process
-        if old is not None:
-            old.dispose()
-        # The env's activation (its scripts run on the first spawn of the env in this host,
-        # bounded by start_timeout; later spawns take the cached result), here on the spawning
-        # caller's thread and before the start-up deadline begins: never on the reactor,
-        # never on a warm call, and a slow script does not eat the worker's own deadline.
-        activation = None
-        if self.settings.activate and not entry.spec.is_current:
-            from ._activation import activation_for  # not loaded for the current interpreter
-
-            try:
-                with held.allowing():  # (its scripts may take seconds)
-                    activation = activation_for(
-                        entry.spec, base_environment(), self.settings.start_timeout
-                    )
-            except BaseException:
-                entry.apply(slot, lc.StartFailed(generation))
-                raise
-        started = time.monotonic()
-        try:
-            # Not interruptible: the fork runs on the reactor, and a caller that left its
-            # wait would leave the forked process's descriptors to nobody.
-            process.launch(
-                before_launch=self._refuse_if_closed,
-                after_launch=self._track,
-                activation=activation,
-            )
-        except BaseException as exc:
-            entry.apply(slot, lc.StartFailed(generation))
-            if isinstance(exc, WorkerStartError) and not self._closed:
-                # Nothing was forked, so no exit will be reported: count the death now (told
-                # first, then counted: see ``_report_death``).
-                self._events.emit(
-                    WorkerRetired(entry.spec.key, generation, None, "start_failed", None, None)
-                )
-                self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
-            if self._closed and isinstance(exc, WorkerStartError):
-                # close() stopped it before or while it was launched ("stopped before it was
-                # launched", a reactor already stopped): the pool's closing, not the env's.
-                raise chained(  # noqa: B904 - see chained
-                    PoolClosedError("the pool was closed while the worker started"), exc
-                )
-            raise
-        if process.popen is not None:
-            self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
-        try:
-            with held.allowing():  # (a slow import: the user may give up)
-                process.handshake(started + self.settings.start_timeout)
-        except BaseException as exc:
-            entry.apply(slot, lc.StartFailed(generation))
-            if isinstance(exc, WorkerStartError) and exc.unsupported:
-                with entry.lock:
-                    entry.unsupported = exc
-            if self._closed and isinstance(exc, WorkerStartError):
-                raise chained(  # noqa: B904 - see chained
-                    PoolClosedError("the pool was closed while the worker started"), exc
-                )
-            raise
-        if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, self.clock())):
-            # Retired while starting (the pool is closing, or it died right after the canary).
-            if self._closed:
-                raise PoolClosedError("the pool was closed while the worker started")
-            rc = process.wait_exit(1.0)
-            raise WorkerStartError(
-                f"worker for env {entry.spec.key} (generation {generation}) {describe_exit(rc)} "
-                "right after its start-up",
-                env=entry.spec.key,
-                pid=process.pid,
-                generation=generation,
-                stderr_tail=process.log.tail(),
-            )
-        python, entry.python = entry.python, process.python_version
-        if python and python[:2] != entry.python[:2]:
-            # The same interpreter path now runs another Python: the env was rebuilt in place
-            # (its workers of before kept the old one until they ended). Not refused: the
-            # path is what was asked for; by-value calls are checked per worker anyway.
-            _log.warning(
-                "comfy-env: env %s now runs Python %s; its earlier workers ran Python %s "
-                "(the env was rebuilt in place?)",
-                entry.spec.key,
-                ".".join(map(str, entry.python[:3])),
-                ".".join(map(str, python[:3])),
-            )
-        _log.debug(
-            "comfy-env: env %s generation %d ready (pid %s, %.1f ms)",
-            entry.spec.key,
-            generation,
-            process.pid,
-            process.startup_seconds * 1000,
-        )
-        if process.popen is None and process.pid is not None:
-            # No process of ours was launched (a Ray actor): its pid is known from its hello.
-            self._events.emit(WorkerSpawned(entry.spec.key, generation, process.pid))
-        self._events.emit(
-            WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
-        )
-        self.status_changed()
-        return process
-
-    def _start_watcher(self) -> None:
-        """Reactor thread, right after the first worker's fork (``_track``): launch the host
-        watcher once (see ``_watcher``), before the caller makes the runtime dir that worker
-        waits for, so that no leftover of this host exists without a watcher to remove it. A
-        shell waiting on a pipe: about a millisecond of the first call, no interpreter start.
-        ``close`` reads ``_watcher`` after the reactor stopped, so no start races a close."""
-        with self._lock:
-            if self._watcher is not None or self._closed:
-                return
-            # The root this pool's runtime dir is in: where the host's status file is too, and
-            # what the watcher cleans up (the whole root, if it is this host's private one).
-            root = "" if self._runtime_dir is None else os.path.dirname(self._runtime_dir.path)
-            try:
-                self._watcher = HostWatcher.start(HOST_ID_VAR, host_id(), runtime_root=root)
-            except OSError as exc:  # the sweep remains the backstop
-                _log.warning(
-                    "comfy-env: cannot start the host watcher (%s); setsid descendants of "
-                    "workers outlive a killed host until the next sweep",
-                    exc,
-                )
-
-    def _sweep(self) -> None:
-        from ._sweep import sweep
-
-        self.last_sweep = report = sweep()
-        if report:
-            self._events.emit(ShmSwept(report))
-
-    # ---- the reaper and the breaker ----
-
-    def _schedule_reaper(self) -> None:
-        """One periodic timer on the reactor serves every env (no thread per worker)."""
-        timeout = self.settings.idle_timeout
-        if timeout is None or self._reactor is None:
-            return
-        interval = min(max(timeout / 4, 0.02), 5.0)
-        self._reaper = self._reactor.call_later(interval, self._reap_tick)
-
-    def _reap_tick(self) -> None:
-        if self._closed:
-            return
-        with self._lock:
-            entries = list(self._entries.values())
-        for entry in entries:  # (none in a sound pool: a check per slot)
-            if entry.recover_stuck():
-                _log.warning(
-                    "comfy-env: env %s had a slot starting with no start in progress; "
-                    "retired (the next call starts a fresh worker)",
-                    entry.spec.key,
-                )
-        self.reap_idle()
-        self._schedule_reaper()
+        return self._spawner.spawn(entry, slot)
 
     def reap_idle(self, now: object = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
@@ -1148,81 +917,6 @@ class Pool:
             entries = list(self._entries.values())
         return _policies.reap_idle(entries, at, self.settings, self._reap_hooks)
 
-    def _record_death(
-        self,
-        entry: EnvEntry,
-        generation: int,
-        reason: lc.RetireReason,
-        returncode: int | None,
-        stderr_tail: str,
-    ) -> None:
-        _policies.record_death(
-            entry,
-            generation,
-            reason,
-            returncode,
-            stderr_tail,
-            self.clock(),
-            self.settings,
-            self._events,
-        )
-
-    def _report_death(
-        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
-    ) -> None:
-        """Report a generation's end once: subscribers get ``WorkerRetired``, then the crash-loop
-        breaker counts it (deaths only, and nothing while the pool closes; ``EnvAbandoned``
-        if it trips, after the retirement that caused it). The caller whose
-        call the death failed reports before it raises (``crash_error``), so a caller that
-        calls again at once meets the breaker's verdict and events keep their order; else
-        the reactor does when the exit is reported."""
-        with entry.lock:
-            if process.death_reported:
-                return
-            process.death_reported = True
-        reason = process.retire_reason or lc.RetireReason.CRASHED
-        # Causal order for subscribers: the retirement first, then the breaker's verdict on
-        # it (``record_death`` emits ``EnvAbandoned`` when this death trips the breaker).
-        if self._events.subscribed:  # no event object on a crash path nobody watches
-            self._events.emit(
-                WorkerRetired(
-                    entry.spec.key,
-                    process.generation,
-                    process.pid,
-                    reason.value,
-                    returncode,
-                    signal_name(returncode),
-                )
-            )
-        if reason in lc.DEATHS and not self._closed:
-            self._record_death(entry, process.generation, reason, returncode, tail)
-
-    def _refuse_if_closed(self) -> None:
-        if self._closed:
-            raise self.closed_error()
-
-    def _track(self, process: WorkerGeneration) -> None:
-        """Reactor thread, right after a fork: know the process before anything can stop us."""
-        with self._lock:
-            self._processes.add(process)
-            first = self.last_sweep is None and not self._sweep_queued
-            self._sweep_queued = True
-        if self._watcher is None and self._reactor is not None:
-            self._start_watcher()
-        if first and self._reactor is not None:
-            # The pool starts: clear what dead hosts left behind, off every caller's path: on
-            # the reactor thread, a moment after this fork, when the caller that launched the
-            # worker waits for its hello (tens of ms). Run at once, the sweep (1-8 ms of
-            # Python) held the GIL while that caller wanted to go on with the handshake.
-            self._reactor.call_later(_SWEEP_DELAY, self._sweep)
-
-    def _on_exit(self, entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
-        """Reactor thread: the process was reaped."""
-        with self._lock:
-            self._processes.discard(process)
-        entry.apply(slot, lc.Exited(process.generation, process.returncode))
-        self.status_changed()
-
     def status_changed(self) -> None:
         """Keep this host's status file (``comfy-env status``) current, throttled, written on
         the reactor thread. On every call's path: one flag test (and one store) while a write
@@ -1233,7 +927,7 @@ class Pool:
             if self._status_pending:
                 return  # the end of the window sees the flag
             # The window ended between the two tests and may have missed the flag: go on.
-        if self._reactor is None or self._closed:
+        if self._spawner.reactor is None or self._closed:
             return
         try:
             publisher = host_publisher(live_pool_snapshots)
@@ -1244,8 +938,8 @@ class Pool:
             self._status_dirty = True
             return
         self._status_pending = True
-        publisher.publish_soon(self._reactor.call_later)
-        self._reactor.call_later(0.5, self._status_written)
+        publisher.publish_soon(self._spawner.reactor.call_later)
+        self._spawner.reactor.call_later(0.5, self._status_written)
 
     def _status_written(self) -> None:
         """Reactor thread: the throttle window ended; publish what changed inside it."""
@@ -1253,10 +947,6 @@ class Pool:
         if self._status_dirty:
             self._status_dirty = False
             self.status_changed()
-
-    def _on_finished(self, entry: EnvEntry, process: WorkerGeneration) -> None:
-        """Reactor thread: reaped and output drained; exit code and last lines are final."""
-        self._report_death(entry, process, process.returncode, process.log.tail())
 
     def _send(
         self,
@@ -1414,7 +1104,7 @@ class Pool:
         to report the worker's death."""
 
         def report_death(returncode: int | None, tail: str) -> None:
-            self._report_death(entry, process, returncode, tail)
+            self._spawner.report_death(entry, process, returncode, tail)
 
         closed, grace = self._closed, self.settings.cancel_grace
         return entry, slot, process, call_id, label, closed, grace, report_death
@@ -1425,46 +1115,47 @@ class Pool:
         """In a forked child: close inherited descriptors, signal nothing, own nothing (the
         fork hook of ``_shutdown`` calls it; not for users)."""
         self._closed = True
-        self._lock = threading.Lock()
+        self._lock = self._spawner.lock = threading.Lock()
         self._close_done.set()
-        processes = set(self._processes)
+        processes = set(self._spawner.processes)
         for entry in self._entries.values():
             entry.lock = threading.Lock()
             entry.waiters.clear()
             processes.update(s.process for s in entry.slots if s.process is not None)
         for process in processes:
             process.abandon_in_forked_child()
-        if self._reactor is not None:
-            self._reactor.abandon_in_forked_child()
-        if self._watcher is not None:
-            self._watcher.forget_in_forked_child()
+        if self._spawner.reactor is not None:
+            self._spawner.reactor.abandon_in_forked_child()
+        if self._spawner.watcher is not None:
+            self._spawner.watcher.forget_in_forked_child()
 
     def _stop_everything(self, entries: list[EnvEntry], reactor: Reactor | None) -> None:
         _shutdown.close_entries(entries)
-        if self._reaper is not None:
-            self._reaper.cancel()
+        if self._spawner.reaper is not None:
+            self._spawner.reaper.cancel()
         if reactor is None:
-            self._backend.close()
-            self._events.close()
+            self.backend.close()
+            self.events.close()
             return
         _shutdown.stop_workers(
             entries,
             reactor,
-            lambda: list(self._processes),
+            lambda: list(self._spawner.processes),
             self._lock,
             self.settings.close_timeout,
         )
-        if self._watcher is not None:  # every worker is stopped: the watcher has nothing to do
-            self._watcher.close(2.0)
-        self._backend.close()
-        if self._runtime_dir is not None:
-            shutil.rmtree(self._runtime_dir.path, ignore_errors=True)
+        watcher = self._spawner.watcher
+        if watcher is not None:  # every worker is stopped: the watcher has nothing to do
+            watcher.close(2.0)
+        self.backend.close()
+        if self._spawner.runtime_dir is not None:
+            shutil.rmtree(self._spawner.runtime_dir.path, ignore_errors=True)
         try:
             # Without this pool (the file goes with the last pool). A status directory that
             # cannot be written is a warning, never raised: the close must end.
             host_publisher(live_pool_snapshots).publish_or_warn()
         finally:
-            self._events.close()
+            self.events.close()
 
 
 # How far the plain call's own exchange went when it handed the call to the general path
