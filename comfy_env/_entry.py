@@ -9,9 +9,9 @@ Data flow (what each piece holds, and who writes it)::
       waiters: deque[Ticket]          FIFO of calls waiting for a slot
       counters                        submitted/ok/raised/..., read by ``snapshot()``
       env_state                       the crash-loop breaker (``_lifecycle.EnvActive``/
-                                      ``EnvAbandoned``), written by
-                                      ``_policies.record_death``, ``Pool.reset`` and
-                                      ``abandoned_locked`` (a timed block that ran out)
+                                      ``EnvAbandoned``), written only by
+                                      ``set_env_state`` (for ``_policies.record_death``,
+                                      ``Pool.reset`` and ``abandoned_locked``)
       breaker                         this env's own breaker settings (``Pool.set_breaker``),
                                       None: the pool's
       dropped_refs                    RemoteRefs garbage collected or discarded, appended
@@ -281,6 +281,12 @@ class EnvEntry:
                 recovered += 1
         return recovered
 
+    def set_env_state(self, state: lc.EnvState) -> None:
+        """The one write of the crash-loop breaker's state, of a value ``_lifecycle`` computed
+        (lock held): ``abandoned_locked`` lifts a timed block that ran out,
+        ``_policies.record_death`` counts a death, ``Pool.reset`` brings the env back."""
+        self.env_state = state
+
     def abandoned_locked(self, now: float) -> lc.EnvAbandoned | None:
         """The abandonment in force as of ``now`` (entry lock held), or None. A timed one
         (``abandon_for``) whose time has come is lifted here, on the first look after it: no
@@ -289,7 +295,7 @@ class EnvEntry:
         state = self.env_state
         if not isinstance(state, lc.EnvAbandoned):
             return None
-        self.env_state = lc.lift_expired(state, now)
+        self.set_env_state(lc.lift_expired(state, now))
         return self.env_state if isinstance(self.env_state, lc.EnvAbandoned) else None
 
     def snapshot(self, now: float | None = None, restart_window: float | None = None) -> EnvStats:

@@ -230,7 +230,7 @@ class Pool:
             self.status_changed()
         with entry.lock:
             was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
-            entry.env_state = lc.EnvActive()
+            entry.set_env_state(lc.EnvActive())
             entry.unsupported = None
         if was_abandoned:
             self.events.emit(EnvReset(entry.spec.key))
