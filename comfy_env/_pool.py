@@ -102,7 +102,6 @@ from ._errors import (
     EnvError,
     HostResourceError,
     PoolClosedError,
-    RuntimeRootError,
     SerializationError,
     WorkerCrashed,
     chained,
@@ -129,7 +128,7 @@ from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables
 from ._spawner import Spawner
 from ._stats import CALL_COUNTERS, EnvStats
-from ._status import Snapshot, host_publisher
+from ._status import Snapshot, StatusThrottle, host_publisher
 
 # Imported with the pool, not on first use: a first call made when the host is out of
 # descriptors must fail as WorkerStartError, not as an import's EMFILE.
@@ -185,8 +184,8 @@ class Pool:
         self.dispose_later = self._spawner.dispose_later  # (CallSite: one call, no hop)
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
-        self._status_pending = False
-        self._status_dirty = False  # changed while a write was pending: write again after it
+        # Keeps this host's status file current (throttled); on every call's end.
+        self.status_changed = StatusThrottle(live_pool_snapshots, self._status_timer).changed
         self._release_due = False  # a background release of dropped refs is queued (see
         # _refs_dropped)
         self._registration = _shutdown.register(self)
@@ -917,36 +916,11 @@ class Pool:
             entries = list(self._entries.values())
         return _policies.reap_idle(entries, at, self.settings, self._reap_hooks)
 
-    def status_changed(self) -> None:
-        """Keep this host's status file (``comfy-env status``) current, throttled, written on
-        the reactor thread. On every call's path: one flag test (and one store) while a write
-        is pending; a change inside the throttle window is written when the window ends, so
-        the file is never more than about a second behind the last change."""
-        if self._status_pending:
-            self._status_dirty = True
-            if self._status_pending:
-                return  # the end of the window sees the flag
-            # The window ended between the two tests and may have missed the flag: go on.
-        if self._spawner.reactor is None or self._closed:
-            return
-        try:
-            publisher = host_publisher(live_pool_snapshots)
-        except (OSError, RuntimeRootError):
-            # The first publisher names this host (``host_id``), which reads /proc: a host out
-            # of descriptors. The status file waits for the next change; the call that got
-            # here keeps its own outcome.
-            self._status_dirty = True
-            return
-        self._status_pending = True
-        publisher.publish_soon(self._spawner.reactor.call_later)
-        self._spawner.reactor.call_later(0.5, self._status_written)
-
-    def _status_written(self) -> None:
-        """Reactor thread: the throttle window ended; publish what changed inside it."""
-        self._status_pending = False
-        if self._status_dirty:
-            self._status_dirty = False
-            self.status_changed()
+    def _status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:
+        """Where the status throttle queues its writes: the reactor's timer, while the pool is
+        open and has one (``StatusThrottle``)."""
+        reactor = self._spawner.reactor
+        return None if reactor is None or self._closed else reactor.call_later
 
     def _send(
         self,
