@@ -187,11 +187,10 @@ async def arun(
         else:
             # A small in-band call by reference may start in the lease's own lock section, as
             # the sync call does (``Pool.start_locked``): one lock round instead of two.
-            eager = not by_value and not buffers and len(body) <= _SMALL
+            small = not by_value and not buffers and len(body) <= _SMALL
+            eager = deadline if small else _lease.NOT_EAGER
             try:
-                slot = _lease.lease_now(
-                    pool, entry, ticket, deadline if eager else _lease.NOT_EAGER, _loop_waiter
-                )
+                slot = _lease.lease_now(pool, entry, ticket, eager, _loop_waiter)
                 if slot is None:
                     slot = await _queued(pool, entry, ticket, deadline)
             except BaseException as exc:

@@ -272,12 +272,10 @@ class EnvEntry:
         Returns how many."""
         recovered = 0
         for slot in self.slots:
-            with self.lock:
-                if not stuck_locked(slot):
-                    continue
-                assert slot.state is not None
-                generation = slot.state.generation
-            if self.apply(slot, lc.StartFailed(generation)):
+            with self.lock:  # (no ``continue`` in here: mypyc cannot compile one in a ``with``)
+                state = slot.state
+                stuck = state is not None and stuck_locked(slot)
+            if stuck and state is not None and self.apply(slot, lc.StartFailed(state.generation)):
                 recovered += 1
         return recovered
 
