@@ -18,14 +18,20 @@ The caller writes its request and reads its reply itself: no thread hand-off on 
 The common call (a target string, scalar arguments, an idle worker ready, nobody waiting)
 takes the same steps in a straight line (``Worker.call`` -> ``call_plain``): ``start_plain``
 encodes, leases and applies ``CallStarted`` in one lock section; the request and the reply go
-inline; ``settle_ok`` applies ``Replied``, releases and counts in another. It declines before
-anything is counted when the call needs more; once started, anything but a plain reply goes on
-in ``run_leased`` from where it stopped (``resume``), under the general path's rules.
+inline; ``_lease.settle_ok`` applies ``Replied``, releases and counts in another. It declines
+before anything is counted when the call needs more; once started, anything but a plain reply
+goes on in ``run_leased`` from where it stopped (``resume``), under the general path's rules.
 
 Where the rest lives (each module's docstring draws its part)::
 
-    _entry      EnvEntry, Slot, Ticket, FIFO leasing, the gate (the only writer of state),
-                stats snapshots: backend-agnostic, imports no other part of the pool
+    _entry      EnvEntry, Slot, Ticket, the gate (the only writer of state), stats
+                snapshots: backend-agnostic, imports no other part of the pool
+    _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
+                settle/settle_ok, cancel (the only writer of a call's stage and counters)
+    _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
+                activation, launch, handshake) and the report of its end (WorkerRetired,
+                the breaker); the reaper's timer; disposing of retired workers later
+    _status     StatusThrottle: the status file kept current, throttled, on the reactor
     _callsite   CallSite: what Worker, RemoteRef and the asyncio path (_acall) may ask of
                 the pool; they import it, never this module
     _policies   idle reaper, health ping, crash-loop breaker, dropped-ref release (on the
