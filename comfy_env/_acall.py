@@ -108,18 +108,18 @@ from comfy_env_worker.protocol import (
     Payload,
 )
 
+from . import _lease
 from . import _lifecycle as lc
 from ._call import EventCallback, deliver, event_handler
 from ._codec import decode_reply, target_label, use_shm
-from ._entry import Ticket, lease_at_once_locked, outcome_of, queue_locked
+from ._entry import Ticket
 from ._errors import (
     CallCancelled,
     CallTimeout,
     HostResourceError,
-    PoolClosedError,
     WorkerCrashed,
 )
-from ._failures import abandoned_error, completed_timeout, not_the_reply, protocol_error
+from ._failures import completed_timeout, not_the_reply, protocol_error
 from ._process import WorkerProcess, python_mismatch
 
 if TYPE_CHECKING:
@@ -187,16 +187,19 @@ async def arun(
         else:
             # A small in-band call by reference may start in the lease's own lock section, as
             # the sync call does (``Pool.start_locked``): one lock round instead of two.
-            eager = not by_value and not buffers and len(body) <= _SMALL
+            small = not by_value and not buffers and len(body) <= _SMALL
+            eager = deadline if small else _lease.NOT_EAGER
             try:
-                slot = _lease_now(pool, entry, ticket, deadline if eager else _NOT_EAGER)
+                slot = _lease.lease_now(pool, entry, ticket, eager, _loop_waiter)
                 if slot is None:
                     slot = await _queued(pool, entry, ticket, deadline)
             except BaseException as exc:
                 cancelled = isinstance(exc, asyncio.CancelledError)
-                pool.settle(entry, ticket, "cancelled" if cancelled else outcome_of(exc), None)
+                _lease.settle(
+                    pool, entry, ticket, "cancelled" if cancelled else _lease.outcome_of(exc), None
+                )
                 raise
-            started, ticket.started = ticket.started, None  # (CallStarted in _lease_now)
+            started, ticket.started = ticket.started, None  # (CallStarted in lease_now)
         assert slot is not None
         process: WorkerProcess | None
         if started is not None and not isinstance(started, WorkerProcess):
@@ -242,55 +245,25 @@ def _resolve(future: asyncio.Future[Any], value: Any = None) -> None:
         future.set_result(value)
 
 
-_NOT_EAGER = -1.0  # ``_lease_now``'s deadline when the call may not start in its lock section
 # What a deadline timer resolves a waiter's future with (``_queued``, ``_on_thread``).
 _PAST_DEADLINE: Any = object()
 
 
-def _lease_now(
-    pool: CallSite, entry: EnvEntry, ticket: Ticket, eager_deadline: float | None = _NOT_EAGER
-) -> Slot | None:
-    """Lease a free slot at once (no coroutine on the common path), or queue the ticket with
-    an asyncio future as its waker and return None.
+def _loop_waiter(ticket: Ticket) -> None:
+    """How a coroutine waits in the queue (``_lease.lease_now``; lock held): a future of the
+    running loop, resolved from whichever thread releases a slot."""
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
 
-    Unless ``eager_deadline`` is ``_NOT_EAGER``, a slot leased at once whose verified idle
-    worker needs nothing first is also started in the same lock section (``CallStarted``
-    through the gate; ``ticket.started`` names the process), exactly as the sync call's
-    ``Pool._acquire`` does; anything unusual leaves the start to the general path."""
-    with entry.lock:
-        if pool.closed:
-            raise pool.closed_error()
-        entry.submitted += 1
-        if isinstance(entry.env_state, lc.EnvAbandoned) and (
-            abandoned := entry.abandoned_locked(pool.clock())
-        ):
-            ticket.stage = "in_flight"
-            entry.in_flight += 1
-            raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
-        slot = lease_at_once_locked(entry, ticket)
-        if slot is not None:
-            if (
-                eager_deadline != _NOT_EAGER
-                and ticket.wanted is None
-                and not entry.dropped_refs
-                and not ticket.cancelled
-            ):
-                pool.start_locked(entry, slot, ticket, eager_deadline)
-            return slot
-        loop = asyncio.get_running_loop()
-        woken: asyncio.Future[None] = loop.create_future()
+    def wake() -> None:
+        # Under the entry's lock, on whichever thread released a slot.
+        try:
+            loop.call_soon_threadsafe(_resolve, woken)
+        except RuntimeError:  # the loop is closed: its coroutine will never run again
+            pass
 
-        def wake() -> None:
-            # Under the entry's lock, on whichever thread released a slot.
-            try:
-                loop.call_soon_threadsafe(_resolve, woken)
-            except RuntimeError:  # the loop is closed: its coroutine will never run again
-                pass
-
-        ticket.waker = wake
-        ticket.woken = woken
-        queue_locked(entry, ticket)
-    return None
+    ticket.waker = wake
+    ticket.woken = woken
 
 
 async def _queued(pool: CallSite, entry: EnvEntry, ticket: Ticket, deadline: float | None) -> Slot:
@@ -308,23 +281,15 @@ async def _queued(pool: CallSite, entry: EnvEntry, ticket: Ticket, deadline: flo
     try:
         woke = await woken
     except BaseException:  # cancelled (or the coroutine closed): leave the queue
-        pool.leave_queue(entry, ticket)
+        _lease.leave_queue(entry, ticket)
         raise
     finally:
         if timer is not None:
             timer.cancel()
-    if woke is _PAST_DEADLINE:
-        pool.leave_queue(entry, ticket)  # (passes on a slot handed over meanwhile)
-        raise CallTimeout(
-            f"the call's deadline passed while it was queued for env {entry.spec.key}",
-            env=entry.spec.key,
-        )
-    if ticket.slot is not None:
-        return ticket.slot
-    pool.leave_queue(entry, ticket)
-    if ticket.closed:
-        raise PoolClosedError("the pool was closed while the call was queued")
-    raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
+    if woke is _PAST_DEADLINE or ticket.slot is None:
+        _lease.leave_queue(entry, ticket)  # (passes on a slot handed over meanwhile)
+        raise _lease.queue_error(entry, ticket, woke is _PAST_DEADLINE)
+    return ticket.slot
 
 
 # ---- cancellation of the task -----------------------------------------------------------------
@@ -716,7 +681,7 @@ class _BigReply:
                     # As on the loop: ask the worker, keep waiting for the call's end (the
                     # grace kills a worker that does not end it); a second cancel kills now.
                     self.dropped = True
-                    pool.cancel(entry, ticket, force=cancels.add(exc))
+                    _lease.cancel(pool, entry, ticket, force=cancels.add(exc))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -841,7 +806,7 @@ async def _warm_call(
                 ticket.call_id = call_id
                 ticket.ran_on = slot
         if cancelled:
-            pool.settle(entry, ticket, "cancelled", None)
+            _lease.settle(pool, entry, ticket, "cancelled", None)
             raise CallCancelled("the call was cancelled", env=entry.spec.key)
         if not started:
             return False, None
@@ -859,7 +824,7 @@ async def _warm_call(
     except BaseException:
         # Nothing was sent (``SerializationError``: shared memory failed and the inline frame
         # is over the limit, or the copy itself failed): end the call as the sync path does.
-        pool.settle(entry, ticket, "failed", None)
+        _lease.settle(pool, entry, ticket, "failed", None)
         raise
     outcome = "failed"
     replied_at: float | None = None
@@ -955,7 +920,7 @@ async def _warm_call(
                     if reader.outcome is not None:
                         break  # it ended as the cancel came: the reply is dropped below
                     reader.done = loop.create_future()
-                    pool.cancel(entry, ticket, force=force)
+                    _lease.cancel(pool, entry, ticket, force=force)
             ended = reader.outcome
             assert ended is not None
         kind, value = ended
@@ -1078,9 +1043,9 @@ async def _warm_call(
         if timer is not None:
             timer.cancel()
         if outcome == "ok" and replied_at is not None:
-            pool.settle_ok(entry, ticket, replied_at)
+            _lease.settle_ok(pool, entry, ticket, replied_at)
         else:
-            pool.settle(entry, ticket, outcome, replied_at)
+            _lease.settle(pool, entry, ticket, outcome, replied_at)
 
 
 # How long an answer of ``_shares_one_cpu`` stands: the reader's own period (one answer per
@@ -1185,7 +1150,7 @@ async def _on_thread(
         except asyncio.CancelledError as exc:
             if timer is not None:
                 timer.cancel()  # cancelled: wait for the call's end (the thread's deadline holds)
-            pool.cancel(entry, ticket, force=cancels.add(exc))
+            _lease.cancel(pool, entry, ticket, force=cancels.add(exc))
     if timer is not None:
         timer.cancel()
     if cancels:

@@ -12,8 +12,9 @@ Data flow (who holds what; arrows are calls)::
       prepare -> [lease] -> run_leased -> settle         the sync call path
       call_prepared / call                               the same, in one step
       start_plain, call_plain, settle_ok                 the common call in a straight line
-      start_locked, leave_queue, settle, crash_error     pieces the asyncio path reuses
+      start_locked, crash_error                          pieces the asyncio path reuses
       cancel                                             from any thread
+      dispose_later, status_changed                      what leasing (_lease) asks for
       config, clock, call_ids, closed, closed_error      what those read
                                 |
                                 v
@@ -126,13 +127,13 @@ class CallSite(Protocol):
         self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
     ) -> None: ...
 
-    def leave_queue(self, entry: EnvEntry, ticket: Ticket) -> None: ...
+    def dispose_later(self, process: WorkerGeneration) -> None:
+        """Release a retired worker's descriptors and memory soon, off the caller's path."""
+        ...
 
-    def settle_ok(self, entry: EnvEntry, ticket: Ticket, replied_at: float) -> None: ...
-
-    def settle(
-        self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
-    ) -> None: ...
+    def status_changed(self) -> None:
+        """Something ``comfy-env status`` shows changed (the write is throttled)."""
+        ...
 
     def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
         """Cancel from any thread; True when the call will never run (see ``Pool.cancel``)."""

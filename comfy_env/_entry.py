@@ -9,9 +9,9 @@ Data flow (what each piece holds, and who writes it)::
       waiters: deque[Ticket]          FIFO of calls waiting for a slot
       counters                        submitted/ok/raised/..., read by ``snapshot()``
       env_state                       the crash-loop breaker (``_lifecycle.EnvActive``/
-                                      ``EnvAbandoned``), written by
-                                      ``_policies.record_death``, ``Pool.reset`` and
-                                      ``abandoned_locked`` (a timed block that ran out)
+                                      ``EnvAbandoned``), written only by
+                                      ``set_env_state`` (for ``_policies.record_death``,
+                                      ``Pool.reset`` and ``abandoned_locked``)
       breaker                         this env's own breaker settings (``Pool.set_breaker``),
                                       None: the pool's
       dropped_refs                    RemoteRefs garbage collected or discarded, appended
@@ -29,9 +29,10 @@ its own that ask ``_lifecycle`` without an event object, and all of them store t
 generation g, a late deadline decision or a late frame cannot touch generation g+1: ``step``
 drops them and the gate counts them (``stale_events_dropped``).
 
-**Leasing**: a call holds a ``Ticket``; ``free_slot`` picks a slot nobody leases (a verified
-idle worker first), and ``release_locked`` hands a slot to the first waiter in FIFO order (a
-call bound to one slot by a RemoteRef lets others pass). A channel is disposed of only by the
+**Leasing** (``_lease``, which asks the gate here for every change of a slot's state): a call
+holds a ``Ticket``; ``free_slot`` picks a slot nobody leases (a verified idle worker first),
+and ``release_locked`` hands a slot to the first waiter in FIFO order (a call bound to one slot
+by a RemoteRef lets others pass). A channel is disposed of only by the
 slot's lease holder, or by the gate when nobody holds the lease, so a descriptor is never
 closed under a thread that still reads it.
 
@@ -46,7 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle as lc
-from ._errors import CallCancelled, CallTimeout, WorkerStartError
+from ._errors import WorkerStartError
 from ._settings import Settings
 from ._stats import EnvStats, WorkerStats
 
@@ -214,49 +215,38 @@ class EnvEntry:
         else:
             self.apply_locked(slot, lc.Replied(generation, call_id, at))
 
-    # The plain call's start and a replied call's end (``Pool.start_plain``, ``Pool.settle_ok``)
+    # The plain call's start and a replied call's end (``Pool.start_plain``, ``_lease.settle_ok``)
     # are one call of the gate each on every small call's path, where each Python call costs
-    # about 0.2-0.3 us on one CPU (benchmarks/HISTORY.md, eleventh round): each does in one
-    # what ``start_call_locked``, ``lease_locked``, ``replied_locked``, ``release_locked`` and
-    # ``Pool.settle`` do in several.
+    # about 0.2-0.3 us on one CPU (benchmarks/HISTORY.md, eleventh round): each does without an
+    # event object what ``start_call_locked`` and ``replied_locked`` do; the lease and the
+    # counters are ``_lease``'s, in the same lock section.
 
     def start_plain_locked(
         self, ticket: Ticket, slot: Slot, idle: lc.Idle, call_id: int, at: float
     ) -> None:
         """Start the plain call (lock held): ``CallStarted`` on ``slot``, free, whose state is
-        ``idle`` (read under this lock), then lease it to ``ticket``, counted submitted and
-        in flight (as ``lease_locked``)."""
+        ``idle`` (read under this lock); ``_lease.lease_plain_locked`` leases and counts it in
+        the same lock section."""
         started = lc.call_started(idle, idle.generation, call_id, at)
         assert started is not None  # (the per-call pair: an Idle of its own generation)
         self._store(slot, started)
-        slot.leased = True
-        ticket.slot = slot
         ticket.ran_on = slot
         ticket.generation = idle.generation
         ticket.call_id = call_id
-        ticket.stage = "in_flight"
-        self.submitted += 1
-        self.in_flight += 1
 
-    def settle_ok_locked(self, ticket: Ticket, at: float) -> WorkerGeneration | None:
-        """End a call that holds its slot and replied ok at ``at`` (lock held): ``Replied``
-        (as ``replied_locked``), the slot released (as ``release_locked``, whose answer this
-        is) and the call counted ok (as ``Pool.settle``)."""
+    def settle_ok_locked(self, ticket: Ticket, at: float) -> bool:
+        """``Replied`` at ``at`` for a call that holds its slot and replied ok (lock held), as
+        ``replied_locked``; ``_lease.settle_ok`` releases and counts in the same lock section.
+        True if the worker is idle again; False if the gate dropped the late reply (it was
+        retired meanwhile)."""
         slot = ticket.slot
-        assert slot is not None and ticket.stage == "in_flight"
+        assert slot is not None
         idle = lc.call_replied(slot.state, ticket.generation, ticket.call_id, at)
         if idle is not None:
             self._store(slot, idle)
-        else:  # retired meanwhile: the gate drops the late reply
-            self.apply_locked(slot, lc.Replied(ticket.generation, ticket.call_id, at))
-        ticket.slot = None
-        ticket.stage = "done"
-        self.in_flight -= 1
-        self.ok += 1
-        if self.waiters or idle is None:
-            return release_locked(self, slot)
-        slot.leased = False
-        return None
+            return True
+        self.apply_locked(slot, lc.Replied(ticket.generation, ticket.call_id, at))
+        return False
 
     def apply(self, slot: Slot, event: lc.Event) -> bool:
         """Apply ``event`` and run its effects. True if it changed the slot's state."""
@@ -288,14 +278,18 @@ class EnvEntry:
         Returns how many."""
         recovered = 0
         for slot in self.slots:
-            with self.lock:
-                if not stuck_locked(slot):
-                    continue
-                assert slot.state is not None
-                generation = slot.state.generation
-            if self.apply(slot, lc.StartFailed(generation)):
+            with self.lock:  # (no ``continue`` in here: mypyc cannot compile one in a ``with``)
+                state = slot.state
+                stuck = state is not None and stuck_locked(slot)
+            if stuck and state is not None and self.apply(slot, lc.StartFailed(state.generation)):
                 recovered += 1
         return recovered
+
+    def set_env_state(self, state: lc.EnvState) -> None:
+        """The one write of the crash-loop breaker's state, of a value ``_lifecycle`` computed
+        (lock held): ``abandoned_locked`` lifts a timed block that ran out,
+        ``_policies.record_death`` counts a death, ``Pool.reset`` brings the env back."""
+        self.env_state = state
 
     def abandoned_locked(self, now: float) -> lc.EnvAbandoned | None:
         """The abandonment in force as of ``now`` (entry lock held), or None. A timed one
@@ -305,7 +299,7 @@ class EnvEntry:
         state = self.env_state
         if not isinstance(state, lc.EnvAbandoned):
             return None
-        self.env_state = lc.lift_expired(state, now)
+        self.set_env_state(lc.lift_expired(state, now))
         return self.env_state if isinstance(self.env_state, lc.EnvAbandoned) else None
 
     def snapshot(self, now: float | None = None, restart_window: float | None = None) -> EnvStats:
@@ -413,80 +407,6 @@ def run_effects(
                 if stop is lc.Stop.ASK and leased:
                     stop = lc.Stop.TERMINATE
                 process.kill(stop)
-
-
-def release_locked(entry: EnvEntry, slot: Slot) -> WorkerGeneration | None:
-    """Hand ``slot`` to the first waiter or mark it free (lock held). Returns its process if
-    that is retired, for the caller to dispose of after unlocking (nobody reads it any more)."""
-    # FIFO, except that a call bound to another slot (it uses a RemoteRef) lets others pass.
-    nxt = None
-    if entry.waiters:  # none in the common call: no generator built
-        nxt = next((t for t in entry.waiters if t.wanted is None or t.wanted is slot), None)
-    if nxt is not None:
-        entry.waiters.remove(nxt)
-        nxt.slot = slot
-        nxt.stage = "in_flight"
-        entry.queued -= 1
-        entry.in_flight += 1
-        nxt.wake()
-    else:
-        slot.leased = False
-    if isinstance(slot.state, lc.Retired):
-        return slot.process
-    return None
-
-
-def outcome_of(exc: BaseException) -> str:
-    """The counter a call that ended with ``exc`` before it ran increments."""
-    if isinstance(exc, CallTimeout):
-        return "timed_out"
-    if isinstance(exc, (CallCancelled, KeyboardInterrupt)):
-        return "cancelled"
-    return "failed"
-
-
-def lease_at_once_locked(entry: EnvEntry, ticket: Ticket) -> Slot | None:
-    """Lease a free slot to ``ticket`` now, if no caller waits before it (FIFO; lock held):
-    the slot, with the call counted in flight, or None (the caller queues the ticket with
-    ``queue_locked`` and its own way of waiting: a thread's event, an asyncio future)."""
-    if entry.waiters:
-        return None
-    slot = free_slot(entry, ticket.wanted)
-    if slot is not None:
-        lease_locked(entry, ticket, slot)
-    return slot
-
-
-def lease_locked(entry: EnvEntry, ticket: Ticket, slot: Slot) -> None:
-    """Give ``slot`` (free, no waiter before ``ticket``; lock held) to ``ticket``: the call is
-    counted in flight."""
-    slot.leased = True
-    ticket.slot = slot
-    ticket.stage = "in_flight"
-    entry.in_flight += 1
-
-
-def queue_locked(entry: EnvEntry, ticket: Ticket) -> None:
-    """Append ``ticket`` to the env's FIFO of waiters (lock held; its waker is set)."""
-    ticket.stage = "queued"
-    entry.queued += 1
-    entry.waiters.append(ticket)
-
-
-def free_slot(entry: EnvEntry, wanted: Slot | None = None) -> Slot | None:
-    """A slot no caller holds: a verified idle worker first, else an empty or retired slot.
-    A call bound to one slot (``wanted``) takes that one or none."""
-    if wanted is not None:
-        return None if wanted.leased else wanted
-    fallback = None
-    for slot in entry.slots:
-        if slot.leased:
-            continue
-        if isinstance(slot.state, lc.Idle):
-            return slot
-        if fallback is None and (slot.state is None or isinstance(slot.state, lc.Retired)):
-            fallback = slot
-    return fallback
 
 
 def holds(slot: Slot, generation: int) -> bool:

@@ -122,11 +122,6 @@ def owner_of(name: str) -> tuple[int, int, int] | None:
     return int(match.group(1)), int(match.group(2)), int(match.group(3))
 
 
-def name_of_dead_owner(name: str) -> bool:
-    owner = owner_of(name)
-    return owner is not None and owner_dead(*owner)
-
-
 _HOST_TOKEN: tuple[int, str] | None = None
 
 

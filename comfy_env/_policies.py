@@ -312,8 +312,10 @@ def record_death(
     )
     with entry.lock:
         before = lc.lift_expired(entry.env_state, at)  # a timed block that ran out is over
-        entry.env_state = lc.record_death(
-            before, death, breaker.max_restarts, breaker.restart_window, breaker.abandon_for
+        entry.set_env_state(
+            lc.record_death(
+                before, death, breaker.max_restarts, breaker.restart_window, breaker.abandon_for
+            )
         )
         tripped = entry.env_state if before is not entry.env_state else None
     if isinstance(tripped, lc.EnvAbandoned) and not isinstance(before, lc.EnvAbandoned):

@@ -18,14 +18,20 @@ The caller writes its request and reads its reply itself: no thread hand-off on 
 The common call (a target string, scalar arguments, an idle worker ready, nobody waiting)
 takes the same steps in a straight line (``Worker.call`` -> ``call_plain``): ``start_plain``
 encodes, leases and applies ``CallStarted`` in one lock section; the request and the reply go
-inline; ``settle_ok`` applies ``Replied``, releases and counts in another. It declines before
-anything is counted when the call needs more; once started, anything but a plain reply goes on
-in ``run_leased`` from where it stopped (``resume``), under the general path's rules.
+inline; ``_lease.settle_ok`` applies ``Replied``, releases and counts in another. It declines
+before anything is counted when the call needs more; once started, anything but a plain reply
+goes on in ``run_leased`` from where it stopped (``resume``), under the general path's rules.
 
 Where the rest lives (each module's docstring draws its part)::
 
-    _entry      EnvEntry, Slot, Ticket, FIFO leasing, the gate (the only writer of state),
-                stats snapshots: backend-agnostic, imports no other part of the pool
+    _entry      EnvEntry, Slot, Ticket, the gate (the only writer of state), stats
+                snapshots: backend-agnostic, imports no other part of the pool
+    _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
+                settle/settle_ok, cancel (the only writer of a call's stage and counters)
+    _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
+                activation, launch, handshake) and the report of its end (WorkerRetired,
+                the breaker); the reaper's timer; disposing of retired workers later
+    _status     StatusThrottle: the status file kept current, throttled, on the reactor
     _callsite   CallSite: what Worker, RemoteRef and the asyncio path (_acall) may ask of
                 the pool; they import it, never this module
     _policies   idle reaper, health ping, crash-loop breaker, dropped-ref release (on the
@@ -89,22 +95,13 @@ from comfy_env_worker.protocol import (
 )
 from comfy_env_worker.shm import SCALARS, Block
 
+from . import _lease, _policies, _shutdown
 from . import _lifecycle as lc
-from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._call import EventCallback, event_handler
 from ._callsite import GENERAL_PATH
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
-from ._entry import (
-    EnvEntry,
-    Slot,
-    Ticket,
-    lease_at_once_locked,
-    outcome_of,
-    queue_locked,
-    release_locked,
-    run_effects,
-)
+from ._entry import EnvEntry, Slot, Ticket
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
     ArgumentError,
@@ -113,27 +110,18 @@ from ._errors import (
     EnvError,
     HostResourceError,
     PoolClosedError,
-    RuntimeRootError,
     SerializationError,
     WorkerCrashed,
-    WorkerStartError,
     chained,
-    describe_exit,
-    signal_name,
 )
 from ._events import (
     Dispatcher,
     EnvReset,
     Event,
-    ShmSwept,
-    WorkerReady,
-    WorkerRetired,
-    WorkerSpawned,
 )
 from ._failures import (
     HostFault,
     NotDelivered,
-    abandoned_error,
     completed_timeout,
     crash_error,
     not_the_reply,
@@ -141,15 +129,14 @@ from ._failures import (
     retire_reason,
     timeout_error,
 )
-from ._identity import HOST_ID_VAR, host_id
-from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm, note_interrupt
-from ._process import RuntimeDir, base_environment, python_mismatch
-from ._reactor import Reactor, TimerHandle
+from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm
+from ._process import python_mismatch
+from ._reactor import Reactor
 from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables
+from ._spawner import Spawner
 from ._stats import CALL_COUNTERS, EnvStats
-from ._status import Snapshot, host_publisher
-from ._watcher import HostWatcher
+from ._status import Snapshot, StatusThrottle, host_publisher
 
 # Imported with the pool, not on first use: a first call made when the host is out of
 # descriptors must fail as WorkerStartError, not as an import's EMFILE.
@@ -164,12 +151,6 @@ if TYPE_CHECKING:
     from ._sweep import SweepReport
 
 _log = logging.getLogger("comfy_env")
-# Seconds from a pool's first fork to its start-up sweep (see ``_track``): past the moment the
-# launching caller blocks on the worker's hello, well before the hello can arrive.
-_SWEEP_DELAY = 0.005
-# Seconds from a worker's retirement to the release of its sockets and shared memory (see
-# _dispose_later).
-_DISPOSE_DELAY = 0.005
 
 # ---- the pool --------------------------------------------------------------------------------
 
@@ -208,25 +189,21 @@ class Pool:
 
             self.settings, self._config = settings_for(config)
         self._oob_threshold = oob_threshold(self.settings.shm_threshold_bytes)  # once, not per call
-        self._backend: Backend = backend_for(self.settings)
+        self.backend: Backend = backend_for(self.settings)
         self.clock = clock
-        self._events = Dispatcher()
+        self.events = Dispatcher()
         self._reap_hooks = _policies.ReapHooks()  # see add_reap_hook
-        self._reaper: TimerHandle | None = None
         self._lock = threading.Lock()
         self._entries: dict[str, EnvEntry] = {}
         self._closed = False
         self._close_done = threading.Event()
-        self._reactor: Reactor | None = None
-        self._runtime_dir: RuntimeDir | None = None
-        self._watcher: HostWatcher | None = None  # stops setsid descendants if we die
-        self._processes: set[WorkerGeneration] = set()  # forked and not yet reaped
+        # Starts generations and reports their ends; holds the reactor and the runtime dir.
+        self._spawner = Spawner(self, self._lock)
+        self.dispose_later = self._spawner.dispose_later  # (CallSite: one call, no hop)
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
-        self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
-        self._sweep_queued = False
-        self._status_pending = False
-        self._status_dirty = False  # changed while a write was pending: write again after it
+        # Keeps this host's status file current (throttled); on every call's end.
+        self.status_changed = StatusThrottle(live_pool_snapshots, self._status_timer).changed
         self._release_due = False  # a background release of dropped refs is queued (see
         # _refs_dropped)
         self._registration = _shutdown.register(self)
@@ -278,7 +255,7 @@ class Pool:
         if self._closed:
             raise self.closed_error()
         check_plain_callable(callback, "a subscribe callback")
-        return self._events.subscribe(callback)
+        return self.events.subscribe(callback)
 
     def add_reap_hook(self, hook: Callable[[str, int], object]) -> Callable[[], None]:
         """Call ``hook(env, generation)`` before the idle reaper skips an expired worker because
@@ -299,13 +276,13 @@ class Pool:
         call starts a fresh worker there."""
         entry = self._entry(resolve_env(env))
         if entry.recover_stuck():
-            self._status_changed()
+            self.status_changed()
         with entry.lock:
             was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
-            entry.env_state = lc.EnvActive()
+            entry.set_env_state(lc.EnvActive())
             entry.unsupported = None
         if was_abandoned:
-            self._events.emit(EnvReset(entry.spec.key))
+            self.events.emit(EnvReset(entry.spec.key))
 
     def set_breaker(
         self,
@@ -366,16 +343,9 @@ class Pool:
             entry.settings = effective
             if breaker is not None:
                 entry.breaker = breaker
-        reactor = self._reactor
+        reactor = self._spawner.reactor
         if "idle_timeout" in settings and reactor is not None:
-            # On the reactor, where the reaper's ticks run: one timer chain, never two.
-            reactor.call_later(0, self._reschedule_reaper)
-
-    def _reschedule_reaper(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-        if not self._closed:
-            self._schedule_reaper()
+            reactor.call_later(0, self._spawner.reschedule_reaper)
 
     def retire_idle(self, env: str | os.PathLike[str] | None = None) -> int:
         """Retire ``env``'s idle workers now instead of after ``idle_timeout`` (None: the
@@ -414,6 +384,16 @@ class Pool:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def last_sweep(self) -> SweepReport | None:
+        """What the pool's start-up sweep removed (None until it ran)."""
+        return self._spawner.last_sweep
+
+    def entries(self) -> list[EnvEntry]:
+        """The env entries as of now (a copy: one may be added meanwhile)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def closed_error(self) -> PoolClosedError:
         """The error of a call to this pool once it is closed (or inherited by fork)."""
         if self._owner_pid != os.getpid():
@@ -436,7 +416,7 @@ class Pool:
                 self._closed = True
                 first = True
             entries = list(self._entries.values())
-            reactor = self._reactor
+            reactor = self._spawner.reactor
         if not first:
             self._close_done.wait(self.settings.close_timeout + 10.0)
             return
@@ -485,7 +465,7 @@ class Pool:
     def _call_later(self, delay: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the reactor after ``delay`` seconds (a running call implies a
         reactor); if the pool is closing, its workers are being stopped anyway."""
-        reactor = self._reactor
+        reactor = self._spawner.reactor
         if reactor is not None and reactor.running:
             reactor.call_later(delay, fn)
 
@@ -498,7 +478,7 @@ class Pool:
         one flag and, once per burst, a callback queued with a wake-up byte
         (``Reactor.notify``). The flag is cleared by the callback *before* it looks at the
         queues, so a ref appended after that look finds the flag clear and queues another."""
-        reactor = self._reactor
+        reactor = self._spawner.reactor
         if reactor is None or self._release_due:  # (None: no worker ran, no ref exists)
             return
         self._release_due = True
@@ -514,63 +494,6 @@ class Pool:
         for entry in tuple(self._entries.values()):
             if entry.dropped_refs:
                 _policies.release_idle(entry)
-
-    def _acquire(
-        self, entry: EnvEntry, ticket: Ticket, deadline: float | None, eager: bool = False
-    ) -> Slot:
-        """Lease a slot for the call (FIFO; waits while all are leased).
-
-        ``eager``: if the slot leased at once holds a verified idle worker that needs nothing
-        before the call (no ping, no refs to release, a quiet channel, deadline not passed),
-        the call is also started here, in the same lock section (``CallStarted`` through the
-        gate; ``ticket.started`` names the process), which saves the common call a second
-        lock round and the checks ``_exchange`` would repeat. Anything unusual leaves the
-        start to ``_exchange``, which runs the general checks; nothing is counted twice."""
-        with entry.lock:
-            if self._closed:
-                raise self.closed_error()
-            entry.submitted += 1
-            if ticket.cancelled:  # a submitted call cancelled before its thread got here
-                # (Checked first: its ``Call`` already settled as cancelled, see ``cancel``.)
-                ticket.stage = "in_flight"
-                entry.in_flight += 1
-                raise CallCancelled(
-                    "the call was cancelled before it was queued", env=entry.spec.key
-                )
-            if isinstance(entry.env_state, lc.EnvAbandoned) and (
-                abandoned := entry.abandoned_locked(self.clock())
-            ):
-                ticket.stage = "in_flight"
-                entry.in_flight += 1
-                raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
-            slot = lease_at_once_locked(entry, ticket)
-            if slot is not None:
-                if eager and ticket.wanted is None and not entry.dropped_refs:
-                    self.start_locked(entry, slot, ticket, deadline)
-                return slot
-            ticket.event = threading.Event()
-            queue_locked(entry, ticket)
-        event = ticket.event
-        try:
-            with allowing(ticket.held):
-                if deadline is None:
-                    event.wait()
-                else:
-                    event.wait(max(0.0, deadline - time.monotonic()))
-        except BaseException:
-            self.leave_queue(entry, ticket)
-            raise
-        if ticket.slot is not None:
-            return ticket.slot
-        self.leave_queue(entry, ticket)
-        if ticket.closed:
-            raise PoolClosedError("the pool was closed while the call was queued")
-        if ticket.cancelled:
-            raise CallCancelled("the call was cancelled while queued", env=entry.spec.key)
-        raise CallTimeout(
-            f"the call's deadline passed while it was queued for env {entry.spec.key}",
-            env=entry.spec.key,
-        )
 
     def start_locked(
         self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
@@ -623,133 +546,9 @@ class Pool:
             return None
         return now
 
-    def leave_queue(self, entry: EnvEntry, ticket: Ticket) -> None:
-        """Called by a waiter that gives up; if a slot was handed over meanwhile, pass it on."""
-        with entry.lock:
-            slot = ticket.slot
-            if slot is None:
-                try:
-                    entry.waiters.remove(ticket)
-                except ValueError:
-                    pass
-                return
-            ticket.slot = None
-            retired = release_locked(entry, slot)
-        if retired is not None:
-            retired.dispose()
-        if entry.dropped_refs:
-            entry.refs_dropped()  # the slot may be free now: release what waited for it
-
-    def settle(
-        self, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
-    ) -> None:
-        """End of a call, in one lock section: apply its ``Replied`` (``replied_at``: when the
-        worker's whole reply arrived; None if it did not), release its slot (to the next
-        waiter, if any) and count its outcome."""
-        retired = None
-        stop: tuple[lc.Effect, ...] | None = None
-        stopped: WorkerGeneration | None = None
-        with entry.lock:
-            slot = ticket.slot
-            if slot is not None:
-                if replied_at is not None:
-                    # A reply that raced a kill is still delivered (the function completed);
-                    # the gate drops this late Replied if the worker was retired meanwhile.
-                    entry.replied_locked(slot, ticket.generation, ticket.call_id, replied_at)
-                elif type(slot.state) is lc.InCall and slot.state.call_id == ticket.call_id:
-                    # The call ended with neither its reply read nor its worker retired (an
-                    # error nobody foresaw while it held the slot): what the worker still
-                    # writes is unknown, and a slot left in the call would never be free
-                    # again (every later call would queue until its deadline). Stopped at
-                    # once, as the sync path stops a worker whose wait an exception broke.
-                    stop = entry.apply_locked(
-                        slot, lc.CallCancelled(ticket.generation, ticket.call_id)
-                    )
-                    stopped = slot.process
-                ticket.slot = None
-                retired = release_locked(entry, slot)
-            stage = ticket.stage
-            if stage == "queued" or stage == "in_flight":
-                if stage == "queued":
-                    entry.queued -= 1
-                else:
-                    entry.in_flight -= 1
-                ticket.stage = "done"
-                if outcome == "ok":  # the common call: no attribute lookup by name
-                    entry.ok += 1
-                else:
-                    setattr(entry, outcome, getattr(entry, outcome) + 1)
-        if stop:
-            run_effects(stop, stopped, True)
-        if retired is not None:
-            self._dispose_later(retired)
-        if entry.dropped_refs:
-            # Refs dropped while this call held the slot waited for its end (release_idle).
-            entry.refs_dropped()
-        self._status_changed()
-
-    def settle_ok(self, entry: EnvEntry, ticket: Ticket, replied_at: float) -> None:
-        """``settle(entry, ticket, "ok", replied_at)`` for a call that holds its slot and
-        replied ok (the plain call, a warm ``acall``), in one step of the gate."""
-        with entry.lock:
-            retired = entry.settle_ok_locked(ticket, replied_at)
-        if retired is not None:
-            self._dispose_later(retired)
-        if entry.dropped_refs:
-            entry.refs_dropped()  # as in ``settle``
-        self._status_changed()
-
-    def _dispose_later(self, process: WorkerGeneration) -> None:
-        """Release a retired worker's sockets and shared memory on the reactor thread, off the
-        caller's path (a crash report should not wait for unlinking blocks), and a moment
-        later: at once, the reactor's work (Python between system calls) took the GIL from
-        the caller still raising its crash report at each of its calls (measured: 0.1-0.37 ms
-        added to a quarter of the crashes). The retired worker stays in its slot until then:
-        a new generation taking the slot (``_spawn``) or the pool closing releases it at once
-        instead (``dispose`` is idempotent)."""
-        reactor = self._reactor
-        if reactor is not None and reactor.running:
-            reactor.call_later(_DISPOSE_DELAY, process.dispose)
-        else:
-            process.dispose()
-
     def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
-        """Cancel a call from any thread: unqueue it, or ask the worker running it to stop
-        (``CancelRequested``: CANCEL frame, then the kill after ``cancel_grace``); ``force``
-        kills at once. A call holding a slot but not sent yet (its worker is starting) sees
-        the flag before it is sent.
-
-        True when the call will never run, so its handle may settle as cancelled at once
-        (``Call.cancel``): it was queued, and is now out of the queue and counted cancelled
-        here, in the same lock section (its waiter, woken, finds it settled and counts
-        nothing); or it was not queued yet, and its thread stops it on the flag before it
-        queues (and counts it there). False otherwise: the call's own end settles it."""
-        with entry.lock:
-            ticket.cancelled = True
-            stage = ticket.stage
-            if stage == "new":
-                return True
-            if stage == "queued" and ticket.slot is None:
-                try:
-                    entry.waiters.remove(ticket)
-                except ValueError:
-                    pass
-                entry.queued -= 1
-                entry.cancelled += 1
-                ticket.stage = "done"
-                ticket.wake()
-                return True
-            slot = ticket.slot
-            if slot is None or ticket.call_id == 0:
-                return False
-            event: lc.Event
-            if force:
-                event = lc.CallCancelled(ticket.generation, ticket.call_id)
-            else:
-                grace = entry.settings.cancel_grace
-                event = lc.CancelRequested(ticket.generation, ticket.call_id, self.clock(), grace)
-        entry.apply(slot, event)
-        return False
+        """Cancel a call from any thread (``_lease.cancel``; ``Call.cancel`` goes here)."""
+        return _lease.cancel(self, entry, ticket, force)
 
     # ---- the call ----
 
@@ -825,6 +624,7 @@ class Pool:
             if process is None or now is None:
                 return None
             entry.start_plain_locked(ticket, slot, state, next(self.call_ids), now)
+            _lease.lease_plain_locked(entry, ticket, slot)
         return ticket, process, body, deadline
 
     def call_plain(
@@ -877,36 +677,15 @@ class Pool:
                 raise
             finally:
                 if outcome != "ok":
-                    self.settle(entry, ticket, outcome, replied_at)
-            self.settle_ok(entry, ticket, replied_at)
+                    _lease.settle(self, entry, ticket, outcome, replied_at)
+            _lease.settle_ok(self, entry, ticket, replied_at)
             return result
         except BaseException as exc:
-            self.settle_interrupted(entry, ticket, exc)
+            _lease.settle_interrupted(self, entry, ticket, exc)
             raise
         finally:
             if CALLS_IN_FLIGHT:
                 CALLS_IN_FLIGHT.pop()
-
-    def settle_interrupted(self, entry: EnvEntry, ticket: Ticket, exc: BaseException) -> None:
-        """The safety net of a sync call that ends with ``exc``: settle it, held against Ctrl-C
-        (``_interrupts``), if an interrupt cut short the settling its own path does (between
-        the lease and the ``try`` that settles, or inside that settling). ``settle`` is
-        idempotent: a call already settled is left as it is. A call whose worker may still
-        run it is stopped (``settle``), as for any interrupted call."""
-        if isinstance(exc, KeyboardInterrupt):
-            note_interrupt()
-        if ticket.stage == "done" and ticket.slot is None:
-            return
-        with Deferred():
-            if ticket.slot is None and ticket.stage == "queued":
-                # Its waiter was interrupted before it left the queue (``leave_queue``): out
-                # now, or a slot released later would be handed to a call that is gone.
-                with entry.lock:
-                    try:
-                        entry.waiters.remove(ticket)
-                    except ValueError:
-                        pass
-            self.settle(entry, ticket, outcome_of(exc), None)
 
     def call_prepared(
         self,
@@ -932,7 +711,7 @@ class Pool:
                     )
             return self._call_acquired(entry, ticket, target, body, buffers, by_value, deadline)
         except BaseException as exc:
-            self.settle_interrupted(entry, ticket, exc)
+            _lease.settle_interrupted(self, entry, ticket, exc)
             raise
         finally:
             if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
@@ -949,9 +728,9 @@ class Pool:
         deadline: float | None,
     ) -> Any:
         try:
-            slot = self._acquire(entry, ticket, deadline, not by_value)
+            slot = _lease.acquire(self, entry, ticket, deadline, not by_value)
         except BaseException as exc:
-            self.settle(entry, ticket, outcome_of(exc), None)
+            _lease.settle(self, entry, ticket, _lease.outcome_of(exc), None)
             if isinstance(exc, CallTimeout):
                 completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
             raise
@@ -1057,7 +836,7 @@ class Pool:
             outcome = "crashed"
             raise
         finally:
-            self.settle(entry, ticket, outcome, replied_at)
+            _lease.settle(self, entry, ticket, outcome, replied_at)
 
     @staticmethod
     def _pid_of(slot: Slot | None, generation: int) -> int | None:
@@ -1196,228 +975,7 @@ class Pool:
         state = slot.state
         if isinstance(state, lc.Idle) and slot.process is not None:
             return slot.process
-        return self._spawn(entry, slot)
-
-    def _spawn(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
-        """Start generation g+1 on the leased ``slot`` and return it verified (``HandshakeOk``).
-
-        Ctrl-C is held back from ``SpawnBegan`` to the start's outcome (``_interrupts``): it
-        interrupts only the waits for the activation and the handshake, and then the
-        clean-up that records ``StartFailed`` and stops the process runs whole, so no
-        interrupt leaves the slot starting with no start in progress."""
-        with Deferred() as held:
-            return self._spawn_held(entry, slot, held)
-
-    def _spawn_held(self, entry: EnvEntry, slot: Slot, held: Deferred) -> WorkerGeneration:
-        with self._lock:
-            if self._closed:
-                raise self.closed_error()
-            try:
-                if self._reactor is None:
-                    self._reactor = Reactor()
-                    self._reactor.start()
-                    self._schedule_reaper()
-                if self._runtime_dir is None:
-                    # Named here; the first spawn makes and fills it while its worker starts.
-                    self._runtime_dir = RuntimeDir()
-            except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
-                error = WorkerStartError(
-                    f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
-                    "host out of file descriptors or disk space?)",
-                    env=entry.spec.key,
-                )
-                raise chained(error, exc)  # noqa: B904
-            reactor, runtime_dir = self._reactor, self._runtime_dir
-        with entry.lock:
-            if isinstance(entry.env_state, lc.EnvAbandoned) and (
-                abandoned := entry.abandoned_locked(self.clock())
-            ):
-                raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
-            if entry.unsupported is not None:  # said once; never started again
-                raise WorkerStartError(str(entry.unsupported), env=entry.spec.key, unsupported=True)
-            generation = entry.generation + 1
-            effects = entry.apply_locked(slot, lc.SpawnBegan(generation))
-            if effects is None:  # pragma: no cover - the lease makes this impossible
-                raise AssertionError(f"slot {slot.index} of {entry.spec.key} is not free")
-            entry.generation = generation
-            entry.spawns += 1
-            old = slot.process
-            if old is not None:
-                entry.log_lines_dropped += old.log.dropped
-            process: WorkerGeneration = self._backend.new_generation(
-                entry.spec,
-                generation,
-                entry.settings,
-                reactor,
-                runtime_dir,
-                lambda p: self._on_exit(entry, slot, p),
-                lambda p: self._on_finished(entry, p),
-            )
-            slot.process = process
-        if old is not None:
-            old.dispose()
-        # The env's activation (its scripts run on the first spawn of the env in this host,
-        # bounded by start_timeout; later spawns take the cached result), here on the spawning
-        # caller's thread and before the start-up deadline begins: never on the reactor,
-        # never on a warm call, and a slow script does not eat the worker's own deadline.
-        activation = None
-        if self.settings.activate and not entry.spec.is_current:
-            from ._activation import activation_for  # not loaded for the current interpreter
-
-            try:
-                with held.allowing():  # (its scripts may take seconds)
-                    activation = activation_for(
-                        entry.spec, base_environment(), self.settings.start_timeout
-                    )
-            except BaseException:
-                entry.apply(slot, lc.StartFailed(generation))
-                raise
-        started = time.monotonic()
-        try:
-            # Not interruptible: the fork runs on the reactor, and a caller that left its
-            # wait would leave the forked process's descriptors to nobody.
-            process.launch(
-                before_launch=self._refuse_if_closed,
-                after_launch=self._track,
-                activation=activation,
-            )
-        except BaseException as exc:
-            entry.apply(slot, lc.StartFailed(generation))
-            if isinstance(exc, WorkerStartError) and not self._closed:
-                # Nothing was forked, so no exit will be reported: count the death now (told
-                # first, then counted: see ``_report_death``).
-                self._events.emit(
-                    WorkerRetired(entry.spec.key, generation, None, "start_failed", None, None)
-                )
-                self._record_death(entry, generation, lc.RetireReason.START_FAILED, None, "")
-            if self._closed and isinstance(exc, WorkerStartError):
-                # close() stopped it before or while it was launched ("stopped before it was
-                # launched", a reactor already stopped): the pool's closing, not the env's.
-                raise chained(  # noqa: B904 - see chained
-                    PoolClosedError("the pool was closed while the worker started"), exc
-                )
-            raise
-        if process.popen is not None:
-            self._events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
-        try:
-            with held.allowing():  # (a slow import: the user may give up)
-                process.handshake(started + self.settings.start_timeout)
-        except BaseException as exc:
-            entry.apply(slot, lc.StartFailed(generation))
-            if isinstance(exc, WorkerStartError) and exc.unsupported:
-                with entry.lock:
-                    entry.unsupported = exc
-            if self._closed and isinstance(exc, WorkerStartError):
-                raise chained(  # noqa: B904 - see chained
-                    PoolClosedError("the pool was closed while the worker started"), exc
-                )
-            raise
-        if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, self.clock())):
-            # Retired while starting (the pool is closing, or it died right after the canary).
-            if self._closed:
-                raise PoolClosedError("the pool was closed while the worker started")
-            rc = process.wait_exit(1.0)
-            raise WorkerStartError(
-                f"worker for env {entry.spec.key} (generation {generation}) {describe_exit(rc)} "
-                "right after its start-up",
-                env=entry.spec.key,
-                pid=process.pid,
-                generation=generation,
-                stderr_tail=process.log.tail(),
-            )
-        python, entry.python = entry.python, process.python_version
-        if python and python[:2] != entry.python[:2]:
-            # The same interpreter path now runs another Python: the env was rebuilt in place
-            # (its workers of before kept the old one until they ended). Not refused: the
-            # path is what was asked for; by-value calls are checked per worker anyway.
-            _log.warning(
-                "comfy-env: env %s now runs Python %s; its earlier workers ran Python %s "
-                "(the env was rebuilt in place?)",
-                entry.spec.key,
-                ".".join(map(str, entry.python[:3])),
-                ".".join(map(str, python[:3])),
-            )
-        _log.debug(
-            "comfy-env: env %s generation %d ready (pid %s, %.1f ms)",
-            entry.spec.key,
-            generation,
-            process.pid,
-            process.startup_seconds * 1000,
-        )
-        if process.popen is None and process.pid is not None:
-            # No process of ours was launched (a Ray actor): its pid is known from its hello.
-            self._events.emit(WorkerSpawned(entry.spec.key, generation, process.pid))
-        self._events.emit(
-            WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
-        )
-        self._status_changed()
-        return process
-
-    def _start_watcher(self) -> None:
-        """Reactor thread, right after the first worker's fork (``_track``): launch the host
-        watcher once (see ``_watcher``), before the caller makes the runtime dir that worker
-        waits for, so that no leftover of this host exists without a watcher to remove it. A
-        shell waiting on a pipe: about a millisecond of the first call, no interpreter start.
-        ``close`` reads ``_watcher`` after the reactor stopped, so no start races a close."""
-        with self._lock:
-            if self._watcher is not None or self._closed:
-                return
-            # The root this pool's runtime dir is in: where the host's status file is too, and
-            # what the watcher cleans up (the whole root, if it is this host's private one).
-            root = "" if self._runtime_dir is None else os.path.dirname(self._runtime_dir.path)
-            try:
-                self._watcher = HostWatcher.start(HOST_ID_VAR, host_id(), runtime_root=root)
-            except OSError as exc:  # the sweep remains the backstop
-                _log.warning(
-                    "comfy-env: cannot start the host watcher (%s); setsid descendants of "
-                    "workers outlive a killed host until the next sweep",
-                    exc,
-                )
-
-    def _sweep(self) -> None:
-        from ._sweep import sweep
-
-        try:
-            self.last_sweep = report = sweep()
-        except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
-                raise
-            # A host short of descriptors or memory right now: the sweep is a backstop (the
-            # next pool start, or ``comfy-env sweep``, runs it), not worth a traceback.
-            _log.warning("comfy-env: the start-up sweep was skipped: %s", exc)
-            return
-        if report:
-            self._events.emit(ShmSwept(report))
-
-    # ---- the reaper and the breaker ----
-
-    def _schedule_reaper(self) -> None:
-        """One periodic timer on the reactor serves every env (no thread per worker)."""
-        # (No lock: the first schedule runs under the pool's lock. Copying a dict's values is
-        # one C call, atomic under the GIL; an env added meanwhile is seen at the next tick.)
-        entries = list(self._entries.values())
-        timeouts = [e.settings.idle_timeout for e in entries] + [self.settings.idle_timeout]
-        known = [t for t in timeouts if t is not None]
-        if not known or self._reactor is None:
-            self._reaper = None  # (``configure`` schedules it when an env gets a timeout)
-            return
-        interval = min(max(min(known) / 4, 0.02), 5.0)
-        self._reaper = self._reactor.call_later(interval, self._reap_tick)
-
-    def _reap_tick(self) -> None:
-        if self._closed:
-            return
-        with self._lock:
-            entries = list(self._entries.values())
-        for entry in entries:  # (none in a sound pool: a check per slot)
-            if entry.recover_stuck():
-                _log.warning(
-                    "comfy-env: env %s had a slot starting with no start in progress; "
-                    "retired (the next call starts a fresh worker)",
-                    entry.spec.key,
-                )
-        self.reap_idle()
-        self._schedule_reaper()
+        return self._spawner.spawn(entry, slot)
 
     def reap_idle(self, now: object = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
@@ -1442,115 +1000,11 @@ class Pool:
             entries = list(self._entries.values())
         return _policies.reap_idle(entries, at, self.settings, self._reap_hooks)
 
-    def _record_death(
-        self,
-        entry: EnvEntry,
-        generation: int,
-        reason: lc.RetireReason,
-        returncode: int | None,
-        stderr_tail: str,
-    ) -> None:
-        _policies.record_death(
-            entry,
-            generation,
-            reason,
-            returncode,
-            stderr_tail,
-            self.clock(),
-            self.settings,
-            self._events,
-        )
-
-    def _report_death(
-        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
-    ) -> None:
-        """Report a generation's end once: subscribers get ``WorkerRetired``, then the crash-loop
-        breaker counts it (deaths only, and nothing while the pool closes; ``EnvAbandoned``
-        if it trips, after the retirement that caused it). The caller whose
-        call the death failed reports before it raises (``crash_error``), so a caller that
-        calls again at once meets the breaker's verdict and events keep their order; else
-        the reactor does when the exit is reported."""
-        with entry.lock:
-            if process.death_reported:
-                return
-            process.death_reported = True
-        reason = process.retire_reason or lc.RetireReason.CRASHED
-        # Causal order for subscribers: the retirement first, then the breaker's verdict on
-        # it (``record_death`` emits ``EnvAbandoned`` when this death trips the breaker).
-        if self._events.subscribed:  # no event object on a crash path nobody watches
-            self._events.emit(
-                WorkerRetired(
-                    entry.spec.key,
-                    process.generation,
-                    process.pid,
-                    reason.value,
-                    returncode,
-                    signal_name(returncode),
-                )
-            )
-        if reason in lc.DEATHS and not self._closed:
-            self._record_death(entry, process.generation, reason, returncode, tail)
-
-    def _refuse_if_closed(self) -> None:
-        if self._closed:
-            raise self.closed_error()
-
-    def _track(self, process: WorkerGeneration) -> None:
-        """Reactor thread, right after a fork: know the process before anything can stop us."""
-        with self._lock:
-            self._processes.add(process)
-            first = self.last_sweep is None and not self._sweep_queued
-            self._sweep_queued = True
-        if self._watcher is None and self._reactor is not None:
-            self._start_watcher()
-        if first and self._reactor is not None:
-            # The pool starts: clear what dead hosts left behind, off every caller's path: on
-            # the reactor thread, a moment after this fork, when the caller that launched the
-            # worker waits for its hello (tens of ms). Run at once, the sweep (1-8 ms of
-            # Python) held the GIL while that caller wanted to go on with the handshake.
-            self._reactor.call_later(_SWEEP_DELAY, self._sweep)
-
-    def _on_exit(self, entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
-        """Reactor thread: the process was reaped."""
-        with self._lock:
-            self._processes.discard(process)
-        entry.apply(slot, lc.Exited(process.generation, process.returncode))
-        self._status_changed()
-
-    def _status_changed(self) -> None:
-        """Keep this host's status file (``comfy-env status``) current, throttled, written on
-        the reactor thread. On every call's path: one flag test (and one store) while a write
-        is pending; a change inside the throttle window is written when the window ends, so
-        the file is never more than about a second behind the last change."""
-        if self._status_pending:
-            self._status_dirty = True
-            if self._status_pending:
-                return  # the end of the window sees the flag
-            # The window ended between the two tests and may have missed the flag: go on.
-        if self._reactor is None or self._closed:
-            return
-        try:
-            publisher = host_publisher(live_pool_snapshots)
-        except (OSError, RuntimeRootError):
-            # The first publisher names this host (``host_id``), which reads /proc: a host out
-            # of descriptors. The status file waits for the next change; the call that got
-            # here keeps its own outcome.
-            self._status_dirty = True
-            return
-        self._status_pending = True
-        publisher.publish_soon(self._reactor.call_later)
-        self._reactor.call_later(0.5, self._status_written)
-
-    def _status_written(self) -> None:
-        """Reactor thread: the throttle window ended; publish what changed inside it."""
-        self._status_pending = False
-        if self._status_dirty:
-            self._status_dirty = False
-            self._status_changed()
-
-    def _on_finished(self, entry: EnvEntry, process: WorkerGeneration) -> None:
-        """Reactor thread: reaped and output drained; exit code and last lines are final."""
-        self._report_death(entry, process, process.returncode, process.log.tail())
+    def _status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:
+        """Where the status throttle queues its writes: the reactor's timer, while the pool is
+        open and has one (``StatusThrottle``)."""
+        reactor = self._spawner.reactor
+        return None if reactor is None or self._closed else reactor.call_later
 
     def _send(
         self,
@@ -1674,7 +1128,7 @@ class Pool:
         """After Ctrl-C: ask the worker to stop ``call_id`` and read on until its reply (the
         grace timer kills it if it does not stop). The reply frame, or None if the worker was
         stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
-        self.cancel(entry, ticket)
+        _lease.cancel(self, entry, ticket)
         try:
             with allowing(ticket.held):  # a second Ctrl-C stops the worker at once
                 frame = process.read_frame(None, None, ticket.sink)
@@ -1708,7 +1162,7 @@ class Pool:
         to report the worker's death."""
 
         def report_death(returncode: int | None, tail: str) -> None:
-            self._report_death(entry, process, returncode, tail)
+            self._spawner.report_death(entry, process, returncode, tail)
 
         closed, grace = self._closed, entry.settings.cancel_grace
         return entry, slot, process, call_id, label, closed, grace, report_death
@@ -1719,46 +1173,47 @@ class Pool:
         """In a forked child: close inherited descriptors, signal nothing, own nothing (the
         fork hook of ``_shutdown`` calls it; not for users)."""
         self._closed = True
-        self._lock = threading.Lock()
+        self._lock = self._spawner.lock = threading.Lock()
         self._close_done.set()
-        processes = set(self._processes)
+        processes = set(self._spawner.processes)
         for entry in self._entries.values():
             entry.lock = threading.Lock()
             entry.waiters.clear()
             processes.update(s.process for s in entry.slots if s.process is not None)
         for process in processes:
             process.abandon_in_forked_child()
-        if self._reactor is not None:
-            self._reactor.abandon_in_forked_child()
-        if self._watcher is not None:
-            self._watcher.forget_in_forked_child()
+        if self._spawner.reactor is not None:
+            self._spawner.reactor.abandon_in_forked_child()
+        if self._spawner.watcher is not None:
+            self._spawner.watcher.forget_in_forked_child()
 
     def _stop_everything(self, entries: list[EnvEntry], reactor: Reactor | None) -> None:
         _shutdown.close_entries(entries)
-        if self._reaper is not None:
-            self._reaper.cancel()
+        if self._spawner.reaper is not None:
+            self._spawner.reaper.cancel()
         if reactor is None:
-            self._backend.close()
-            self._events.close()
+            self.backend.close()
+            self.events.close()
             return
         _shutdown.stop_workers(
             entries,
             reactor,
-            lambda: list(self._processes),
+            lambda: list(self._spawner.processes),
             self._lock,
             self.settings.close_timeout,
         )
-        if self._watcher is not None:  # every worker is stopped: the watcher has nothing to do
-            self._watcher.close(2.0)
-        self._backend.close()
-        if self._runtime_dir is not None:
-            shutil.rmtree(self._runtime_dir.path, ignore_errors=True)
+        watcher = self._spawner.watcher
+        if watcher is not None:  # every worker is stopped: the watcher has nothing to do
+            watcher.close(2.0)
+        self.backend.close()
+        if self._spawner.runtime_dir is not None:
+            shutil.rmtree(self._spawner.runtime_dir.path, ignore_errors=True)
         try:
             # Without this pool (the file goes with the last pool). A status directory that
             # cannot be written is a warning, never raised: the close must end.
             host_publisher(live_pool_snapshots).publish_or_warn()
         finally:
-            self._events.close()
+            self.events.close()
 
 
 # How far the plain call's own exchange went when it handed the call to the general path

@@ -256,6 +256,63 @@ class StatusPublisher:
 _START_MS: tuple[int, int] | None = None  # (pid, start ms), computed once per process
 
 
+class StatusThrottle:
+    """Keeps this host's status file (``comfy-env status``) current, throttled, written on the
+    reactor thread (``changed``; the pool calls it on every change it makes, each call's end
+    among them). A change inside the throttle window (``window`` seconds) is written when the
+    window ends, so the file is never more than about a second behind the last change.
+
+    On every call's path it costs one flag test (and one store) while a write is pending, with
+    no lock: ``changed`` sets ``_dirty`` *before* it reads ``_pending`` again, and the window's
+    end (``_written``, on the reactor) clears ``_pending`` *before* it reads ``_dirty``, so
+    under the GIL's one order of these four steps at least one side sees the other's write: a
+    change is never left unwritten (at worst written twice)."""
+
+    __slots__ = ("_dirty", "_pending", "_snapshots", "_timer", "window")
+
+    def __init__(
+        self,
+        snapshots: Callable[[], Iterable[Snapshot]],
+        timer: Callable[[], Callable[[float, Callable[[], None]], object] | None],
+        window: float = 0.5,
+    ) -> None:
+        """``snapshots``: every open pool's (``host_publisher``); ``timer``: the reactor's
+        ``call_later`` while the pool is open and has one, else None (nothing to write)."""
+        self._snapshots = snapshots
+        self._timer = timer
+        self.window = window
+        self._pending = False
+        self._dirty = False  # changed while a write was pending: write again after it
+
+    def changed(self) -> None:
+        if self._pending:
+            self._dirty = True
+            if self._pending:
+                return  # the end of the window sees the flag
+            # The window ended between the two tests and may have missed the flag: go on.
+        call_later = self._timer()
+        if call_later is None:
+            return
+        try:
+            publisher = host_publisher(self._snapshots)
+        except (OSError, RuntimeRootError):
+            # The first publisher names this host (``host_id``), which reads /proc: a host out
+            # of descriptors. The status file waits for the next change; the call that got
+            # here keeps its own outcome.
+            self._dirty = True
+            return
+        self._pending = True
+        publisher.publish_soon(call_later)
+        call_later(self.window, self._written)
+
+    def _written(self) -> None:
+        """Reactor thread: the throttle window ended; publish what changed inside it."""
+        self._pending = False
+        if self._dirty:
+            self._dirty = False
+            self.changed()
+
+
 def _start_ms() -> int:
     """This host's start in wall-clock ms, for display only (liveness uses the host id).
 

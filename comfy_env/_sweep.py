@@ -66,12 +66,6 @@ class SweepReport:
         )
 
 
-def host_alive(pid: int, ticks: int, namespace: int) -> bool:
-    """Might the host ``<pid>-t<ticks>-n<namespace>`` still be running? True unless it is proven
-    dead (so "alive" includes "cannot tell")."""
-    return not owner_dead(pid, ticks, namespace)
-
-
 def sweep(*, dry_run: bool = False) -> SweepReport:
     """Remove shared-memory blocks, runtime directories, status files, private fallback roots
     and worker processes of dead hosts.

@@ -262,7 +262,7 @@ def alive(pid: int) -> bool:
 def reactor_held(pool: comfy_env.Pool) -> Iterator[threading.Event]:
     """Keep the pool's reactor thread busy inside the block (it reaps and reports exits);
     yields the event that frees it, set on the way out."""
-    reactor = pool._reactor
+    reactor = pool._spawner.reactor
     assert reactor is not None
     held, release = threading.Event(), threading.Event()
 

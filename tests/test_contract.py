@@ -57,13 +57,13 @@ def cpool(backend: str) -> Iterator[comfy_env.Pool]:
 
 
 def capabilities(pool: comfy_env.Pool) -> frozenset[str]:
-    caps: frozenset[str] = pool._backend.capabilities
+    caps: frozenset[str] = pool.backend.capabilities
     return caps
 
 
 def needs(pool: comfy_env.Pool, capability: str) -> None:
     if capability not in capabilities(pool):
-        pytest.skip(f"the {pool._backend.name} backend has no {capability!r}")
+        pytest.skip(f"the {pool.backend.name} backend has no {capability!r}")
 
 
 def test_a_call_returns_its_result(cpool: comfy_env.Pool) -> None:

@@ -484,10 +484,10 @@ def test_a_retired_worker_whose_release_is_due_is_released_at_once_when_needed(
     """A crashed worker's socket and shared memory are released a moment after the crash
     (off the caller's way out). A pool closed before that moment, or a new generation taking
     the slot, releases them at once."""
-    from comfy_env import _pool
+    from comfy_env import _spawner
     from comfy_env._process import WorkerProcess
 
-    monkeypatch.setattr(_pool, "_DISPOSE_DELAY", 3600.0)
+    monkeypatch.setattr(_spawner, "_DISPOSE_DELAY", 3600.0)
     pool = comfy_env.Pool(comfy_env.PoolConfig(max_restarts=100))
     try:
         w = pool.get_worker()
@@ -694,7 +694,7 @@ def test_a_spawn_after_the_reactor_ended_is_a_start_error_not_a_hang(
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker(None)
         assert w.call("remote_tasks:add", 1, 2) == 3
-        reactor = pool._reactor
+        reactor = pool._spawner.reactor
         assert reactor is not None and reactor._thread is not None
         # A timer entry the loop cannot read: its next turn raises TypeError outside any
         # callback, which ends the thread.

@@ -1201,7 +1201,7 @@ with comfy_env.Pool(config) as pool:
     # The pool's watcher is launched 50 ms after the first worker is ready, on the reactor:
     # its Popen opens descriptors and closes them again, so a launch beside ``exhaust`` freed
     # a slot or two, and the call below got its block (seen under load). Wait for it.
-    while pool._watcher is None:
+    while pool._spawner.watcher is None:
         time.sleep(0.01)
     fds = len(os.listdir("/proc/self/fd"))
     # 1. Out of descriptors while opening a reply block the worker has just made.
@@ -1558,9 +1558,9 @@ import sys, time, comfy_env
 pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
 w = pool.get_worker()
 descendant = w.call("hardening_tasks:spawn_setsid_sleeper", False)
-while pool._watcher is None:  # started on the reactor once the first worker is ready
+while pool._spawner.watcher is None:  # started on the reactor once the first worker is ready
     time.sleep(0.01)
-print(descendant, w.pid, pool._watcher.pid, flush=True)
+print(descendant, w.pid, pool._spawner.watcher.pid, flush=True)
 time.sleep(60)
 """
 
@@ -1610,8 +1610,8 @@ def test_a_setsid_descendant_of_a_host_killed_with_its_watcher_is_swept() -> Non
 def test_a_closed_pool_leaves_no_watcher(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config) as pool:
         pool.get_worker().call("comfy_env_worker.tasks:echo", 1)
-        assert wait_until(lambda: pool._watcher is not None)
-        watcher = pool._watcher
+        assert wait_until(lambda: pool._spawner.watcher is not None)
+        watcher = pool._spawner.watcher
         assert watcher is not None and alive(watcher.pid)
     assert watcher.popen.returncode == 0  # told to quit, not killed
     assert _gone(watcher.pid)
@@ -1656,9 +1656,9 @@ w = pool.get_worker()
 big = bytes(4 << 20)
 assert w.call("fault_tasks:identity", big) == big  # blocks on both sides now exist
 status = os.path.join(runtime_root(), "status", host_id() + ".json")
-while pool._watcher is None or not os.path.exists(status):
+while pool._spawner.watcher is None or not os.path.exists(status):
     time.sleep(0.01)
-print(host_id(), w.pid, pool._watcher.pid, flush=True)
+print(host_id(), w.pid, pool._spawner.watcher.pid, flush=True)
 if sys.argv[2] == "exec":  # the watcher's write end is close-on-exec: its pipe closes now
     os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"])
 time.sleep(60)
@@ -1918,7 +1918,7 @@ def test_close_while_many_envs_start_is_one_bounded_wait(
     try:
         for t in threads:
             t.start()
-        assert wait_until(lambda: len(pool._processes) == len(envs), 60)
+        assert wait_until(lambda: len(pool._spawner.processes) == len(envs), 60)
         assert wait_until(lambda: len(pidfile.read_text().split()) == len(envs), 30)
         closer.append(threading.current_thread())
         started = time.monotonic()

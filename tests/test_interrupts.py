@@ -162,6 +162,6 @@ def test_the_reaper_recovers_a_slot_stuck_starting(config: comfy_env.PoolConfig)
         worker = pool.get_worker()
         assert worker.call("remote_tasks:add", 1, 1) == 2
         _make_stuck(pool, worker)
-        pool._reap_tick()
+        pool._spawner.reap_tick()
         assert worker.stats().workers[0].stuck is False
         assert worker.run("remote_tasks:add", (2, 2), timeout=30) == 4

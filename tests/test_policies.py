@@ -585,7 +585,7 @@ def test_a_subscriber_or_reap_hook_that_cannot_be_called_is_refused_when_given(
             pool.subscribe(bad)  # type: ignore[arg-type]
         with pytest.raises(comfy_env.ArgumentError, match="hook"):
             pool.add_reap_hook(bad)  # type: ignore[arg-type]
-        assert not pool._events.subscribed and not pool._reap_hooks._hooks
+        assert not pool.events.subscribed and not pool._reap_hooks._hooks
         events: list[object] = []
         pool.subscribe(events.append)
         w = pool.get_worker()

@@ -555,8 +555,8 @@ def test_the_runtime_dir_is_named_before_the_launch_and_made_after_it(
     with comfy_env.Pool() as pool:
         worker = pool.get_worker(None)
         assert worker.call("comfy_env_worker.tasks:echo", 3) == 3
-        assert pool._runtime_dir is not None
-        path = pool._runtime_dir.path
+        assert pool._spawner.runtime_dir is not None
+        path = pool._spawner.runtime_dir.path
         [(children, suffix)] = made
         assert suffix is not None and os.path.basename(path) == f"host-{host_id()}-{suffix}"
         assert any(_process.BOOT in cmdline and path in cmdline for cmdline in children)

@@ -187,7 +187,7 @@ def test_a_finaliser_inside_the_pool_s_own_locks_neither_blocks_nor_raises(
     with pool._lock:
         del refs[0]
         gc.collect()
-    reactor = pool._reactor
+    reactor = pool._spawner.reactor
     assert reactor is not None
     reactor.run_sync(refs.clear, timeout=10)  # on the reactor thread itself
     gc.collect()

@@ -950,9 +950,9 @@ def _double_crash_then_sweep(pool: comfy_env.Pool) -> None:
         w._entry.slots[0].process.channel.loans.ack_consumed = False
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
         pool = comfy_env.default_pool()
-        while pool._watcher is None:  # started on the reactor once the first worker is ready
+        while pool._spawner.watcher is None:  # started on the reactor with the first worker
             time.sleep(0.01)
-        print(w.pid, pool._watcher.pid, flush=True)
+        print(w.pid, pool._spawner.watcher.pid, flush=True)
         time.sleep(60)
         """
     )

@@ -6,10 +6,15 @@
 * The public handles (``_worker``, ``_refs``, ``_acall``, ``_status``) never import ``_pool``:
   they depend on ``_callsite.CallSite`` and the core types of ``_entry``.
 * The core and its policies are backend-agnostic: they import neither the pool nor the local
-  backend's process code.
+  backend's process code. Leasing (``_lease``) imports neither the pool, the spawner nor the
+  process code; the spawner never imports the pool.
 * The local backend's mechanism (``_channel``, ``_exitwatch``, ``_outputpipes``) reports
   facts: it reaches neither the gate (``_entry``), the lifecycle table, the pool nor the
   ``WorkerProcess`` facade over it, directly or through another module.
+* One writer per piece of call and slot state, as the gate is for a slot's lifecycle state
+  (``tests/test_lifecycle.py``): a call's stage and the call counters in ``_lease``, the
+  breaker's state in ``EnvEntry.set_env_state``, a slot's process and an env's generation in
+  ``_spawner``.
 
 Pure AST reads of the source: no import runs, no process starts.
 """
@@ -181,3 +186,100 @@ def test_the_mechanism_reports_facts_and_imports_no_policy(part: str) -> None:
     reached = _reachable(graph, f"{NAME}.{part}")
     policy = {f"{NAME}._entry", f"{NAME}._lifecycle", f"{NAME}._pool", f"{NAME}._process"}
     assert not reached & policy, sorted(reached & policy)
+
+
+# ---- one writer per piece of call and slot state (the gate's rule, for what is not a state) ----
+
+
+def _attribute_writes(attrs: set[str]) -> list[tuple[str, str, str, str]]:
+    """Every assignment (plain, augmented, annotated, in a tuple) to ``<name>.<attr>`` for an
+    ``attr`` of ``attrs`` in the package: (file, enclosing class.function, name, attr)."""
+    found: list[tuple[str, str, str, str]] = []
+
+    def targets(node: ast.AST) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            out: list[ast.expr] = []
+            for target in node.targets:
+                out.extend(target.elts if isinstance(target, ast.Tuple) else [target])
+            return out
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            return [node.target]
+        return []
+
+    def visit(node: ast.AST, scope: str, file: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = scope
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{scope}.{child.name}" if scope else child.name
+            for target in targets(child):
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr in attrs
+                    and isinstance(target.value, ast.Name)
+                ):
+                    found.append((file, inner, target.value.id, target.attr))
+            visit(child, inner, file)
+
+    for path in sorted(PACKAGE.glob("*.py")):
+        visit(ast.parse(path.read_text(encoding="utf-8")), "", path.name)
+    return found
+
+
+CALL_COUNTERS = {"submitted", "ok", "raised", "crashed", "timed_out", "cancelled", "failed"}
+CALL_COUNTERS |= {"in_flight", "queued"}
+
+
+def test_a_calls_stage_and_the_call_counters_are_written_only_by_leasing() -> None:
+    # A call is counted once whatever path it took: its stage and the env's counters change
+    # in ``_lease`` only (their initial values aside). Other classes' own fields of the same
+    # name (an error's ``stage``, a timer's ``cancelled``) are theirs.
+    writes = _attribute_writes(CALL_COUNTERS | {"stage"})
+    elsewhere = [
+        w
+        for w in writes
+        if w[0] != "_lease.py"
+        and not (w[2] == "self" and not w[1].startswith(("EnvEntry.", "Ticket.")))
+        and w[1] != "EnvEntry.__init__"
+    ]
+    assert elsewhere == []
+    assert {w[3] for w in writes if w[0] == "_lease.py"} == CALL_COUNTERS | {"stage"}
+
+
+def test_the_breaker_state_has_one_writer() -> None:
+    writes = _attribute_writes({"env_state"})
+    assert sorted((w[0], w[1]) for w in writes) == [
+        ("_entry.py", "EnvEntry.__init__"),
+        ("_entry.py", "EnvEntry.set_env_state"),
+    ]
+
+
+def test_a_slots_process_and_an_envs_generation_are_written_only_by_the_spawner() -> None:
+    # (``generation`` of other objects, a ticket's or a process's own, is theirs.)
+    process = [
+        w
+        for w in _attribute_writes({"process"})
+        if w[2] == "slot" or (w[2] == "self" and w[1].startswith("Slot."))
+    ]
+    assert sorted({(w[0], w[1]) for w in process}) == [
+        ("_entry.py", "Slot.__init__"),
+        ("_spawner.py", "Spawner._begin"),
+    ]
+    generation = [
+        w
+        for w in _attribute_writes({"generation"})
+        if w[2] == "entry" or (w[2] == "self" and w[1].startswith("EnvEntry."))
+    ]
+    assert sorted({(w[0], w[1]) for w in generation}) == [
+        ("_entry.py", "EnvEntry.__init__"),
+        ("_spawner.py", "Spawner._begin"),
+    ]
+
+
+@pytest.mark.parametrize("part", ["_lease"])
+def test_leasing_never_imports_the_pool_the_spawner_or_the_mechanism(part: str) -> None:
+    imports = _graph()[f"{NAME}.{part}"]
+    assert not imports & {f"{NAME}._pool", f"{NAME}._spawner", f"{NAME}._process"}, imports
+
+
+def test_the_spawner_never_imports_the_pool() -> None:
+    assert f"{NAME}._pool" not in _graph()[f"{NAME}._spawner"]

@@ -201,7 +201,7 @@ def test_a_named_thread_ending_while_the_worker_lives_changes_nothing(
     must not take it for a death. Replayed here on a live worker, through the reactor."""
     w = pool.get_worker()
     process = _watched(w)
-    reactor = pool._reactor
+    reactor = pool._spawner.reactor
     assert reactor is not None
     fd = sorted(process.watch.threads._watched_fds)[0]
     reactor.run_sync(lambda: process.watch.threads._on_thread_exit(fd))
@@ -248,7 +248,7 @@ def test_a_call_sent_to_a_dying_worker_runs_on_the_next_one() -> None:
 
 def _watches_of(pool: comfy_env.Pool, process: WorkerProcess) -> list[int]:
     """The descriptors the pool's reactor still watches for ``process``."""
-    reactor = pool._reactor
+    reactor = pool._spawner.reactor
     assert reactor is not None
 
     def owner(callback: Any) -> Any:
