@@ -73,7 +73,6 @@ Where the rest lives (each module's docstring draws its part)::
 
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
 import logging

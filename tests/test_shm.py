@@ -906,16 +906,18 @@ def test_a_forged_envelope_is_a_protocol_error(pool: comfy_env.Pool, forgery: st
 
 
 def test_a_double_crash_leaves_blocks_that_the_next_pool_start_sweeps(
-    pool: comfy_env.Pool,
+    pool: comfy_env.Pool, tmp_path: Path
 ) -> None:
     if not private_shm_mount_usable("64M"):
         _double_crash_then_sweep(pool)  # any other pool starting meanwhile would sweep first
         return
-    # In a private /dev/shm (a mount namespace of its own), so that no other comfy-env pool on
-    # this machine (another test run, a benchmark) can sweep the dead host's blocks first.
+    # In a private /dev/shm (a mount namespace of its own) and a private runtime root, so that
+    # no other comfy-env pool on this machine (another test run, a benchmark) can sweep the
+    # dead host's blocks or runtime dir first.
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
     import subprocess
     import sys
-    from pathlib import Path
 
     tests = str(Path(__file__).resolve().parent)
     script = (
@@ -937,6 +939,7 @@ def test_a_double_crash_leaves_blocks_that_the_next_pool_start_sweeps(
         capture_output=True,
         text=True,
         timeout=90,
+        env=dict(os.environ, XDG_RUNTIME_DIR=str(runtime)),
     )
     assert child.returncode == 0 and "scenario passed" in child.stdout, child.stdout + child.stderr
 
