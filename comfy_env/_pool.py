@@ -20,7 +20,8 @@ takes the same steps in a straight line (``Worker.call`` -> ``call_plain``): ``s
 encodes, leases and applies ``CallStarted`` in one lock section; the request and the reply go
 inline; ``_lease.settle_ok`` applies ``Replied``, releases and counts in another. It declines
 before anything is counted when the call needs more; once started, anything but a plain reply
-goes on in ``run_leased`` from where it stopped (``resume``), under the general path's rules.
+goes on in ``run_leased`` (``_exchange.run``) from where it stopped (``resume``), under the
+general path's rules.
 
 Where the rest lives (each module's docstring draws its part)::
 
@@ -28,6 +29,9 @@ Where the rest lives (each module's docstring draws its part)::
                 snapshots: backend-agnostic, imports no other part of the pool
     _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
+    _exchange   a leased call's exchange with its worker: start (checks, CallStarted), send,
+                receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
+                settle; the errors of a broken exchange (``run_leased`` goes there)
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
                 the breaker); the reaper's timer; disposing of retired workers later
