@@ -234,7 +234,7 @@ def bench_comfyui(argv: list[str]) -> int:
 
 # The modules on every call's path (issue 16, third round). The worker runtime is never
 # compiled: it must run under any env's Python (3.8 and up) with nothing but the stdlib.
-HOT_MODULES = ("_lifecycle", "_entry", "_lease", "_pool", "_codec")
+HOT_MODULES = ("_lifecycle", "_entry", "_lease", "_exchange", "_pool", "_codec")
 HOT_DIR = os.path.join(ROOT, "comfy_env")
 # Written next to the compiled modules: the sha256 of each source they were built from.
 HOT_STAMP = os.path.join(HOT_DIR, "_hotpath.sha256")

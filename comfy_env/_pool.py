@@ -20,7 +20,8 @@ takes the same steps in a straight line (``Worker.call`` -> ``call_plain``): ``s
 encodes, leases and applies ``CallStarted`` in one lock section; the request and the reply go
 inline; ``_lease.settle_ok`` applies ``Replied``, releases and counts in another. It declines
 before anything is counted when the call needs more; once started, anything but a plain reply
-goes on in ``run_leased`` from where it stopped (``resume``), under the general path's rules.
+goes on in ``run_leased`` (``_exchange.run``) from where it stopped (``resume``), under the
+general path's rules.
 
 Where the rest lives (each module's docstring draws its part)::
 
@@ -28,6 +29,9 @@ Where the rest lives (each module's docstring draws its part)::
                 snapshots: backend-agnostic, imports no other part of the pool
     _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
+    _exchange   a leased call's exchange with its worker: start (checks, CallStarted), send,
+                receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
+                settle; the errors of a broken exchange (``run_leased`` goes there)
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
                 the breaker); the reaper's timer; disposing of retired workers later
@@ -87,49 +91,38 @@ from typing import TYPE_CHECKING, Any
 from comfy_env_worker.protocol import (
     CALLS_IN_FLIGHT,
     HEADER_SIZE,
-    ChannelClosed,
-    FrameError,
     FrameType,
-    Payload,
 )
-from comfy_env_worker.shm import SCALARS, Block
+from comfy_env_worker.shm import SCALARS
 
-from . import _lease, _policies, _shutdown
+from . import _exchange, _lease, _policies, _shutdown
 from . import _lifecycle as lc
 from ._backend import Backend, WorkerGeneration, backend_for
-from ._call import EventCallback, event_handler
+from ._call import EventCallback
 from ._callsite import GENERAL_PATH
 from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
 from ._entry import EnvEntry, Slot, Ticket
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
     ArgumentError,
-    CallCancelled,
     CallTimeout,
     EnvError,
-    HostResourceError,
     PoolClosedError,
     SerializationError,
-    WorkerCrashed,
-    chained,
 )
 from ._events import (
     Dispatcher,
     EnvReset,
     Event,
 )
+from ._exchange import READ as _READ
+from ._exchange import READ_FAILED as _READ_FAILED
+from ._exchange import SEND_FAILED as _SEND_FAILED
+from ._exchange import Resume
 from ._failures import (
-    HostFault,
-    NotDelivered,
     completed_timeout,
-    crash_error,
-    not_the_reply,
-    protocol_error,
-    retire_reason,
-    timeout_error,
 )
-from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm
-from ._process import python_mismatch
+from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, in_storm
 from ._reactor import Reactor
 from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables
@@ -791,190 +784,28 @@ class Pool:
         deadline: float | None,
         resume: Resume | None = None,
     ) -> Any:
-        """The rest of a call once it holds ``slot`` (None: acquiring failed and raised in
-        the caller, who still must settle): exchange, decode, settle, count once. ``resume``:
-        see ``_exchange``."""
-        outcome = "failed"
-        replied_at: float | None = None
-        try:
-            assert slot is not None
-            ftype, reply, reply_buffers, replied_at = self._exchange(
-                entry, slot, ticket, target, body, buffers, by_value, deadline, resume
-            )
-            del buffers
-            if ticket.interrupted:
-                raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
-            outcome = "raised"
-            try:
-                result = decode_reply(ftype, reply, target, reply_buffers)
-            except FrameError as exc:  # an error record that is not the runtime's
-                outcome = "failed"
-                process = slot.process
-                assert process is not None and process.generation == ticket.generation
-                raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
-            outcome = "ok"
-            return result
-        except HostFault as fault:
-            replied_at = fault.replied_at  # the worker replied whole: it goes back to idle
-            raise chained(fault.error, None)  # noqa: B904
-        except CallTimeout as exc:
-            outcome = "timed_out"
-            completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
-            raise
-        except CallCancelled as exc:
-            outcome = "cancelled"
-            if exc.env is None:  # stopped by the worker itself: it lives on
-                exc.env = entry.spec.key
-                exc.generation = ticket.generation
-                exc.pid = self._pid_of(slot, ticket.generation)
-            raise
-        except KeyboardInterrupt:
-            outcome = "cancelled"
-            raise
-        except WorkerCrashed:
-            outcome = "crashed"
-            raise
-        finally:
-            _lease.settle(self, entry, ticket, outcome, replied_at)
+        """The rest of a call once it holds ``slot`` (``_exchange.run``)."""
+        return _exchange.run(
+            self, entry, slot, ticket, target, body, buffers, by_value, deadline, resume
+        )
 
-    @staticmethod
-    def _pid_of(slot: Slot | None, generation: int) -> int | None:
-        process = slot.process if slot is not None else None
-        return process.pid if process is not None and process.generation == generation else None
-
-    def _exchange(
-        self,
-        entry: EnvEntry,
-        slot: Slot,
-        ticket: Ticket,
-        target: str | Callable[..., Any],
-        body: bytes,
-        buffers: list[memoryview],
-        by_value: bool,
-        deadline: float | None,
-        resume: Resume | None = None,
-    ) -> tuple[int, Payload | memoryview, list[Any] | None, float]:
-        """Send the call to the leased slot's worker (spawning one if needed) and read the reply.
-
-        Returns the reply's type, body and out-of-band buffers (private copies; the worker has
-        been told it may reuse its blocks) and the time of the reply (``Replied``, which
-        ``settle`` applies). ``resume``: how far the plain call's own exchange went on the
-        worker it started (``call_plain``); the rest goes as if this loop had done it."""
-        started = ticket.started
-        ticket.started = None
-        assert resume is None or started is not None
-        while True:
-            if started is not None:
-                # Started in ``_acquire``'s lock section (the common call): checked there.
-                process, started = started, None
-                call_id = ticket.call_id
-                generation = process.generation
-            else:
-                process, call_id = self._start(entry, slot, ticket, by_value, deadline)
-                if call_id == 0:
-                    continue
-                generation = process.generation
-            if ticket.on_event is not None:
-                ticket.sink = event_handler(ticket.on_event, call_id, generation)
-            # The plain call's own exchange went as far as ``resume`` says (first round only).
-            resumed, resume = resume, None
-            if resumed is None or resumed[0] == _SEND_FAILED:
-                sent, block = self._send(
-                    entry,
-                    slot,
-                    process,
-                    call_id,
-                    target,
-                    body,
-                    buffers,
-                    deadline,
-                    None if resumed is None else resumed[1],
-                )
-                resumed = None
-                if not sent:
-                    continue  # EPIPE before a byte went out: it died idle; nothing was sent
-            else:
-                block = None
-            try:
-                ftype, flags, reply = self._receive(
-                    entry, slot, process, ticket, call_id, target, deadline, resumed
-                )
-            except NotDelivered:
-                continue  # it died with our request unread: the call never ran
-            replied_at = self.clock()
-            if not flags and block is None:
-                return ftype, reply, None, replied_at  # the small-call path: nothing out of band
-            try:
-                reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
-            except FrameError as exc:
-                raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
-            except HostResourceError as exc:  # the host's fault: the worker stays, idle
-                process.finish_request(block, [block.name] if block is not None else [])
-                raise chained(HostFault(replied_at, exc), None)  # noqa: B904
-            process.finish_request(block, retained)
-            return ftype, reply_body, reply_buffers, replied_at
-
-    def _start(
-        self,
-        entry: EnvEntry,
-        slot: Slot,
-        ticket: Ticket,
-        by_value: bool,
-        deadline: float | None,
-    ) -> tuple[WorkerGeneration, int]:
-        """The general start of a call on the leased slot: a live worker (spawned if needed),
-        checked (binding, idle channel, ping, refs, Python version, deadline), then
-        ``CallStarted``. Returns the process and the call id, or call id 0 if the worker was
-        replaced meanwhile (the caller loops and the call goes to a fresh worker)."""
-        if ticket.wanted is not None:
-            check_bound(entry, slot, ticket.bound_generation)
-        process = self._live_process(entry, slot)
-        channel = process.idle_channel_state()
-        if channel != "quiet":
-            # Died idle (EOF) or wrote bytes nobody asked for: retire it before it gets
-            # the call, which then runs on a fresh worker.
-            stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
-            entry.apply(slot, stray(process.generation))
-            return process, 0
-        ping_after = self.settings.ping_after_idle
-        if ping_after is not None and lc.needs_ping(slot.state, self.clock(), ping_after):
-            if not _policies.ping(entry, slot, process, self.settings.ping_timeout):
-                return process, 0  # replaced through the gate; a fresh worker runs it
-        if entry.dropped_refs:
-            _policies.release_dropped_refs(entry, slot, process)
-        if by_value:
-            # It reads only ``python_version`` (a WorkerGeneration member); _process types it
-            # by its own class.
-            why = python_mismatch(process)  # type: ignore[arg-type]
-            if why is not None:
-                raise SerializationError(why)
-        if deadline is not None and time.monotonic() >= deadline:
-            raise CallTimeout(
-                f"the call's deadline passed before it reached a worker of env "
-                f"{entry.spec.key} (start-up took {process.startup_seconds:.2f}s)",
-                env=entry.spec.key,
-                pid=process.pid,
-                generation=process.generation,
-            )
-        call_id = next(self.call_ids)
-        generation = process.generation
-        with entry.lock:
-            if ticket.cancelled:
-                raise CallCancelled("the call was cancelled", env=entry.spec.key)
-            started = entry.start_call_locked(slot, generation, call_id, self.clock())
-            ticket.generation = generation
-            ticket.call_id = call_id
-            ticket.ran_on = slot
-        if not started:
-            return process, 0  # died idle after we looked: a fresh worker takes it
-        return process, call_id
-
-    def _live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
+    def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
         state = slot.state
         if isinstance(state, lc.Idle) and slot.process is not None:
             return slot.process
         return self._spawner.spawn(entry, slot)
+
+    def report_death(
+        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
+    ) -> None:
+        self._spawner.report_death(entry, process, returncode, tail)
+
+    def crash_error(
+        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
+    ) -> Exception:
+        """The error of a call whose worker's channel broke (``_exchange.crashed``)."""
+        return _exchange.crashed(self, entry, slot, process, call_id, label)
 
     def reap_idle(self, now: object = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
@@ -1004,167 +835,6 @@ class Pool:
         open and has one (``StatusThrottle``)."""
         reactor = self._spawner.reactor
         return None if reactor is None or self._closed else reactor.call_later
-
-    def _send(
-        self,
-        entry: EnvEntry,
-        slot: Slot,
-        process: WorkerGeneration,
-        call_id: int,
-        target: str | Callable[..., Any],
-        body: bytes,
-        buffers: list[memoryview],
-        deadline: float | None,
-        failed: BaseException | None = None,
-    ) -> tuple[bool, Block | None]:
-        """Send the CALL frame. Returns (False, None) if the worker was already gone before any
-        byte went out (safe to run the call elsewhere), else (True, the request's shared-memory
-        block). Raises the call's error once part of it was sent.
-
-        ``failed``: what the plain call's own send raised (``call_plain``), answered here as
-        if this send had raised it."""
-        try:
-            if failed is not None:
-                raise failed
-            # Not opened to Ctrl-C even when held: the worker is idle and reads the request
-            # (a full socket waits on it, bounded by the deadline), and the send does the
-            # request's shared-memory bookkeeping, which an interrupt must not cut in two.
-            block = process.send_request(call_id, body, buffers, deadline)
-        except (BrokenPipeError, ConnectionResetError):
-            entry.apply(slot, lc.ChannelClosed(process.generation))
-            return False, None
-        except TimeoutError:
-            label = target_label(target)
-            raise chained(  # noqa: B904 - see chained
-                self._timeout_error(entry, slot, process, call_id, label), None
-            )
-        except SerializationError:
-            raise
-        except OSError:
-            raise chained(  # noqa: B904 - see chained
-                self.crash_error(entry, slot, process, call_id, target_label(target)), None
-            )
-        return True, block
-
-    def _receive(
-        self,
-        entry: EnvEntry,
-        slot: Slot,
-        process: WorkerGeneration,
-        ticket: Ticket,
-        call_id: int,
-        target: str | Callable[..., Any],
-        deadline: float | None,
-        resumed: Resume | None = None,
-    ) -> tuple[int, int, Payload]:
-        """Read the call's reply (its LOG and EVENT frames handled on the way). ``resumed``:
-        the frame the plain call already read, or what its read raised (``call_plain``),
-        taken here as this read's."""
-        reader = process.reader
-        assert reader is not None
-        try:
-            if resumed is None:
-                held = ticket.held
-                if held is None:
-                    ftype, flags, reply_id, reply = reader.read(deadline)
-                else:
-                    with held.allowing():
-                        ftype, flags, reply_id, reply = reader.read(deadline)
-            elif resumed[0] == _READ:
-                ftype, flags, reply_id, reply = resumed[1]
-            else:
-                raise resumed[1]
-            if ftype == FrameType.LOG or ftype == FrameType.EVENT:
-                # What the call logged or reported: handle it, then read on to the reply.
-                with allowing(ticket.held):
-                    ftype, flags, reply_id, reply = process.read_frame(
-                        deadline, (ftype, reply_id, reply), ticket.sink
-                    )
-        except TimeoutError:
-            label = target_label(target)
-            raise chained(  # noqa: B904 - see chained
-                self._timeout_error(entry, slot, process, call_id, label), None
-            )
-        except (ChannelClosed, ConnectionError, OSError) as exc:
-            # The worker died before it read the whole request: the call never ran and may
-            # run on a fresh worker. Its exit resets the requests socket (a reply end only
-            # reads EOF), so ``request_unread`` asks there; a reset read here directly is a
-            # backend whose one socket carries both ways. Any reply bytes mean it did run.
-            if isinstance(exc, ConnectionResetError) or process.request_unread():
-                entry.apply(slot, lc.ChannelClosed(process.generation))
-                reason = retire_reason(slot, process.generation)
-                if reader.buffered == 0 and reason is lc.RetireReason.CRASHED:
-                    raise chained(NotDelivered(), None)  # noqa: B904
-            raise chained(  # noqa: B904 - see chained
-                self.crash_error(entry, slot, process, call_id, target_label(target)), None
-            )
-        except FrameError as exc:
-            raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
-        except BaseException as exc:
-            # KeyboardInterrupt (or another async exception) while waiting: the call's result
-            # can no longer be delivered. Ctrl-C asks the worker first (it may keep its
-            # caches); anything else, or a second Ctrl-C, stops the worker at once.
-            if not isinstance(exc, KeyboardInterrupt) or entry.settings.cancel_grace <= 0:
-                entry.apply(slot, lc.CallCancelled(process.generation, call_id))
-                raise
-            frame = self._drain_cancelled(entry, slot, process, ticket, call_id)
-            if frame is None:
-                raise
-            ticket.interrupted = True
-            ftype, flags, reply_id, reply = frame
-        if (ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR) or reply_id != call_id:
-            raise not_the_reply(entry, slot, process, ftype, reply_id, call_id, reply)
-        return ftype, flags, reply
-
-    def _drain_cancelled(
-        self,
-        entry: EnvEntry,
-        slot: Slot,
-        process: WorkerGeneration,
-        ticket: Ticket,
-        call_id: int,
-    ) -> tuple[int, int, int, Payload] | None:
-        """After Ctrl-C: ask the worker to stop ``call_id`` and read on until its reply (the
-        grace timer kills it if it does not stop). The reply frame, or None if the worker was
-        stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
-        _lease.cancel(self, entry, ticket)
-        try:
-            with allowing(ticket.held):  # a second Ctrl-C stops the worker at once
-                frame = process.read_frame(None, None, ticket.sink)
-        except BaseException:  # noqa: BLE001 - EOF after the kill, a garbled read, a second Ctrl-C
-            entry.apply(slot, lc.CallCancelled(process.generation, call_id))
-            return None
-        if frame[2] != call_id or frame[0] not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
-            entry.apply(slot, lc.ProtocolViolated(process.generation))
-            return None
-        return frame
-
-    # ---- errors (texts in _failures) ----
-
-    def crash_error(
-        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
-    ) -> Exception:
-        """The error of a call whose worker's channel broke (``_failures.crash_error``)."""
-        return crash_error(*self._failure(entry, slot, process, call_id, label))
-
-    def _timeout_error(
-        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
-    ) -> Exception:
-        return timeout_error(*self._failure(entry, slot, process, call_id, label))
-
-    def _failure(
-        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
-    ) -> tuple[
-        EnvEntry, Slot, WorkerGeneration, int, str, bool, float, Callable[[int | None, str], None]
-    ]:
-        """What both error builders of ``_failures`` take: the call, the pool's state, and how
-        to report the worker's death."""
-
-        def report_death(returncode: int | None, tail: str) -> None:
-            self._spawner.report_death(entry, process, returncode, tail)
-
-        closed, grace = self._closed, entry.settings.cancel_grace
-        return entry, slot, process, call_id, label, closed, grace, report_death
 
     # ---- shutdown ----
 
@@ -1215,11 +885,6 @@ class Pool:
             self.events.close()
 
 
-# How far the plain call's own exchange went when it handed the call to the general path
-# (``_exchange``'s ``resume``): its send raised (the exception), its read raised (the
-# exception), or it read a frame that is not a plain reply (the frame).
-_SEND_FAILED, _READ_FAILED, _READ = 1, 2, 3
-Resume = tuple[int, Any]
 # What ``start_plain`` hands on: the call's ticket, its worker, the pickled call, its deadline.
 PlainStart = tuple[Ticket, WorkerGeneration, bytes, float | None]
 _REPLY_OK = int(FrameType.REPLY_OK)  # (a plain int: no enum lookup on every call's path)

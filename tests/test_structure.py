@@ -275,7 +275,7 @@ def test_a_slots_process_and_an_envs_generation_are_written_only_by_the_spawner(
     ]
 
 
-@pytest.mark.parametrize("part", ["_lease"])
+@pytest.mark.parametrize("part", ["_lease", "_exchange"])
 def test_leasing_never_imports_the_pool_the_spawner_or_the_mechanism(part: str) -> None:
     imports = _graph()[f"{NAME}.{part}"]
     assert not imports & {f"{NAME}._pool", f"{NAME}._spawner", f"{NAME}._process"}, imports
