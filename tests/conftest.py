@@ -208,7 +208,7 @@ def ctrl_c() -> Iterator[None]:
 
 @pytest.fixture
 def config() -> comfy_env.PoolConfig:
-    """A config whose workers can import the test helpers in tests/remote_tasks.py."""
+    """A config whose workers can import the test helpers in tests/tasks/remote.py."""
     return comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0)
 
 

@@ -55,7 +55,7 @@ out = {}
 with comfy_env.Pool(config) as pool:
     worker = pool.get_worker()
     payload = bytes(range(256)) * (nbytes // 256)
-    out["equal"] = [worker.call("fault_tasks:identity", payload) == payload for _ in range(3)]
+    out["equal"] = [worker.call("tasks.fault:identity", payload) == payload for _ in range(3)]
     stats = worker.stats()
     out["shared_memory"] = stats.shared_memory
     out["spawns"] = stats.spawns
@@ -276,7 +276,7 @@ def test_a_pool_under_a_hostile_root_runs_its_calls_from_a_private_root(
     (shared_tmp / f"comfy-env-{os.getuid()}").symlink_to(target)
     try:
         with comfy_env.Pool(config) as pool:
-            assert pool.get_worker().call("remote_tasks:add", 1, 2) == 3
+            assert pool.get_worker().call("tasks.remote:add", 1, 2) == 3
         assert os.listdir(target) == []
     finally:
         shutil.rmtree(runtime_root())
@@ -475,7 +475,7 @@ def test_another_user_cannot_swap_the_root_away_before_a_respawn(
         monkeypatch.setattr(_rundir, "_warned", set(), raising=False)
         with comfy_env.Pool(config) as pool:
             worker = pool.get_worker()
-            assert worker.call("remote_tasks:add", 1, 2) == 3
+            assert worker.call("tasks.remote:add", 1, 2) == 3
             root = _rundir.runtime_root()
             runtime_dir = next(
                 os.path.join(root, d)
@@ -493,8 +493,8 @@ def test_another_user_cannot_swap_the_root_away_before_a_respawn(
             )
             assert attack.returncode == 0, attack.stderr
             with pytest.raises(comfy_env.WorkerCrashed):
-                worker.call("remote_tasks:kill_self", 9)
-            assert worker.call("remote_tasks:add", 2, 3) == 5  # a fresh generation, our code
+                worker.call("tasks.remote:kill_self", 9)
+            assert worker.call("tasks.remote:add", 2, 3) == 5  # a fresh generation, our code
             assert worker.stats().generation == 2
         assert not marker.exists()
         assert attack.stdout.split()[0] == "refused"
@@ -509,7 +509,7 @@ EXIT_WITHOUT_CLOSE = """
 import sys, comfy_env
 config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
 pool = comfy_env.Pool(config)  # never closed: the exit hook closes it
-print(pool.get_worker().call("remote_tasks:add", 1, 2), flush=True)
+print(pool.get_worker().call("tasks.remote:add", 1, 2), flush=True)
 import comfy_env._rundir as r
 print(r.runtime_root(), flush=True)
 """
@@ -562,7 +562,7 @@ def test_a_status_dir_that_is_not_ours_never_makes_close_or_the_sweep_raise(
     with caplog.at_level(logging.WARNING, logger="comfy_env"):
         pool = comfy_env.Pool(config)
         try:
-            assert pool.get_worker().call("remote_tasks:add", 1, 2) == 3
+            assert pool.get_worker().call("tasks.remote:add", 1, 2) == 3
             report = comfy_env.sweep()  # as the pool's start-up sweep does, on its reactor
         finally:
             pool.close()
@@ -702,11 +702,11 @@ config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
 with comfy_env.Pool(config) as pool:
     w = pool.get_worker()
     big = bytes(4 << 20)
-    assert w.call("fault_tasks:identity", big) == big  # blocks on both sides now exist
+    assert w.call("tasks.fault:identity", big) == big  # blocks on both sides now exist
     from comfy_env._process import host_id
     print(host_id(), w.pid, flush=True)
     sys.stdin.readline()  # the test sweeps now
-    assert w.call("fault_tasks:identity", big) == big
+    assert w.call("tasks.fault:identity", big) == big
     s = w.stats()
     print("AFTER", s.generation, s.crashed, s.spawns, flush=True)
 """
@@ -1103,10 +1103,10 @@ def test_per_call_timeouts_the_clock_cannot_take_are_argument_errors(
 ) -> None:
     worker = pool.get_worker()
     with pytest.raises(comfy_env.ArgumentError, match="timeout"):
-        worker.run("remote_tasks:add", (1, 2), timeout=value)  # type: ignore[arg-type]
+        worker.run("tasks.remote:add", (1, 2), timeout=value)  # type: ignore[arg-type]
     stats = worker.stats()
     assert stats.spawns == 0 and stats.crashed == 0  # refused before anything ran
-    assert worker.run("remote_tasks:add", (1, 2), timeout=30) == 3
+    assert worker.run("tasks.remote:add", (1, 2), timeout=30) == 3
 
 
 @pytest.mark.parametrize(
@@ -1197,7 +1197,7 @@ config = comfy_env.PoolConfig(sys_path=(sys.argv[1],))
 with comfy_env.Pool(config) as pool:
     w = pool.get_worker()
     small = bytes(2 << 20)
-    assert w.call("fault_tasks:identity", small) == small
+    assert w.call("tasks.fault:identity", small) == small
     # The pool's watcher is launched 50 ms after the first worker is ready, on the reactor:
     # its Popen opens descriptors and closes them again, so a launch beside ``exhaust`` freed
     # a slot or two, and the call below got its block (seen under load). Wait for it.
@@ -1208,13 +1208,13 @@ with comfy_env.Pool(config) as pool:
     bigger = bytes(8 << 20)
     limits = exhaust()
     try:
-        w.call("fault_tasks:identity", bigger)
+        w.call("tasks.fault:identity", bigger)
         out["reply"] = "no error"
     except Exception as exc:
         out["reply"] = type(exc).__name__
     finally:
         restore(limits)
-    assert w.call("fault_tasks:identity", bigger) == bigger
+    assert w.call("tasks.fault:identity", bigger) == bigger
     s = w.stats()
     out["after_reply"] = [s.generation, s.crashed, s.failed, s.spawns]
     # 2. Out of descriptors at spawn.
@@ -1231,13 +1231,13 @@ with comfy_env.Pool(config) as pool:
     time.sleep(0.2)
     limits = exhaust()
     try:
-        w.call("remote_tasks:add", 1, 2)
+        w.call("tasks.remote:add", 1, 2)
         out["spawn"] = "no error"
     except Exception as exc:
         out["spawn"] = type(exc).__name__
     finally:
         restore(limits)
-    out["after_spawn"] = w.call("remote_tasks:add", 1, 2)
+    out["after_spawn"] = w.call("tasks.remote:add", 1, 2)
     out["fds_before_after"] = [fds, len(os.listdir("/proc/self/fd"))]
 print("RESULT " + json.dumps(out))
 """
@@ -1271,7 +1271,7 @@ def small_frames(config: comfy_env.PoolConfig) -> Iterator[comfy_env.Pool]:
 
 
 def _unharmed(worker: comfy_env.Worker) -> None:
-    assert worker.call("hardening_tasks:add", 1, 2) == 3
+    assert worker.call("tasks.hostile:add", 1, 2) == 3
     stats = worker.stats()
     assert (stats.generation, stats.spawns, stats.crashed) == (1, 1, 0)
 
@@ -1282,7 +1282,7 @@ def test_an_exception_too_large_for_a_frame_arrives_clipped_and_the_worker_lives
     worker = small_frames.get_worker()
     for _ in range(3):  # repeated: nothing counts toward the breaker
         with pytest.raises((comfy_env.RemoteError, ValueError)) as info:
-            worker.call("hardening_tasks:raise_big", 2 << 20)
+            worker.call("tasks.hostile:raise_big", 2 << 20)
         text = str(info.value)
         assert "characters cut" in text and len(text) < (1 << 20)
     _unharmed(worker)
@@ -1293,7 +1293,7 @@ def test_a_log_record_too_large_for_a_frame_arrives_clipped(
 ) -> None:
     worker = small_frames.get_worker()
     with caplog.at_level(logging.INFO, logger="comfy_env.worker"):
-        assert worker.call("hardening_tasks:log_big", 2 << 20) == "logged"
+        assert worker.call("tasks.hostile:log_big", 2 << 20) == "logged"
     clipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LLLL")]
     assert clipped and "characters cut" in clipped[0] and len(clipped[0]) < (1 << 20)
     _unharmed(worker)
@@ -1310,8 +1310,8 @@ def test_python_output_without_newlines_is_cut_into_bounded_lines(
     worker = pool.get_worker()
     with caplog.at_level(logging.INFO, logger="comfy_env.worker"):
         # 4 MiB one character at a time, then 4 MiB in one write: both linear.
-        assert worker.call("hardening_tasks:print_big_no_newline", 1 << 20, 1) == "printed"
-        assert worker.call("hardening_tasks:print_big_no_newline", 4 << 20, 4 << 20) == "printed"
+        assert worker.call("tasks.hostile:print_big_no_newline", 1 << 20, 1) == "printed"
+        assert worker.call("tasks.hostile:print_big_no_newline", 4 << 20, 4 << 20) == "printed"
     lines = [r.getMessage() for r in caplog.records if getattr(r, "stream", "") == "stdout"]
     assert lines and max(len(line) for line in lines) <= README_LINE_CAP
     assert sum(len(line) for line in lines) + worker.stats().log_lines_dropped * (
@@ -1326,7 +1326,7 @@ def test_native_output_without_newlines_is_cut_in_linear_time_within_the_flood_b
     worker = pool.get_worker()
     with caplog.at_level(logging.INFO, logger="comfy_env.worker"):
         # 32 MiB without a newline: before, quadratic (minutes) and the reply starved.
-        assert worker.run("hardening_tasks:native_no_newline", (32 << 20,), timeout=120) == (
+        assert worker.run("tasks.hostile:native_no_newline", (32 << 20,), timeout=120) == (
             "written"
         )
         assert wait_until(lambda: worker.stats().log_lines_dropped > 0, 30)
@@ -1381,7 +1381,7 @@ def test_a_fake_interpreter_announcing_a_huge_hello_is_refused_at_once(tmp_path:
     cfg = comfy_env.PoolConfig(env_vars={"PYTHONPATH": str(worker_dir)}, kill_grace=0.2)
     with comfy_env.Pool(cfg) as pool:
         with pytest.raises(comfy_env.WorkerStartError, match="exceeds the limit"):
-            pool.get_worker(str(env)).call("hardening_tasks:add", 1, 2)
+            pool.get_worker(str(env)).call("tasks.hostile:add", 1, 2)
 
 
 # ---- 7. exceptions that fight back ------------------------------------------------------------
@@ -1391,11 +1391,11 @@ def test_a_fake_interpreter_announcing_a_huge_hello_is_refused_at_once(tmp_path:
 def test_an_exception_whose_str_repr_or_reduce_raises_still_gets_a_reply(
     pool: comfy_env.Pool, kind: str
 ) -> None:
-    import hardening_tasks
+    from tasks import hostile as hardening_tasks
 
     worker = pool.get_worker()
     with pytest.raises((comfy_env.RemoteError, hardening_tasks.StrRaises)) as info:
-        worker.call("hardening_tasks:raise_fighting", kind)
+        worker.call("tasks.hostile:raise_fighting", kind)
     expected = {"str": "StrRaises", "reduce": "ReduceRaises", "base": "BaseEverythingRaises"}
     error = info.value
     if isinstance(error, comfy_env.RemoteError):
@@ -1414,7 +1414,7 @@ def test_systemexit_while_the_host_unpickles_an_exception_is_a_typed_error(
 ) -> None:
     worker = pool.get_worker()
     with pytest.raises(comfy_env.RemoteError, match="HostRebuildRaises"):
-        worker.call("hardening_tasks:raise_host_rebuild", kind)
+        worker.call("tasks.hostile:raise_host_rebuild", kind)
     _unharmed(worker)
 
 
@@ -1508,11 +1508,11 @@ def _kill_quietly(pid: int) -> None:
 
 def test_a_setsid_descendant_is_stopped_when_its_generation_dies(pool: comfy_env.Pool) -> None:
     worker = pool.get_worker()
-    descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", False)
+    descendant = worker.call("tasks.hostile:spawn_setsid_sleeper", False)
     try:
         assert alive(descendant)
         with pytest.raises(comfy_env.WorkerCrashed):
-            worker.call("hardening_tasks:die", 3)
+            worker.call("tasks.hostile:die", 3)
         assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived its worker"
     finally:
         _kill_quietly(descendant)
@@ -1529,11 +1529,11 @@ def test_a_descendant_scan_still_due_at_close_runs_at_close(
     monkeypatch.setattr(_exitwatch, "_MARKED_SCAN_DELAY", 3600.0)
     with comfy_env.Pool(config) as pool:
         worker = pool.get_worker()
-        descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", False)
+        descendant = worker.call("tasks.hostile:spawn_setsid_sleeper", False)
         try:
             with pytest.raises(comfy_env.WorkerCrashed):
-                worker.call("hardening_tasks:die", 3)
-            assert worker.call("hardening_tasks:add", 1, 2) == 3  # generation 2
+                worker.call("tasks.hostile:die", 3)
+            assert worker.call("tasks.hostile:add", 1, 2) == 3  # generation 2
             assert alive(descendant)  # its scan is due in an hour
         except BaseException:
             _kill_quietly(descendant)
@@ -1546,7 +1546,7 @@ def test_a_descendant_scan_still_due_at_close_runs_at_close(
 
 def test_a_setsid_descendant_is_stopped_at_close(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config) as pool:
-        descendant = pool.get_worker().call("hardening_tasks:spawn_setsid_sleeper", False)
+        descendant = pool.get_worker().call("tasks.hostile:spawn_setsid_sleeper", False)
     try:
         assert wait_until(lambda: _gone(descendant), 10), "a setsid descendant outlived close()"
     finally:
@@ -1557,7 +1557,7 @@ _DEAD_HOST_SCRIPT = """
 import sys, time, comfy_env
 pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
 w = pool.get_worker()
-descendant = w.call("hardening_tasks:spawn_setsid_sleeper", False)
+descendant = w.call("tasks.hostile:spawn_setsid_sleeper", False)
 while pool._spawner.watcher is None:  # started on the reactor once the first worker is ready
     time.sleep(0.01)
 print(descendant, w.pid, pool._spawner.watcher.pid, flush=True)
@@ -1654,7 +1654,7 @@ from comfy_env._rundir import runtime_root
 pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(sys.argv[1],)))
 w = pool.get_worker()
 big = bytes(4 << 20)
-assert w.call("fault_tasks:identity", big) == big  # blocks on both sides now exist
+assert w.call("tasks.fault:identity", big) == big  # blocks on both sides now exist
 status = os.path.join(runtime_root(), "status", host_id() + ".json")
 while pool._spawner.watcher is None or not os.path.exists(status):
     time.sleep(0.01)
@@ -1845,7 +1845,7 @@ def test_a_dead_generation_holds_no_host_descriptors_while_a_descendant_keeps_it
 ) -> None:
     worker = pool.get_worker()
     # It cleared its environment: no mark finds it, and it keeps stdout/stderr open.
-    descendant = worker.call("hardening_tasks:spawn_setsid_sleeper", True)
+    descendant = worker.call("tasks.hostile:spawn_setsid_sleeper", True)
     try:
         process = pool._entries[worker.env].slots[0].process
         assert process is not None and process.popen is not None
@@ -1856,10 +1856,10 @@ def test_a_dead_generation_holds_no_host_descriptors_while_a_descendant_keeps_it
         held = _links(pipes)
         assert held and all(link.startswith("pipe:") for link in held)
         with pytest.raises(comfy_env.WorkerCrashed):
-            worker.call("hardening_tasks:die", 3)
+            worker.call("tasks.hostile:die", 3)
         assert alive(descendant)
         assert wait_until(lambda: not (held & _open_links()), 10), "the dead generation's pipes"
-        assert worker.call("hardening_tasks:add", 1, 2) == 3
+        assert worker.call("tasks.hostile:add", 1, 2) == 3
     finally:
         _kill_quietly(descendant)
 
@@ -1910,7 +1910,7 @@ def test_close_while_many_envs_start_is_one_bounded_wait(
 
     def call(env: str) -> None:
         try:
-            pool.get_worker(env).call("hardening_tasks:add", 1, 2)
+            pool.get_worker(env).call("tasks.hostile:add", 1, 2)
         except BaseException as exc:  # noqa: BLE001 - collected for the assertion
             errors.append(exc)
 
@@ -1952,14 +1952,14 @@ except OSError:
 for _ in range(int(sys.argv[2])):
     os.close(held.pop())
 try:
-    pool.get_worker().call("hardening_tasks:add", 1, 2)
+    pool.get_worker().call("tasks.hostile:add", 1, 2)
     print("RESULT ok")
 except Exception as exc:
     print("RESULT", type(exc).__name__, exc)
 for fd in held:
     os.close(fd)
 try:
-    print("AFTER", pool.get_worker().call("hardening_tasks:add", 1, 2))
+    print("AFTER", pool.get_worker().call("tasks.hostile:add", 1, 2))
 except Exception as exc:
     print("AFTER", type(exc).__name__, exc)
 pool.close()
@@ -2011,14 +2011,14 @@ def test_a_host_out_of_descriptors_before_its_first_worker_gets_a_typed_error() 
     except OSError:
         pass
     try:
-        pool.get_worker().call("hardening_tasks:add", 1, 2)
+        pool.get_worker().call("tasks.hostile:add", 1, 2)
         print("RESULT no error")
     except Exception as exc:
         print("RESULT", type(exc).__name__)
     for fd in held:
         os.close(fd)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    print("AFTER", pool.get_worker().call("hardening_tasks:add", 1, 2))
+    print("AFTER", pool.get_worker().call("tasks.hostile:add", 1, 2))
     pool.close()
     """
     proc = subprocess.run(

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-import remote_tasks
 from conftest import reactor_held
 from conftest import wait_until as _wait
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import (
@@ -65,7 +65,7 @@ def test_an_idle_worker_is_reaped_after_its_release_hooks_and_respawned_on_deman
         assert w.stats().workers[0].retire_reason == "idle"
         assert _wait(lambda: _gone(pid))
         assert marker.read_text() == "released\n"  # it asked the worker to leave, politely
-        assert w.call("remote_tasks:add", 1) == 1  # spawned exactly as a first call
+        assert w.call("tasks.remote:add", 1) == 1  # spawned exactly as a first call
         assert w.generation == 2 and w.stats().spawns == 2
 
 
@@ -147,7 +147,7 @@ def test_retire_idle_retires_an_env_s_idle_worker_now_but_never_one_holding_refs
         assert w.stats().workers[0].retire_reason == "idle" and w.stats().reaped == 1
         assert _wait(lambda: _gone(pid))
         assert other.stats().state == "idle"  # another env's worker is left alone
-        assert w.call("remote_tasks:add", 1) == 1 and w.generation == 2
+        assert w.call("tasks.remote:add", 1) == 1 and w.generation == 2
 
 
 def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
@@ -240,7 +240,7 @@ def test_a_long_idle_worker_is_pinged_before_a_call(config: comfy_env.PoolConfig
         w.call("comfy_env_worker.tasks:echo", 0)
         assert w.stats().pings == 0
         clock.now += 61
-        assert w.call("remote_tasks:add", 2) == 2
+        assert w.call("tasks.remote:add", 2) == 2
         stats = w.stats()
         assert (stats.pings, stats.ping_failures, w.generation) == (1, 0, 1)
 
@@ -257,7 +257,7 @@ def test_a_worker_failing_its_ping_is_replaced_and_the_call_runs_on_the_new_one(
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)  # alive but unresponsive
         clock.now += 61
-        assert w.call("remote_tasks:add", 3) == 3
+        assert w.call("tasks.remote:add", 3) == 3
         stats = w.stats()
         assert (stats.pings, stats.ping_failures, w.generation) == (1, 1, 2)
         assert _wait(lambda: _gone(pid))
@@ -278,15 +278,15 @@ def test_a_crash_loop_abandons_the_env_until_reset(
                 w.call("comfy_env_worker.tasks:crash")
         assert _wait(lambda: w.stats().abandoned)
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         message = str(info.value)
         assert "3 worker deaths" in message and "SIGSEGV" in message
         assert "(max_restarts/restart_window: PoolConfig)" in message
         assert "generation 3" in message and "pool.reset" in message
         assert w.stats().spawns == 3  # failing fast: no spawn
-        assert other.call("remote_tasks:add", 5) == 5  # another env is not blocked
+        assert other.call("tasks.remote:add", 5) == 5  # another env is not blocked
         pool.reset(w.env)
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert w.generation == 4 and not w.stats().abandoned
 
 
@@ -304,7 +304,7 @@ def test_an_untimed_abandonment_outlasts_any_time_and_says_how_to_recover(
                 w.call("comfy_env_worker.tasks:crash")
         offset[0] += 10_000.0  # far past the window: the default block is until reset
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         assert "pool.reset(env)" in str(info.value)
         assert "COMFY_ENV_ABANDON_FOR" in str(info.value)  # what an operator can set
         assert w.stats().abandoned and w.stats().spawns == 2
@@ -325,19 +325,19 @@ def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_
             with pytest.raises(WorkerCrashed):
                 w.call("comfy_env_worker.tasks:crash")
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         assert "abandon_for=30s" in str(info.value) and "fresh worker" in str(info.value)
         offset[0] += 29.0
         with pytest.raises(EnvAbandonedError):  # still in force
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         offset[0] += 2.0
         assert not w.stats().abandoned
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert w.generation == 3 and w.stats().restarts_in_window == 0
         # The deaths that tripped it are forgotten: one more crash does not trip it again.
         with pytest.raises(WorkerCrashed):
             w.call("comfy_env_worker.tasks:crash")
-        assert w.call("remote_tasks:add", 2) == 2
+        assert w.call("tasks.remote:add", 2) == 2
 
 
 def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
@@ -367,7 +367,7 @@ def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
         pool.set_breaker(None, restart_window=5.0)  # the env's own window counts from now on
         offset[0] += 6.0
         assert w.stats().restarts_in_window == 0
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
 
 
 def test_set_breaker_gives_one_env_its_own_settings(
@@ -381,7 +381,7 @@ def test_set_breaker_gives_one_env_its_own_settings(
             with pytest.raises(WorkerCrashed):
                 w.call("comfy_env_worker.tasks:crash")
         with pytest.raises(EnvAbandonedError, match="abandon_for=600s") as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         # Its own limits are named, not the pool's (which were not the ones that tripped).
         assert (
             "after 2 worker deaths within the restart window (max_restarts/restart_window: the "
@@ -405,15 +405,15 @@ def test_recent_deaths_quote_the_crashing_frame_not_the_last_output_line(
         w = pool.get_worker()
         for _ in range(2):
             with pytest.raises(WorkerCrashed) as crashed:
-                w.call("remote_tasks:crash_in_this_frame")
+                w.call("tasks.remote:crash_in_this_frame")
         last_lines = crashed.value.stderr_tail.splitlines()[-3:]  # what was quoted before
         assert not any("crash_in_this_frame" in line for line in last_lines)
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         deaths = str(info.value).split("Recent deaths:\n", 1)[1].splitlines()
         assert len(deaths) == 2
         for line in deaths:
-            assert "crashed in File " in line and "remote_tasks.py" in line, line
+            assert "crashed in File " in line and "tasks/remote.py" in line, line
             assert line.endswith(" in crash_in_this_frame") and "Extension modules" not in line
 
 
@@ -428,7 +428,7 @@ def test_recent_deaths_quote_the_code_that_called_a_stdlib_wrapper_that_crashed(
             w.call("comfy_env_worker.tasks:crash")
         assert "ctypes/__init__.py" in crashed.value.stderr_tail  # the innermost frame
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         (death,) = str(info.value).split("Recent deaths:\n", 1)[1].splitlines()
         assert re.search(
             r'crashed in File ".*comfy_env_worker/tasks\.py", line \d+ in crash$', death
@@ -603,7 +603,7 @@ def test_callbacks_may_call_back_into_the_pool_and_their_errors_never_break_it(
 
         def reentrant(event: object) -> None:
             if isinstance(event, comfy_env.WorkerReady) and not done.is_set():
-                answers.append(pool.get_worker(event.env).call("remote_tasks:add", 40, 2))
+                answers.append(pool.get_worker(event.env).call("tasks.remote:add", 40, 2))
                 done.set()
 
         def broken(event: object) -> None:
@@ -612,11 +612,11 @@ def test_callbacks_may_call_back_into_the_pool_and_their_errors_never_break_it(
         caplog.set_level(logging.ERROR, logger="comfy_env")
         pool.subscribe(broken)
         pool.subscribe(reentrant)
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert done.wait(10)
         assert answers == [42]
         assert any("subscriber bug" in r.getMessage() or r.exc_info for r in caplog.records)
-        assert w.call("remote_tasks:add", 2) == 2
+        assert w.call("tasks.remote:add", 2) == 2
 
 
 # ---- remote objects ------------------------------------------------------------------------------
@@ -645,7 +645,7 @@ def test_a_remote_ref_of_a_dead_generation_is_stale(pool: comfy_env.Pool, how: s
     else:
         with pytest.raises(comfy_env.CallTimeout):
             w.run("comfy_env_worker.tasks:sleep", (30,), timeout=0.3)
-    w.call("remote_tasks:add", 1)  # generation 2 now serves the env
+    w.call("tasks.remote:add", 1)  # generation 2 now serves the env
     with pytest.raises(StaleGenerationError) as info:
         w.call(remote_tasks.counter_value, ref)
     message = str(info.value)
@@ -697,18 +697,18 @@ def test_every_call_is_counted_once_whichever_path_runs_it(config: comfy_env.Poo
     clock = FakeClock()
     with comfy_env.Pool(config.model_copy(update={"ping_after_idle": 60.0}), clock=clock) as pool:
         w = pool.get_worker()
-        assert w.call("remote_tasks:add", 1, 1) == 2  # no worker yet: spawned by the general path
-        assert w.call("remote_tasks:add", 2, b=3) == 5  # plain, keyword arguments too
-        assert w.call("remote_tasks:add", [1], [2]) == [1, 2]  # not all scalars
+        assert w.call("tasks.remote:add", 1, 1) == 2  # no worker yet: spawned by the general path
+        assert w.call("tasks.remote:add", 2, b=3) == 5  # plain, keyword arguments too
+        assert w.call("tasks.remote:add", [1], [2]) == [1, 2]  # not all scalars
         clock.now += 61
-        assert w.call("remote_tasks:add", 3) == 3  # a ping is due first
+        assert w.call("tasks.remote:add", 3) == 3  # a ping is due first
         assert w.stats().pings == 1
-        ref = w.call_ref("remote_tasks:add", 4)
+        ref = w.call_ref("tasks.remote:add", 4)
         with reactor_held(pool):  # (else the reactor releases it at once: a ref dropped idle)
             del ref  # dropped, not released: the next call releases it first
             gc.collect()
             assert w._entry.dropped_refs
-            assert w.call("remote_tasks:add", 5) == 5
+            assert w.call("tasks.remote:add", 5) == 5
             assert not w._entry.dropped_refs
         with pytest.raises(ValueError, match="not of the form"):
             w.call("no colon here", 1)  # refused before anything is counted
@@ -748,26 +748,26 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
     with caplog.at_level(logging.WARNING, logger="comfy_env.worker"):
         with comfy_env.Pool(config.model_copy(update={"call_timeout": 3.0})) as pool:
             w = pool.get_worker()
-            assert w.call("remote_tasks:add", 1, 1) == 2  # spawned: the general path
-            assert w.call("remote_tasks:add", 2, 2) == 4  # a plain reply: never handed over
+            assert w.call("tasks.remote:add", 1, 1) == 2  # spawned: the general path
+            assert w.call("tasks.remote:add", 2, 2) == 4  # a plain reply: never handed over
             assert resumed == kinds(None)
             resumed.clear()
 
             with pytest.raises(remote_tasks.CustomError):
-                w.call("remote_tasks:raise_custom", 7)  # an error reply
+                w.call("tasks.remote:raise_custom", 7)  # an error reply
             assert resumed == kinds(_pool._READ) and w.generation == 1
 
             resumed.clear()
-            assert w.call("remote_tasks:log_things", 1) == 1  # log frames before the reply
+            assert w.call("tasks.remote:log_things", 1) == 1  # log frames before the reply
             assert resumed == kinds(_pool._READ)
             assert "careful: warning" in caplog.messages
 
             resumed.clear()
             with pytest.raises(WorkerCrashed):
-                w.call("remote_tasks:kill_self", int(signal.SIGKILL))  # its read hit EOF
+                w.call("tasks.remote:kill_self", int(signal.SIGKILL))  # its read hit EOF
             assert resumed == kinds(_pool._READ_FAILED)
 
-            assert w.call("remote_tasks:add", 0, 0) == 0  # generation 2
+            assert w.call("tasks.remote:add", 0, 0) == 0  # generation 2
             resumed.clear()
             with pytest.raises(comfy_env.CallTimeout):
                 w.call("comfy_env_worker.tasks:sleep", 30.0)  # its read hit the deadline
@@ -776,7 +776,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
             # The worker goes between the idle check and the send: our write half is shut
             # right after the check said quiet, so the send fails before a byte went out
             # and the call runs on a fresh worker (it never ran: not a replay).
-            assert w.call("remote_tasks:add", 3, 3) == 6  # generation 3
+            assert w.call("tasks.remote:add", 3, 3) == 6  # generation 3
             # (The process's ``idle_channel_state`` is its channel's bound method.)
             process = w._entry.slots[0].process
             assert isinstance(process, WorkerProcess)
@@ -791,7 +791,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
 
             monkeypatch.setattr(process, "idle_channel_state", quiet_then_gone)
             resumed.clear()
-            assert w.call("remote_tasks:add", 4, 4) == 8
+            assert w.call("tasks.remote:add", 4, 4) == 8
             assert resumed == kinds(_pool._SEND_FAILED)
             assert w.generation == 4
 

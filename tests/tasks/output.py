@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 
-import fault_tasks
+from tasks import fault as fault_tasks
 
 
 def progress(n: int, native: bool, close: bool = True) -> int:
@@ -47,7 +47,7 @@ def bar_after_a_bar(native: bool) -> None:
 
 def partial_line_then_crash(how: str, text: str) -> None:
     """Write ``text`` without a newline (``native``: on fd 1; ``flushed``: ``print(end="",
-    flush=True)``), then segfault. Only inside a worker (see tests/fault_tasks.py)."""
+    flush=True)``), then segfault. Only inside a worker (see tests/tasks/fault.py)."""
     if not fault_tasks.in_worker():
         raise RuntimeError("refusing to crash outside a worker")
     if how == "native":
