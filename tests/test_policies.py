@@ -14,7 +14,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -42,6 +44,31 @@ class FakeClock:
         return self.now
 
 
+@pytest.fixture
+def clock() -> FakeClock:
+    """The fake clock of the test's pools (idleness, the reaper, the breaker); step ``now``."""
+    return FakeClock()
+
+
+@pytest.fixture
+def pool_with(config: comfy_env.PoolConfig) -> Iterator[Callable[..., comfy_env.Pool]]:
+    """``pool_with(**overrides, clock=...)``: a pool on the ``config`` fixture's settings with
+    ``overrides`` (``idle_timeout=10.0``, ...) and, when given, a clock of its own (the
+    ``clock`` fixture). Used as ``with pool_with(...) as pool:``; one the test left open is
+    closed at teardown, before the leak guard looks."""
+    made: list[comfy_env.Pool] = []
+
+    def make(clock: Callable[[], float] | None = None, **overrides: Any) -> comfy_env.Pool:
+        settings = config.model_copy(update=overrides)
+        pool = comfy_env.Pool(settings) if clock is None else comfy_env.Pool(settings, clock=clock)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        pool.close()
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -53,10 +80,10 @@ def _gone(pid: int) -> bool:
 
 
 def test_an_idle_worker_is_reaped_after_its_release_hooks_and_respawned_on_demand(
-    config: comfy_env.PoolConfig, tmp_path: Path
+    pool_with: Callable[..., comfy_env.Pool], tmp_path: Path
 ) -> None:
     marker = tmp_path / "released"
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 0.3})) as pool:
+    with pool_with(idle_timeout=0.3) as pool:
         w = pool.get_worker()
         w.call(remote_tasks.register_release_hook, str(marker))
         pid = w.pid
@@ -70,10 +97,10 @@ def test_an_idle_worker_is_reaped_after_its_release_hooks_and_respawned_on_deman
 
 
 def test_a_reaper_decision_is_dropped_when_a_call_ran_in_between(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 30.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=30.0, clock=clock) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         entry, slot = w._entry, w._entry.slots[0]
@@ -90,12 +117,12 @@ def test_a_reaper_decision_is_dropped_when_a_call_ran_in_between(
 
 @pytest.mark.parametrize("now", [float("nan"), float("inf"), True, "1e9", None])
 def test_reap_idle_refuses_a_now_that_is_no_time_and_reaps_nothing(
-    config: comfy_env.PoolConfig, now: object
+    pool_with: Callable[..., comfy_env.Pool], now: object
 ) -> None:
     """``reap_idle(now)`` takes a time on the pool's clock; NaN compared as "idle long
     enough" and retired every idle worker. Anything but a finite number is an
     ``ArgumentError`` and the idle worker stays (``now=None`` means the pool's clock)."""
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 30.0})) as pool:
+    with pool_with(idle_timeout=30.0) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         pid = w.pid
@@ -109,10 +136,10 @@ def test_reap_idle_refuses_a_now_that_is_no_time_and_reaps_nothing(
 
 
 def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         ref = w.call_ref(remote_tasks.make_counter)
         clock.now += 100
@@ -120,9 +147,7 @@ def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
         ref.release()  # a call: the worker is idle anew from now
         clock.now += 100
         assert pool.reap_idle() == 1
-    with comfy_env.Pool(
-        config.model_copy(update={"idle_timeout": 10.0, "reap_with_refs": True}), clock=clock
-    ) as pool:
+    with pool_with(idle_timeout=10.0, reap_with_refs=True, clock=clock) as pool:
         w = pool.get_worker()
         ref = w.call_ref(remote_tasks.make_counter)
         clock.now += 100
@@ -151,10 +176,10 @@ def test_retire_idle_retires_an_env_s_idle_worker_now_but_never_one_holding_refs
 
 
 def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         kept = w.call_ref(remote_tasks.make_counter)
         dropped = w.call_ref(remote_tasks.make_counter)
@@ -167,10 +192,10 @@ def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
 
 
 def test_a_reap_hook_that_discards_its_refs_lets_the_reaper_retire_the_worker(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         mine = w.call_ref(remote_tasks.make_counter)
         other = w.call_ref(remote_tasks.make_counter)  # an owner without a hook
@@ -212,10 +237,10 @@ def test_a_reap_hook_that_discards_its_refs_lets_the_reaper_retire_the_worker(
 
 
 def test_a_reap_hook_cannot_retire_a_worker_that_ran_a_call_meanwhile(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         ref = w.call_ref(remote_tasks.make_counter)
 
@@ -232,9 +257,10 @@ def test_a_reap_hook_cannot_retire_a_worker_that_ran_a_call_meanwhile(
 # ---- the health ping ---------------------------------------------------------------------------
 
 
-def test_a_long_idle_worker_is_pinged_before_a_call(config: comfy_env.PoolConfig) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"ping_after_idle": 60.0}), clock=clock) as pool:
+def test_a_long_idle_worker_is_pinged_before_a_call(
+    pool_with: Callable[..., comfy_env.Pool], clock: FakeClock
+) -> None:
+    with pool_with(ping_after_idle=60.0, clock=clock) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         w.call("comfy_env_worker.tasks:echo", 0)
@@ -246,11 +272,11 @@ def test_a_long_idle_worker_is_pinged_before_a_call(config: comfy_env.PoolConfig
 
 
 def test_a_worker_failing_its_ping_is_replaced_and_the_call_runs_on_the_new_one(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
     update = {"ping_after_idle": 60.0, "ping_timeout": 0.3}
-    with comfy_env.Pool(config.model_copy(update=update), clock=clock) as pool:
+    with pool_with(clock=clock, **update) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         pid = w.pid
@@ -267,10 +293,10 @@ def test_a_worker_failing_its_ping_is_replaced_and_the_call_runs_on_the_new_one(
 
 
 def test_a_crash_loop_abandons_the_env_until_reset(
-    config: comfy_env.PoolConfig, foreign_venv: Path
+    pool_with: Callable[..., comfy_env.Pool], foreign_venv: Path
 ) -> None:
     update = {"max_restarts": 2, "restart_window": 60.0}
-    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+    with pool_with(**update) as pool:
         w = pool.get_worker()
         other = pool.get_worker(foreign_venv)
         for _ in range(3):
@@ -291,13 +317,11 @@ def test_a_crash_loop_abandons_the_env_until_reset(
 
 
 def test_an_untimed_abandonment_outlasts_any_time_and_says_how_to_recover(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     offset = [0.0]
     update = {"max_restarts": 1, "restart_window": 60.0}
-    with comfy_env.Pool(
-        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
-    ) as pool:
+    with pool_with(clock=lambda: time.monotonic() + offset[0], **update) as pool:
         w = pool.get_worker()
         for _ in range(2):
             with pytest.raises(WorkerCrashed):
@@ -311,13 +335,11 @@ def test_an_untimed_abandonment_outlasts_any_time_and_says_how_to_recover(
 
 
 def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_worker(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     offset = [0.0]
     update = {"max_restarts": 1, "abandon_for": 30.0}
-    with comfy_env.Pool(
-        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
-    ) as pool:
+    with pool_with(clock=lambda: time.monotonic() + offset[0], **update) as pool:
         events: list[object] = []
         pool.subscribe(events.append)
         w = pool.get_worker()
@@ -341,16 +363,14 @@ def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_
 
 
 def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     """``restarts_in_window`` is what the breaker would count now: a death older than
     ``restart_window`` (the pool's, or the env's own from ``set_breaker``) no longer counts,
     though no later death has come to prune it."""
     offset = [0.0]
     update = {"max_restarts": 5, "restart_window": 60.0}
-    with comfy_env.Pool(
-        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
-    ) as pool:
+    with pool_with(clock=lambda: time.monotonic() + offset[0], **update) as pool:
         w = pool.get_worker()
         for _ in range(2):
             with pytest.raises(WorkerCrashed):
@@ -371,9 +391,9 @@ def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
 
 
 def test_set_breaker_gives_one_env_its_own_settings(
-    config: comfy_env.PoolConfig, foreign_venv: Path
+    pool_with: Callable[..., comfy_env.Pool], foreign_venv: Path
 ) -> None:
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 100})) as pool:
+    with pool_with(max_restarts=100) as pool:
         w = pool.get_worker()
         other = pool.get_worker(foreign_venv)
         pool.set_breaker(None, max_restarts=1, abandon_for=600.0)
@@ -399,9 +419,9 @@ def test_set_breaker_gives_one_env_its_own_settings(
 
 
 def test_recent_deaths_quote_the_crashing_frame_not_the_last_output_line(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+    with pool_with(max_restarts=1) as pool:
         w = pool.get_worker()
         for _ in range(2):
             with pytest.raises(WorkerCrashed) as crashed:
@@ -418,11 +438,11 @@ def test_recent_deaths_quote_the_crashing_frame_not_the_last_output_line(
 
 
 def test_recent_deaths_quote_the_code_that_called_a_stdlib_wrapper_that_crashed(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     """``ctypes.string_at(0)`` crashes inside ``ctypes/__init__.py``: the innermost frame was
     quoted, which names Python's library, not the env's code that called it."""
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 0})) as pool:
+    with pool_with(max_restarts=0) as pool:
         w = pool.get_worker()
         with pytest.raises(WorkerCrashed) as crashed:
             w.call("comfy_env_worker.tasks:crash")
@@ -460,13 +480,13 @@ def test_the_crash_frame_is_the_innermost_outside_python_s_own_library(
 
 
 def test_a_deterministic_start_failure_is_reported_once_per_call_without_a_respawn_loop(
-    config: comfy_env.PoolConfig, tmp_path: Path
+    pool_with: Callable[..., comfy_env.Pool], tmp_path: Path
 ) -> None:
     interp = tmp_path / "env" / "bin" / "python"
     interp.parent.mkdir(parents=True)
     interp.write_text("#!/bin/sh\necho 'ImportError: broken env' >&2\nexit 1\n")
     interp.chmod(0o755)
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+    with pool_with(max_restarts=1) as pool:
         w = pool.get_worker(tmp_path / "env")
         with pytest.raises(WorkerStartError, match="broken env"):
             w.call("comfy_env_worker.tasks:echo", 1)
@@ -495,10 +515,10 @@ def _retired_then_abandoned(events: list[object], env: str, generation: int, rea
 
 
 def test_env_abandoned_follows_the_retirement_that_tripped_the_breaker(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     update = {"max_restarts": 2, "restart_window": 60.0}
-    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+    with pool_with(**update) as pool:
         events: list[object] = []
         pool.subscribe(events.append)
         w = pool.get_worker()
@@ -511,7 +531,7 @@ def test_env_abandoned_follows_the_retirement_that_tripped_the_breaker(
 
 
 def test_env_abandoned_follows_the_failed_launch_that_tripped_the_breaker(
-    config: comfy_env.PoolConfig, tmp_path: Path
+    pool_with: Callable[..., comfy_env.Pool], tmp_path: Path
 ) -> None:
     # An interpreter the kernel refuses to execute: the launch itself fails, nothing forks,
     # and the pool reports the death on the spot (no exit will come).
@@ -519,7 +539,7 @@ def test_env_abandoned_follows_the_failed_launch_that_tripped_the_breaker(
     interp.parent.mkdir(parents=True)
     interp.write_bytes(b"\x00\x01 not an executable format\n")
     interp.chmod(0o755)
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+    with pool_with(max_restarts=1) as pool:
         events: list[object] = []
         pool.subscribe(events.append)
         w = pool.get_worker(tmp_path / "env")
@@ -690,12 +710,13 @@ def test_a_released_ref_raises_a_comfy_env_error_in_the_host_at_once(
         w.call("comfy_env_worker.tasks:echo", [[{"r": ref}]])
 
 
-def test_every_call_is_counted_once_whichever_path_runs_it(config: comfy_env.PoolConfig) -> None:
+def test_every_call_is_counted_once_whichever_path_runs_it(
+    pool_with: Callable[..., comfy_env.Pool], clock: FakeClock
+) -> None:
     # ``Worker.call`` first tries the plain path (a target string, scalar arguments, an idle
     # worker ready); anything else goes to the general path, which must find nothing counted,
     # leased or sent. Each kind of hand-over below, then the plain call itself.
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"ping_after_idle": 60.0}), clock=clock) as pool:
+    with pool_with(ping_after_idle=60.0, clock=clock) as pool:
         w = pool.get_worker()
         assert w.call("tasks.remote:add", 1, 1) == 2  # no worker yet: spawned by the general path
         assert w.call("tasks.remote:add", 2, b=3) == 5  # plain, keyword arguments too
