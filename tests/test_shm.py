@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import alive, private_shm_mount_usable
+from conftest import TESTS_DIR, alive, private_shm_mount_usable
 from conftest import run_host as _run_host
 from conftest import wait_until as _wait
 from tasks import remote as remote_tasks
@@ -713,7 +713,7 @@ def test_a_host_stopped_past_the_ttl_still_gets_its_reply(tmp_path: Path) -> Non
     # a shared-memory reply, and stays stopped for many times shm_pinned_ttl. The worker's TTL
     # counts only time the host runs: the block is still there when the host goes on.
     marker = tmp_path / "replying"
-    host = _run_host(_PAUSED_HOST, str(marker), str(Path(remote_tasks.__file__).parent))
+    host = _run_host(_PAUSED_HOST, str(marker), str(TESTS_DIR))
     try:
         assert _wait(marker.exists, 30.0), host.communicate(timeout=30)
         os.kill(host.pid, signal.SIGSTOP)
