@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psutil
 import pytest
@@ -208,7 +209,7 @@ def ctrl_c() -> Iterator[None]:
 
 @pytest.fixture
 def config() -> comfy_env.PoolConfig:
-    """A config whose workers can import the test helpers in tests/remote_tasks.py."""
+    """A config whose workers can import the test helpers in tests/tasks/remote.py."""
     return comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), kill_grace=0.5, close_timeout=3.0)
 
 
@@ -301,6 +302,47 @@ def run_host(code: str, *args: str) -> subprocess.Popen[str]:
         env=env,
         start_new_session=True,
     )
+
+
+def reap_host(host: subprocess.Popen[Any], group: bool = False) -> None:
+    """Kill a host subprocess a test left running (its whole process group with ``group``)
+    and reap it."""
+    if host.poll() is None:
+        if group:
+            os.killpg(host.pid, 9)
+        else:
+            host.kill()
+        host.communicate(timeout=30)
+
+
+def host_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The ``RESULT <json>`` line a host script printed, once it exited 0."""
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    result: dict[str, Any] = json.loads(line[0][len("RESULT ") :])
+    return result
+
+
+def gone(pid: int) -> bool:
+    """Has ``pid`` exited (a zombie counts as gone)?"""
+    return not alive(pid)
+
+
+def kill_quietly(pid: int) -> None:
+    """SIGKILL ``pid`` if it still exists (cleanup of a process a test made escape)."""
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+# Skip markers for tests that need privileges: a private tmpfs over /dev/shm in a mount
+# namespace of their own, or root (to make a directory owned by another user).
+needs_mount_namespace = pytest.mark.skipif(
+    not private_shm_mount_usable(), reason="needs unshare -m and mount (root in a Linux namespace)"
+)
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's dir")
 
 
 def other_python(minor: int) -> str | None:

@@ -41,7 +41,7 @@ def test_a_queue_on_one_env_never_delays_another_env_and_costs_no_thread(
 ) -> None:
     busy = apool.get_worker()
     other = apool.get_worker(foreign_venv)
-    busy.call("remote_tasks:add", 1)
+    busy.call("tasks.remote:add", 1)
     other.call("comfy_env_worker.tasks:echo", 0)  # both warm
     threads_before = threading.active_count()
 
@@ -50,7 +50,7 @@ def test_a_queue_on_one_env_never_delays_another_env_and_costs_no_thread(
 
         async def slow(i: int) -> None:
             nonlocal finished
-            await busy.acall("remote_tasks:cooperative_loop", 0.05)
+            await busy.acall("tasks.remote:cooperative_loop", 0.05)
             finished += 1
 
         tasks = [asyncio.ensure_future(slow(i)) for i in range(40)]
@@ -72,16 +72,16 @@ def test_a_queue_on_one_env_never_delays_another_env_and_costs_no_thread(
 
 def test_thousands_of_queued_acalls_cost_no_threads(apool: comfy_env.Pool, tmp_path: Path) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:add", 1)
+    w.call("tasks.remote:add", 1)
     threads_before = threading.active_count()
     release = tmp_path / "release"
 
     async def main() -> list[Any]:
         # The call ahead runs until the file appears: however slow the machine is at queueing
         # 2000 calls, none of them starts before the counts are read.
-        blocker = asyncio.ensure_future(w.acall("remote_tasks:wait_for_file", str(release), 60))
+        blocker = asyncio.ensure_future(w.acall("tasks.remote:wait_for_file", str(release), 60))
         await asyncio.sleep(0.05)
-        tasks = [asyncio.ensure_future(w.acall("remote_tasks:add", i, 1)) for i in range(2000)]
+        tasks = [asyncio.ensure_future(w.acall("tasks.remote:add", i, 1)) for i in range(2000)]
         await asyncio.sleep(0.05)
         assert w.stats().queued == 2000
         assert threading.active_count() <= threads_before + 1
@@ -94,15 +94,15 @@ def test_thousands_of_queued_acalls_cost_no_threads(apool: comfy_env.Pool, tmp_p
 
 def test_the_deadline_holds_while_queued(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:add", 1)
+    w.call("tasks.remote:add", 1)
 
     async def main() -> None:
-        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 2.0))
+        blocker = asyncio.ensure_future(w.acall("tasks.remote:cooperative_loop", 2.0))
         await asyncio.sleep(0.05)
         with pytest.raises(CallTimeout, match="queued") as info:
-            await w.arun("remote_tasks:add", (1,), timeout=0.3)
-        assert (info.value.timeout, info.value.target) == (0.3, "remote_tasks:add")
-        assert str(info.value).endswith("(call to remote_tasks:add, timeout 0.3s)")
+            await w.arun("tasks.remote:add", (1,), timeout=0.3)
+        assert (info.value.timeout, info.value.target) == (0.3, "tasks.remote:add")
+        assert str(info.value).endswith("(call to tasks.remote:add, timeout 0.3s)")
         assert not blocker.done()  # it gave up while the call ahead still ran
         assert await blocker == "finished"
 
@@ -146,28 +146,28 @@ def test_a_cold_acall_that_overruns_once_started_names_its_call(
 
         async def main() -> None:
             with pytest.raises(CallTimeout, match="missed its deadline") as info:
-                await w.arun("remote_tasks:ignore_cancel", (30,), timeout=2.0)
+                await w.arun("tasks.remote:ignore_cancel", (30,), timeout=2.0)
             err = info.value
             assert err.call_id is not None and err.generation == 1
-            assert (err.timeout, err.target) == (2.0, "remote_tasks:ignore_cancel")
+            assert (err.timeout, err.target) == (2.0, "tasks.remote:ignore_cancel")
 
         run_small(main)
-        assert w.call("remote_tasks:add", 1) == 1 and w.generation == 2  # it was stopped
+        assert w.call("tasks.remote:add", 1) == 1 and w.generation == 2  # it was stopped
 
 
 def test_the_deadline_holds_while_running(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
 
     async def main() -> None:
         with pytest.raises(CallTimeout, match="missed its deadline") as info:
-            await w.arun("remote_tasks:ignore_cancel", (30,), timeout=0.3)
+            await w.arun("tasks.remote:ignore_cancel", (30,), timeout=0.3)
         err = info.value
-        assert (err.timeout, err.target) == (0.3, "remote_tasks:ignore_cancel")
+        assert (err.timeout, err.target) == (0.3, "tasks.remote:ignore_cancel")
         assert err.call_id is not None and str(err).endswith("was stopped (timeout 0.3s)")
 
     run_small(main)
-    assert w.call("remote_tasks:getpid") != pid
+    assert w.call("tasks.remote:getpid") != pid
     assert (w.generation, w.stats().timed_out) == (2, 1)
 
 
@@ -175,11 +175,11 @@ def test_cancelling_a_running_task_stops_the_call_and_keeps_the_worker(
     apool: comfy_env.Pool,
 ) -> None:
     w = apool.get_worker()
-    assert w.call("remote_tasks:count_calls") == 1
+    assert w.call("tasks.remote:count_calls") == 1
     pid = w.pid
 
     async def main() -> None:
-        task = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 30))
+        task = asyncio.ensure_future(w.acall("tasks.remote:cooperative_loop", 30))
         await asyncio.sleep(0.2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -187,7 +187,7 @@ def test_cancelling_a_running_task_stops_the_call_and_keeps_the_worker(
         assert task.cancelled()
 
     run_small(main)
-    assert w.call("remote_tasks:count_calls") == 2  # caches intact
+    assert w.call("tasks.remote:count_calls") == 2  # caches intact
     assert (w.pid, w.generation) == (pid, 1)
     stats = w.stats()
     assert (stats.cancelled, stats.in_flight, stats.ok) == (1, 0, 2)
@@ -195,12 +195,12 @@ def test_cancelling_a_running_task_stops_the_call_and_keeps_the_worker(
 
 def test_cancelling_a_queued_task_removes_it(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:count_calls")
+    w.call("tasks.remote:count_calls")
 
     async def main() -> None:
-        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 0.5))
+        blocker = asyncio.ensure_future(w.acall("tasks.remote:cooperative_loop", 0.5))
         await asyncio.sleep(0.05)
-        queued = asyncio.ensure_future(w.acall("remote_tasks:count_calls"))
+        queued = asyncio.ensure_future(w.acall("tasks.remote:count_calls"))
         await asyncio.sleep(0.05)
         assert w.stats().queued == 1
         queued.cancel()
@@ -210,7 +210,7 @@ def test_cancelling_a_queued_task_removes_it(apool: comfy_env.Pool) -> None:
         assert await blocker == "finished"
 
     run_small(main)
-    assert w.call("remote_tasks:count_calls") == 2  # the cancelled call never ran
+    assert w.call("tasks.remote:count_calls") == 2  # the cancelled call never ran
     stats = w.stats()
     assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 3, 0, 0)
 
@@ -221,17 +221,17 @@ def test_a_task_that_ignores_the_cancel_is_killed_after_the_grace(
     cfg = config.model_copy(update={"cancel_grace": 0.5})
     with comfy_env.Pool(cfg) as pool:
         w = pool.get_worker()
-        pid = w.call("remote_tasks:getpid")
+        pid = w.call("tasks.remote:getpid")
 
         async def main() -> None:
-            task = asyncio.ensure_future(w.acall("remote_tasks:ignore_cancel", 30))
+            task = asyncio.ensure_future(w.acall("tasks.remote:ignore_cancel", 30))
             await asyncio.sleep(0.2)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
 
         run_small(main)
-        assert w.call("remote_tasks:getpid") != pid
+        assert w.call("tasks.remote:getpid") != pid
         assert (w.generation, w.stats().cancelled) == (2, 1)
 
 
@@ -245,7 +245,7 @@ def test_on_event_runs_on_the_loop_in_order_before_the_result(apool: comfy_env.P
         def on_event(event: CallEvent) -> None:
             seen.append((event.kind, event.data, threading.get_ident()))
 
-        result = await w.arun("remote_tasks:events_in_order", (3,), on_event=on_event)
+        result = await w.arun("tasks.remote:events_in_order", (3,), on_event=on_event)
         assert result == 3
         kinds = [(k, d if k == "step" else d["done"]) for k, d, _ in seen]
         assert kinds == [x for i in range(3) for x in (("step", i), ("progress", i + 1))]
@@ -258,14 +258,14 @@ def test_on_event_runs_on_the_loop_in_order_before_the_result(apool: comfy_env.P
 
 def test_acall_errors_and_crashes(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:add", 1)
+    w.call("tasks.remote:add", 1)
 
     async def main() -> None:
         with pytest.raises(RemoteError, match="SystemExit"):
-            await w.acall("remote_tasks:system_exit", 3)
+            await w.acall("tasks.remote:system_exit", 3)
         with pytest.raises(WorkerCrashed, match="SIGSEGV"):
             await w.acall("comfy_env_worker.tasks:crash")
-        assert await w.acall("remote_tasks:add", 2, 3) == 5  # a fresh worker
+        assert await w.acall("tasks.remote:add", 2, 3) == 5  # a fresh worker
         big = bytes(3 * 1024 * 1024)
         assert await w.acall("comfy_env_worker.tasks:echo", big) == big  # out of band
 
@@ -312,14 +312,14 @@ def test_an_acall_after_an_idle_death_runs_on_a_fresh_worker_and_counts_once(
     w = apool.get_worker()
 
     async def main() -> tuple[int, int]:
-        first = await w.acall("remote_tasks:add", 1, 1)
+        first = await w.acall("tasks.remote:add", 1, 1)
         pid = w.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         # Dead while idle: every thread gone (a zombie leader's other threads still hold the
         # channel for a moment), maybe not reaped yet.
         assert wait_until(lambda: not alive(pid) and _threads(pid) <= 1, 5.0)
-        second = await w.acall("remote_tasks:add", 2, 2)
+        second = await w.acall("tasks.remote:add", 2, 2)
         return first, second
 
     assert run_small(main) == (2, 4)
@@ -339,12 +339,12 @@ def test_an_acall_never_goes_to_a_worker_that_wrote_on_its_idle_channel(
     w = apool.get_worker()
 
     async def main() -> int:
-        await w.acall("remote_tasks:write_garbage_later", 0.05)
+        await w.acall("tasks.remote:write_garbage_later", 0.05)
         process = w._entry.slots[0].process
         assert process is not None and process.reply_sock is not None
         sock = process.reply_sock
         assert wait_until(lambda: bool(select.select([sock], [], [], 0)[0]), 5.0)
-        result: int = await w.acall("remote_tasks:add", 2, 3)
+        result: int = await w.acall("tasks.remote:add", 2, 3)
         return result
 
     assert run_small(main) == 5
@@ -397,7 +397,7 @@ def test_a_warm_acall_with_out_of_band_buffers_runs_on_the_loop_without_a_thread
 ) -> None:
     np = pytest.importorskip("numpy")
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")  # warm: the start runs on a thread of its own
+    w.call("tasks.remote:getpid")  # warm: the start runs on a thread of its own
     arr = np.arange(512 * 512 * 3, dtype=np.float32).reshape(512, 512, 3)  # 3 MiB
     used = _thread_path_counter(monkeypatch)
 
@@ -416,7 +416,7 @@ def test_a_warm_acall_with_out_of_band_buffers_runs_on_the_loop_without_a_thread
     stats = w.stats()
     assert (stats.ok, stats.in_flight, w.generation) == (4, 0, 1)
     del results, echoed
-    assert w.call("remote_tasks:add", 2, 3) == 5  # the loans went back; the channel is in sync
+    assert w.call("tasks.remote:add", 2, 3) == 5  # the loans went back; the channel is in sync
 
 
 def test_cancel_and_deadline_hold_for_a_warm_acall_with_buffers(
@@ -424,26 +424,26 @@ def test_cancel_and_deadline_hold_for_a_warm_acall_with_buffers(
 ) -> None:
     np = pytest.importorskip("numpy")
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     used = _thread_path_counter(monkeypatch)
     arr = np.ones(1 << 20, dtype=np.float32)  # 4 MiB: shared memory, on the loop
 
     async def main() -> None:
-        task = asyncio.ensure_future(w.acall("remote_tasks:hold_array", arr, 30))
+        task = asyncio.ensure_future(w.acall("tasks.remote:hold_array", arr, 30))
         await asyncio.sleep(0.2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # The worker stopped cooperatively and lives on; the next buffer call is exact.
-        assert await w.acall("remote_tasks:hold_array", arr, 0) == float(1 << 20)
+        assert await w.acall("tasks.remote:hold_array", arr, 0) == float(1 << 20)
         with pytest.raises(CallTimeout, match="missed its deadline"):
-            await w.arun("remote_tasks:hold_array", (arr, 30), timeout=0.3)
+            await w.arun("tasks.remote:hold_array", (arr, 30), timeout=0.3)
 
     run_small(main)
     stats = w.stats()
     assert (stats.cancelled, stats.timed_out, stats.in_flight) == (1, 1, 0)
     assert used == [0]  # all three ran on the loop
-    assert w.call("remote_tasks:hold_array", arr, 0) == float(1 << 20)
+    assert w.call("tasks.remote:hold_array", arr, 0) == float(1 << 20)
     assert w.pid != pid and w.generation == 2  # the deadline stopped generation 1
 
 
@@ -454,7 +454,7 @@ def test_an_acall_with_buffers_above_the_loop_bound_uses_the_thread_path(
     from comfy_env import _acall
 
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")
+    w.call("tasks.remote:getpid")
     used = _thread_path_counter(monkeypatch)
     big = np.full(_acall._OOB_LOOP_MAX // 4 + 1024, 2.0, dtype=np.float32)  # just above
     small = np.full(1 << 20, 3.0, dtype=np.float32)
@@ -480,13 +480,13 @@ def test_the_first_acall_of_a_big_buffer_size_makes_its_block_off_the_loop(
     from comfy_env import _acall
 
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")
+    w.call("tasks.remote:getpid")
     used = _thread_path_counter(monkeypatch)
     n = (_acall._FRESH_LOOP_MAX + _acall._OOB_LOOP_MAX) // 2 // 4
     arr = np.ones(n, dtype=np.float32)  # between the two bounds
 
     async def main() -> list[float]:
-        return [await w.acall("remote_tasks:hold_array", arr, 0) for _ in range(3)]
+        return [await w.acall("tasks.remote:hold_array", arr, 0) for _ in range(3)]
 
     assert run_small(main) == [float(n)] * 3
     assert used == [1]  # only the first: the block it made went back to the pool
@@ -499,7 +499,7 @@ def test_an_acall_with_buffers_streams_inline_on_a_thread_when_shared_memory_is_
     cfg = comfy_env.PoolConfig(sys_path=(str(TESTS_DIR),), shared_memory=False)
     with comfy_env.Pool(cfg) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:getpid")
+        w.call("tasks.remote:getpid")
         arr = np.arange(1 << 20, dtype=np.float32)
 
         async def main() -> Any:
@@ -519,12 +519,12 @@ def test_a_warm_acall_reads_a_reply_that_spans_many_reads_on_the_loop(
     # The spin's first read holds only the start of the frame: the general parser takes
     # over from there (on the spot, then through the loop), never a thread.
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")
+    w.call("tasks.remote:getpid")
     used = _thread_path_counter(monkeypatch)
     size = 700_000
 
     async def main() -> list[Any]:
-        return [await w.acall("remote_tasks:blob", size + i) for i in range(3)]
+        return [await w.acall("tasks.remote:blob", size + i) for i in range(3)]
 
     got = run_small(main)
     assert used == [0]
@@ -547,7 +547,7 @@ def test_warm_acalls_confined_to_one_cpu_with_their_worker_keep_order_and_events
     from comfy_env import _acall
 
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     original = os.sched_getaffinity(0)
     cpu = min(original)
     me = threading.get_native_id()
@@ -557,15 +557,15 @@ def test_warm_acalls_confined_to_one_cpu_with_their_worker_keep_order_and_events
 
         async def main() -> list[Any]:
             seen: list[tuple[str, Any]] = []
-            out: list[Any] = [await w.acall("remote_tasks:add", i, 1) for i in range(200)]
+            out: list[Any] = [await w.acall("tasks.remote:add", i, 1) for i in range(200)]
             out.append(
                 await w.arun(
-                    "remote_tasks:events_in_order",
+                    "tasks.remote:events_in_order",
                     (4,),
                     on_event=lambda e: seen.append((e.kind, e.data)),
                 )
             )
-            out.append(await w.acall("remote_tasks:log_things", 2))
+            out.append(await w.acall("tasks.remote:log_things", 2))
             out.append([k for k, _ in seen])
             return out
 
@@ -715,12 +715,12 @@ def test_large_in_band_replies_round_trip_through_a_warm_acall(
         w = pool.get_worker()
         # Warm: both calls below run on the loop (their large replies are received and
         # unpickled on a thread of their own, never through the sync path on a thread).
-        w.call("remote_tasks:getpid")
+        w.call("tasks.remote:getpid")
         used = _thread_path_counter(monkeypatch)
 
         async def main() -> tuple[str, Any]:
-            text = await w.acall("remote_tasks:text", 32 << 20)
-            arr = await w.acall("remote_tasks:filled", 2.5, 4 << 20)  # 16 MiB, inline
+            text = await w.acall("tasks.remote:text", 32 << 20)
+            arr = await w.acall("tasks.remote:filled", 2.5, 4 << 20)  # 16 MiB, inline
             return text, arr
 
         text, arr = run_small(main)
@@ -738,7 +738,7 @@ def test_an_async_on_event_is_refused_at_the_call_never_silently_dropped(
     # Calling an ``async def`` only makes a coroutine: nothing would await it and every event
     # would be lost (a RuntimeWarning at best). It is an ArgumentError before anything runs.
     w = apool.get_worker()
-    w.call("remote_tasks:add", 1)
+    w.call("tasks.remote:add", 1)
 
     async def on_event(event: CallEvent) -> None:
         pass
@@ -750,15 +750,15 @@ def test_an_async_on_event_is_refused_at_the_call_never_silently_dropped(
     async def main() -> None:
         for callback in (on_event, AsyncCallable()):
             with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
-                await w.arun("remote_tasks:events_in_order", (3,), on_event=callback)
+                await w.arun("tasks.remote:events_in_order", (3,), on_event=callback)
             with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
-                await w.arun_ref("remote_tasks:events_in_order", (3,), on_event=callback)
+                await w.arun_ref("tasks.remote:events_in_order", (3,), on_event=callback)
 
     run_small(main)
     with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
-        w.run("remote_tasks:events_in_order", (3,), on_event=on_event)
+        w.run("tasks.remote:events_in_order", (3,), on_event=on_event)
     with pytest.raises(comfy_env.ArgumentError, match="coroutine function"):
-        w.submit("remote_tasks:events_in_order", (3,), on_event=on_event)
+        w.submit("tasks.remote:events_in_order", (3,), on_event=on_event)
     assert w.stats().submitted == 1  # nothing ran, nothing was counted
 
     # A plain callback that returns a coroutine: closed (no "never awaited" warning) and
@@ -772,7 +772,7 @@ def test_an_async_on_event_is_refused_at_the_call_never_silently_dropped(
 
         async def lossy() -> Any:
             return await w.arun(
-                "remote_tasks:events_in_order", (2,), on_event=lambda ev: handle(ev)
+                "tasks.remote:events_in_order", (2,), on_event=lambda ev: handle(ev)
             )
 
         assert run_small(lossy) == 2

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import remote_tasks
 from conftest import run_small
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import CallEvent, CallTimeout, WorkerCrashed
@@ -58,14 +58,14 @@ def test_a_large_in_band_reply_is_unpickled_off_the_loop_and_a_small_one_on_it(
     from comfy_env import _acall
 
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")  # warm: the calls below run on the loop
+    w.call("tasks.remote:getpid")  # warm: the calls below run on the loop
 
     async def main() -> tuple[int, list[Any]]:
         loop_thread = threading.get_ident()
         results = [
-            await w.acall("remote_tasks:recorded", BIG),
-            await w.acall("remote_tasks:recorded", 1000),  # one read: the spin's fast path
-            await w.acall("remote_tasks:recorded", MEDIUM),  # many reads, under _BIG_REPLY
+            await w.acall("tasks.remote:recorded", BIG),
+            await w.acall("tasks.remote:recorded", 1000),  # one read: the spin's fast path
+            await w.acall("tasks.remote:recorded", MEDIUM),  # many reads, under _BIG_REPLY
         ]
         return loop_thread, results
 
@@ -83,26 +83,26 @@ def test_a_large_in_band_reply_is_unpickled_off_the_loop_and_a_small_one_on_it(
 
 def test_a_large_error_reply_is_raised_and_counted_once(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")
+    w.call("tasks.remote:getpid")
 
     async def main() -> None:
         # (The function's own exception class, rebuilt in the host from the large frame.)
         with pytest.raises(remote_tasks.CustomError) as info:
-            await w.acall("remote_tasks:raise_big", BIG)
+            await w.acall("tasks.remote:raise_big", BIG)
         assert info.value.code == BIG
         same = info.value.text == remote_tasks.text(BIG)
         assert same  # (not compared in the assert: no pytest diff of 4 MiB)
 
     run_small(main)
     assert _counts(w) == (1, 1, 0, 0, 0, 0, 0)
-    assert w.call("remote_tasks:add", 2, 3) == 5 and w.generation == 1  # in sync, kept
+    assert w.call("tasks.remote:add", 2, 3) == 5 and w.generation == 1  # in sync, kept
 
 
 def test_events_and_logs_before_a_large_reply_run_on_the_loop_first(
     apool: comfy_env.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")
+    w.call("tasks.remote:getpid")
     seen: list[tuple[str, Any, int, int]] = []  # (kind, data, thread, results unpickled by then)
 
     class Seen(logging.Handler):
@@ -121,7 +121,7 @@ def test_events_and_logs_before_a_large_reply_run_on_the_loop_first(
         seen.append((event.kind, event.data, threading.get_ident(), len(remote_tasks.UNPICKLED_ON)))
 
     async def main() -> tuple[int, Any]:
-        result = await w.arun("remote_tasks:events_then_recorded", (3, BIG), on_event=on_event)
+        result = await w.arun("tasks.remote:events_then_recorded", (3, BIG), on_event=on_event)
         return threading.get_ident(), result
 
     handler = Seen()
@@ -187,11 +187,11 @@ def test_a_cancel_mid_reply_drops_the_reply_counts_once_and_keeps_the_worker(
     apool: comfy_env.Pool, held: Callable[[], _Held]
 ) -> None:
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
 
     async def main() -> None:
         hold = held()
-        task = asyncio.ensure_future(w.acall("remote_tasks:recorded", BIG))
+        task = asyncio.ensure_future(w.acall("tasks.remote:recorded", BIG))
         await hold.mid_reply()
         task.cancel()
         await asyncio.sleep(0.05)  # the cancel reaches the call (CANCEL frame, grace armed)
@@ -204,7 +204,7 @@ def test_a_cancel_mid_reply_drops_the_reply_counts_once_and_keeps_the_worker(
     assert remote_tasks.UNPICKLED_ON == []  # the reply crossed the cancel: never unpickled
     assert _counts(w) == (1, 0, 0, 0, 1, 0, 0)
     # The whole reply was read: the channel is in step, the worker (and its caches) kept.
-    assert w.call("remote_tasks:add", 2, 3) == 5
+    assert w.call("tasks.remote:add", 2, 3) == 5
     assert (w.pid, w.generation) == (pid, 1)
 
 
@@ -212,11 +212,11 @@ def test_a_second_cancel_mid_reply_kills_the_worker_and_counts_once(
     apool: comfy_env.Pool, held: Callable[[], _Held]
 ) -> None:
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
 
     async def main() -> None:
         hold = held()
-        task = asyncio.ensure_future(w.acall("remote_tasks:recorded", 64 << 20))
+        task = asyncio.ensure_future(w.acall("tasks.remote:recorded", 64 << 20))
         await hold.mid_reply()
         task.cancel()
         await asyncio.sleep(0.05)
@@ -229,18 +229,18 @@ def test_a_second_cancel_mid_reply_kills_the_worker_and_counts_once(
     run_small(main)
     assert remote_tasks.UNPICKLED_ON == []
     assert _counts(w) == (1, 0, 0, 0, 1, 0, 0)
-    assert w.call("remote_tasks:getpid") != pid and w.generation == 2
+    assert w.call("tasks.remote:getpid") != pid and w.generation == 2
 
 
 def test_a_worker_killed_mid_reply_is_a_crash_not_a_hang(
     apool: comfy_env.Pool, held: Callable[[], _Held]
 ) -> None:
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
 
     async def main() -> None:
         hold = held()
-        call = asyncio.ensure_future(w.acall("remote_tasks:recorded", BIG))
+        call = asyncio.ensure_future(w.acall("tasks.remote:recorded", BIG))
         await hold.mid_reply()
         os.kill(pid, signal.SIGKILL)
         hold.release.set()
@@ -250,18 +250,18 @@ def test_a_worker_killed_mid_reply_is_a_crash_not_a_hang(
     run_small(main)
     assert remote_tasks.UNPICKLED_ON == []
     assert _counts(w) == (1, 0, 1, 0, 0, 0, 0)
-    assert w.call("remote_tasks:add", 2, 3) == 5 and w.generation == 2
+    assert w.call("tasks.remote:add", 2, 3) == 5 and w.generation == 2
 
 
 def test_a_deadline_that_passes_mid_reply_stops_the_worker(
     apool: comfy_env.Pool, held: Callable[[], _Held]
 ) -> None:
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
 
     async def main() -> None:
         hold = held()
-        call = asyncio.ensure_future(w.arun("remote_tasks:recorded", (BIG,), timeout=2.0))
+        call = asyncio.ensure_future(w.arun("tasks.remote:recorded", (BIG,), timeout=2.0))
         await hold.mid_reply()
         # The deadline's timer runs on this loop before this sleep ends (it was armed first,
         # to end sooner): the receiving thread is told to stop while it is held.
@@ -273,7 +273,7 @@ def test_a_deadline_that_passes_mid_reply_stops_the_worker(
     run_small(main)
     assert remote_tasks.UNPICKLED_ON == []
     assert _counts(w) == (1, 0, 0, 1, 0, 0, 0)
-    assert w.call("remote_tasks:getpid") != pid and w.generation == 2
+    assert w.call("tasks.remote:getpid") != pid and w.generation == 2
 
 
 def test_a_large_reply_is_received_whether_or_not_its_memory_can_be_mapped(
@@ -284,7 +284,7 @@ def test_a_large_reply_is_received_whether_or_not_its_memory_can_be_mapped(
     from comfy_env import _acall
 
     w = apool.get_worker()
-    w.call("remote_tasks:getpid")
+    w.call("tasks.remote:getpid")
     monkeypatch.setattr(_acall, "_MAPPED_REPLY", _acall._BIG_REPLY)
     mapped: list[int] = []
     real = _acall._MappedFrame
@@ -301,7 +301,7 @@ def test_a_large_reply_is_received_whether_or_not_its_memory_can_be_mapped(
     monkeypatch.setattr(_acall, "_MappedFrame", Refused)
 
     async def main() -> list[Any]:
-        return [await w.acall("remote_tasks:recorded", BIG) for _ in range(2)]
+        return [await w.acall("tasks.remote:recorded", BIG) for _ in range(2)]
 
     results = run_small(main)
     assert len(mapped) == 2 and all(n > BIG for n in mapped)  # mapped, then refused
@@ -328,7 +328,7 @@ def test_a_reply_reader_that_fails_stops_the_worker_and_fails_the_call_once(
     if where == "on the spot":
         monkeypatch.setattr(_acall, "_REPLY_SPIN", 30.0)
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
 
     class NoMemory:
         def __init__(self, *args: Any) -> None:
@@ -339,14 +339,14 @@ def test_a_reply_reader_that_fails_stops_the_worker_and_fails_the_call_once(
     async def main() -> None:
         size = BIG if where == "thread" else MEDIUM
         with pytest.raises(MemoryError, match="no buffer for the reply") as info:
-            await w.acall("remote_tasks:recorded", size)
+            await w.acall("tasks.remote:recorded", size)
         assert not isinstance(info.value, ProtocolError)
 
     run_small(main)
     monkeypatch.undo()
     assert remote_tasks.UNPICKLED_ON == []
     assert _counts(w) == (1, 0, 0, 0, 0, 1, 0)
-    assert w.call("remote_tasks:getpid") != pid and w.generation == 2
+    assert w.call("tasks.remote:getpid") != pid and w.generation == 2
 
 
 def test_any_host_failure_before_the_reply_stops_the_worker_and_frees_the_slot(
@@ -358,7 +358,7 @@ def test_any_host_failure_before_the_reply_stops_the_worker_and_frees_the_slot(
     from comfy_env import _acall
 
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("no sink today")
@@ -367,9 +367,9 @@ def test_any_host_failure_before_the_reply_stops_the_worker_and_frees_the_slot(
 
     async def main() -> None:
         with pytest.raises(RuntimeError, match="no sink today"):
-            await w.arun("remote_tasks:sleep_then", (0.2, 1), on_event=lambda e: None)
+            await w.arun("tasks.remote:sleep_then", (0.2, 1), on_event=lambda e: None)
 
     run_small(main)
     monkeypatch.undo()
     assert _counts(w) == (1, 0, 0, 0, 0, 1, 0)
-    assert w.run("remote_tasks:getpid", timeout=30) != pid and w.generation == 2
+    assert w.run("tasks.remote:getpid", timeout=30) != pid and w.generation == 2

@@ -45,13 +45,13 @@ def test_a_cancel_in_the_turn_a_queued_call_gets_its_slot_is_never_lost(
     apool: comfy_env.Pool, timeout: float | None
 ) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:add", 0)
+    w.call("tasks.remote:add", 0)
 
     async def main() -> None:
-        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 0.1))
+        blocker = asyncio.ensure_future(w.acall("tasks.remote:cooperative_loop", 0.1))
         await asyncio.sleep(0.02)
         queued = asyncio.ensure_future(
-            w.arun("remote_tasks:cooperative_loop", (1.0,), timeout=timeout)
+            w.arun("tasks.remote:cooperative_loop", (1.0,), timeout=timeout)
         )
         await asyncio.sleep(0.02)
         assert w.stats().queued == 1
@@ -66,7 +66,7 @@ def test_a_cancel_in_the_turn_a_queued_call_gets_its_slot_is_never_lost(
     assert w.generation == 1
     # ok: the warm-up and the blocker; the queued call never ran (or was stopped at once).
     assert _counts(w) == (2, 0, 0, 0, 1, 0, 0, 0)
-    assert w.call("remote_tasks:add", 1, 2) == 3
+    assert w.call("tasks.remote:add", 1, 2) == 3
 
 
 def test_a_cancel_in_the_turn_the_thread_path_ends_is_never_lost(
@@ -88,14 +88,14 @@ def test_a_cancel_in_the_turn_the_thread_path_ends_is_never_lost(
 
     async def main() -> None:
         nonlocal task
-        task = asyncio.ensure_future(w.arun("remote_tasks:add", (1, 2), timeout=60.0))
+        task = asyncio.ensure_future(w.arun("tasks.remote:add", (1, 2), timeout=60.0))
         with pytest.raises(asyncio.CancelledError):
             await task
 
     run_small(main)
     monkeypatch.undo()
     assert w.generation == 1
-    assert w.call("remote_tasks:add", 1, 2) == 3
+    assert w.call("tasks.remote:add", 1, 2) == 3
     s = w.stats()
     assert (s.in_flight, s.queued, s.submitted) == (0, 0, 2)
 
@@ -107,7 +107,7 @@ def test_an_on_event_raising_cancelled_error_on_the_loop_ends_the_call_at_once(
     # through, out of the loop's read. The events and the reply come in one read: none of
     # them may be lost, or the call waits for its deadline.
     w = apool.get_worker()
-    w.call("remote_tasks:add", 0)
+    w.call("tasks.remote:add", 0)
     seen: list[int] = []
 
     def on_event(event: CallEvent) -> None:
@@ -116,8 +116,8 @@ def test_an_on_event_raising_cancelled_error_on_the_loop_ends_the_call_at_once(
 
     async def main() -> None:
         with pytest.raises(asyncio.CancelledError):
-            await w.arun("remote_tasks:events_later", (0.05, 3), on_event=on_event, timeout=30)
-        assert await w.acall("remote_tasks:add", 1, 2) == 3
+            await w.arun("tasks.remote:events_later", (0.05, 3), on_event=on_event, timeout=30)
+        assert await w.acall("tasks.remote:add", 1, 2) == 3
 
     run_small(main)
     assert seen == [0]
@@ -129,7 +129,7 @@ def test_a_slow_on_event_cannot_carry_a_call_past_its_deadline(apool: comfy_env.
     # 100 events handled at 20 ms each hold the loop for 2 s; the worker replies at 0.5 s.
     # The deadline (0.2 s) must stop the call, not lose to a reply read after it.
     w = apool.get_worker()
-    w.call("remote_tasks:add", 0)
+    w.call("tasks.remote:add", 0)
     seen: list[int] = []
 
     def on_event(event: CallEvent) -> None:
@@ -139,12 +139,12 @@ def test_a_slow_on_event_cannot_carry_a_call_past_its_deadline(apool: comfy_env.
     async def main() -> None:
         with pytest.raises(CallTimeout, match="missed its deadline"):
             await w.arun(
-                "remote_tasks:report_then_wait", (100, 0.5), on_event=on_event, timeout=0.2
+                "tasks.remote:report_then_wait", (100, 0.5), on_event=on_event, timeout=0.2
             )
 
     run_small(main)
     assert len(seen) < 100
-    assert w.call("remote_tasks:add", 1, 2) == 3
+    assert w.call("tasks.remote:add", 1, 2) == 3
     assert w.generation == 2
     assert _counts(w)[3] == 1  # timed out, once
 
@@ -175,26 +175,26 @@ async def _cancel_after(turns: int, make: Callable[[], Awaitable[Any]]) -> str:
 
 def test_a_cancel_at_any_await_point_leaves_the_pool_sound(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:add", 0)
+    w.call("tasks.remote:add", 0)
     array = np.ones(1 << 18)  # 2 MiB: out of band, through shared memory, on the loop
 
     async def blocked_for_a_moment() -> asyncio.Future[Any]:
         # Another call holds the only worker: the call under test queues behind it.
-        blocker = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 0.03))
+        blocker = asyncio.ensure_future(w.acall("tasks.remote:cooperative_loop", 0.03))
         await asyncio.sleep(0.005)
         return blocker
 
     calls: list[tuple[str, Callable[[], Awaitable[Any]], bool]] = [
-        ("warm", lambda: w.acall("remote_tasks:add", 1, 2), False),
-        ("running", lambda: w.acall("remote_tasks:cooperative_loop", 0.01), False),
+        ("warm", lambda: w.acall("tasks.remote:add", 1, 2), False),
+        ("running", lambda: w.acall("tasks.remote:cooperative_loop", 0.01), False),
         (
             "events",
-            lambda: w.arun("remote_tasks:report", (200, ("a",)), on_event=lambda ev: None),
+            lambda: w.arun("tasks.remote:report", (200, ("a",)), on_event=lambda ev: None),
             False,
         ),
-        ("shared memory", lambda: w.acall("remote_tasks:hold_array", array, 0.0), False),
-        ("large reply", lambda: w.arun("remote_tasks:blob", (4 << 20,), timeout=60), False),
-        ("queued", lambda: w.arun("remote_tasks:add", (1, 2), timeout=60), True),
+        ("shared memory", lambda: w.acall("tasks.remote:hold_array", array, 0.0), False),
+        ("large reply", lambda: w.arun("tasks.remote:blob", (4 << 20,), timeout=60), False),
+        ("queued", lambda: w.arun("tasks.remote:add", (1, 2), timeout=60), True),
     ]
 
     async def main() -> None:
@@ -211,14 +211,14 @@ def test_a_cancel_at_any_await_point_leaves_the_pool_sound(apool: comfy_env.Pool
                 counts = _counts(w)
                 assert counts[-2:] == (0, 0), (name, turns)  # nothing in flight, none queued
                 # Every call here stops within the grace: the worker and its caches stay.
-                assert await w.arun("remote_tasks:add", (1, 2), timeout=30) == 3
+                assert await w.arun("tasks.remote:add", (1, 2), timeout=30) == 3
                 assert w.generation == generation == 1, (name, turns)
                 if outcome == "completed":
                     break
             assert outcomes == {"cancelled", "completed"}, (name, outcomes)
 
     run_small(main)
-    assert w.call("remote_tasks:count_calls") == 1
+    assert w.call("tasks.remote:count_calls") == 1
 
 
 def test_a_cancel_at_any_await_point_of_a_worker_start_leaves_the_pool_sound(
@@ -234,11 +234,11 @@ def test_a_cancel_at_any_await_point_of_a_worker_start_leaves_the_pool_sound(
         for turns in _sampled_turns():
             apool.retire_idle(w.env)
             generation = w.generation
-            outcome = await _cancel_after(turns, lambda: w.arun("remote_tasks:add", (1, 2)))
+            outcome = await _cancel_after(turns, lambda: w.arun("tasks.remote:add", (1, 2)))
             outcomes.add(outcome)
             assert outcome != "ran despite the cancel", turns
             assert _counts(w)[-2:] == (0, 0), turns
-            assert await w.arun("remote_tasks:add", (1, 2), timeout=30) == 3
+            assert await w.arun("tasks.remote:add", (1, 2), timeout=30) == 3
             assert w.generation == generation + 1, turns
             if outcome == "completed":
                 break
@@ -257,10 +257,10 @@ async def _running(w: comfy_env.Worker) -> None:
 
 def _ignoring_call(w: comfy_env.Worker, path: str) -> Awaitable[Any]:
     if path == "loop":  # a warm worker: sent and read on the loop
-        return w.acall("remote_tasks:ignore_cancel", 30)
+        return w.acall("tasks.remote:ignore_cancel", 30)
     if path == "thread":  # a cold worker: started and run on a thread of the call's own
-        return w.arun("remote_tasks:ignore_cancel", (30,), timeout=60)
-    return w.arun_ref("remote_tasks:ignore_cancel", (30,))
+        return w.arun("tasks.remote:ignore_cancel", (30,), timeout=60)
+    return w.arun_ref("tasks.remote:ignore_cancel", (30,))
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is Python 3.11+")
@@ -272,7 +272,7 @@ def test_two_cancels_before_the_task_runs_again_kill_at_once(
     # README: cancelling the task again), not wait out the 3 s grace.
     w = apool.get_worker()
     if path != "thread":
-        w.call("remote_tasks:add", 0)
+        w.call("tasks.remote:add", 0)
 
     async def main() -> None:
         task = asyncio.ensure_future(_ignoring_call(w, path))
@@ -284,7 +284,7 @@ def test_two_cancels_before_the_task_runs_again_kill_at_once(
         assert "killed at once" in str(info.value.__cause__)
 
     run_small(main)
-    assert w.call("remote_tasks:add", 1, 2) == 3
+    assert w.call("tasks.remote:add", 1, 2) == 3
     assert w.generation == 2
     s = w.stats()
     assert (s.cancelled, s.in_flight, s.queued) == (1, 0, 0)
@@ -294,15 +294,15 @@ def test_two_cancels_before_the_task_runs_again_kill_at_once(
 def test_the_cancel_message_reaches_the_awaiting_code(apool: comfy_env.Pool, path: str) -> None:
     w = apool.get_worker()
     if path != "thread":
-        w.call("remote_tasks:add", 0)
+        w.call("tasks.remote:add", 0)
 
     async def main() -> None:
         if path == "loop":
-            call = w.acall("remote_tasks:cooperative_loop", 30)
+            call = w.acall("tasks.remote:cooperative_loop", 30)
         elif path == "thread":
-            call = w.arun("remote_tasks:cooperative_loop", (30,), timeout=60)
+            call = w.arun("tasks.remote:cooperative_loop", (30,), timeout=60)
         else:
-            call = w.arun_ref("remote_tasks:cooperative_loop", (30,))
+            call = w.arun_ref("tasks.remote:cooperative_loop", (30,))
         task = asyncio.ensure_future(call)
         await _running(w)
         task.cancel("the client went away")
@@ -324,12 +324,12 @@ def test_closing_the_pool_from_another_thread_ends_every_pending_acall_typed(
 ) -> None:
     pool = comfy_env.Pool(config)
     w = pool.get_worker()
-    w.call("remote_tasks:add", 0)
+    w.call("tasks.remote:add", 0)
 
     async def main() -> list[Any]:
-        calls = [w.acall("remote_tasks:cooperative_loop", 30)]  # running, read on the loop
-        calls += [w.arun("remote_tasks:add", (1,), timeout=60) for _ in range(2)]  # queued
-        calls += [w.acall("remote_tasks:add", 1) for _ in range(2)]  # queued, no deadline
+        calls = [w.acall("tasks.remote:cooperative_loop", 30)]  # running, read on the loop
+        calls += [w.arun("tasks.remote:add", (1,), timeout=60) for _ in range(2)]  # queued
+        calls += [w.acall("tasks.remote:add", 1) for _ in range(2)]  # queued, no deadline
         tasks = [asyncio.ensure_future(c) for c in calls]
         await _running(w)
         closer = threading.Thread(target=pool.close)
@@ -337,7 +337,7 @@ def test_closing_the_pool_from_another_thread_ends_every_pending_acall_typed(
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         closer.join()
         with pytest.raises(comfy_env.PoolClosedError):
-            await w.acall("remote_tasks:add", 1)
+            await w.acall("tasks.remote:add", 1)
         return outcomes
 
     outcomes = run_small(main)
@@ -352,15 +352,15 @@ def test_loops_in_several_threads_and_repeated_asyncio_runs_share_one_env_soundl
     cfg = config.model_copy(update={"max_workers_per_env": 2, "cancel_grace": 3.0})
     with comfy_env.Pool(cfg) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:add", 0)
+        w.call("tasks.remote:add", 0)
         errors: list[BaseException] = []
 
         def caller(i: int) -> None:
             async def main() -> None:
                 for j in range(60):
-                    assert await w.acall("remote_tasks:add", i, j) == i + j
+                    assert await w.acall("tasks.remote:add", i, j) == i + j
                     if j % 20 == 0:  # a cancel now and then, on this thread's loop
-                        task = asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 9))
+                        task = asyncio.ensure_future(w.acall("tasks.remote:cooperative_loop", 9))
                         await asyncio.sleep(0.02)
                         task.cancel()
                         with pytest.raises(asyncio.CancelledError):
@@ -387,18 +387,18 @@ def test_asyncio_run_ending_with_acalls_in_flight_cancels_them_and_keeps_the_wor
     apool: comfy_env.Pool,
 ) -> None:
     w = apool.get_worker()
-    assert w.call("remote_tasks:count_calls") == 1
+    assert w.call("tasks.remote:count_calls") == 1
 
     pending: list[asyncio.Future[Any]] = []
 
     async def main() -> None:
         for _ in range(3):  # one runs, two wait in the queue
-            pending.append(asyncio.ensure_future(w.acall("remote_tasks:cooperative_loop", 30)))
+            pending.append(asyncio.ensure_future(w.acall("tasks.remote:cooperative_loop", 30)))
         await _running(w)
 
     asyncio.run(main())  # cancels the pending tasks and waits for them
     assert all(task.cancelled() for task in pending)
     s = w.stats()
     assert (s.cancelled, s.in_flight, s.queued) == (3, 0, 0)
-    assert w.call("remote_tasks:count_calls") == 2  # the same worker, its caches kept
+    assert w.call("tasks.remote:count_calls") == 2  # the same worker, its caches kept
     assert w.generation == 1

@@ -1,6 +1,6 @@
 """Env activation: workers of a venv, conda or pixi env get the variables activating it sets.
 
-Real workers read their own environment (``remote_tasks:environ``). The conda and pixi envs are
+Real workers read their own environment (``tasks.remote:environ``). The conda and pixi envs are
 fake (a ``conda-meta`` directory, ``bin/python`` linked to this interpreter) with real
 ``etc/conda/activate.d`` scripts, sourced by a real shell.
 """
@@ -49,11 +49,11 @@ def _conda_env(
 
 
 def _env_of(worker: comfy_env.Worker, *names: str) -> dict[str, str | None]:
-    return {name: worker.call("remote_tasks:environ", name) for name in names}
+    return {name: worker.call("tasks.remote:environ", name) for name in names}
 
 
 def _path(worker: comfy_env.Worker) -> list[str]:
-    return str(worker.call("remote_tasks:environ", "PATH") or "").split(os.pathsep)
+    return str(worker.call("tasks.remote:environ", "PATH") or "").split(os.pathsep)
 
 
 def _activation_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -105,7 +105,7 @@ def test_a_conda_env_worker_gets_what_activating_the_env_sets(
     # The env's binaries are found through PATH (shutil.which, subprocess).
     assert w.call("shutil:which", "ninja") == str(env / "bin" / "ninja")
     # Shell bookkeeping is not the env's.
-    assert w.call("remote_tasks:environ", "SHLVL") == os.environ.get("SHLVL")
+    assert w.call("tasks.remote:environ", "SHLVL") == os.environ.get("SHLVL")
 
 
 def test_a_pixi_env_is_activated_as_a_conda_env(pool: comfy_env.Pool, tmp_path: Path) -> None:
@@ -123,7 +123,7 @@ def test_a_venv_worker_gets_virtual_env_and_its_bin_first_on_path(
     pool: comfy_env.Pool, foreign_venv: Path
 ) -> None:
     w = pool.get_worker(foreign_venv)
-    assert w.call("remote_tasks:environ", "VIRTUAL_ENV") == str(foreign_venv)
+    assert w.call("tasks.remote:environ", "VIRTUAL_ENV") == str(foreign_venv)
     path = _path(w)
     assert path[0] == str(foreign_venv / "bin")
     assert path[1:] == os.environ["PATH"].split(os.pathsep)
@@ -166,21 +166,21 @@ def test_activation_scripts_run_once_per_host_across_respawns_and_pools(
     env = _conda_env(tmp_path / "env", scripts={"count.sh": f'echo x >> "{count}"\n' + OCCT})
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker(env)
-        assert w.call("remote_tasks:environ", "CASROOT") == f"{env}/share/opencascade"
+        assert w.call("tasks.remote:environ", "CASROOT") == f"{env}/share/opencascade"
         with pytest.raises(WorkerCrashed):
-            w.call("remote_tasks:kill_self", signal.SIGKILL)
+            w.call("tasks.remote:kill_self", signal.SIGKILL)
         # generation 2, and many warm calls: the scripts are not run again
         for _ in range(20):
-            assert w.call("remote_tasks:environ", "CASROOT") == f"{env}/share/opencascade"
+            assert w.call("tasks.remote:environ", "CASROOT") == f"{env}/share/opencascade"
         assert w.generation == 2
     with comfy_env.Pool(config) as pool:  # a later pool of the same host
-        assert pool.get_worker(env).call("remote_tasks:environ", "CASROOT") is not None
+        assert pool.get_worker(env).call("tasks.remote:environ", "CASROOT") is not None
     assert count.read_text() == "x\n"
     # An edited script is run again at the next spawn.
     script = env / "etc" / "conda" / "activate.d" / "count.sh"
     script.write_text(script.read_text() + "export EDITED=1\n")
     with comfy_env.Pool(config) as pool:
-        assert pool.get_worker(env).call("remote_tasks:environ", "EDITED") == "1"
+        assert pool.get_worker(env).call("tasks.remote:environ", "EDITED") == "1"
     assert count.read_text() == "x\nx\n"
 
 
@@ -212,8 +212,8 @@ def test_a_failing_script_is_one_warning_and_the_worker_starts_with_what_ran(
         w = pool.get_worker(env)
         got = _env_of(w, "A_SET", "B_SET", "C_SET", "D_SET", "CONDA_PREFIX")
         with pytest.raises(WorkerCrashed):
-            w.call("remote_tasks:kill_self", signal.SIGKILL)
-        assert w.call("remote_tasks:environ", "A_SET") == "1"  # respawned: cached, no warning
+            w.call("tasks.remote:kill_self", signal.SIGKILL)
+        assert w.call("tasks.remote:environ", "A_SET") == "1"  # respawned: cached, no warning
     # A non-zero status keeps the script's exports (conda ignores it too); a script that ends
     # the shell loses its own and the later scripts'.
     assert got == {
@@ -263,13 +263,13 @@ def test_the_current_interpreter_and_a_bare_interpreter_are_not_activated(
     (tmp_path / "loose" / "bin").mkdir()
     (tmp_path / "loose" / "bin" / "python").symlink_to(sys.executable)
     loose = pool.get_worker(tmp_path / "loose" / "bin" / "python")
-    assert loose.call("remote_tasks:environ", "LOOSE") is None
+    assert loose.call("tasks.remote:environ", "LOOSE") is None
     assert not count.exists()
     current = pool.get_worker()
     for w in (loose, current):
         assert _path(w) == os.environ["PATH"].split(os.pathsep)
-        assert w.call("remote_tasks:environ", "CONDA_PREFIX") == os.environ.get("CONDA_PREFIX")
-        assert w.call("remote_tasks:environ", "VIRTUAL_ENV") == os.environ.get("VIRTUAL_ENV")
+        assert w.call("tasks.remote:environ", "CONDA_PREFIX") == os.environ.get("CONDA_PREFIX")
+        assert w.call("tasks.remote:environ", "VIRTUAL_ENV") == os.environ.get("VIRTUAL_ENV")
 
 
 def test_scripts_whose_environment_cannot_be_read_are_a_warning_not_silence(

@@ -40,9 +40,9 @@ def test_a_call_that_stops_in_time_keeps_its_worker_and_caches(
     apool: comfy_env.Pool, target: str
 ) -> None:
     w = apool.get_worker()
-    assert w.call("remote_tasks:count_calls") == 1
+    assert w.call("tasks.remote:count_calls") == 1
     pid = w.pid
-    call = w.submit(f"remote_tasks:{target}", (30,))
+    call = w.submit(f"tasks.remote:{target}", (30,))
     _started(w, call)
     assert call.running()
     assert call.cancel() is True
@@ -56,7 +56,7 @@ def test_a_call_that_stops_in_time_keeps_its_worker_and_caches(
         assert call.cancelled()
         assert (info.value.env, info.value.generation, info.value.pid) == (w.env, 1, pid)
     # Same process, same generation, module state intact.
-    assert w.call("remote_tasks:count_calls") == 2
+    assert w.call("tasks.remote:count_calls") == 2
     assert (w.pid, w.generation) == (pid, 1)
     stats = w.stats()
     assert (stats.cancelled + stats.ok, stats.in_flight, stats.crashed) == (3, 0, 0)
@@ -69,14 +69,14 @@ def test_a_call_that_ignores_the_cancel_is_killed_after_the_grace(
     cfg = config.model_copy(update={"cancel_grace": 0.6})
     with comfy_env.Pool(cfg) as pool:
         w = pool.get_worker()
-        pid = w.call("remote_tasks:getpid")
-        call = w.submit("remote_tasks:ignore_cancel", (30,))
+        pid = w.call("tasks.remote:getpid")
+        call = w.submit("tasks.remote:ignore_cancel", (30,))
         _started(w, call)
         call.cancel()
         with pytest.raises(CallCancelled, match="did not stop within") as info:
             call.result(timeout=10)
         assert info.value.generation == 1
-        assert w.call("remote_tasks:getpid") != pid
+        assert w.call("tasks.remote:getpid") != pid
         assert w.generation == 2
         stats = w.stats()
         assert (stats.cancelled, stats.crashed, stats.in_flight) == (1, 0, 0)
@@ -86,19 +86,19 @@ def test_cancel_grace_zero_kills_at_once(config: comfy_env.PoolConfig) -> None:
     cfg = config.model_copy(update={"cancel_grace": 0.0})
     with comfy_env.Pool(cfg) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:getpid")
-        call = w.submit("remote_tasks:cooperative_loop", (30,))
+        w.call("tasks.remote:getpid")
+        call = w.submit("tasks.remote:cooperative_loop", (30,))
         _started(w, call)
         call.cancel()
         with pytest.raises(CallCancelled, match="was killed"):
             call.result(timeout=10)
-        w.call("remote_tasks:getpid")
+        w.call("tasks.remote:getpid")
         assert w.generation == 2
 
 
 def test_a_second_cancel_kills_at_once(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    call = w.submit("remote_tasks:ignore_cancel", (30,))
+    call = w.submit("tasks.remote:ignore_cancel", (30,))
     _started(w, call)
     call.cancel()
     call.cancel()  # escalation: no grace
@@ -107,13 +107,13 @@ def test_a_second_cancel_kills_at_once(apool: comfy_env.Pool) -> None:
     # It says why: the grace never ran out, the second cancel killed the worker.
     assert "killed at once on a second cancel" in str(info.value)
     assert "cancel_grace" not in str(info.value)
-    w.call("remote_tasks:getpid")
+    w.call("tasks.remote:getpid")
     assert w.generation == 2
 
 
 def test_a_forced_cancel_says_it_killed_at_once(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    call = w.submit("remote_tasks:ignore_cancel", (30,))
+    call = w.submit("tasks.remote:ignore_cancel", (30,))
     _started(w, call)
     call._cancel(True)  # what a cancel with force=True does: no asking first
     with pytest.raises(CallCancelled, match="killed at once on a forced cancel") as info:
@@ -126,7 +126,7 @@ def test_the_kill_with_cancel_grace_zero_names_the_setting(config: comfy_env.Poo
     cfg = config.model_copy(update={"cancel_grace": 0.0})
     with comfy_env.Pool(cfg) as pool:
         w = pool.get_worker()
-        call = w.submit("remote_tasks:cooperative_loop", (30,))
+        call = w.submit("tasks.remote:cooperative_loop", (30,))
         _started(w, call)
         call.cancel()
         with pytest.raises(CallCancelled, match=r"killed at once \(PoolConfig.cancel_grace=0\)"):
@@ -139,7 +139,7 @@ def test_an_interrupted_calls_cancel_message_has_no_empty_parentheses(
     # Pure Python that never checks is interrupted after half the grace by a bare
     # ``Cancelled`` with no text of its own.
     w = apool.get_worker()
-    call = w.submit("remote_tasks:busy_loop", (30,))
+    call = w.submit("tasks.remote:busy_loop", (30,))
     _started(w, call)
     call.cancel()
     with pytest.raises(CallCancelled, match="lives on with its caches") as info:
@@ -151,15 +151,15 @@ def test_an_interrupted_calls_cancel_message_has_no_empty_parentheses(
 
 def test_cancelling_a_queued_call_removes_it_from_the_queue(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    first = w.submit("remote_tasks:cooperative_loop", (1.0,))
+    first = w.submit("tasks.remote:cooperative_loop", (1.0,))
     _started(w, first)
-    queued = w.submit("remote_tasks:count_calls")
+    queued = w.submit("tasks.remote:count_calls")
     assert wait_until(lambda: w.stats().queued == 1)
     assert queued.cancel()
     with pytest.raises(CallCancelled, match="queued"):
         queued.result(timeout=5)
     assert first.result(timeout=10) == "finished"  # the running call is not touched
-    assert w.call("remote_tasks:count_calls") == 1  # the cancelled call never ran
+    assert w.call("tasks.remote:count_calls") == 1  # the cancelled call never ran
     stats = w.stats()
     assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 2, 0, 0)
 
@@ -170,9 +170,9 @@ def test_cancelling_a_queued_call_settles_it_before_cancel_returns(
     # As concurrent.futures promises: once cancel() returned True for a call that had not
     # started, the call is cancelled and done, its callbacks ran, result() raises at once.
     w = apool.get_worker()
-    first = w.submit("remote_tasks:cooperative_loop", (1.0,))
+    first = w.submit("tasks.remote:cooperative_loop", (1.0,))
     _started(w, first)
-    queued = w.submit("remote_tasks:count_calls")
+    queued = w.submit("tasks.remote:count_calls")
     assert wait_until(lambda: w.stats().queued == 1)
     settled_on: list[int] = []
     queued.add_done_callback(lambda call: settled_on.append(threading.get_ident()))
@@ -185,17 +185,17 @@ def test_cancelling_a_queued_call_settles_it_before_cancel_returns(
     assert (stats.cancelled, stats.queued, stats.submitted) == (1, 0, 2)
     assert queued.cancel() is False  # done: nothing more to cancel
     assert first.result(timeout=10) == "finished"  # the running call is not touched
-    assert w.call("remote_tasks:count_calls") == 1  # the cancelled call never ran
+    assert w.call("tasks.remote:count_calls") == 1  # the cancelled call never ran
     stats = w.stats()
     assert (stats.cancelled, stats.ok, stats.queued, stats.in_flight) == (1, 2, 0, 0)
 
 
 def test_a_late_cancel_never_affects_the_next_call(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    done = w.submit("remote_tasks:cooperative_loop", (0.05,))
+    done = w.submit("tasks.remote:cooperative_loop", (0.05,))
     assert done.result(timeout=10) == "finished"
     old_call_id = done.call_id
-    running = w.submit("remote_tasks:cooperative_loop", (0.8,))
+    running = w.submit("tasks.remote:cooperative_loop", (0.8,))
     _started(w, running)
     assert running.call_id > old_call_id
     entry = w._entry
@@ -217,7 +217,7 @@ def test_a_cancel_that_arrives_before_its_call_is_read_still_applies(
     apool: comfy_env.Pool,
 ) -> None:
     w = apool.get_worker()
-    w.call("remote_tasks:count_calls")
+    w.call("tasks.remote:count_calls")
     process = w._entry.slots[0].process
     assert process is not None
     # The CANCEL frame for the next call id reaches the worker before the CALL frame does.
@@ -225,15 +225,15 @@ def test_a_cancel_that_arrives_before_its_call_is_read_still_applies(
     assert process.send_cancel(next_id)
     time.sleep(0.2)
     with pytest.raises(CallCancelled, match="before it started"):
-        w.call("remote_tasks:count_calls")
-    assert w.call("remote_tasks:count_calls") == 2  # the cancelled call never ran
+        w.call("tasks.remote:count_calls")
+    assert w.call("tasks.remote:count_calls") == 2  # the cancelled call never ran
     assert w.generation == 1
 
 
 def test_events_arrive_in_order_before_the_result(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
     seen: list[CallEvent] = []
-    assert w.run("remote_tasks:events_in_order", (5,), on_event=seen.append) == 5
+    assert w.run("tasks.remote:events_in_order", (5,), on_event=seen.append) == 5
     kinds = [(e.kind, e.data if e.kind == "step" else e.data["done"]) for e in seen]
     assert kinds == [x for i in range(5) for x in (("step", i), ("progress", i + 1))]
     call_ids = {e.call_id for e in seen}
@@ -246,7 +246,7 @@ def test_events_arrive_in_order_before_the_result(apool: comfy_env.Pool) -> None
 def test_a_progress_flood_is_coalesced_and_the_latest_wins(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
     seen: list[CallEvent] = []
-    assert w.run("remote_tasks:report", (20000, ("done",)), on_event=seen.append) == 20000
+    assert w.run("tasks.remote:report", (20000, ("done",)), on_event=seen.append) == 20000
     progress = [e.data for e in seen if e.kind == "progress"]
     assert 1 <= len(progress) < 20000
     assert progress[-1] == {"done": 20000, "total": 20000, "stage": "loop"}
@@ -267,13 +267,13 @@ def test_an_event_too_large_for_a_frame_raises_in_the_worker_and_keeps_it(
         w = pool.get_worker()
         seen: list[CallEvent] = []
         outcome = w.run(
-            "remote_tasks:emit_too_big", (2 * 1024 * 1024, progress), on_event=seen.append
+            "tasks.remote:emit_too_big", (2 * 1024 * 1024, progress), on_event=seen.append
         )
         assert outcome.startswith("OverflowError") and "max_frame_bytes" in outcome, outcome
         assert [e.kind for e in seen] == ["small"]
         stats = w.stats()
         assert (stats.generation, stats.ok, stats.failed, stats.restarts_in_window) == (1, 1, 0, 0)
-        assert w.call("remote_tasks:add", 1, 2) == 3 and w.generation == 1
+        assert w.call("tasks.remote:add", 1, 2) == 3 and w.generation == 1
 
 
 def test_a_failing_event_callback_does_not_break_the_call(
@@ -284,9 +284,9 @@ def test_a_failing_event_callback_does_not_break_the_call(
     def broken(event: CallEvent) -> None:
         raise RuntimeError("callback bug")
 
-    assert w.run("remote_tasks:events_in_order", (2,), on_event=broken) == 2
+    assert w.run("tasks.remote:events_in_order", (2,), on_event=broken) == 2
     assert "on_event callback failed" in caplog.text
-    assert w.call("remote_tasks:add", 1, 2) == 3
+    assert w.call("tasks.remote:add", 1, 2) == 3
 
 
 def test_events_are_dropped_outside_a_call_and_helpers_are_inert_in_the_host() -> None:
@@ -299,7 +299,7 @@ def test_events_are_dropped_outside_a_call_and_helpers_are_inert_in_the_host() -
 
 def test_submit_follows_future_conventions(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
-    call = w.submit("remote_tasks:add", (2,), {"b": 3})
+    call = w.submit("tasks.remote:add", (2,), {"b": 3})
     assert call.result(timeout=10) == 5
     assert call.done() and not call.running() and not call.cancelled()
     assert call.exception() is None
@@ -307,14 +307,14 @@ def test_submit_follows_future_conventions(apool: comfy_env.Pool) -> None:
     finished: list[comfy_env.Call] = []
     call.add_done_callback(finished.append)  # done: runs at once
     assert finished == [call]
-    failing = w.submit("remote_tasks:raise_custom", (7,))
+    failing = w.submit("tasks.remote:raise_custom", (7,))
     exc = failing.exception(timeout=10)
     assert exc is not None and type(exc).__name__ == "CustomError"
     with pytest.raises(type(exc)):
         failing.result()
     with pytest.raises(TypeError):
         w.submit(42)  # type: ignore[arg-type]  # bad input raises at once
-    slow = w.submit("remote_tasks:cooperative_loop", (0.5,))
+    slow = w.submit("tasks.remote:cooperative_loop", (0.5,))
     with pytest.raises(TimeoutError, match=r"has not ended within this wait \(0.01s\)") as info:
         slow.result(timeout=0.01)  # bounds the wait only
     assert not isinstance(info.value, comfy_env.CallTimeout)  # nothing was stopped
@@ -326,9 +326,9 @@ def test_submit_follows_future_conventions(apool: comfy_env.Pool) -> None:
 def test_submit_with_events_and_a_deadline(apool: comfy_env.Pool) -> None:
     w = apool.get_worker()
     seen: list[CallEvent] = []
-    call = w.submit("remote_tasks:events_in_order", (3,), on_event=seen.append)
+    call = w.submit("tasks.remote:events_in_order", (3,), on_event=seen.append)
     assert call.result(timeout=10) == 3 and len(seen) == 6
-    late = w.submit("remote_tasks:cooperative_loop", (30,), timeout=0.5)
+    late = w.submit("tasks.remote:cooperative_loop", (30,), timeout=0.5)
     with pytest.raises(comfy_env.CallTimeout):
         late.result(timeout=10)
 
@@ -343,10 +343,10 @@ def test_a_wait_for_a_call_takes_any_number_and_refuses_what_is_no_time(
     The call itself goes on untouched."""
     w = apool.get_worker()
     for forever in (math.inf, 1e300, threading.TIMEOUT_MAX * 2):
-        call = w.submit("remote_tasks:sleep_then", (0.2, "done"))
+        call = w.submit("tasks.remote:sleep_then", (0.2, "done"))
         assert call.exception(timeout=forever) is None
         assert call.result(timeout=forever) == "done"
-    call = w.submit("remote_tasks:sleep_then", (0.2, "late"))
+    call = w.submit("tasks.remote:sleep_then", (0.2, "late"))
     for bad in (math.nan, "1", True):
         with pytest.raises(comfy_env.ArgumentError, match="timeout"):
             call.result(timeout=bad)  # type: ignore[arg-type]
@@ -361,15 +361,15 @@ def test_a_wait_for_a_call_takes_any_number_and_refuses_what_is_no_time(
 
 def test_ctrl_c_while_waiting_asks_the_worker_first(apool: comfy_env.Pool, ctrl_c: None) -> None:
     w = apool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            w.call("remote_tasks:cooperative_loop", 30)
+            w.call("tasks.remote:cooperative_loop", 30)
     finally:
         timer.join()
-    assert w.call("remote_tasks:getpid") == pid  # the worker stopped the call and lives on
+    assert w.call("tasks.remote:getpid") == pid  # the worker stopped the call and lives on
     assert w.generation == 1
     stats = w.stats()
     assert (stats.cancelled, stats.in_flight) == (1, 0)
@@ -383,13 +383,13 @@ def test_a_ctrl_c_that_kills_the_call_shows_no_internal_error(
     "BlockingIOError: [Errno 11] ... During handling of the above exception ..."."""
     with comfy_env.Pool(config.model_copy(update={"cancel_grace": 0.0})) as pool:
         w = pool.get_worker()
-        pid = w.call("remote_tasks:getpid")
+        pid = w.call("tasks.remote:getpid")
         timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt) as info:
-                w.call("remote_tasks:ignore_cancel", 30)
+                w.call("tasks.remote:ignore_cancel", 30)
         finally:
             timer.join()
         assert info.value.__context__ is None, repr(info.value.__context__)
-        assert w.call("remote_tasks:getpid") != pid  # killed at once, replaced
+        assert w.call("tasks.remote:getpid") != pid  # killed at once, replaced

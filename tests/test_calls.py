@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import remote_tasks
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import RemoteError, SerializationError
@@ -33,7 +33,7 @@ def test_first_call_spawns_a_verified_worker(pool: comfy_env.Pool) -> None:
 
 
 def test_call_by_reference_string(pool: comfy_env.Pool) -> None:
-    assert pool.get_worker().call("remote_tasks:add", 2, b=3) == 5
+    assert pool.get_worker().call("tasks.remote:add", 2, b=3) == 5
 
 
 def test_importable_function_travels_by_reference(pool: comfy_env.Pool) -> None:
@@ -63,7 +63,7 @@ def test_lambda_inside_arguments_falls_back_to_cloudpickle(pool: comfy_env.Pool)
 
 def test_run_takes_args_kwargs_and_timeout(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
-    assert w.run("remote_tasks:add", (1,), {"b": 2}, timeout=30) == 3
+    assert w.run("tasks.remote:add", (1,), {"b": 2}, timeout=30) == 3
     assert w.run(remote_tasks.add, [4]) == 4
 
 
@@ -71,7 +71,7 @@ def test_acall_returns_the_result(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
 
     async def main() -> list[int]:
-        return list(await asyncio.gather(*(w.acall("remote_tasks:add", i, 1) for i in range(4))))
+        return list(await asyncio.gather(*(w.acall("tasks.remote:add", i, 1) for i in range(4))))
 
     assert asyncio.run(main()) == [1, 2, 3, 4]
 
@@ -143,7 +143,7 @@ def test_an_argument_of_a_class_only_the_host_has_is_a_serialization_error_namin
     assert "No module named 'host_only'" in str(info.value.__cause__)  # the worker's traceback
     # Still the worker's error too, so code that caught it before still does.
     assert isinstance(info.value, ModuleNotFoundError) and info.value.name == "host_only"
-    assert w.call("remote_tasks:add", 1) == 1  # the worker lives on
+    assert w.call("tasks.remote:add", 1) == 1  # the worker lives on
     assert (w.generation, w.stats().raised) == (1, 1)
 
 
@@ -170,7 +170,7 @@ def test_unpicklable_result_is_a_remote_error_naming_the_type(pool: comfy_env.Po
     w = pool.get_worker()
     with pytest.raises(TypeError, match="lock"):
         w.call(remote_tasks.return_unpicklable)
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 1
 
 
@@ -181,7 +181,7 @@ def test_missing_module_is_named(pool: comfy_env.Pool) -> None:
 
 def test_missing_function_is_named(pool: comfy_env.Pool) -> None:
     with pytest.raises(AttributeError, match="'nope'"):
-        pool.get_worker().call("remote_tasks:nope")
+        pool.get_worker().call("tasks.remote:nope")
 
 
 def _every_entry_point(
@@ -223,7 +223,7 @@ def _assert_refused_before_anything_runs(
         stats = w.stats()
         assert (stats.spawns, stats.submitted, stats.failed) == (0, 0, 0), name
     # Nothing was spawned or counted, and the pool keeps working.
-    assert w.call("remote_tasks:add", 2, b=3) == 5
+    assert w.call("tasks.remote:add", 2, b=3) == 5
     stats = w.stats()
     assert (stats.spawns, stats.submitted, stats.ok, stats.failed) == (1, 1, 1, 0)
 
@@ -279,7 +279,7 @@ def test_a_target_neither_string_nor_callable_is_an_argument_error(
 def test_args_and_kwargs_of_the_wrong_shape_are_an_argument_error(
     pool: comfy_env.Pool, args: Any, kwargs: Any, match: str
 ) -> None:
-    points = _every_entry_point(pool.get_worker(), "remote_tasks:add", args, kwargs)
+    points = _every_entry_point(pool.get_worker(), "tasks.remote:add", args, kwargs)
     for spread in ("call", "call_ref", "acall"):
         points.pop(spread, None)  # they spread their own arguments: they cannot get these
     _assert_refused_before_anything_runs(pool, points, match)
@@ -288,10 +288,10 @@ def test_args_and_kwargs_of_the_wrong_shape_are_an_argument_error(
 def test_args_are_any_iterable_but_a_string_and_kwargs_any_mapping(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     with pytest.raises(comfy_env.ArgumentError, match="not str"):
-        w.run("remote_tasks:add", "23")  # never the two characters it would have sent
-    assert w.run("remote_tasks:add", [2], types.MappingProxyType({"b": 3})) == 5
-    assert w.run("remote_tasks:add", (x for x in (2, 3))) == 5
-    assert asyncio.run(w.arun("remote_tasks:add", [2, 3])) == 5
+        w.run("tasks.remote:add", "23")  # never the two characters it would have sent
+    assert w.run("tasks.remote:add", [2], types.MappingProxyType({"b": 3})) == 5
+    assert w.run("tasks.remote:add", (x for x in (2, 3))) == 5
+    assert asyncio.run(w.arun("tasks.remote:add", [2, 3])) == 5
     assert w.stats().ok == 3
 
 
@@ -322,7 +322,7 @@ def test_result_over_the_frame_limit_is_an_error_and_the_worker_survives(
         w = pool.get_worker()
         with pytest.raises(OverflowError, match="frame limit"):
             w.call(bytes, 2 * 1024 * 1024)
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert w.generation == 1
 
 

@@ -54,7 +54,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 
 @pytest.fixture
 def remote_tasks_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let the CLI's own pool (``PoolConfig()``) import tests/remote_tasks.py."""
+    """Let the CLI's own pool (``PoolConfig()``) import tests/tasks/remote.py."""
     monkeypatch.setenv("COMFY_ENV_SYS_PATH", str(TESTS_DIR))
 
 
@@ -169,7 +169,7 @@ def test_doctor_bad_usage(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.usefixtures("remote_tasks_path")
 def test_call_positional(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(capsys, "call", "-", "remote_tasks:add", "[2, 3]")
+    code, out, err = run_cli(capsys, "call", "-", "tasks.remote:add", "[2, 3]")
     assert code == 0, err
     assert out.strip() == "5"
 
@@ -177,7 +177,7 @@ def test_call_positional(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.usefixtures("remote_tasks_path")
 def test_call_kwargs_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(
-        capsys, "call", sys.executable, "remote_tasks:add", '{"a": 2, "b": 40}', "--json"
+        capsys, "call", sys.executable, "tasks.remote:add", '{"a": 2, "b": 40}', "--json"
     )
     assert code == 0, err
     doc = json.loads(out)

@@ -438,7 +438,7 @@ def test_pack_modules_log_under_the_pack_directory_s_name(
     assert len(said) == 1
     assert said[0].worker_logger == "pack.loud"  # type: ignore[attr-defined]
     # Other envs' records, and this env's other loggers, keep their names.
-    pool.get_worker().call("remote_tasks:log_things", 1)
+    pool.get_worker().call("tasks.remote:log_things", 1)
     assert any(getattr(r, "worker_logger", None) == "mylib.sub" for r in caplog.records)
 
 
@@ -560,7 +560,7 @@ def test_a_list_output_that_stays_in_the_worker_is_kept_item_by_item(
 
 
 FAILING = """
-from remote_tasks import CustomError, FieldError
+from tasks.remote import CustomError, FieldError
 from .impl.helpers import AuditError
 
 
@@ -631,7 +631,7 @@ def test_a_key_error_shows_its_message_and_the_worker_traceback_on_real_lines(
 def test_an_exception_with_several_args_keeps_its_type_and_gets_the_worker_traceback(
     failing_pack: Path, pool: comfy_env.Pool, tmp_path: Path
 ) -> None:
-    from remote_tasks import CustomError
+    from tasks.remote import CustomError
 
     mappings, _ = _isolate(failing_pack, pool, tmp_path / "cache")
     several = _node_error(mappings, "args")
@@ -644,13 +644,13 @@ def test_an_exception_with_its_own_str_keeps_its_name_and_gets_the_worker_traceb
 ) -> None:
     import pickle
 
-    from remote_tasks import FieldError
+    from tasks.remote import FieldError
 
     mappings, _ = _isolate(failing_pack, pool, tmp_path / "cache")
     own_str = _node_error(mappings, "str")
     # A subclass under the same name: ComfyUI's exception_type (module + qualname) is unchanged
     assert isinstance(own_str, FieldError) and own_str.field == "width"
-    assert (type(own_str).__module__, type(own_str).__qualname__) == ("remote_tasks", "FieldError")
+    assert (type(own_str).__module__, type(own_str).__qualname__) == ("tasks.remote", "FieldError")
     _readable_with_traceback(own_str, "audit failed on field width")
     assert type(pickle.loads(pickle.dumps(own_str))) is FieldError  # pickles as the original
     missing = _node_error(mappings, "file")  # OSError's text comes from its fields

@@ -68,7 +68,7 @@ def needs(pool: comfy_env.Pool, capability: str) -> None:
 
 def test_a_call_returns_its_result(cpool: comfy_env.Pool) -> None:
     w = cpool.get_worker()
-    assert w.call("remote_tasks:add", 2, b=3) == 5
+    assert w.call("tasks.remote:add", 2, b=3) == 5
     value = {1: (b"\x00\xff", [1.5, None]), "s": "\u00e9"}
     assert w.call("comfy_env_worker.tasks:echo", value) == value
     assert w.generation == 1
@@ -79,10 +79,10 @@ def test_lifecycle_events_name_each_generation_and_its_pid(cpool: comfy_env.Pool
     unsubscribe = cpool.subscribe(seen.append)
     try:
         w = cpool.get_worker()
-        pid = w.call("remote_tasks:getpid")
+        pid = w.call("tasks.remote:getpid")
         with pytest.raises(WorkerCrashed):
-            w.call("remote_tasks:count_then_crash", os.devnull)
-        assert w.call("remote_tasks:getpid") != pid
+            w.call("tasks.remote:count_then_crash", os.devnull)
+        assert w.call("tasks.remote:getpid") != pid
         names = ("WorkerSpawned", "WorkerReady", "WorkerRetired")
 
         def lifecycle() -> list[tuple[str, int]]:
@@ -106,14 +106,14 @@ def test_lifecycle_events_name_each_generation_and_its_pid(cpool: comfy_env.Pool
 
 
 def test_a_remote_exception_is_reraised_as_its_class(cpool: comfy_env.Pool) -> None:
-    import remote_tasks
+    from tasks import remote as remote_tasks
 
     w = cpool.get_worker()
     with pytest.raises(remote_tasks.CustomError) as info:
-        w.call("remote_tasks:raise_custom", 7)
+        w.call("tasks.remote:raise_custom", 7)
     assert info.value.code == 7
     assert "raise_custom" in str(info.value.__cause__)  # the remote traceback
-    assert w.call("remote_tasks:add", 1) == 1  # the worker lives on
+    assert w.call("tasks.remote:add", 1) == 1  # the worker lives on
     assert w.generation == 1
 
 
@@ -121,10 +121,10 @@ def test_a_crash_fails_that_call_once_and_the_next_runs_on_generation_2(
     cpool: comfy_env.Pool, tmp_path: Path
 ) -> None:
     w = cpool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     marker = tmp_path / "runs"
     with pytest.raises(WorkerCrashed) as info:
-        w.call("remote_tasks:count_then_crash", str(marker))
+        w.call("tasks.remote:count_then_crash", str(marker))
     exc = info.value
     assert exc.generation == 1 and exc.pid == pid and exc.env == w.stats().env
     assert "not retried" in str(exc)
@@ -133,9 +133,9 @@ def test_a_crash_fails_that_call_once_and_the_next_runs_on_generation_2(
         assert exc.exitcode == -signal.SIGSEGV
     assert "Segmentation fault" in (exc.stderr_tail or "")  # the worker's last words
     assert marker.read_text() == "ran\n"  # ran once: never replayed
-    assert w.call("remote_tasks:add", 4) == 4
+    assert w.call("tasks.remote:add", 4) == 4
     assert w.generation == 2
-    assert w.call("remote_tasks:getpid") != pid
+    assert w.call("tasks.remote:getpid") != pid
     stats = w.stats()
     assert stats.crashed == 1 and stats.spawns == 2
 
@@ -148,43 +148,43 @@ def test_an_exit_without_a_signal_is_a_crash_too(cpool: comfy_env.Pool) -> None:
         assert info.value.exitcode == 3
     else:
         assert info.value.exitcode is None and info.value.signal is None
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 2
 
 
 def test_a_worker_that_died_idle_is_invisible_to_the_next_call(cpool: comfy_env.Pool) -> None:
     w = cpool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     os.kill(pid, signal.SIGKILL)
     # The death is noticed without a call (the local reactor's pidfd; Ray's death notice).
     assert wait_until(lambda: w.pid is None, timeout=30)
-    assert w.call("remote_tasks:add", 5) == 5
+    assert w.call("tasks.remote:add", 5) == 5
     assert w.generation == 2
     assert w.stats().crashed == 0  # no call failed
 
 
 def test_a_missed_deadline_stops_the_worker(cpool: comfy_env.Pool) -> None:
     w = cpool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     with pytest.raises(CallTimeout) as info:
         w.run("comfy_env_worker.tasks:sleep", (60,), timeout=1.0)
     assert info.value.generation == 1
     assert wait_until(lambda: not alive(pid), timeout=30)
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 2 and w.stats().timed_out == 1
 
 
 def test_a_cooperative_cancel_keeps_the_generation_and_its_caches(cpool: comfy_env.Pool) -> None:
     w = cpool.get_worker()
-    assert w.call("remote_tasks:count_calls") == 1
+    assert w.call("tasks.remote:count_calls") == 1
     pid = w.pid
-    call = w.submit("remote_tasks:cooperative_loop", (60,))
+    call = w.submit("tasks.remote:cooperative_loop", (60,))
     assert wait_until(lambda: call.running() and w.stats().in_flight == 1, timeout=30)
     time.sleep(0.3)  # let the worker enter the function
     assert call.cancel() is True
     with pytest.raises(CallCancelled):
         call.result(timeout=30)
-    assert w.call("remote_tasks:count_calls") == 2  # same process, its module cache kept
+    assert w.call("tasks.remote:count_calls") == 2  # same process, its module cache kept
     assert w.pid == pid and w.generation == 1
     assert w.stats().cancelled == 1
 
@@ -192,7 +192,7 @@ def test_a_cooperative_cancel_keeps_the_generation_and_its_caches(cpool: comfy_e
 def test_progress_and_events_arrive_in_order_before_the_result(cpool: comfy_env.Pool) -> None:
     w = cpool.get_worker()
     seen: list[CallEvent] = []
-    assert w.run("remote_tasks:events_in_order", (5,), on_event=seen.append) == 5
+    assert w.run("tasks.remote:events_in_order", (5,), on_event=seen.append) == 5
     kinds = [(e.kind, e.data if e.kind == "step" else e.data["done"]) for e in seen]
     assert kinds == [x for i in range(5) for x in (("step", i), ("progress", i + 1))]
     assert {e.generation for e in seen} == {1}
@@ -201,9 +201,9 @@ def test_progress_and_events_arrive_in_order_before_the_result(cpool: comfy_env.
 def test_events_arrive_while_a_long_call_runs(cpool: comfy_env.Pool) -> None:
     """Progress is delivered during the call, not only with its result."""
     w = cpool.get_worker()
-    w.call("remote_tasks:add", 0)
+    w.call("tasks.remote:add", 0)
     seen: list[CallEvent] = []
-    call = w.submit("remote_tasks:report_then_wait", (3, 60.0), on_event=seen.append)
+    call = w.submit("tasks.remote:report_then_wait", (3, 60.0), on_event=seen.append)
     assert wait_until(lambda: len(seen) >= 1, timeout=30), "no event while the call ran"
     assert not call.done()
     call.cancel()
@@ -213,12 +213,12 @@ def test_events_arrive_while_a_long_call_runs(cpool: comfy_env.Pool) -> None:
 
 def test_a_remote_ref_round_trip(cpool: comfy_env.Pool) -> None:
     w = cpool.get_worker()
-    ref = w.call_ref("remote_tasks:make_counter", 10)
+    ref = w.call_ref("tasks.remote:make_counter", 10)
     assert ref.call_method("add", 5) == 15
-    assert w.call("remote_tasks:counter_value", ref) == 15
-    assert w.call("remote_tasks:kept_objects") == 1
+    assert w.call("tasks.remote:counter_value", ref) == 15
+    assert w.call("tasks.remote:kept_objects") == 1
     ref.release()
-    assert w.call("remote_tasks:kept_objects") == 0
+    assert w.call("tasks.remote:kept_objects") == 0
 
 
 def test_large_results_are_writable_private_copies(cpool: comfy_env.Pool) -> None:
@@ -242,7 +242,7 @@ def test_close_stops_every_worker(backend: str) -> None:
         start_timeout=90.0,
     )
     pool = comfy_env.Pool(cfg)
-    pids = [pool.get_worker().call("remote_tasks:getpid")]
+    pids = [pool.get_worker().call("tasks.remote:getpid")]
     busy = pool.get_worker().submit("comfy_env_worker.tasks:sleep", (60,))
     assert wait_until(lambda: busy.running(), timeout=30)
     pool.close()
@@ -253,12 +253,12 @@ def test_close_stops_every_worker(backend: str) -> None:
 
 def test_the_stats_add_up(cpool: comfy_env.Pool, tmp_path: Path) -> None:
     w = cpool.get_worker()
-    w.call("remote_tasks:add", 1)
+    w.call("tasks.remote:add", 1)
     with pytest.raises(Exception):  # noqa: B017 - any remote error
-        w.call("remote_tasks:raise_custom", 1)
+        w.call("tasks.remote:raise_custom", 1)
     with pytest.raises(WorkerCrashed):
-        w.call("remote_tasks:count_then_crash", str(tmp_path / "runs"))
-    w.call("remote_tasks:add", 2)
+        w.call("tasks.remote:count_then_crash", str(tmp_path / "runs"))
+    w.call("tasks.remote:add", 2)
     s = w.stats()
     assert s.in_flight == 0 and s.queued == 0
     assert s.submitted == s.ok + s.raised + s.crashed + s.timed_out + s.cancelled + s.failed
@@ -282,8 +282,8 @@ def _policy_pool(backend: str, **overrides: object) -> comfy_env.Pool:
 def test_a_call_that_ignores_its_cancel_is_killed_after_the_grace(backend: str) -> None:
     with _policy_pool(backend, cancel_grace=1.0) as pool:
         w = pool.get_worker()
-        pid = w.call("remote_tasks:getpid")
-        call = w.submit("remote_tasks:ignore_cancel", (60,))
+        pid = w.call("tasks.remote:getpid")
+        call = w.submit("tasks.remote:ignore_cancel", (60,))
         assert wait_until(lambda: call.running() and w.stats().in_flight == 1, timeout=30)
         time.sleep(0.3)
         call.cancel()
@@ -291,29 +291,29 @@ def test_a_call_that_ignores_its_cancel_is_killed_after_the_grace(backend: str) 
             call.result(timeout=30)
         assert "was killed" in str(info.value)
         assert wait_until(lambda: not alive(pid), timeout=30)
-        assert w.call("remote_tasks:add", 1) == 1 and w.generation == 2
+        assert w.call("tasks.remote:add", 1) == 1 and w.generation == 2
 
 
 def test_an_idle_worker_is_reaped_politely_and_respawned(backend: str, tmp_path: Path) -> None:
     marker = tmp_path / "released"
     with _policy_pool(backend, idle_timeout=1.0) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:register_release_hook", str(marker))
+        w.call("tasks.remote:register_release_hook", str(marker))
         pid = w.pid
         assert pid is not None
         assert wait_until(lambda: w.stats().reaped == 1, timeout=30)
         assert wait_until(lambda: not alive(pid), timeout=30)
         assert marker.read_text() == "released\n"  # asked to leave: its release hooks ran
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert w.generation == 2 and w.stats().crashed == 0
 
 
 def test_a_long_idle_worker_is_pinged_before_a_call(backend: str) -> None:
     with _policy_pool(backend, ping_after_idle=0.2) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:add", 1)
+        w.call("tasks.remote:add", 1)
         time.sleep(0.5)
-        assert w.call("remote_tasks:add", 2) == 2
+        assert w.call("tasks.remote:add", 2) == 2
         stats = w.stats()
         assert (stats.pings, stats.ping_failures, w.generation) == (1, 0, 1)
 
@@ -325,8 +325,8 @@ def test_asyncio_calls_work_and_events_arrive(cpool: comfy_env.Pool) -> None:
     seen: list[CallEvent] = []
 
     async def main() -> tuple[int, int]:
-        first = await w.acall("remote_tasks:add", 2, b=3)
-        second = await w.arun("remote_tasks:events_in_order", (3,), on_event=seen.append)
+        first = await w.acall("tasks.remote:add", 2, b=3)
+        second = await w.arun("tasks.remote:events_in_order", (3,), on_event=seen.append)
         return first, second
 
     assert asyncio.run(main()) == (5, 3)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import remote_tasks
 from conftest import alive, reactor_held, wait_until
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import CallTimeout, ProtocolError, WorkerCrashed
@@ -55,7 +55,7 @@ def test_stderr_tail_is_one_string_of_the_last_lines_as_documented(
     assert "one ``str``" in (comfy_env.WorkerStartError.__doc__ or "")
     with comfy_env.Pool(config.model_copy(update={"stderr_tail_lines": 5})) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:noisy", 10)
+        w.call("tasks.remote:noisy", 10)
         with pytest.raises(WorkerCrashed) as info:
             w.call("comfy_env_worker.tasks:crash")
     tail = info.value.stderr_tail
@@ -84,7 +84,7 @@ def test_the_crashed_caller_collects_exit_and_last_words_without_the_reactor(
     assert (err.exitcode, err.signal, err.generation) == (-signal.SIGSEGV, "SIGSEGV", 1)
     assert "Fatal Python error: Segmentation fault" in err.stderr_tail
     # The reactor, free again, finds the exit reported: one death, one WorkerRetired.
-    assert w.call("remote_tasks:add", 1, 1) == 2
+    assert w.call("tasks.remote:add", 1, 1) == 2
     assert wait_until(lambda: any(type(e).__name__ == "WorkerRetired" for e in events), 10)
     time.sleep(0.2)  # a second report, if any, would arrive meanwhile
     retired = [e for e in events if isinstance(e, comfy_env.WorkerRetired)]
@@ -105,7 +105,7 @@ def test_the_crashed_caller_reports_the_death_before_it_raises(pool: comfy_env.P
     assert process is not None and process.popen is not None
     with reactor_held(pool) as release:
         with pytest.raises(WorkerCrashed) as info:
-            w.call("hardening_tasks:die", 7)
+            w.call("tasks.hostile:die", 7)
         assert (info.value.exitcode, info.value.signal) == (7, None)
         assert w.stats().restarts_in_window == 1
         assert wait_until(lambda: any(type(e).__name__ == "WorkerRetired" for e in events), 10)
@@ -124,7 +124,7 @@ def test_last_words_without_a_newline_reach_the_crash_report(pool: comfy_env.Poo
     # is complete when the worker has exited: a last line without its newline still counts.
     w = pool.get_worker()
     with pytest.raises(WorkerCrashed) as info:
-        w.call("hardening_tasks:die_mid_line", 5)
+        w.call("tasks.hostile:die_mid_line", 5)
     assert info.value.exitcode == 5
     assert "half a line on stderr" in info.value.stderr_tail
     assert "half a line on stdout" in info.value.stderr_tail
@@ -170,7 +170,7 @@ def test_next_call_after_a_crash_runs_on_the_next_generation(pool: comfy_env.Poo
     with pytest.raises(WorkerCrashed):
         w.call("comfy_env_worker.tasks:crash")
     first_pid = w.stats().workers[0].pid
-    assert w.call("remote_tasks:add", 1, 1) == 2
+    assert w.call("tasks.remote:add", 1, 1) == 2
     assert w.generation == 2
     assert w.pid != first_pid
     stats = w.stats()
@@ -201,11 +201,11 @@ def test_a_worker_that_closes_its_channel_and_lives_on_is_not_said_to_be_killed_
     host's, so the story is "closed its channel", not "the OOM killer or a kill -9"."""
     w = pool.get_worker()
     with pytest.raises(WorkerCrashed) as info:
-        w.call("remote_tasks:close_channel_and_linger", 30.0)
+        w.call("tasks.remote:close_channel_and_linger", 30.0)
     message = str(info.value)
     assert "closed its channel while still running" in message, message
     assert "from outside" not in message and "OOM" not in message, message
-    assert w.call("remote_tasks:add", 1, 2) == 3 and w.generation == 2
+    assert w.call("tasks.remote:add", 1, 2) == 3 and w.generation == 2
 
 
 def test_abort_is_reported_as_sigabrt(pool: comfy_env.Pool) -> None:
@@ -229,7 +229,7 @@ def test_idle_death_is_invisible_to_the_next_call(
         while w.stats().state != "retired" and time.monotonic() < deadline:
             time.sleep(0.005)
         assert w.stats().workers[0].retire_reason == "crashed"
-    assert w.call("remote_tasks:add", 2, 2) == 4
+    assert w.call("tasks.remote:add", 2, 2) == 4
     assert w.generation == 2
     stats = w.stats()
     assert (stats.crashed, stats.ok) == (0, 2)
@@ -238,7 +238,7 @@ def test_idle_death_is_invisible_to_the_next_call(
 def test_a_complete_reply_written_before_death_is_delivered(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     assert w.call(remote_tasks.reply_then_die) == "late"
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 2
 
 
@@ -264,12 +264,12 @@ def test_timeout_is_a_total_deadline_and_replaces_the_worker(pool: comfy_env.Poo
     err = info.value
     assert isinstance(err, TimeoutError)
     assert (err.pid, err.generation, err.env) == (pid, 1, w.env)
-    assert err.target == "remote_tasks:chatty_sleep"
+    assert err.target == "tasks.remote:chatty_sleep"
     assert err.call_id is not None and err.timeout == 0.5
     assert str(err).endswith("was stopped (timeout 0.5s)")
     assert pid is not None
     _wait_gone(pid)
-    assert w.call("remote_tasks:add", 5) == 5
+    assert w.call("tasks.remote:add", 5) == 5
     assert w.generation == 2
     assert w.stats().timed_out == 1
 
@@ -282,7 +282,7 @@ def test_timeout_escalates_to_sigkill_when_sigterm_is_ignored(pool: comfy_env.Po
     with pytest.raises(CallTimeout):
         w.run(remote_tasks.sleep_ignoring_sigterm, (30,), timeout=0.3)
     _wait_gone(pid, timeout=5)
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
 
 
 def test_default_timeout_comes_from_the_config(config: comfy_env.PoolConfig) -> None:
@@ -301,21 +301,21 @@ def test_a_call_timeout_names_the_call_and_its_timeout_at_every_stage(
     it was given and the call's target, and its message says the timeout."""
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
-        ahead = w.submit("remote_tasks:cooperative_loop", (3.0,))
+        ahead = w.submit("tasks.remote:cooperative_loop", (3.0,))
         assert wait_until(lambda: w.stats().in_flight == 1)
         with pytest.raises(
-            CallTimeout, match=r"queued .*\(call to remote_tasks:add, timeout 0.2s\)$"
+            CallTimeout, match=r"queued .*\(call to tasks\.remote:add, timeout 0.2s\)$"
         ) as info:
-            w.run("remote_tasks:add", (1,), timeout=0.2)
+            w.run("tasks.remote:add", (1,), timeout=0.2)
         assert (info.value.timeout, info.value.target, info.value.call_id) == (
             0.2,
-            "remote_tasks:add",
+            "tasks.remote:add",
             None,  # it never got one
         )
-        late = w.submit("remote_tasks:add", (1,), timeout=0.25)
+        late = w.submit("tasks.remote:add", (1,), timeout=0.25)
         with pytest.raises(CallTimeout) as info:
             late.result(timeout=10)
-        assert (info.value.timeout, info.value.target) == (0.25, "remote_tasks:add")
+        assert (info.value.timeout, info.value.target) == (0.25, "tasks.remote:add")
         assert ahead.result(timeout=10) == "finished"
 
 
@@ -339,7 +339,7 @@ def test_cancelling_acall_stops_and_replaces_the_worker(pool: comfy_env.Pool) ->
 
     asyncio.run(main())
     _wait_gone(pid)
-    assert w.call("remote_tasks:add", 3) == 3
+    assert w.call("tasks.remote:add", 3) == 3
     assert w.generation == 2
     deadline = time.monotonic() + 5
     while w.stats().cancelled != 1 and time.monotonic() < deadline:
@@ -362,7 +362,7 @@ def test_keyboard_interrupt_while_waiting_stops_the_worker(
     finally:
         timer.join()
     _wait_gone(pid)
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 2
     stats = w.stats()
     assert (stats.cancelled, stats.in_flight) == (1, 0)
@@ -374,7 +374,7 @@ def test_garbage_on_the_channel_is_a_protocol_error_that_retires_the_worker(
     w = pool.get_worker()
     with pytest.raises(ProtocolError, match="bad frame magic"):
         w.call(remote_tasks.write_garbage)
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 2
 
 
@@ -382,7 +382,7 @@ def test_an_oversized_frame_length_is_a_protocol_error(pool: comfy_env.Pool) -> 
     w = pool.get_worker()
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         w.call(remote_tasks.write_oversized_header)
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 2
 
 
@@ -397,7 +397,7 @@ def test_unknown_request_gets_an_error_reply_not_silence(pool: comfy_env.Pool) -
     ftype, _flags, call_id, payload = reader.read(time.monotonic() + 5)
     assert (ftype, call_id) == (10, 12345)  # FrameType.ERROR, same call id
     assert b"does not accept frame type 99" in payload
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 1
 
 
@@ -693,7 +693,7 @@ def test_a_spawn_after_the_reactor_ended_is_a_start_error_not_a_hang(
     monkeypatch.setattr(_reactor, "_RUN_SYNC_CHECK", 0.05)
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker(None)
-        assert w.call("remote_tasks:add", 1, 2) == 3
+        assert w.call("tasks.remote:add", 1, 2) == 3
         reactor = pool._spawner.reactor
         assert reactor is not None and reactor._thread is not None
         # A timer entry the loop cannot read: its next turn raises TypeError outside any
@@ -704,4 +704,4 @@ def test_a_spawn_after_the_reactor_ended_is_a_start_error_not_a_hang(
         os.kill(w.pid, signal.SIGKILL)  # the next call finds the channel closed: a spawn
         assert wait_until(lambda: not alive(w.pid))
         with pytest.raises(WorkerStartError, match="service thread"):
-            w.call("remote_tasks:add", 1, 2, timeout=30)
+            w.call("tasks.remote:add", 1, 2, timeout=30)

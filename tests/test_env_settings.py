@@ -86,9 +86,9 @@ def test_an_env_s_memory_limit_applies_to_its_workers_only(foreign_venv: Path) -
         mine, other = pool.get_worker(), pool.get_worker(str(foreign_venv))
         pool.configure(None, memory_limit=128 * MiB)
         with pytest.raises(WorkerOutOfMemory) as out:
-            mine.call("remote_tasks:allocate_mib", 512)
+            mine.call("tasks.remote:allocate_mib", 512)
         assert out.value.limit == 128 * MiB
-        assert other.call("remote_tasks:allocate_mib", 256) == 32
+        assert other.call("tasks.remote:allocate_mib", 256) == 32
 
 
 def test_an_env_s_breaker_settings_trip_it_alone(foreign_venv: Path) -> None:

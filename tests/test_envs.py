@@ -214,13 +214,13 @@ def test_foreign_venv_runs_calls_without_host_packages(
     pool: comfy_env.Pool, foreign_venv: Path
 ) -> None:
     w = pool.get_worker(foreign_venv)
-    assert w.call("remote_tasks:prefix") == str(foreign_venv)
-    assert w.call("remote_tasks:executable") == str(foreign_venv / "bin" / "python")
+    assert w.call("tasks.remote:prefix") == str(foreign_venv)
+    assert w.call("tasks.remote:executable") == str(foreign_venv / "bin" / "python")
     # Installed in the host's env only: must not be importable in the worker.
-    assert pool.get_worker().call("remote_tasks:can_import", "pydantic")
-    assert not w.call("remote_tasks:can_import", "pydantic")
-    assert not w.call("remote_tasks:can_import", "psutil")
-    assert not w.call("remote_tasks:can_import", "comfy_env")
+    assert pool.get_worker().call("tasks.remote:can_import", "pydantic")
+    assert not w.call("tasks.remote:can_import", "pydantic")
+    assert not w.call("tasks.remote:can_import", "psutil")
+    assert not w.call("tasks.remote:can_import", "comfy_env")
     # By value works because the venv runs the host's Python version.
     assert w.call(lambda: 6 * 7) == 42
 
@@ -232,10 +232,10 @@ def test_host_pythonpath_does_not_leak_into_workers(
     monkeypatch.setenv("COMFY_TEST_MARKER", "visible")
     with comfy_env.Pool(config.model_copy(update={"env_vars": {"EXTRA": "1"}})) as pool:
         w = pool.get_worker()
-        assert w.call("remote_tasks:environ", "PYTHONPATH") is None
-        assert w.call("remote_tasks:environ", "COMFY_TEST_MARKER") == "visible"
-        assert w.call("remote_tasks:environ", "EXTRA") == "1"
-        path = w.call("remote_tasks:sys_path")
+        assert w.call("tasks.remote:environ", "PYTHONPATH") is None
+        assert w.call("tasks.remote:environ", "COMFY_TEST_MARKER") == "visible"
+        assert w.call("tasks.remote:environ", "EXTRA") == "1"
+        path = w.call("tasks.remote:sys_path")
         assert not any("leaky" in p for p in path)
         assert path[0].startswith(comfy_env._process.runtime_root())
 
@@ -246,12 +246,12 @@ def test_a_worker_with_pythonsafepath_keeps_its_stdlib_on_sys_path(
 ) -> None:
     # env_vars wins over the host's stripping of PYTHONSAFEPATH: no '' entry for BOOT to take.
     with comfy_env.Pool(config) as pool:
-        normal = pool.get_worker().call("remote_tasks:sys_path")
+        normal = pool.get_worker().call("tasks.remote:sys_path")
     safe_config = config.model_copy(update={"env_vars": {"PYTHONSAFEPATH": "1"}})
     with comfy_env.Pool(safe_config) as pool:
         w = pool.get_worker()
-        assert w.call("remote_tasks:environ", "PYTHONSAFEPATH") == "1"
-        path = w.call("remote_tasks:sys_path")
+        assert w.call("tasks.remote:environ", "PYTHONSAFEPATH") == "1"
+        path = w.call("tasks.remote:sys_path")
         # The runtime dir first (each pool has its own), then exactly a normal worker's entries.
         assert path[0].startswith(comfy_env._process.runtime_root())
         assert path[1:] == normal[1:]
@@ -303,7 +303,7 @@ def test_oldest_supported_env_python_runs_the_worker(pool: comfy_env.Pool, tmp_p
     subprocess.run([py38, "-m", "venv", "--without-pip", str(env)], check=True)
     w = pool.get_worker(env)
     assert w.call("comfy_env_worker.tasks:info")["python"].startswith("3.8")
-    assert w.call("remote_tasks:add", 1, 2) == 3
+    assert w.call("tasks.remote:add", 1, 2) == 3
 
 
 def test_by_value_function_to_another_python_is_refused_clearly(
@@ -316,7 +316,7 @@ def test_by_value_function_to_another_python_is_refused_clearly(
     env = tmp_path / "other"
     subprocess.run([other, "-m", "venv", "--without-pip", str(env)], check=True)
     w = pool.get_worker(env)
-    assert w.call("remote_tasks:add", 2, 3) == 5  # by reference works across versions
+    assert w.call("tasks.remote:add", 2, 3) == 5  # by reference works across versions
     with pytest.raises(SerializationError, match="same Python version"):
         w.call(lambda: 1)
     assert w.generation == 1

@@ -14,9 +14,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import executor_tasks as tasks
 import pytest
 from conftest import TESTS_DIR, other_python, wait_until
+from tasks import executor as tasks
 
 import comfy_env
 from comfy_env import ArgumentError, SerializationError, WorkerCrashed
@@ -40,7 +40,7 @@ def test_is_a_concurrent_futures_executor_whose_submit_returns_a_future(
     assert future.result(timeout=30) == 49
     assert executor.submit(tasks.add, 2, b=3).result(timeout=30) == 5
     # A "module:function" string, as Worker.call takes it, and a by-value lambda.
-    assert executor.submit("executor_tasks:square", 4).result(timeout=30) == 16
+    assert executor.submit("tasks.executor:square", 4).result(timeout=30) == 16
     offset = 10
     assert executor.submit(lambda x: x + offset, 1).result(timeout=30) == 11
     assert executor.submit(tasks.pid).result(timeout=30) != os.getpid()
@@ -341,7 +341,7 @@ def test_process_pool_executor_cannot_run_a_call_in_that_env(other_env: Path) ->
     code = f"""
 import multiprocessing, concurrent.futures, sys
 sys.path.insert(0, {str(TESTS_DIR)!r})
-import executor_tasks
+from tasks import executor as executor_tasks
 ctx = multiprocessing.get_context("spawn")
 ctx.set_executable({str(other_env / "bin" / "python")!r})
 with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
@@ -362,7 +362,8 @@ def test_an_executor_not_shut_down_runs_out_its_queue_at_interpreter_exit(tmp_pa
     code = f"""
 import sys
 sys.path.insert(0, {str(TESTS_DIR)!r})
-import comfy_env, executor_tasks
+import comfy_env
+from tasks import executor as executor_tasks
 ex = comfy_env.Executor(None, 1, config=comfy_env.PoolConfig(sys_path=({str(TESTS_DIR)!r},)))
 for i in range(4):
     ex.submit(executor_tasks.touch, {str(tmp_path)!r} + f"/m{{i}}", 0.1)

@@ -2,7 +2,7 @@
 
 One parametrized test, ``test_fault_matrix``, runs one cell per (where, how); its id is
 ``<where>-<how>``, e.g. ``run-segfault-ctypes``. The worker-side half of each fault lives in
-``tests/fault_tasks.py``.
+``tests/tasks/fault.py``.
 
 **Where** the fault strikes:
 
@@ -65,12 +65,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fault_tasks
 import numpy as np
 import psutil
 import pytest
-import remote_tasks
 from conftest import TESTS_DIR
+from tasks import fault as fault_tasks
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import (
@@ -292,7 +292,7 @@ def _fake_interpreter(root: Path) -> Path:
     """An env whose ``bin/python`` runs the real worker through ``fault_tasks.boot``."""
     boot = (
         f"import sys;sys.path[0]=sys.argv[1];sys.path.insert(1,'{TESTS_DIR}');"
-        "import fault_tasks;fault_tasks.boot(sys.argv[2:])"
+        "from tasks import fault;fault.boot(sys.argv[2:])"
     )
     interpreter = root / "bin" / "python"
     interpreter.parent.mkdir(parents=True)
@@ -469,13 +469,13 @@ def _check_error(
         else:
             assert (error.exitcode, error.signal) == (expect.exitcode, expect.signal), str(error)
         assert error.call_id is not None and error.call_id > 1
-        assert error.target is not None and error.target.startswith("fault_tasks:")
+        assert error.target is not None and error.target.startswith("tasks.fault:")
         assert f"comfy-fault: {cell}" in error.stderr_tail, error.stderr_tail
         if expect.signal in FAULTHANDLER_REPORTS:  # the Python stack of the crashing frame
             assert FAULTHANDLER_REPORTS[expect.signal] in error.stderr_tail, error.stderr_tail
     elif expect.kind == "timeout":
         assert isinstance(error, CallTimeout)
-        assert error.target is not None and error.target.startswith("fault_tasks:")
+        assert error.target is not None and error.target.startswith("tasks.fault:")
     else:
         assert expect.kind == "protocol"
         assert re.search(expect.detail, str(error)), str(error)

@@ -102,8 +102,8 @@ def test_a_forked_child_inherits_none_of_the_parents_calls_in_flight(
     # from polling (CALLS_IN_FLIGHT counts this process's calls; that thread is not in the
     # child).
     w = pool.get_worker()
-    w.call("remote_tasks:add", 1, 1)
-    running = w.submit("remote_tasks:busy_loop", (1.0,))
+    w.call("tasks.remote:add", 1, 1)
+    running = w.submit("tasks.remote:busy_loop", (1.0,))
     deadline = time.monotonic() + 10
     while len(CALLS_IN_FLIGHT) != 1 and time.monotonic() < deadline:
         time.sleep(0.001)

@@ -233,7 +233,7 @@ def fuzz_pool(fuzz_config: comfy_env.PoolConfig) -> Iterator[comfy_env.Pool]:
 
 def call(worker: comfy_env.Worker, mode: str, *args: Any, **options: Any) -> Any:
     """``misbehave(*args)`` through the sync call or ``acall`` (``on_event``: ``run``/``arun``)."""
-    target = "fuzz_tasks:misbehave"
+    target = "tasks.fuzz:misbehave"
     if mode == "sync":
         if options:
             return worker.run(target, args, **options)
@@ -261,14 +261,14 @@ def assert_invariant(worker: comfy_env.Worker) -> None:
 
 def assert_next_call_works(worker: comfy_env.Worker, generation: int) -> None:
     """The next call runs on generation ``generation`` and succeeds; the counts add up."""
-    assert worker.call("remote_tasks:add", 1) == 1
+    assert worker.call("tasks.remote:add", 1) == 1
     assert worker.generation == generation
     assert_invariant(worker)
 
 
 def warm(pool: comfy_env.Pool) -> comfy_env.Worker:
     worker = pool.get_worker()
-    assert worker.call("remote_tasks:add", 1) == 1
+    assert worker.call("tasks.remote:add", 1) == 1
     assert worker.generation == 1
     return worker
 
@@ -417,7 +417,7 @@ def test_random_junk_from_a_worker_never_corrupts_the_pool(
                 call(worker, mode, junk, "exit")
             except allowed:
                 pass
-            assert worker.call("remote_tasks:add", 1) == 1
+            assert worker.call("tasks.remote:add", 1) == 1
             stats = worker.stats()
             assert stats.submitted == before + 2
             assert_invariant(worker)
@@ -478,7 +478,7 @@ def test_an_unforeseen_error_opening_a_reply_never_leaves_the_slot_stuck(
     with pytest.raises(RuntimeError, match="open_reply broke"):
         call_target(worker, mode, "comfy_env_worker.tasks:echo", bytes(1 << 20))
     monkeypatch.undo()
-    assert worker.call("remote_tasks:add", 1) == 1
+    assert worker.call("tasks.remote:add", 1) == 1
     assert_invariant(worker)
     stats = worker.stats()
     assert (stats.in_flight, stats.queued, stats.failed) == (0, 0, 1)
@@ -532,7 +532,7 @@ def test_a_reply_block_changed_behind_the_envelope_fails_that_call_only(
     """The worker's reply block is unlinked or shrunk before its envelope is read: the
     result arrives whole, or the call fails with a typed error; the next call works."""
     worker = warm(fuzz_pool)
-    target = "fuzz_tasks:replace_block_then_reply"
+    target = "tasks.fuzz:replace_block_then_reply"
     if error is None:
         assert call_target(worker, mode, target, how, size).sum() == size // 8
         assert_next_call_works(worker, generation=1)
@@ -543,6 +543,6 @@ def test_a_reply_block_changed_behind_the_envelope_fails_that_call_only(
     if error is HostResourceError:
         # The worker gave the gone block up (CONSUMED with FLAG_GONE) instead of putting it
         # back in its pool: the next reply of that size gets a new block and arrives.
-        again = call_target(worker, mode, "remote_tasks:filled", 1.0, size // 4)
+        again = call_target(worker, mode, "tasks.remote:filled", 1.0, size // 4)
         assert again.nbytes == size and worker.generation == 1
         del again  # (the error's traceback holds this frame until a gc: not the result too)

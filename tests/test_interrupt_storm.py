@@ -69,27 +69,27 @@ if variant == "shm":
 
 def step(i):
     if variant == "small":
-        assert worker.call("remote_tasks:add", i, 1) == i + 1
+        assert worker.call("tasks.remote:add", i, 1) == i + 1
     elif variant == "crash":
         if i % 4 == 3:
             try:
-                worker.call("remote_tasks:kill_self", 9)
+                worker.call("tasks.remote:kill_self", 9)
             except WorkerCrashed:
                 pass
         else:
-            assert worker.call("remote_tasks:add", i, 1) == i + 1
+            assert worker.call("tasks.remote:add", i, 1) == i + 1
     elif variant == "shm":
         if i % 2:
-            assert worker.call("remote_tasks:hold_array", big, 0.0) == 100_000.0
+            assert worker.call("tasks.remote:hold_array", big, 0.0) == 100_000.0
         else:
-            assert worker.call("remote_tasks:filled", 2.0, 100_000).shape == (100_000,)
+            assert worker.call("tasks.remote:filled", 2.0, 100_000).shape == (100_000,)
     elif variant == "queue":
-        assert worker.call("remote_tasks:add", i, 1) == i + 1
+        assert worker.call("tasks.remote:add", i, 1) == i + 1
     elif variant == "cold":
         if i % 3 == 0:
             pool.retire_idle()
             pool.reset()
-        assert worker.call("remote_tasks:add", i, 1) == i + 1
+        assert worker.call("tasks.remote:add", i, 1) == i + 1
 
 
 def other_caller():
@@ -98,7 +98,7 @@ def other_caller():
     while not os.path.exists(flag):
         i += 1
         try:
-            worker.call("remote_tasks:sleep_then", 0.003, i)
+            worker.call("tasks.remote:sleep_then", 0.003, i)
         except comfy_env.ComfyEnvError:
             pass  # its worker stopped by a Ctrl-C of the main thread's call
 
@@ -175,7 +175,7 @@ for key, entry in pool._entries.items():
         problems.append(f"{key}: {len(entry.waiters)} waiters")
 started = time.monotonic()
 try:
-    last = worker.run("remote_tasks:add", (1, 1), timeout=20.0)
+    last = worker.run("tasks.remote:add", (1, 1), timeout=20.0)
     if last != 2:
         problems.append(f"the last call returned {last!r}")
 except BaseException as exc:

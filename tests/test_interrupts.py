@@ -129,7 +129,7 @@ def test_a_slot_stuck_starting_is_shown_and_reset_recovers_it(
     pool: comfy_env.Pool, capsys: pytest.CaptureFixture[str]
 ) -> None:
     worker = pool.get_worker()
-    assert worker.call("remote_tasks:add", 1, 1) == 2
+    assert worker.call("tasks.remote:add", 1, 1) == 2
     _make_stuck(pool, worker)
 
     (ws,) = worker.stats().workers
@@ -153,15 +153,15 @@ def test_a_slot_stuck_starting_is_shown_and_reset_recovers_it(
     pool.reset()
     (ws,) = worker.stats().workers
     assert (ws.state, ws.stuck) == ("retired", False)
-    assert worker.run("remote_tasks:add", (2, 2), timeout=30) == 4
+    assert worker.run("tasks.remote:add", (2, 2), timeout=30) == 4
     assert worker.stats().workers[0].state == "idle"
 
 
 def test_the_reaper_recovers_a_slot_stuck_starting(config: comfy_env.PoolConfig) -> None:
     with comfy_env.Pool(config.model_copy(update={"idle_timeout": 60.0})) as pool:
         worker = pool.get_worker()
-        assert worker.call("remote_tasks:add", 1, 1) == 2
+        assert worker.call("tasks.remote:add", 1, 1) == 2
         _make_stuck(pool, worker)
         pool._spawner.reap_tick()
         assert worker.stats().workers[0].stuck is False
-        assert worker.run("remote_tasks:add", (2, 2), timeout=30) == 4
+        assert worker.run("tasks.remote:add", (2, 2), timeout=30) == 4

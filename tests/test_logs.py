@@ -9,8 +9,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import remote_tasks
 from conftest import TESTS_DIR, run_host, wait_until
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env._logs import WorkerLog
@@ -90,7 +90,7 @@ def test_junk_on_the_log_pipe_is_said_once_and_later_records_still_arrive(
     caplog.set_level(logging.INFO, logger="comfy_env")
     w = pool.get_worker()
     for round_ in (1, 2):
-        w.call("remote_tasks:write_junk_on_the_log_pipe")
+        w.call("tasks.remote:write_junk_on_the_log_pipe")
         w.call(remote_tasks.log_later, 0.2)
 
         def arrived(n: int = round_) -> bool:
@@ -155,7 +155,7 @@ def test_a_flood_is_bounded_counted_and_never_blocks_the_reply(
     assert len(emitted) < 50 * 1024  # bounded, not all 51200 lines
     grown = psutil.Process().memory_info().rss - rss_before
     assert grown < 200 * 1024 * 1024  # the host did not buffer the flood
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
 
 
 def test_an_unconfigured_host_prints_worker_lines_with_env_and_pid() -> None:
@@ -163,8 +163,8 @@ def test_an_unconfigured_host_prints_worker_lines_with_env_and_pid() -> None:
         import comfy_env
         pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(%r,)))
         w = pool.get_worker()
-        w.call("remote_tasks:log_things", 2)
-        w.call("remote_tasks:print_to_file", %r)
+        w.call("tasks.remote:log_things", 2)
+        w.call("tasks.remote:print_to_file", %r)
         print("PID", w.pid, flush=True)
         pool.close()
     """
@@ -225,7 +225,7 @@ def test_a_configured_host_gets_worker_lines_only_through_logging() -> None:
         logging.basicConfig(level=logging.INFO, format="LOGGED %%(name)s %%(message)s")
         pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(%r,)))
         w = pool.get_worker()
-        w.call("remote_tasks:log_things", 1)
+        w.call("tasks.remote:log_things", 1)
         print("PID", w.pid, flush=True)
         pool.close()
     """

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy_tasks
 import pytest
 from conftest import TESTS_DIR, other_python
+from tasks import numpy_skew as numpy_tasks
 
 import comfy_env
 from comfy_env import SerializationError
@@ -128,14 +128,14 @@ def _pool(shared_memory: bool) -> Iterator[comfy_env.Pool]:
 
 
 def _check_round_trips(worker: comfy_env.Worker, expect_env_numpy: str) -> None:
-    assert worker.call("numpy_tasks:numpy_version") == expect_env_numpy
+    assert worker.call("tasks.numpy_skew:numpy_version") == expect_env_numpy
     for which in ("cases", "containers", "scalars"):
         local = numpy_tasks.built(which)
         # Arguments: the env compares what it got with the same arrays built by its numpy.
-        assert worker.call("numpy_tasks:mismatches", local, which) == []
+        assert worker.call("tasks.numpy_skew:mismatches", local, which) == []
         # Results: built by the env's numpy, and the host's own arrays echoed back.
-        assert numpy_tasks.mismatches(worker.call("numpy_tasks:built", which), which) == []
-        assert numpy_tasks.mismatches(worker.call("numpy_tasks:echo", local), which) == []
+        assert numpy_tasks.mismatches(worker.call("tasks.numpy_skew:built", which), which) == []
+        assert numpy_tasks.mismatches(worker.call("tasks.numpy_skew:echo", local), which) == []
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "inline"])
@@ -159,7 +159,7 @@ def test_arrays_cross_in_code_sent_by_value_and_in_cloudpickled_results(
         worker = pool.get_worker(numpy1_env)
         # A lambda travels by value (cloudpickle), with the array it closes over.
         assert worker.call(lambda: captured.tobytes(order="A")) == captured.tobytes(order="A")
-        fn, fortran, large = worker.call("numpy_tasks:with_code")
+        fn, fortran, large = worker.call("tasks.numpy_skew:with_code")
     assert fn() == 42
     assert numpy_tasks.same(local["fortran"], fortran) is None
     assert numpy_tasks.same(local["large"], large) is None
@@ -170,7 +170,7 @@ def test_arrays_cross_from_a_numpy2_host_to_python38_with_numpy_1_21(oldest_env:
         worker = pool.get_worker(oldest_env)
         _check_round_trips(worker, "1.21.6")
         with pytest.raises(SerializationError, match="StringDType"):
-            worker.call("numpy_tasks:echo", numpy_tasks.strings())
+            worker.call("tasks.numpy_skew:echo", numpy_tasks.strings())
 
 
 def test_arrays_cross_between_numpy2_versions(numpy2_env: Path) -> None:
@@ -184,22 +184,24 @@ def test_a_numpy2_only_dtype_sent_to_numpy1_is_a_serialization_error_naming_it(
     with _pool(True) as pool:
         worker = pool.get_worker(numpy1_env)
         with pytest.raises(SerializationError, match="StringDType") as info:
-            worker.call("numpy_tasks:echo", numpy_tasks.strings())
+            worker.call("tasks.numpy_skew:echo", numpy_tasks.strings())
         assert "numpy._core" not in str(info.value)
         assert "no such dtype" in str(info.value)
-        assert worker.call("numpy_tasks:echo", np.arange(3)).tolist() == [0, 1, 2]  # still fine
+        # still fine
+        assert worker.call("tasks.numpy_skew:echo", np.arange(3)).tolist() == [0, 1, 2]
 
 
 def test_a_numpy2_only_dtype_still_crosses_between_numpy2_envs(numpy2_env: Path) -> None:
     with _pool(True) as pool:
-        back = pool.get_worker(numpy2_env).call("numpy_tasks:echo", numpy_tasks.strings())
+        back = pool.get_worker(numpy2_env).call("tasks.numpy_skew:echo", numpy_tasks.strings())
     assert back.tolist() == ["a", "bb"]
 
 
 _NUMPY1_HOST = """
 import json, sys
 import numpy as np
-import comfy_env, numpy_tasks
+import comfy_env
+from tasks import numpy_skew as numpy_tasks
 
 env, tests, shared_memory = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 config = comfy_env.PoolConfig(sys_path=(tests,), close_timeout=3.0, shared_memory=shared_memory)
@@ -208,16 +210,16 @@ with comfy_env.Pool(config) as pool:
     worker = pool.get_worker(env)
     for which in ("cases", "containers", "scalars"):
         local = numpy_tasks.built(which)
-        problems += worker.call("numpy_tasks:mismatches", local, which)
-        problems += numpy_tasks.mismatches(worker.call("numpy_tasks:built", which), which)
-        problems += numpy_tasks.mismatches(worker.call("numpy_tasks:echo", local), which)
+        problems += worker.call("tasks.numpy_skew:mismatches", local, which)
+        problems += numpy_tasks.mismatches(worker.call("tasks.numpy_skew:built", which), which)
+        problems += numpy_tasks.mismatches(worker.call("tasks.numpy_skew:echo", local), which)
     try:
-        worker.call("numpy_tasks:strings")
+        worker.call("tasks.numpy_skew:strings")
         problems.append("a StringDType result reached a numpy-1 host")
     except comfy_env.SerializationError as exc:
         if "StringDType" not in str(exc):
             problems.append("the error does not name the dtype: %s" % exc)
-    env_numpy = worker.call("numpy_tasks:numpy_version")
+    env_numpy = worker.call("tasks.numpy_skew:numpy_version")
 print(json.dumps({"host": np.__version__, "env": env_numpy, "problems": problems}))
 """
 

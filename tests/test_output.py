@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-import fault_tasks
-import output_tasks
 import pytest
 from conftest import TESTS_DIR, run_host, wait_until
+from tasks import fault as fault_tasks
+from tasks import output as output_tasks
 
 import comfy_env
 
@@ -70,7 +70,7 @@ def test_logging_disable_silences_worker_lines_in_an_unconfigured_host() -> None
         logging.disable(logging.CRITICAL)
         pool = comfy_env.Pool(comfy_env.PoolConfig(sys_path=(%r,)))
         w = pool.get_worker()
-        w.call("remote_tasks:log_things", 2)
+        w.call("tasks.remote:log_things", 2)
         print("PID", w.pid, flush=True)
         pool.close()
     """
@@ -101,7 +101,7 @@ def test_a_level_set_on_a_worker_logger_quiets_the_printing_of_an_unconfigured_h
         w = pool.get_worker()
         name = sys.argv[1] %% {"env": resolve_env(None).name}
         logging.getLogger(name).setLevel(logging.WARNING)
-        w.call("remote_tasks:log_things", 2)
+        w.call("tasks.remote:log_things", 2)
         pool.close()
     """
     host = run_host(code % (str(TESTS_DIR),), quieted)

@@ -14,13 +14,15 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
-import remote_tasks
 from conftest import reactor_held
 from conftest import wait_until as _wait
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import (
@@ -42,6 +44,31 @@ class FakeClock:
         return self.now
 
 
+@pytest.fixture
+def clock() -> FakeClock:
+    """The fake clock of the test's pools (idleness, the reaper, the breaker); step ``now``."""
+    return FakeClock()
+
+
+@pytest.fixture
+def pool_with(config: comfy_env.PoolConfig) -> Iterator[Callable[..., comfy_env.Pool]]:
+    """``pool_with(**overrides, clock=...)``: a pool on the ``config`` fixture's settings with
+    ``overrides`` (``idle_timeout=10.0``, ...) and, when given, a clock of its own (the
+    ``clock`` fixture). Used as ``with pool_with(...) as pool:``; one the test left open is
+    closed at teardown, before the leak guard looks."""
+    made: list[comfy_env.Pool] = []
+
+    def make(clock: Callable[[], float] | None = None, **overrides: Any) -> comfy_env.Pool:
+        settings = config.model_copy(update=overrides)
+        pool = comfy_env.Pool(settings) if clock is None else comfy_env.Pool(settings, clock=clock)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        pool.close()
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -53,10 +80,10 @@ def _gone(pid: int) -> bool:
 
 
 def test_an_idle_worker_is_reaped_after_its_release_hooks_and_respawned_on_demand(
-    config: comfy_env.PoolConfig, tmp_path: Path
+    pool_with: Callable[..., comfy_env.Pool], tmp_path: Path
 ) -> None:
     marker = tmp_path / "released"
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 0.3})) as pool:
+    with pool_with(idle_timeout=0.3) as pool:
         w = pool.get_worker()
         w.call(remote_tasks.register_release_hook, str(marker))
         pid = w.pid
@@ -65,15 +92,15 @@ def test_an_idle_worker_is_reaped_after_its_release_hooks_and_respawned_on_deman
         assert w.stats().workers[0].retire_reason == "idle"
         assert _wait(lambda: _gone(pid))
         assert marker.read_text() == "released\n"  # it asked the worker to leave, politely
-        assert w.call("remote_tasks:add", 1) == 1  # spawned exactly as a first call
+        assert w.call("tasks.remote:add", 1) == 1  # spawned exactly as a first call
         assert w.generation == 2 and w.stats().spawns == 2
 
 
 def test_a_reaper_decision_is_dropped_when_a_call_ran_in_between(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 30.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=30.0, clock=clock) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         entry, slot = w._entry, w._entry.slots[0]
@@ -90,12 +117,12 @@ def test_a_reaper_decision_is_dropped_when_a_call_ran_in_between(
 
 @pytest.mark.parametrize("now", [float("nan"), float("inf"), True, "1e9", None])
 def test_reap_idle_refuses_a_now_that_is_no_time_and_reaps_nothing(
-    config: comfy_env.PoolConfig, now: object
+    pool_with: Callable[..., comfy_env.Pool], now: object
 ) -> None:
     """``reap_idle(now)`` takes a time on the pool's clock; NaN compared as "idle long
     enough" and retired every idle worker. Anything but a finite number is an
     ``ArgumentError`` and the idle worker stays (``now=None`` means the pool's clock)."""
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 30.0})) as pool:
+    with pool_with(idle_timeout=30.0) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         pid = w.pid
@@ -109,10 +136,10 @@ def test_reap_idle_refuses_a_now_that_is_no_time_and_reaps_nothing(
 
 
 def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         ref = w.call_ref(remote_tasks.make_counter)
         clock.now += 100
@@ -120,9 +147,7 @@ def test_a_worker_holding_remote_refs_is_not_reaped_by_default(
         ref.release()  # a call: the worker is idle anew from now
         clock.now += 100
         assert pool.reap_idle() == 1
-    with comfy_env.Pool(
-        config.model_copy(update={"idle_timeout": 10.0, "reap_with_refs": True}), clock=clock
-    ) as pool:
+    with pool_with(idle_timeout=10.0, reap_with_refs=True, clock=clock) as pool:
         w = pool.get_worker()
         ref = w.call_ref(remote_tasks.make_counter)
         clock.now += 100
@@ -147,14 +172,14 @@ def test_retire_idle_retires_an_env_s_idle_worker_now_but_never_one_holding_refs
         assert w.stats().workers[0].retire_reason == "idle" and w.stats().reaped == 1
         assert _wait(lambda: _gone(pid))
         assert other.stats().state == "idle"  # another env's worker is left alone
-        assert w.call("remote_tasks:add", 1) == 1 and w.generation == 2
+        assert w.call("tasks.remote:add", 1) == 1 and w.generation == 2
 
 
 def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         kept = w.call_ref(remote_tasks.make_counter)
         dropped = w.call_ref(remote_tasks.make_counter)
@@ -167,10 +192,10 @@ def test_a_garbage_collected_ref_does_not_keep_an_idle_worker_from_being_reaped(
 
 
 def test_a_reap_hook_that_discards_its_refs_lets_the_reaper_retire_the_worker(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         mine = w.call_ref(remote_tasks.make_counter)
         other = w.call_ref(remote_tasks.make_counter)  # an owner without a hook
@@ -212,10 +237,10 @@ def test_a_reap_hook_that_discards_its_refs_lets_the_reaper_retire_the_worker(
 
 
 def test_a_reap_hook_cannot_retire_a_worker_that_ran_a_call_meanwhile(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"idle_timeout": 10.0}), clock=clock) as pool:
+    with pool_with(idle_timeout=10.0, clock=clock) as pool:
         w = pool.get_worker()
         ref = w.call_ref(remote_tasks.make_counter)
 
@@ -232,32 +257,33 @@ def test_a_reap_hook_cannot_retire_a_worker_that_ran_a_call_meanwhile(
 # ---- the health ping ---------------------------------------------------------------------------
 
 
-def test_a_long_idle_worker_is_pinged_before_a_call(config: comfy_env.PoolConfig) -> None:
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"ping_after_idle": 60.0}), clock=clock) as pool:
+def test_a_long_idle_worker_is_pinged_before_a_call(
+    pool_with: Callable[..., comfy_env.Pool], clock: FakeClock
+) -> None:
+    with pool_with(ping_after_idle=60.0, clock=clock) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         w.call("comfy_env_worker.tasks:echo", 0)
         assert w.stats().pings == 0
         clock.now += 61
-        assert w.call("remote_tasks:add", 2) == 2
+        assert w.call("tasks.remote:add", 2) == 2
         stats = w.stats()
         assert (stats.pings, stats.ping_failures, w.generation) == (1, 0, 1)
 
 
 def test_a_worker_failing_its_ping_is_replaced_and_the_call_runs_on_the_new_one(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
+    clock: FakeClock,
 ) -> None:
-    clock = FakeClock()
     update = {"ping_after_idle": 60.0, "ping_timeout": 0.3}
-    with comfy_env.Pool(config.model_copy(update=update), clock=clock) as pool:
+    with pool_with(clock=clock, **update) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
         pid = w.pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)  # alive but unresponsive
         clock.now += 61
-        assert w.call("remote_tasks:add", 3) == 3
+        assert w.call("tasks.remote:add", 3) == 3
         stats = w.stats()
         assert (stats.pings, stats.ping_failures, w.generation) == (1, 1, 2)
         assert _wait(lambda: _gone(pid))
@@ -267,10 +293,10 @@ def test_a_worker_failing_its_ping_is_replaced_and_the_call_runs_on_the_new_one(
 
 
 def test_a_crash_loop_abandons_the_env_until_reset(
-    config: comfy_env.PoolConfig, foreign_venv: Path
+    pool_with: Callable[..., comfy_env.Pool], foreign_venv: Path
 ) -> None:
     update = {"max_restarts": 2, "restart_window": 60.0}
-    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+    with pool_with(**update) as pool:
         w = pool.get_worker()
         other = pool.get_worker(foreign_venv)
         for _ in range(3):
@@ -278,46 +304,42 @@ def test_a_crash_loop_abandons_the_env_until_reset(
                 w.call("comfy_env_worker.tasks:crash")
         assert _wait(lambda: w.stats().abandoned)
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         message = str(info.value)
         assert "3 worker deaths" in message and "SIGSEGV" in message
         assert "(max_restarts/restart_window: PoolConfig)" in message
         assert "generation 3" in message and "pool.reset" in message
         assert w.stats().spawns == 3  # failing fast: no spawn
-        assert other.call("remote_tasks:add", 5) == 5  # another env is not blocked
+        assert other.call("tasks.remote:add", 5) == 5  # another env is not blocked
         pool.reset(w.env)
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert w.generation == 4 and not w.stats().abandoned
 
 
 def test_an_untimed_abandonment_outlasts_any_time_and_says_how_to_recover(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     offset = [0.0]
     update = {"max_restarts": 1, "restart_window": 60.0}
-    with comfy_env.Pool(
-        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
-    ) as pool:
+    with pool_with(clock=lambda: time.monotonic() + offset[0], **update) as pool:
         w = pool.get_worker()
         for _ in range(2):
             with pytest.raises(WorkerCrashed):
                 w.call("comfy_env_worker.tasks:crash")
         offset[0] += 10_000.0  # far past the window: the default block is until reset
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         assert "pool.reset(env)" in str(info.value)
         assert "COMFY_ENV_ABANDON_FOR" in str(info.value)  # what an operator can set
         assert w.stats().abandoned and w.stats().spawns == 2
 
 
 def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_worker(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     offset = [0.0]
     update = {"max_restarts": 1, "abandon_for": 30.0}
-    with comfy_env.Pool(
-        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
-    ) as pool:
+    with pool_with(clock=lambda: time.monotonic() + offset[0], **update) as pool:
         events: list[object] = []
         pool.subscribe(events.append)
         w = pool.get_worker()
@@ -325,32 +347,30 @@ def test_abandon_for_lifts_the_block_by_itself_and_the_next_call_starts_a_fresh_
             with pytest.raises(WorkerCrashed):
                 w.call("comfy_env_worker.tasks:crash")
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         assert "abandon_for=30s" in str(info.value) and "fresh worker" in str(info.value)
         offset[0] += 29.0
         with pytest.raises(EnvAbandonedError):  # still in force
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         offset[0] += 2.0
         assert not w.stats().abandoned
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert w.generation == 3 and w.stats().restarts_in_window == 0
         # The deaths that tripped it are forgotten: one more crash does not trip it again.
         with pytest.raises(WorkerCrashed):
             w.call("comfy_env_worker.tasks:crash")
-        assert w.call("remote_tasks:add", 2) == 2
+        assert w.call("tasks.remote:add", 2) == 2
 
 
 def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     """``restarts_in_window`` is what the breaker would count now: a death older than
     ``restart_window`` (the pool's, or the env's own from ``set_breaker``) no longer counts,
     though no later death has come to prune it."""
     offset = [0.0]
     update = {"max_restarts": 5, "restart_window": 60.0}
-    with comfy_env.Pool(
-        config.model_copy(update=update), clock=lambda: time.monotonic() + offset[0]
-    ) as pool:
+    with pool_with(clock=lambda: time.monotonic() + offset[0], **update) as pool:
         w = pool.get_worker()
         for _ in range(2):
             with pytest.raises(WorkerCrashed):
@@ -367,13 +387,13 @@ def test_restarts_in_window_counts_only_the_deaths_still_in_the_window(
         pool.set_breaker(None, restart_window=5.0)  # the env's own window counts from now on
         offset[0] += 6.0
         assert w.stats().restarts_in_window == 0
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
 
 
 def test_set_breaker_gives_one_env_its_own_settings(
-    config: comfy_env.PoolConfig, foreign_venv: Path
+    pool_with: Callable[..., comfy_env.Pool], foreign_venv: Path
 ) -> None:
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 100})) as pool:
+    with pool_with(max_restarts=100) as pool:
         w = pool.get_worker()
         other = pool.get_worker(foreign_venv)
         pool.set_breaker(None, max_restarts=1, abandon_for=600.0)
@@ -381,7 +401,7 @@ def test_set_breaker_gives_one_env_its_own_settings(
             with pytest.raises(WorkerCrashed):
                 w.call("comfy_env_worker.tasks:crash")
         with pytest.raises(EnvAbandonedError, match="abandon_for=600s") as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         # Its own limits are named, not the pool's (which were not the ones that tripped).
         assert (
             "after 2 worker deaths within the restart window (max_restarts/restart_window: the "
@@ -399,36 +419,36 @@ def test_set_breaker_gives_one_env_its_own_settings(
 
 
 def test_recent_deaths_quote_the_crashing_frame_not_the_last_output_line(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+    with pool_with(max_restarts=1) as pool:
         w = pool.get_worker()
         for _ in range(2):
             with pytest.raises(WorkerCrashed) as crashed:
-                w.call("remote_tasks:crash_in_this_frame")
+                w.call("tasks.remote:crash_in_this_frame")
         last_lines = crashed.value.stderr_tail.splitlines()[-3:]  # what was quoted before
         assert not any("crash_in_this_frame" in line for line in last_lines)
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         deaths = str(info.value).split("Recent deaths:\n", 1)[1].splitlines()
         assert len(deaths) == 2
         for line in deaths:
-            assert "crashed in File " in line and "remote_tasks.py" in line, line
+            assert "crashed in File " in line and "tasks/remote.py" in line, line
             assert line.endswith(" in crash_in_this_frame") and "Extension modules" not in line
 
 
 def test_recent_deaths_quote_the_code_that_called_a_stdlib_wrapper_that_crashed(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     """``ctypes.string_at(0)`` crashes inside ``ctypes/__init__.py``: the innermost frame was
     quoted, which names Python's library, not the env's code that called it."""
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 0})) as pool:
+    with pool_with(max_restarts=0) as pool:
         w = pool.get_worker()
         with pytest.raises(WorkerCrashed) as crashed:
             w.call("comfy_env_worker.tasks:crash")
         assert "ctypes/__init__.py" in crashed.value.stderr_tail  # the innermost frame
         with pytest.raises(EnvAbandonedError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         (death,) = str(info.value).split("Recent deaths:\n", 1)[1].splitlines()
         assert re.search(
             r'crashed in File ".*comfy_env_worker/tasks\.py", line \d+ in crash$', death
@@ -460,13 +480,13 @@ def test_the_crash_frame_is_the_innermost_outside_python_s_own_library(
 
 
 def test_a_deterministic_start_failure_is_reported_once_per_call_without_a_respawn_loop(
-    config: comfy_env.PoolConfig, tmp_path: Path
+    pool_with: Callable[..., comfy_env.Pool], tmp_path: Path
 ) -> None:
     interp = tmp_path / "env" / "bin" / "python"
     interp.parent.mkdir(parents=True)
     interp.write_text("#!/bin/sh\necho 'ImportError: broken env' >&2\nexit 1\n")
     interp.chmod(0o755)
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+    with pool_with(max_restarts=1) as pool:
         w = pool.get_worker(tmp_path / "env")
         with pytest.raises(WorkerStartError, match="broken env"):
             w.call("comfy_env_worker.tasks:echo", 1)
@@ -495,10 +515,10 @@ def _retired_then_abandoned(events: list[object], env: str, generation: int, rea
 
 
 def test_env_abandoned_follows_the_retirement_that_tripped_the_breaker(
-    config: comfy_env.PoolConfig,
+    pool_with: Callable[..., comfy_env.Pool],
 ) -> None:
     update = {"max_restarts": 2, "restart_window": 60.0}
-    with comfy_env.Pool(config.model_copy(update=update)) as pool:
+    with pool_with(**update) as pool:
         events: list[object] = []
         pool.subscribe(events.append)
         w = pool.get_worker()
@@ -511,7 +531,7 @@ def test_env_abandoned_follows_the_retirement_that_tripped_the_breaker(
 
 
 def test_env_abandoned_follows_the_failed_launch_that_tripped_the_breaker(
-    config: comfy_env.PoolConfig, tmp_path: Path
+    pool_with: Callable[..., comfy_env.Pool], tmp_path: Path
 ) -> None:
     # An interpreter the kernel refuses to execute: the launch itself fails, nothing forks,
     # and the pool reports the death on the spot (no exit will come).
@@ -519,7 +539,7 @@ def test_env_abandoned_follows_the_failed_launch_that_tripped_the_breaker(
     interp.parent.mkdir(parents=True)
     interp.write_bytes(b"\x00\x01 not an executable format\n")
     interp.chmod(0o755)
-    with comfy_env.Pool(config.model_copy(update={"max_restarts": 1})) as pool:
+    with pool_with(max_restarts=1) as pool:
         events: list[object] = []
         pool.subscribe(events.append)
         w = pool.get_worker(tmp_path / "env")
@@ -603,7 +623,7 @@ def test_callbacks_may_call_back_into_the_pool_and_their_errors_never_break_it(
 
         def reentrant(event: object) -> None:
             if isinstance(event, comfy_env.WorkerReady) and not done.is_set():
-                answers.append(pool.get_worker(event.env).call("remote_tasks:add", 40, 2))
+                answers.append(pool.get_worker(event.env).call("tasks.remote:add", 40, 2))
                 done.set()
 
         def broken(event: object) -> None:
@@ -612,11 +632,11 @@ def test_callbacks_may_call_back_into_the_pool_and_their_errors_never_break_it(
         caplog.set_level(logging.ERROR, logger="comfy_env")
         pool.subscribe(broken)
         pool.subscribe(reentrant)
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert done.wait(10)
         assert answers == [42]
         assert any("subscriber bug" in r.getMessage() or r.exc_info for r in caplog.records)
-        assert w.call("remote_tasks:add", 2) == 2
+        assert w.call("tasks.remote:add", 2) == 2
 
 
 # ---- remote objects ------------------------------------------------------------------------------
@@ -645,7 +665,7 @@ def test_a_remote_ref_of_a_dead_generation_is_stale(pool: comfy_env.Pool, how: s
     else:
         with pytest.raises(comfy_env.CallTimeout):
             w.run("comfy_env_worker.tasks:sleep", (30,), timeout=0.3)
-    w.call("remote_tasks:add", 1)  # generation 2 now serves the env
+    w.call("tasks.remote:add", 1)  # generation 2 now serves the env
     with pytest.raises(StaleGenerationError) as info:
         w.call(remote_tasks.counter_value, ref)
     message = str(info.value)
@@ -690,25 +710,26 @@ def test_a_released_ref_raises_a_comfy_env_error_in_the_host_at_once(
         w.call("comfy_env_worker.tasks:echo", [[{"r": ref}]])
 
 
-def test_every_call_is_counted_once_whichever_path_runs_it(config: comfy_env.PoolConfig) -> None:
+def test_every_call_is_counted_once_whichever_path_runs_it(
+    pool_with: Callable[..., comfy_env.Pool], clock: FakeClock
+) -> None:
     # ``Worker.call`` first tries the plain path (a target string, scalar arguments, an idle
     # worker ready); anything else goes to the general path, which must find nothing counted,
     # leased or sent. Each kind of hand-over below, then the plain call itself.
-    clock = FakeClock()
-    with comfy_env.Pool(config.model_copy(update={"ping_after_idle": 60.0}), clock=clock) as pool:
+    with pool_with(ping_after_idle=60.0, clock=clock) as pool:
         w = pool.get_worker()
-        assert w.call("remote_tasks:add", 1, 1) == 2  # no worker yet: spawned by the general path
-        assert w.call("remote_tasks:add", 2, b=3) == 5  # plain, keyword arguments too
-        assert w.call("remote_tasks:add", [1], [2]) == [1, 2]  # not all scalars
+        assert w.call("tasks.remote:add", 1, 1) == 2  # no worker yet: spawned by the general path
+        assert w.call("tasks.remote:add", 2, b=3) == 5  # plain, keyword arguments too
+        assert w.call("tasks.remote:add", [1], [2]) == [1, 2]  # not all scalars
         clock.now += 61
-        assert w.call("remote_tasks:add", 3) == 3  # a ping is due first
+        assert w.call("tasks.remote:add", 3) == 3  # a ping is due first
         assert w.stats().pings == 1
-        ref = w.call_ref("remote_tasks:add", 4)
+        ref = w.call_ref("tasks.remote:add", 4)
         with reactor_held(pool):  # (else the reactor releases it at once: a ref dropped idle)
             del ref  # dropped, not released: the next call releases it first
             gc.collect()
             assert w._entry.dropped_refs
-            assert w.call("remote_tasks:add", 5) == 5
+            assert w.call("tasks.remote:add", 5) == 5
             assert not w._entry.dropped_refs
         with pytest.raises(ValueError, match="not of the form"):
             w.call("no colon here", 1)  # refused before anything is counted
@@ -748,26 +769,26 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
     with caplog.at_level(logging.WARNING, logger="comfy_env.worker"):
         with comfy_env.Pool(config.model_copy(update={"call_timeout": 3.0})) as pool:
             w = pool.get_worker()
-            assert w.call("remote_tasks:add", 1, 1) == 2  # spawned: the general path
-            assert w.call("remote_tasks:add", 2, 2) == 4  # a plain reply: never handed over
+            assert w.call("tasks.remote:add", 1, 1) == 2  # spawned: the general path
+            assert w.call("tasks.remote:add", 2, 2) == 4  # a plain reply: never handed over
             assert resumed == kinds(None)
             resumed.clear()
 
             with pytest.raises(remote_tasks.CustomError):
-                w.call("remote_tasks:raise_custom", 7)  # an error reply
+                w.call("tasks.remote:raise_custom", 7)  # an error reply
             assert resumed == kinds(_pool._READ) and w.generation == 1
 
             resumed.clear()
-            assert w.call("remote_tasks:log_things", 1) == 1  # log frames before the reply
+            assert w.call("tasks.remote:log_things", 1) == 1  # log frames before the reply
             assert resumed == kinds(_pool._READ)
             assert "careful: warning" in caplog.messages
 
             resumed.clear()
             with pytest.raises(WorkerCrashed):
-                w.call("remote_tasks:kill_self", int(signal.SIGKILL))  # its read hit EOF
+                w.call("tasks.remote:kill_self", int(signal.SIGKILL))  # its read hit EOF
             assert resumed == kinds(_pool._READ_FAILED)
 
-            assert w.call("remote_tasks:add", 0, 0) == 0  # generation 2
+            assert w.call("tasks.remote:add", 0, 0) == 0  # generation 2
             resumed.clear()
             with pytest.raises(comfy_env.CallTimeout):
                 w.call("comfy_env_worker.tasks:sleep", 30.0)  # its read hit the deadline
@@ -776,7 +797,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
             # The worker goes between the idle check and the send: our write half is shut
             # right after the check said quiet, so the send fails before a byte went out
             # and the call runs on a fresh worker (it never ran: not a replay).
-            assert w.call("remote_tasks:add", 3, 3) == 6  # generation 3
+            assert w.call("tasks.remote:add", 3, 3) == 6  # generation 3
             # (The process's ``idle_channel_state`` is its channel's bound method.)
             process = w._entry.slots[0].process
             assert isinstance(process, WorkerProcess)
@@ -791,7 +812,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
 
             monkeypatch.setattr(process, "idle_channel_state", quiet_then_gone)
             resumed.clear()
-            assert w.call("remote_tasks:add", 4, 4) == 8
+            assert w.call("tasks.remote:add", 4, 4) == 8
             assert resumed == kinds(_pool._SEND_FAILED)
             assert w.generation == 4
 

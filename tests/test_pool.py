@@ -59,7 +59,7 @@ def test_callers_of_a_busy_env_are_served_in_fifo_order(pool: comfy_env.Pool) ->
     assert _wait(lambda: w.stats().in_flight == 1)
     threads = []
     for i in range(5):
-        t = threading.Thread(target=lambda i=i: served.append(w.call("remote_tasks:stamp", i)))
+        t = threading.Thread(target=lambda i=i: served.append(w.call("tasks.remote:stamp", i)))
         t.start()
         threads.append(t)
         assert _wait(lambda n=i + 1: w.stats().queued == n)  # queued in this order
@@ -121,7 +121,7 @@ def test_stats_invariant_holds_under_concurrent_calls_and_crashes(
                     elif roll < 0.25:
                         w.run("comfy_env_worker.tasks:sleep", (5,), timeout=0.05)
                     else:
-                        assert w.call("remote_tasks:add", seed, 1) == seed + 1
+                        assert w.call("tasks.remote:add", seed, 1) == seed + 1
                 except (WorkerCrashed, ValueError, comfy_env.CallTimeout):
                     pass
                 except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
@@ -249,7 +249,7 @@ def test_close_stops_workers_in_parallel(config: comfy_env.PoolConfig, tmp_path:
 
     def call(w: comfy_env.Worker) -> None:
         try:
-            w.call("remote_tasks:sleep_ignoring_sigterm", 30)
+            w.call("tasks.remote:sleep_ignoring_sigterm", 30)
         except BaseException as exc:  # noqa: BLE001 - checked below
             outcomes.append(exc)
 

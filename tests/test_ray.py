@@ -63,13 +63,13 @@ def test_an_env_without_ray_fails_fast_naming_it(
     with comfy_env.Pool(_config()) as pool:
         w = pool.get_worker(str(foreign_venv))
         with pytest.raises(WorkerStartError) as info:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
         assert "ray is not importable" in str(info.value), str(info.value)
         assert "__version__" not in str(info.value)
         assert "cannot host a Ray actor" in str(info.value)
         # Said again at the next call (the env may have been fixed), still without a hang.
         with pytest.raises(WorkerStartError):
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
 
 
 def test_an_env_of_another_python_minor_fails_naming_both_versions(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_an_env_of_another_python_minor_fails_naming_both_versions(tmp_path: Pat
     subprocess.run([found, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
     with comfy_env.Pool(_config()) as pool:
         with pytest.raises(WorkerStartError) as info:
-            pool.get_worker(str(env)).call("remote_tasks:add", 1)
+            pool.get_worker(str(env)).call("tasks.remote:add", 1)
     text = str(info.value)
     assert f"the Ray cluster Python 3.{here}" in text and "runs Python 3." in text
 
@@ -90,7 +90,7 @@ def test_an_env_of_another_python_minor_fails_naming_both_versions(tmp_path: Pat
 def test_start_timeout_bounds_a_start() -> None:
     with comfy_env.Pool(_config(start_timeout=0.01)) as pool:
         with pytest.raises(WorkerStartError) as info:
-            pool.get_worker().call("remote_tasks:add", 1)
+            pool.get_worker().call("tasks.remote:add", 1)
     assert "start_timeout" in str(info.value)
 
 
@@ -98,7 +98,7 @@ def test_arguments_arrive_writable_and_results_are_private(rpool: comfy_env.Pool
     np = pytest.importorskip("numpy")
     w = rpool.get_worker()
     arr = np.zeros(1 << 20, dtype=np.float64)  # 8 MiB: out of band both ways
-    out = w.call("remote_tasks:add_in_place", arr, 2.0)
+    out = w.call("tasks.remote:add_in_place", arr, 2.0)
     assert float(out.sum()) == 2.0 * arr.size
     assert float(arr.sum()) == 0.0  # the host's array is not the worker's
     out += 1  # writable: not a view of Ray's read-only object store
@@ -108,12 +108,12 @@ def test_arguments_arrive_writable_and_results_are_private(rpool: comfy_env.Pool
 
 def test_a_forked_child_is_inert(rpool: comfy_env.Pool) -> None:
     w = rpool.get_worker()
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     pid = os.fork()
     if pid == 0:  # the child: never talks to Ray (it would hang), leaves without atexit
         code = 3
         try:
-            w.call("remote_tasks:add", 1)
+            w.call("tasks.remote:add", 1)
             code = 1
         except PoolClosedError:
             code = 0
@@ -132,7 +132,7 @@ def test_a_forked_child_is_inert(rpool: comfy_env.Pool) -> None:
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung")
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    assert w.call("remote_tasks:add", 2) == 2  # the parent's pool is untouched
+    assert w.call("tasks.remote:add", 2) == 2  # the parent's pool is untouched
     assert w.generation == 1
 
 
@@ -142,7 +142,7 @@ def test_close_kills_the_actors_and_leaves_the_applications_ray_running() -> Non
     from comfy_env import _ray
 
     pool = comfy_env.Pool(_config())
-    pool.get_worker().call("remote_tasks:add", 1)
+    pool.get_worker().call("tasks.remote:add", 1)
     assert len(_ray.live_actors()) == 1
     pool.close()
     assert _ray.live_actors() == {}  # killed, and Ray said so, before close returned
@@ -153,10 +153,10 @@ def test_a_crash_is_published_as_events(rpool: comfy_env.Pool, tmp_path: Path) -
     events: list[object] = []
     unsubscribe = rpool.subscribe(events.append)
     w = rpool.get_worker()
-    w.call("remote_tasks:add", 1)
+    w.call("tasks.remote:add", 1)
     with pytest.raises(comfy_env.WorkerCrashed):
-        w.call("remote_tasks:count_then_crash", str(tmp_path / "runs"))
-    assert w.call("remote_tasks:add", 1) == 1
+        w.call("tasks.remote:count_then_crash", str(tmp_path / "runs"))
+    assert w.call("tasks.remote:add", 1) == 1
     assert wait_until(lambda: any(type(e).__name__ == "WorkerRetired" for e in events))
     unsubscribe()
     names = [type(e).__name__ for e in events]
@@ -178,7 +178,7 @@ def test_a_sigterm_to_the_actor_fails_its_call_as_a_crash_and_the_next_call_runs
     started = tmp_path / "started"
     with comfy_env.Pool(_config(call_timeout=60.0)) as pool:
         w = pool.get_worker()
-        pid = w.call("remote_tasks:getpid")
+        pid = w.call("tasks.remote:getpid")
 
         def terminate_once_running() -> None:
             if wait_until(started.exists, 60.0):
@@ -188,7 +188,7 @@ def test_a_sigterm_to_the_actor_fails_its_call_as_a_crash_and_the_next_call_runs
         killer.start()
         try:
             with pytest.raises(comfy_env.WorkerCrashed) as info:
-                w.call("remote_tasks:touch_then_sleep", str(started), 300.0)
+                w.call("tasks.remote:touch_then_sleep", str(started), 300.0)
         finally:
             killer.join()
         assert started.exists()
@@ -199,7 +199,7 @@ def test_a_sigterm_to_the_actor_fails_its_call_as_a_crash_and_the_next_call_runs
         assert "channel" not in str(info.value) and "descriptors" not in str(info.value)
         assert "was killed by SIGTERM" in str(info.value), str(info.value)
         assert wait_until(lambda: not psutil.pid_exists(pid), 30.0)
-        assert w.call("remote_tasks:add", 1) == 1
+        assert w.call("tasks.remote:add", 1) == 1
         assert w.generation == 2
 
 
@@ -214,9 +214,9 @@ def test_an_actor_runs_under_the_envs_own_interpreter(tmp_path: Path) -> None:
     (env / "lib" / minor / "site-packages" / "host.pth").write_text(site.getsitepackages()[0])
     with comfy_env.Pool(_config()) as pool:
         w = pool.get_worker(str(env))
-        assert w.call("remote_tasks:executable") == str(env / "bin" / "python")
-        assert w.call("remote_tasks:prefix") == str(env)
-        assert w.call("remote_tasks:add", 2, b=3) == 5
+        assert w.call("tasks.remote:executable") == str(env / "bin" / "python")
+        assert w.call("tasks.remote:prefix") == str(env)
+        assert w.call("tasks.remote:add", 2, b=3) == 5
 
 
 def test_cluster_endpoint_parses_what_ray_address_takes() -> None:
@@ -311,10 +311,10 @@ pool = comfy_env.Pool(config)
 w = pool.get_worker()
 if sys.argv[1] == "acall":
     # A cold acall starts the worker on a short-lived thread of its own.
-    assert asyncio.run(w.acall("remote_tasks:add", 1)) == 1
+    assert asyncio.run(w.acall("tasks.remote:add", 1)) == 1
     first = "comfy-env-acall"
 else:
-    thread = threading.Thread(target=w.call, args=("remote_tasks:add", 1), name="first-call")
+    thread = threading.Thread(target=w.call, args=("tasks.remote:add", 1), name="first-call")
     thread.start()
     first = "first-call"
 for t in threading.enumerate():
@@ -457,7 +457,7 @@ def test_an_actor_gets_its_envs_activation_and_env_vars_win(tmp_path: Path) -> N
     (env / "lib" / minor / "site-packages" / "host.pth").write_text(site.getsitepackages()[0])
     with comfy_env.Pool(_config(env_vars={"VIRTUAL_ENV": "/mine"})) as pool:
         w = pool.get_worker(str(env))
-        assert w.call("remote_tasks:environ", "VIRTUAL_ENV") == "/mine"
-        path = str(w.call("remote_tasks:environ", "PATH")).split(os.pathsep)
+        assert w.call("tasks.remote:environ", "VIRTUAL_ENV") == "/mine"
+        path = str(w.call("tasks.remote:environ", "PATH")).split(os.pathsep)
         assert path[0] == str(env / "bin")
         assert path.count(str(env / "bin")) == 1  # prefixed once, not per CONFIG

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import remote_tasks
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import CallTimeout, StaleGenerationError

@@ -20,8 +20,8 @@ from typing import Any
 
 import psutil
 import pytest
-import remote_tasks
 from conftest import alive, reactor_held, run_host, wait_until
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import WorkerCrashed
@@ -47,7 +47,7 @@ def test_a_dropped_ref_frees_its_object_in_an_idle_worker_without_another_call(
     pool: comfy_env.Pool, how: str
 ) -> None:
     w = pool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     before = _rss(pid)
     ref = w.call_ref(remote_tasks.big_buffer, 128)
     holding = _rss(pid)
@@ -74,7 +74,7 @@ def test_a_ref_dropped_during_a_call_is_released_when_that_call_ends(
     pool: comfy_env.Pool,
 ) -> None:
     w = pool.get_worker()
-    pid = w.call("remote_tasks:getpid")
+    pid = w.call("tasks.remote:getpid")
     ref = w.call_ref(remote_tasks.big_buffer, 128)
     holding = _rss(pid)
     call = w.submit("comfy_env_worker.tasks:sleep", (1.0,))
@@ -107,7 +107,7 @@ def test_refs_dropped_from_other_threads_while_calls_run_never_disturb_a_call(
         def caller(n: int) -> None:
             try:
                 for i in range(300):
-                    assert w.call("remote_tasks:add", i, n) == i + n
+                    assert w.call("tasks.remote:add", i, n) == i + n
                     counter = kept[(i + n) % 2]
                     counter.call_method("add", 1)
                     w.call(remote_tasks.counter_value, counter)

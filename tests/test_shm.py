@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-import remote_tasks
-from conftest import alive, private_shm_mount_usable
+from conftest import TESTS_DIR, alive, private_shm_mount_usable
 from conftest import run_host as _run_host
 from conftest import wait_until as _wait
+from tasks import remote as remote_tasks
 
 import comfy_env
 from comfy_env import HostResourceError, ProtocolError, WorkerCrashed
@@ -684,16 +684,16 @@ _PAUSED_HOST = """
     config = comfy_env.PoolConfig(shm_pinned_ttl=0.3, sys_path=(tests,))
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:add", 1)
+        w.call("tasks.remote:add", 1)
         before = [w.pid, w.generation]
         out, error = None, None
         try:
-            out = w.call("remote_tasks:filled_once_stopped", marker, os.getpid(), 2.0, 1 << 20)
+            out = w.call("tasks.remote:filled_once_stopped", marker, os.getpid(), 2.0, 1 << 20)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         right = out is not None and out.shape == (1 << 20,) and bool((out == 2.0).all())
         del out
-        again = w.call("remote_tasks:add", 2)
+        again = w.call("tasks.remote:add", 2)
         report = {
             "before": before,
             "after": [w.pid, w.generation],
@@ -713,7 +713,7 @@ def test_a_host_stopped_past_the_ttl_still_gets_its_reply(tmp_path: Path) -> Non
     # a shared-memory reply, and stays stopped for many times shm_pinned_ttl. The worker's TTL
     # counts only time the host runs: the block is still there when the host goes on.
     marker = tmp_path / "replying"
-    host = _run_host(_PAUSED_HOST, str(marker), str(Path(remote_tasks.__file__).parent))
+    host = _run_host(_PAUSED_HOST, str(marker), str(TESTS_DIR))
     try:
         assert _wait(marker.exists, 30.0), host.communicate(timeout=30)
         os.kill(host.pid, signal.SIGSTOP)
@@ -744,7 +744,7 @@ def test_a_reply_block_gone_before_the_host_opens_it_fails_that_call_only(
     # Nothing the worker sent is invalid: its block was removed from /dev/shm under it. The
     # call fails with a HostResourceError that says so, and the worker is kept.
     w = pool.get_worker()
-    w.call("remote_tasks:add", 1)
+    w.call("tasks.remote:add", 1)
     pid, generation = w.pid, w.generation
     with pytest.raises(HostResourceError, match="gone before the host opened it") as info:
         w.call(remote_tasks.filled_in_a_block_that_vanishes, 1.0, MiB)
@@ -877,7 +877,7 @@ def test_when_every_name_tried_is_taken_the_warning_says_so(
     monkeypatch.setattr(_channel, "_warned", set())
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:add", 1)
+        w.call("tasks.remote:add", 1)
         hosts = [n for n in os.listdir("/dev/shm") if n.startswith(f"ce-{host_id()}-h")]
         assert hosts and all("-0000beef-" in n for n in hosts)
         taken = _squat_next_names(hosts, 2 * shm.NAME_TRIES)
@@ -901,7 +901,7 @@ def test_a_forged_envelope_is_a_protocol_error(pool: comfy_env.Pool, forgery: st
     w = pool.get_worker()
     with pytest.raises(ProtocolError, match="out-of-band"):
         w.call(remote_tasks.forge_oob_reply, forgery)
-    assert w.call("remote_tasks:add", 1) == 1
+    assert w.call("tasks.remote:add", 1) == 1
     assert w.generation == 2
 
 

@@ -157,9 +157,9 @@ class PoolMachine(RuleBasedStateMachine):
             if kind == "builtin":
                 w.call(int, "not a number")
             elif kind == "custom":
-                w.call("remote_tasks:raise_custom", 7)
+                w.call("tasks.remote:raise_custom", 7)
             else:
-                w.call("remote_tasks:raise_local_class")
+                w.call("tasks.remote:raise_local_class")
         except ValueError:
             assert kind == "builtin"
         except RemoteError as exc:

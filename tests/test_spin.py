@@ -28,7 +28,7 @@ from comfy_env_worker.protocol import (
     FrameType,
 )
 
-TASK = "hardening_tasks:spin_state"
+TASK = "tasks.hostile:spin_state"
 
 
 def _frame(call_id: int, payload: bytes) -> bytes:
@@ -183,7 +183,7 @@ def test_caller_and_worker_poll_and_calls_run_as_before(
     # The longest budget: every wait here between two calls is shorter, so both ends poll.
     with comfy_env.Pool(config.model_copy(update={"spin_wait": 0.01})) as pool:
         worker = pool.get_worker(None)
-        assert [worker.call("remote_tasks:add", i, 1) for i in range(200)] == list(range(1, 201))
+        assert [worker.call("tasks.remote:add", i, 1) for i in range(200)] == list(range(1, 201))
         many_cpus = len(restore_affinity) > 1
         worker.call(TASK)  # its first call imports the task's module: a long wait
         assert worker.call(TASK) == (0.01, many_cpus)
@@ -216,16 +216,16 @@ def test_every_call_is_in_flight_while_it_runs_and_only_then(pool: comfy_env.Poo
     worker = pool.get_worker(None)
     seen: list[int] = []
     # on_event runs on the caller's thread while its call is in flight.
-    worker.run("remote_tasks:report", (2,), on_event=lambda _: seen.append(len(CALLS_IN_FLIGHT)))
+    worker.run("tasks.remote:report", (2,), on_event=lambda _: seen.append(len(CALLS_IN_FLIGHT)))
     assert seen == [1, 1]
     # An asyncio call counts too (a sync caller's reader must not poll meanwhile).
     asyncio.run(
         worker.arun(
-            "remote_tasks:report", (2,), on_event=lambda _: seen.append(len(CALLS_IN_FLIGHT))
+            "tasks.remote:report", (2,), on_event=lambda _: seen.append(len(CALLS_IN_FLIGHT))
         )
     )
     assert seen == [1, 1, 1, 1] and CALLS_IN_FLIGHT == []
-    running = worker.submit("remote_tasks:busy_loop", (0.5,))
+    running = worker.submit("tasks.remote:busy_loop", (0.5,))
     deadline = time.monotonic() + 10
     while not CALLS_IN_FLIGHT and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -233,11 +233,11 @@ def test_every_call_is_in_flight_while_it_runs_and_only_then(pool: comfy_env.Poo
     running.result(10)
     assert CALLS_IN_FLIGHT == []
     with pytest.raises(comfy_env.RemoteError):
-        worker.call("remote_tasks:system_exit", 3)
+        worker.call("tasks.remote:system_exit", 3)
     with pytest.raises(comfy_env.CallTimeout):
-        worker.run("remote_tasks:busy_loop", (5.0,), timeout=0.2)
+        worker.run("tasks.remote:busy_loop", (5.0,), timeout=0.2)
     with pytest.raises(comfy_env.SerializationError):
-        worker.call("remote_tasks:add", threading.Lock())
+        worker.call("tasks.remote:add", threading.Lock())
     assert CALLS_IN_FLIGHT == []
 
 

@@ -144,7 +144,7 @@ def _kill_holding_512_mib(
 
     def call() -> None:
         try:
-            w.call("remote_tasks:hold_memory_and_sleep", 512, 60)
+            w.call("tasks.remote:hold_memory_and_sleep", 512, 60)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             failed.append(exc)
             torn_down.append(_torn_down(pid))
@@ -225,7 +225,7 @@ def test_a_call_sent_to_a_dying_worker_runs_on_the_next_one() -> None:
     config = comfy_env.PoolConfig(sys_path=[os.path.dirname(__file__)], max_restarts=100)
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:hold_memory_and_sleep", 512, 0)  # kept: a long teardown
+        w.call("tasks.remote:hold_memory_and_sleep", 512, 0)  # kept: a long teardown
         process = _watched(w)
         pid = w.pid
         assert pid is not None
@@ -233,7 +233,7 @@ def test_a_call_sent_to_a_dying_worker_runs_on_the_next_one() -> None:
         with reactor_held(pool):
             os.kill(pid, signal.SIGKILL)
             caller = threading.Thread(
-                target=lambda: results.append(w.call("remote_tasks:add", 2, 3))
+                target=lambda: results.append(w.call("tasks.remote:add", 2, 3))
             )
             caller.start()
             # The request is on its way (or sent); let the reactor hear of the threads' end.
@@ -482,7 +482,7 @@ def test_a_request_left_unread_is_told_after_the_dying_worker_let_go_of_it() -> 
     config = comfy_env.PoolConfig(sys_path=[os.path.dirname(__file__)], max_restarts=100)
     with comfy_env.Pool(config) as pool:
         w = pool.get_worker()
-        w.call("remote_tasks:hold_memory_and_sleep", 256, 0)  # kept: a teardown of ms
+        w.call("tasks.remote:hold_memory_and_sleep", 256, 0)  # kept: a teardown of ms
         process = _watched(w)
         pid = w.pid
         assert pid is not None and process.sock is not None

@@ -6,7 +6,7 @@ they can, install signal handlers, change process-wide settings, reconfigure log
 monkeypatch modules. The promise stays: the call (and later calls) work, or the worker is
 retired with a typed error that names the cause and the next call runs on a fresh worker;
 no hang past the configured timeouts, no wrong result, no leaked process, descriptor or
-block. The env's code is in ``tests/usercode_tasks.py``; every test uses real workers.
+block. The env's code is in ``tests/tasks/usercode.py``; every test uses real workers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from conftest import TESTS_DIR, alive, wait_until
 
 import comfy_env
 
-T = "usercode_tasks:"
+T = "tasks.usercode:"
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """What real libraries write in a worker, for tests/test_output.py: progress bars (tqdm's
-``\\r`` updates), lines without newlines, ``warnings``, odd bytes, odd log records.
+``\\r`` updates), lines without newlines, ``warnings``, odd bytes, odd log records; and a log
+flood from a thread beside a large reply, for tests/test_outside_faults.py.
 
 Importable on both sides (the ``config`` fixture puts ``tests/`` on the worker's ``sys.path``);
 the functions run in the worker.
@@ -13,8 +14,9 @@ import os
 import sys
 import threading
 import warnings
+from typing import Any
 
-import fault_tasks
+from tasks import fault as fault_tasks
 
 
 def progress(n: int, native: bool, close: bool = True) -> int:
@@ -47,7 +49,7 @@ def bar_after_a_bar(native: bool) -> None:
 
 def partial_line_then_crash(how: str, text: str) -> None:
     """Write ``text`` without a newline (``native``: on fd 1; ``flushed``: ``print(end="",
-    flush=True)``), then segfault. Only inside a worker (see tests/fault_tasks.py)."""
+    flush=True)``), then segfault. Only inside a worker (see tests/tasks/fault.py)."""
     if not fault_tasks.in_worker():
         raise RuntimeError("refusing to crash outside a worker")
     if how == "native":
@@ -103,3 +105,19 @@ def count_with_cr(n: int) -> int:
         print(f"{i}/{n}", end="\r")
     print()
     return n
+
+
+def flood_while_returning(lines: int, nbytes: int) -> Any:
+    """Start a thread that logs ``lines`` records, and return a large array at once."""
+    import logging
+
+    import numpy as np
+
+    log = logging.getLogger("flooder")
+
+    def spam() -> None:
+        for i in range(lines):
+            log.warning("flood line %d of %d", i, lines)
+
+    threading.Thread(target=spam, daemon=True).start()
+    return np.arange(nbytes // 8, dtype=np.int64)

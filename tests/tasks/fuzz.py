@@ -26,7 +26,7 @@ HANG_SECONDS = 60.0  # the host retires the worker long before
 
 
 def _call_id() -> int:
-    import remote_tasks
+    from tasks import remote as remote_tasks
 
     return remote_tasks.CURRENT_CALL_ID_PROBE()
 

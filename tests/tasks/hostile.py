@@ -1,4 +1,9 @@
-"""Worker-side helpers for tests/test_hardening.py (imported by name in workers)."""
+"""Worker code that misbehaves on purpose, for the frame-limit, hostile-exception, descendant,
+crash and spin tests: huge exceptions, log records and output, exceptions whose ``str``,
+``repr`` or ``__reduce__`` raise, setsid descendants, deaths mid-line, a spinning loop.
+
+Imported by name in workers (``tasks.hostile:<function>``; see ``tests/tasks/__init__.py``).
+"""
 
 from __future__ import annotations
 

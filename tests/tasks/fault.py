@@ -69,7 +69,7 @@ def _touch(path: str, text: str = "") -> None:
 def _current_call_id() -> int:
     """The id of the call the worker's main thread is running, or 0 outside a call."""
     try:
-        import remote_tasks
+        from tasks import remote as remote_tasks
 
         return remote_tasks.CURRENT_CALL_ID_PROBE()
     except RuntimeError:

@@ -1,5 +1,7 @@
-"""More faults with real processes: outside signals, log floods, reaper races, shutdown, and
-host death with two envs and pinned shared memory.
+"""Faults from outside a call's own exchange, with real processes: signals sent to a worker, a
+log flood beside a large reply, the reaper racing a slow argument, shutdown with workers dead
+or never spawned, and the host's own death with two envs and pinned shared memory. Each one
+leaves every call answered (or failed with its typed error) and nothing behind.
 
 * SIGTERM to an idle worker retires it quietly; the next call runs on generation 2.
 * SIGSTOP on a worker in a call: the deadline still fires, the stopped worker is killed.
@@ -13,8 +15,7 @@ host death with two envs and pinned shared memory.
   worker is gone within 2 s and ``comfy_env.sweep()`` removes the host's blocks, runtime
   directories and status file.
 
-The worker-side helpers live in this module too: ``tests/`` is on the workers' ``sys.path``
-(the ``config`` fixture), so ``test_faults_more:<function>`` is importable there.
+The flooding worker function is ``tasks.output:flood_while_returning`` (tests/tasks/output.py).
 """
 
 from __future__ import annotations
@@ -59,23 +60,7 @@ def _invariant_holds(stats: comfy_env.EnvStats) -> bool:
     return bool(stats.submitted == total)
 
 
-# ---- worker-side helpers (imported by name in the worker) ---------------------------------
-
-
-def flood_while_returning(lines: int, nbytes: int) -> Any:
-    """Start a thread that logs ``lines`` records, and return a large array at once."""
-    import logging
-
-    import numpy as np
-
-    log = logging.getLogger("flooder")
-
-    def spam() -> None:
-        for i in range(lines):
-            log.warning("flood line %d of %d", i, lines)
-
-    threading.Thread(target=spam, daemon=True).start()
-    return np.arange(nbytes // 8, dtype=np.int64)
+# ---- host-side helpers ---------------------------------------------------------------------
 
 
 class SlowPickle:
@@ -143,11 +128,11 @@ def test_a_log_flood_during_a_large_reply_leaves_the_reply_intact(pool: comfy_en
     np = pytest.importorskip("numpy")
     w = pool.get_worker()
     started = time.monotonic()
-    result = w.run("test_faults_more:flood_while_returning", (FLOOD_LINES, BIG_BYTES), timeout=30)
+    result = w.run("tasks.output:flood_while_returning", (FLOOD_LINES, BIG_BYTES), timeout=30)
     assert time.monotonic() - started < 10
     assert result.dtype == np.int64 and result.nbytes == BIG_BYTES
     assert np.array_equal(result, np.arange(BIG_BYTES // 8, dtype=np.int64))
-    result = w.run("test_faults_more:flood_while_returning", (FLOOD_LINES, BIG_BYTES), timeout=30)
+    result = w.run("tasks.output:flood_while_returning", (FLOOD_LINES, BIG_BYTES), timeout=30)
     assert np.array_equal(result, np.arange(BIG_BYTES // 8, dtype=np.int64))
     assert w.call(ECHO, 3) == 3
     stats = w.stats()
