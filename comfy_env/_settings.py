@@ -213,8 +213,8 @@ OTHER_VARIABLES = frozenset(
         "COMFY_ENV_TEST_COMFYUI_PYTHON",
         "COMFY_ENV_TEST_PACK_ENV_NUMPY",
         "COMFY_ENV_TEST_PACK_ENV_TORCH",
-        "COMFY_ENV_TEST_MARK",  # tests/test_hardening.py's marked processes
-        "COMFY_ENV_FAULT_SIDE",  # tests/fault_tasks.py's fault injection
+        "COMFY_ENV_TEST_MARK",  # tests/test_sweep.py's and test_host_watcher.py's marked processes
+        "COMFY_ENV_FAULT_SIDE",  # tests/tasks/fault.py's fault injection
         "COMFY_ENV_FAULT_WHERE",
         "COMFY_ENV_FAULT_HOW",
         "COMFY_ENV_FAULT_MARKER",
