@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._entry import EnvEntry
     from ._reactor import Reactor
+    from ._spawner import Spawner
 
 _log = logging.getLogger("comfy_env")
 
@@ -129,6 +131,42 @@ def _after_fork_in_child() -> None:
     for registration in list(live_pools):
         registration.pool.abandon_in_forked_child()
     live_pools.clear()
+
+
+def stop_pool(spawner: Spawner, entries: list[EnvEntry], reactor: Reactor | None) -> None:
+    """``Pool.close``'s work once the pool is marked closed: fail the queued calls and retire
+    every worker through the gate (``close_entries``), stop the reaper's timer, stop the
+    workers (``stop_workers``; only if a reactor was ever made: else none was forked), the
+    host watcher and the backend, and remove the pool's runtime dir."""
+    close_entries(entries)
+    if spawner.reaper is not None:
+        spawner.reaper.cancel()
+    if reactor is not None:
+        close_timeout = spawner.pool.settings.close_timeout
+        stop_workers(entries, reactor, lambda: list(spawner.processes), spawner.lock, close_timeout)
+        if spawner.watcher is not None:  # every worker is stopped: it has nothing to do
+            spawner.watcher.close(2.0)
+    spawner.pool.backend.close()
+    if reactor is not None and spawner.runtime_dir is not None:
+        shutil.rmtree(spawner.runtime_dir.path, ignore_errors=True)
+
+
+def abandon_pool(spawner: Spawner, entries: list[EnvEntry]) -> None:
+    """In a forked child (``Pool.abandon_in_forked_child``, the pool already closed there):
+    replace the entries' locks (other threads may have held them at the fork), forget the
+    queued calls (their threads are the parent's), and make every process, the reactor and
+    the host watcher drop their inherited descriptors without signalling anything."""
+    processes = set(spawner.processes)
+    for entry in entries:
+        entry.lock = threading.Lock()
+        entry.waiters.clear()
+        processes.update(s.process for s in entry.slots if s.process is not None)
+    for process in processes:
+        process.abandon_in_forked_child()
+    if spawner.reactor is not None:
+        spawner.reactor.abandon_in_forked_child()
+    if spawner.watcher is not None:
+        spawner.watcher.forget_in_forked_child()
 
 
 def close_entries(entries: list[EnvEntry]) -> None:

@@ -91,9 +91,10 @@ class Spawner:
     ``lock`` is the pool's: the pool's ``closed`` flag and what is made here on the first
     spawn change under it together, so a close never misses a reactor or a fork."""
 
-    def __init__(self, pool: SpawnSite, lock: threading.Lock) -> None:
+    def __init__(self, pool: SpawnSite, lock: threading.Lock, entries: dict[str, EnvEntry]) -> None:
         self.pool = pool
         self.lock = lock
+        self._entries = entries  # the pool's, by env key (read lock-free: ``_release_dropped``)
         self.reactor: Reactor | None = None
         self.runtime_dir: RuntimeDir | None = None
         self.watcher: HostWatcher | None = None  # stops setsid descendants if we die
@@ -101,6 +102,7 @@ class Spawner:
         self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
         self.reaper: TimerHandle | None = None
         self._sweep_queued = False
+        self._release_due = False  # a background release of dropped refs is queued
 
     # ---- birth ----
 
@@ -441,6 +443,35 @@ class Spawner:
             pool.settings,
             pool.events,
         )
+
+    # ---- dropped refs ----
+
+    def refs_dropped(self) -> None:
+        """A RemoteRef was dropped (``__del__``, ``discard``), or a slot was freed with dropped
+        refs still queued: the reactor releases them soon (``_release_dropped``). Every
+        entry's ``refs_dropped``.
+
+        Runs inside finalisers: in any thread, under any lock (the pool's and its entries'
+        too), at interpreter exit. So it takes no lock, blocks on nothing and raises nothing:
+        one flag and, once per burst, a callback queued with a wake-up byte
+        (``Reactor.notify``). The flag is cleared by the callback *before* it looks at the
+        queues, so a ref appended after that look finds the flag clear and queues another."""
+        reactor = self.reactor
+        if reactor is None or self._release_due:  # (None: no worker ran, no ref exists)
+            return
+        self._release_due = True
+        reactor.notify(self._release_dropped)
+
+    def _release_dropped(self) -> None:
+        """On the reactor: release the dropped refs of every env's idle workers
+        (``_policies.release_idle``); refs of a worker in a call wait for its end."""
+        self._release_due = False
+        if self.pool.closed:
+            return  # the workers are being stopped, and their objects with them
+        # (A copy made in one C call, no lock: a new entry holds no dropped ref yet.)
+        for entry in tuple(self._entries.values()):
+            if entry.dropped_refs:
+                _policies.release_idle(entry)
 
     def dispose_later(self, process: WorkerGeneration) -> None:
         """Release a retired worker's sockets and shared memory on the reactor thread, off the
