@@ -336,27 +336,26 @@ def reset_env(entry: EnvEntry) -> bool:
     return was_abandoned
 
 
-def record_death(
-    entry: EnvEntry,
-    generation: int,
-    reason: lc.RetireReason,
-    returncode: int | None,
-    stderr_tail: str,
-    at: float,
-    config: Settings,
-    events: Dispatcher,
-) -> None:
-    """The crash-loop breaker's bookkeeping: count a death (``at`` on the pool's clock); too
-    many in the window abandon the env (logged, and ``EnvAbandoned`` emitted once)."""
-    death = lc.Death(
+def death_of(
+    generation: int, reason: lc.RetireReason, returncode: int | None, tail: str, at: float
+) -> lc.Death:
+    """The breaker's record of generation ``generation``'s death (``at`` on the pool's
+    clock; the wall time is now)."""
+    return lc.Death(
         at=at,
         when=time.time(),
         generation=generation,
         reason=reason,
         exitcode=returncode,
         signal=signal_name(returncode),
-        stderr_tail=stderr_tail,
+        stderr_tail=tail,
     )
+
+
+def record_death(entry: EnvEntry, death: lc.Death, config: Settings, events: Dispatcher) -> None:
+    """The crash-loop breaker's bookkeeping: count ``death`` (``death_of``); too many in the
+    window abandon the env (logged, and ``EnvAbandoned`` emitted once)."""
+    at = death.at
     breaker = entry.breaker or lc.Breaker(
         config.max_restarts, config.restart_window, config.abandon_for
     )

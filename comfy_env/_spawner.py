@@ -41,6 +41,7 @@ from . import _policies
 from ._errors import PoolClosedError, WorkerStartError, chained, describe_exit, signal_name
 from ._events import ShmSwept, WorkerReady, WorkerRetired, WorkerSpawned
 from ._failures import abandoned_error
+from ._generation import Birth
 from ._identity import HOST_ID_VAR, host_id
 from ._interrupts import Deferred
 from ._process import RuntimeDir, base_environment
@@ -178,7 +179,7 @@ class Spawner:
             old = slot.process
             if old is not None:
                 entry.log_lines_dropped += old.log.dropped
-            process: WorkerGeneration = pool.backend.new_generation(
+            birth = Birth(
                 entry.spec,
                 generation,
                 entry.settings,  # the pool's, or the env's own (``Pool.configure``)
@@ -187,6 +188,7 @@ class Spawner:
                 lambda p: self.on_exit(entry, slot, p),
                 lambda p: self.on_finished(entry, p),
             )
+            process: WorkerGeneration = pool.backend.new_generation(birth)
             slot.process = process
         if old is not None:
             old.dispose()
@@ -433,16 +435,8 @@ class Spawner:
         stderr_tail: str,
     ) -> None:
         pool = self.pool
-        _policies.record_death(
-            entry,
-            generation,
-            reason,
-            returncode,
-            stderr_tail,
-            pool.clock(),
-            pool.settings,
-            pool.events,
-        )
+        death = _policies.death_of(generation, reason, returncode, stderr_tail, pool.clock())
+        _policies.record_death(entry, death, pool.settings, pool.events)
 
     # ---- dropped refs ----
 
