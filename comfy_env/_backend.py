@@ -5,7 +5,7 @@ policies (idle reaper, health ping, crash-loop breaker) know nothing about how a
 They hold a ``WorkerGeneration`` per slot and reach it only through the members below. A
 ``Backend`` makes one generation at a time::
 
-    pool._spawn --new_generation()--> WorkerGeneration (not started)
+    Spawner._begin --new_generation(Birth)--> WorkerGeneration (not started; ``_generation``)
                  launch(before, after, activation)
                                             start it (a process, an actor) with the env's
                                             activation variables (``_activation``)
@@ -43,12 +43,10 @@ if TYPE_CHECKING:
 
     from ._activation import Activation
     from ._channel import Channel
-    from ._envs import EnvSpec
+    from ._generation import Birth
     from ._lifecycle import CancelKill, RetireReason, Stop
     from ._logs import WorkerLog
     from ._memlimit import WorkerMemory
-    from ._reactor import Reactor
-    from ._runtime_store import RuntimeDir
     from ._settings import Settings
 
 LOCAL_CAPABILITIES = frozenset(
@@ -165,16 +163,7 @@ class Backend(Protocol):
     name: str
     capabilities: frozenset[str]
 
-    def new_generation(
-        self,
-        spec: EnvSpec,
-        generation: int,
-        config: Settings,
-        reactor: Reactor,
-        runtime_dir: RuntimeDir,
-        on_exit: Callable[[Any], None],
-        on_finished: Callable[[Any], None],
-    ) -> WorkerGeneration: ...
+    def new_generation(self, birth: Birth) -> WorkerGeneration: ...
 
     def close(self) -> None:
         """The pool closed: release what the backend itself holds (not the generations)."""
@@ -186,19 +175,10 @@ class LocalBackend:
     name = "local"
     capabilities = LOCAL_CAPABILITIES
 
-    def new_generation(
-        self,
-        spec: EnvSpec,
-        generation: int,
-        config: Settings,
-        reactor: Reactor,
-        runtime_dir: RuntimeDir,
-        on_exit: Callable[[Any], None],
-        on_finished: Callable[[Any], None],
-    ) -> WorkerGeneration:
+    def new_generation(self, birth: Birth) -> WorkerGeneration:
         from ._process import WorkerProcess
 
-        return WorkerProcess(spec, generation, config, reactor, runtime_dir, on_exit, on_finished)
+        return WorkerProcess(birth)
 
     def close(self) -> None:
         pass

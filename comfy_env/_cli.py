@@ -89,6 +89,9 @@ if TYPE_CHECKING:
     from ._status import HostStatus
     from ._worker import Worker
 
+    _Add = Callable[..., argparse.ArgumentParser]  # build_parser's ``add``
+    _AddJson = Callable[[argparse.ArgumentParser], None]  # build_parser's ``add_json``
+
 # pydantic, the pool and the process machinery are imported by the commands that run workers
 # (demo, doctor, call), not at start-up: ``comfy-env status`` and ``sweep`` stay fast.
 
@@ -112,6 +115,9 @@ ENV_HELP = 'ENV is an env directory or an interpreter path; "-" means the curren
 
 class UsageError(Exception):
     """Bad command-line input: reported on stderr, exit code 2."""
+
+
+_FAILED = object()  # (a doctor step's result when it failed: see ``_run_step``)
 
 
 def _timed(label: str, fn: Callable[[], Any]) -> Any:
@@ -364,6 +370,15 @@ class _Doctor:
         finally:
             step.ms = (time.perf_counter() - started) * 1000
 
+    def _run_step(self, step: Step, worker: Worker, target: str) -> Any:
+        """Run ``target`` in ``worker`` as ``step`` (timed): its result, or ``_FAILED`` with
+        the step marked failed and the error told (``_fail``)."""
+        try:
+            return self._timed(step, lambda: worker.run(target, timeout=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
+            self._fail(step, exc)
+            return _FAILED
+
     def _config(self) -> PoolConfig | None:
         from ._config import PoolConfig
 
@@ -439,10 +454,8 @@ class _Doctor:
 
     def _start(self, worker: Worker) -> bool:
         step = Step("spawn + handshake + canary")
-        try:
-            info = self._timed(step, lambda: worker.run(INFO_TARGET, timeout=self.timeout))
-        except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
-            self._fail(step, exc)
+        info = self._run_step(step, worker, INFO_TARGET)
+        if info is _FAILED:
             return False
         process = getattr(worker._entry.slots[0], "process", None)
         startup = getattr(process, "startup_seconds", None)
@@ -517,10 +530,8 @@ class _Doctor:
         apart from a version skew (numpy 1.x on one side, 2.x on the other), under which plain
         arrays still cross (``comfy_env_worker.arrays``) but numpy's own pickles do not."""
         step = Step("numpy")
-        try:
-            env = self._timed(step, lambda: worker.run(NUMPY_TARGET, timeout=self.timeout))
-        except Exception as exc:  # noqa: BLE001 - whatever it is, the report says it
-            self._fail(step, exc)
+        env = self._run_step(step, worker, NUMPY_TARGET)
+        if env is _FAILED:
             return False
         host, host_error = _host_numpy()
         env_version = env.get("version") if isinstance(env, dict) else None
@@ -871,17 +882,7 @@ def status_command(*, as_json: bool = False, all_hosts: bool = False) -> int:
     hidden = len(every) - len(hosts)
     now = time.time()
     if as_json:
-        documents = []
-        for host in hosts:
-            doc = as_dict(host)
-            doc["updated_seconds_ago"] = round(max(0.0, now - host.updated_at), 3)
-            doc["note"] = OTHER_NAMESPACE_NOTE if host.other_pid_namespace else None
-            for env_doc, env in zip(doc["envs"], host.envs, strict=True):
-                for w_doc, w in zip(env_doc["workers"], env.workers, strict=True):
-                    idle, busy = w.idle_seconds(now), w.busy_seconds(now)
-                    w_doc["idle_seconds"] = None if idle is None else round(idle, 3)
-                    w_doc["busy_seconds"] = None if busy is None else round(busy, 3)
-            documents.append(doc)
+        documents = [_host_document(host, now) for host in hosts]
         _print_json(
             {
                 "status_dir": status_dir(),
@@ -898,48 +899,66 @@ def status_command(*, as_json: bool = False, all_hosts: bool = False) -> int:
         _say_hidden(hidden)
         return EXIT_OK
     for host in hosts:
-        command = " ".join(host.argv) or "?"
-        print(
-            f"host pid {host.pid} ({host.executable or '?'} {command}), comfy-env "
-            f"{host.version or '?'}, up {_ago(now - host.start_ms / 1000)}, "
-            f"updated {_ago(now - host.updated_at)} ago"
-        )
-        if host.other_pid_namespace:
-            print(f"  ({OTHER_NAMESPACE_NOTE})")
-        if not host.envs:
-            print("  no envs yet")
-        for env in host.envs:
-            print(f"  env {env.env}  (interpreter {env.interpreter or '?'}, pool {env.pool})")
-            print(
-                f"    calls: {env.submitted} submitted, {env.ok} ok, {env.raised} raised, "
-                f"{env.crashed} crashed, {env.timed_out} timed out, {env.cancelled} cancelled, "
-                f"{env.failed} failed, {env.in_flight} in flight, {env.queued} queued; "
-                f"{env.spawns} spawns"
-            )
-            if env.own_settings:
-                print("    own settings: " + ", ".join(_setting(k, v) for k, v in env.own_settings))
-            for w in env.workers:
-                parts = [
-                    f"slot {w.slot}",
-                    f"pid {w.pid if w.pid is not None else '-'}",
-                    f"generation {w.generation}",
-                    w.state + (f" ({w.retire_reason})" if w.retire_reason else ""),
-                ]
-                if w.stuck:
-                    parts.append(
-                        "STUCK: no start in progress (Pool.reset(env) retires it; so does "
-                        "the idle reaper)"
-                    )
-                if w.rss_bytes is not None:
-                    parts.append(f"rss {_mib(w.rss_bytes)}")
-                idle, busy = w.idle_seconds(now), w.busy_seconds(now)
-                if idle is not None:
-                    parts.append(f"idle {_ago(idle)}")
-                if busy is not None:
-                    parts.append(f"in a call for {_ago(busy)}")
-                print("    " + ", ".join(parts))
+        _print_host(host, now)
     _say_hidden(hidden)
     return EXIT_OK
+
+
+def _host_document(host: HostStatus, now: float) -> dict[str, Any]:
+    """One host of ``status --json``: its status file's content, with ages as of ``now``."""
+    doc: dict[str, Any] = as_dict(host)
+    doc["updated_seconds_ago"] = round(max(0.0, now - host.updated_at), 3)
+    doc["note"] = OTHER_NAMESPACE_NOTE if host.other_pid_namespace else None
+    for env_doc, env in zip(doc["envs"], host.envs, strict=True):
+        for w_doc, w in zip(env_doc["workers"], env.workers, strict=True):
+            idle, busy = w.idle_seconds(now), w.busy_seconds(now)
+            w_doc["idle_seconds"] = None if idle is None else round(idle, 3)
+            w_doc["busy_seconds"] = None if busy is None else round(busy, 3)
+    return doc
+
+
+def _print_host(host: HostStatus, now: float) -> None:
+    """One host of ``status``, as text: the host, then each env and its workers."""
+    command = " ".join(host.argv) or "?"
+    print(
+        f"host pid {host.pid} ({host.executable or '?'} {command}), comfy-env "
+        f"{host.version or '?'}, up {_ago(now - host.start_ms / 1000)}, "
+        f"updated {_ago(now - host.updated_at)} ago"
+    )
+    if host.other_pid_namespace:
+        print(f"  ({OTHER_NAMESPACE_NOTE})")
+    if not host.envs:
+        print("  no envs yet")
+    for env in host.envs:
+        print(f"  env {env.env}  (interpreter {env.interpreter or '?'}, pool {env.pool})")
+        print(
+            f"    calls: {env.submitted} submitted, {env.ok} ok, {env.raised} raised, "
+            f"{env.crashed} crashed, {env.timed_out} timed out, {env.cancelled} cancelled, "
+            f"{env.failed} failed, {env.in_flight} in flight, {env.queued} queued; "
+            f"{env.spawns} spawns"
+        )
+        if env.own_settings:
+            print("    own settings: " + ", ".join(_setting(k, v) for k, v in env.own_settings))
+        for w in env.workers:
+            parts = [
+                f"slot {w.slot}",
+                f"pid {w.pid if w.pid is not None else '-'}",
+                f"generation {w.generation}",
+                w.state + (f" ({w.retire_reason})" if w.retire_reason else ""),
+            ]
+            if w.stuck:
+                parts.append(
+                    "STUCK: no start in progress (Pool.reset(env) retires it; so does "
+                    "the idle reaper)"
+                )
+            if w.rss_bytes is not None:
+                parts.append(f"rss {_mib(w.rss_bytes)}")
+            idle, busy = w.idle_seconds(now), w.busy_seconds(now)
+            if idle is not None:
+                parts.append(f"idle {_ago(idle)}")
+            if busy is not None:
+                parts.append(f"in a call for {_ago(busy)}")
+            print("    " + ", ".join(parts))
 
 
 def own_hosts(hosts: list[HostStatus], mine: int | None) -> list[HostStatus]:
@@ -1017,6 +1036,17 @@ def build_parser() -> argparse.ArgumentParser:
     def add_json(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
 
+    _add_call_commands(sub, add, add_json)
+    _add_host_commands(add, add_json)
+
+    from ._cli_envs import add_env_commands
+
+    add_env_commands(sub, add_json, argparse.RawDescriptionHelpFormatter, EXIT_CODES_HELP)
+    return parser
+
+
+def _add_call_commands(sub: Any, add: _Add, add_json: _AddJson) -> None:
+    """The commands that start a worker: ``demo``, ``doctor``, ``call``."""
     p_demo = sub.add_parser("demo", help="walk through spawn, call, crash, replace, timeout")
     p_demo.add_argument(
         "--env",
@@ -1057,6 +1087,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_json(p_call)
 
+
+def _add_host_commands(add: _Add, add_json: _AddJson) -> None:
+    """The commands about this user's hosts: ``sweep``, ``status``."""
     p_sweep = add("sweep", "remove leftovers of dead hosts (shm blocks, dirs, workers, status)")
     p_sweep.add_argument(
         "--dry-run", action="store_true", help="report what would be removed, change nothing"
@@ -1072,11 +1105,6 @@ def build_parser() -> argparse.ArgumentParser:
         "several people)",
     )
     add_json(p_status)
-
-    from ._cli_envs import add_env_commands
-
-    add_env_commands(sub, add_json, argparse.RawDescriptionHelpFormatter, EXIT_CODES_HELP)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

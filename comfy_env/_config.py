@@ -19,7 +19,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Literal
+import threading
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -33,6 +34,7 @@ from pydantic import (
 )
 
 from ._errors import ArgumentError, ConfigError
+from ._lifecycle import Breaker
 from ._settings import (  # re-exported: their home was this module
     ENV_FIELDS,
     ENV_PREFIX,
@@ -455,3 +457,32 @@ def settings_for_env(base: Settings, changes: dict[str, Any]) -> Settings:
             value = {**base.env_vars, **value}
         values[name] = value
     return Settings.of(PoolConfig(**values))
+
+
+BREAKER_FIELDS = ("max_restarts", "restart_window", "abandon_for")
+
+
+class EnvSettings(Protocol):
+    """What ``configure_env`` writes of an env entry (``_entry.EnvEntry``; not imported: the
+    entry's imports reach this module)."""
+
+    lock: threading.Lock
+    own_settings: dict[str, Any]
+    settings: Settings
+    breaker: Breaker | None
+
+
+def configure_env(entry: EnvSettings, base: Settings, changes: dict[str, Any]) -> None:
+    """``Pool.configure``'s checks and writes: the env's own settings grow by ``changes`` and
+    its effective settings (and breaker, if it set one of ``BREAKER_FIELDS``) are replaced, all
+    under its lock; a bad value raises (``settings_for_env``) before anything changes."""
+    own = {**entry.own_settings, **changes}
+    effective = settings_for_env(base, own)
+    breaker = None
+    if any(name in own for name in BREAKER_FIELDS):
+        breaker = Breaker(effective.max_restarts, effective.restart_window, effective.abandon_for)
+    with entry.lock:
+        entry.own_settings = own
+        entry.settings = effective
+        if breaker is not None:
+            entry.breaker = breaker

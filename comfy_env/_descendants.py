@@ -63,6 +63,22 @@ def pids() -> Iterator[int]:
             yield int(name)
 
 
+def held_pids(pidfd_open: Callable[[int], int]) -> Iterator[tuple[int, int]]:
+    """Every pid of ``pids()`` with a pidfd held on it (``pidfd_open``, i.e. ``os.pidfd_open``)
+    while the loop's body looks at it, so the process signalled through that pidfd cannot be
+    a reused pid; the pidfd is closed when the loop moves on or leaves. A process gone before
+    its pidfd opened is skipped."""
+    for pid in pids():
+        try:
+            pidfd = pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            yield pid, pidfd
+        finally:
+            os.close(pidfd)
+
+
 def environ_of(pid: int) -> list[bytes] | None:
     """``/proc/<pid>/environ`` as ``NAME=value`` entries, or None if it cannot be read."""
     try:
@@ -129,11 +145,7 @@ def kill_marked(
     mark = f"{name}={value}".encode()
     uid = os.getuid()
     killed = []
-    for pid in pids():
-        try:
-            pidfd = pidfd_open(pid)
-        except OSError:
-            continue
+    for pid, pidfd in held_pids(pidfd_open):
         try:
             if os.stat(f"/proc/{pid}").st_uid != uid:
                 continue  # another user's process is never ours to stop
@@ -149,8 +161,6 @@ def kill_marked(
             killed.append(pid)
         except OSError:
             continue
-        finally:
-            os.close(pidfd)
     return killed
 
 

@@ -162,7 +162,7 @@ class EnvEntry:
         # RemoteRefs garbage-collected or discarded, not yet released: (slot, generation, id).
         # Appended without the lock (from __del__), drained under it.
         self.dropped_refs: deque[tuple[Slot, int, int]] = deque()
-        # Asks the pool's reactor to release them soon (``Pool._refs_dropped``): called right
+        # Asks the pool's reactor to release them soon (``Spawner.refs_dropped``): called right
         # after an append, from a finaliser too, so it takes no lock and never raises.
         self.refs_dropped: Callable[[], None] = _no_release
         # Runs a function on the pool's reactor after a delay (the cancel grace timers).

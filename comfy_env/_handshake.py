@@ -13,7 +13,7 @@ Data flow (the spawning thread, ``WorkerProcess.handshake``)::
 
 Until the worker is known to speak our protocol, a frame announcing more than
 ``_HANDSHAKE_FRAME_BYTES`` is refused before anything is allocated for it. Every failure is a
-``WorkerStartError`` that tells the story (``_start_error``: the worker is killed and its last
+``WorkerStartError`` that tells the story (``start_error``: the worker is killed and its last
 output read first); a worker whose Python is older than 3.8 exits with ``TOO_OLD_EXIT`` from
 BOOT's first line and gets its own message.
 """
@@ -109,7 +109,7 @@ def handshake(process: Starting, deadline: float) -> None:
     try:
         _converse(process, deadline, canary)
     except TimeoutError:
-        raise _start_error(
+        raise start_error(
             process,
             f"did not finish its start-up within {process.config.start_timeout:g}s "
             "(PoolConfig.start_timeout)",
@@ -120,9 +120,9 @@ def handshake(process: Starting, deadline: float) -> None:
             raise _too_old_error(process) from None
         # Silent and gone before its HELLO: likely no Python at all (``/bin/true``).
         hint = "" if process.hello else f" (is {process.spec.interpreter} a Python interpreter?)"
-        raise _start_error(process, f"{describe_exit(rc)} during start-up", hint) from exc
+        raise start_error(process, f"{describe_exit(rc)} during start-up", hint) from exc
     except (FrameError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as exc:
-        raise _start_error(process, f"failed its handshake: {exc}") from exc
+        raise start_error(process, f"failed its handshake: {exc}") from exc
     process.startup_seconds = time.monotonic() - started
 
 
@@ -136,7 +136,7 @@ def _go(process: Starting) -> Canary:
     try:
         process.runtime_dir.ready()
     except (OSError, ImportError) as exc:
-        raise _start_error(
+        raise start_error(
             process,
             f"could not be given its runtime directory {process.runtime_dir.path}: {exc}",
         ) from exc
@@ -182,7 +182,7 @@ def _converse(process: Starting, deadline: float, canary: Canary) -> None:
     if ftype != FrameType.READY:
         raise FrameError(f"expected READY, got frame type {ftype}")
     reader.limit = config.max_frame_bytes
-    _canary_check(channel, deadline, value, block)
+    canary_check(channel, deadline, value, block)
     # Only now: the handshake and the canary wait on an interpreter's start-up.
     reader.spin_wait(config.spin_wait, process.pid or 0)
 
@@ -239,8 +239,20 @@ def _canary_prepare(channel: Channel) -> Canary:
     return value, parts, block
 
 
-def _canary_check(channel: Channel, deadline: float, value: Any, block: shm.Block | None) -> None:
-    """Read the canary's reply: anything but an equal echo refuses the worker."""
+class ReplySide(Protocol):
+    """What ``canary_check`` reads a reply through: a local worker's ``Channel``, or a Ray
+    actor (``_ray.RayWorker``, whose ``finish_request`` has no shared memory to release)."""
+
+    def read_frame(self, deadline: float | None) -> tuple[int, int, int, Any]: ...
+
+    def open_reply(self, call_id: int, flags: int, payload: Any) -> tuple[Any, Any, list[str]]: ...
+
+    def finish_request(self, block: Any, retained: list[str]) -> None: ...
+
+
+def canary_check(channel: ReplySide, deadline: float, value: Any, block: shm.Block | None) -> None:
+    """Read the canary's reply (call id 1): anything but an equal echo of ``value`` refuses
+    the worker (``FrameError``)."""
     ftype, flags, call_id, reply = channel.read_frame(deadline)
     if call_id != 1 or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
         raise FrameError(f"canary: unexpected frame type {ftype} for call {call_id}")
@@ -269,13 +281,31 @@ def _too_old_error(process: Starting) -> WorkerStartError:
     )
 
 
-def _start_error(process: Starting, what: str, silent_hint: str = "") -> WorkerStartError:
-    """The start-up failure ``what``; ``silent_hint`` is added when the worker said nothing."""
+class Failing(Protocol):
+    """What ``start_error`` needs of a generation whose start failed (a ``WorkerProcess``, or
+    a Ray actor: ``_ray.RayWorker``)."""
+
+    spec: EnvSpec
+    generation: int
+    pid: int | None
+    log: WorkerLog
+
+    def kill(self, stop: Stop) -> None: ...
+
+    def wait_output(self, timeout: float) -> None: ...
+
+
+def start_error(
+    process: Failing, what: str, silent_hint: str = "", who: str = "worker", drain: float = 1.0
+) -> WorkerStartError:
+    """The start-up failure ``what`` of ``process`` (``who``: what the message calls it): the
+    process is killed and its output drained for up to ``drain`` seconds, so the error carries
+    its last words; ``silent_hint`` is added when it said nothing."""
     process.kill(Stop.KILL)
-    process.wait_output(1.0)
+    process.wait_output(drain)
     tail = process.log.tail()
     message = (
-        f"worker for env {process.spec.key} (interpreter {process.spec.interpreter}, "
+        f"{who} for env {process.spec.key} (interpreter {process.spec.interpreter}, "
         f"generation {process.generation}) {what}"
     )
     if not tail:

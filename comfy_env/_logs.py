@@ -65,7 +65,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from comfy_env_worker.protocol import HEADER, HEADER_SIZE, MAGIC, FrameType, Payload
+from comfy_env_worker.protocol import (
+    HEADER_SIZE,
+    FrameError,
+    FrameType,
+    Payload,
+    decode_header,
+)
 
 _log = logging.getLogger("comfy_env")
 
@@ -384,8 +390,11 @@ class WorkerLog:
         buf = self._pipe_buf
         buf += data
         while len(buf) >= HEADER_SIZE:
-            magic, ftype, _flags, length, _call = HEADER.unpack_from(buf)
-            if magic != MAGIC or ftype != FrameType.LOG or length > _MAX_PIPE_FRAME:
+            try:
+                ftype, _flags, length, _call = decode_header(buf)
+            except FrameError:
+                ftype = -1  # (a bad magic: junk, dropped as below)
+            if ftype != FrameType.LOG or length > _MAX_PIPE_FRAME:
                 dropped = len(buf)
                 buf.clear()
                 if not self._pipe_warned:

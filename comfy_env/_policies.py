@@ -15,7 +15,8 @@ event; none of them assigns a state)::
                     ``abandon_for`` the block carries its end, and the call path's
                     ``EnvEntry.abandoned_locked(now)`` lifts it on the first look after it)
     dropped refs  reactor, woken by a dropped ref (RemoteRef.__del__/discard, lock-free) or
-                    by a slot freed with refs still queued (Pool.settle):
+                    by a slot freed with refs still queued (``_lease.settle``), through
+                    ``Spawner.refs_dropped``:
                     release_idle(entry) -> under entry lock: idle, not leased -> one
                     release frame, written without blocking
                   call path, before a call on the worker holding them (the slot was handed
@@ -36,6 +37,7 @@ caller, reaper or close ever sees the slot taken by it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,9 +47,10 @@ from comfy_env_worker.protocol import PartialSend
 
 from . import _lifecycle as lc
 from ._entry import holds, run_effects
-from ._errors import signal_name
+from ._errors import ArgumentError, signal_name
 from ._events import Dispatcher, EnvAbandoned
 from ._failures import abandoned_error
+from ._settings import check_timeout
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
@@ -89,6 +92,21 @@ class ReapHooks:
                     "comfy-env: reap hook %r failed for %s generation %d", hook, env, generation
                 )
         return bool(hooks)
+
+
+def reap_time(now: object, clock: Callable[[], float]) -> float:
+    """The time ``Pool.reap_idle(now)`` reaps as of: ``now``, or the pool's ``clock()`` for
+    None. A ``now`` that is no finite number is an ``ArgumentError`` (NaN compared as "idle
+    long enough" for every worker). (``object``, checked here: compiled, a ``float | None``
+    parameter would refuse a str with a bare TypeError and take True as 1.0.)"""
+    if now is None:
+        return clock()
+    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+        raise ArgumentError(
+            f"now must be a finite time on the pool's clock (time.monotonic() unless the "
+            f"pool was given another) or None, not {now!r}"
+        )
+    return float(now)
 
 
 def held_refs(entry: EnvEntry, slot: Slot) -> set[int]:
@@ -286,27 +304,58 @@ def _take_locked(entry: EnvEntry, slot: Slot | None, generation: int) -> list[in
     return taken
 
 
-def record_death(
-    entry: EnvEntry,
-    generation: int,
-    reason: lc.RetireReason,
-    returncode: int | None,
-    stderr_tail: str,
-    at: float,
-    config: Settings,
-    events: Dispatcher,
-) -> None:
-    """The crash-loop breaker's bookkeeping: count a death (``at`` on the pool's clock); too
-    many in the window abandon the env (logged, and ``EnvAbandoned`` emitted once)."""
-    death = lc.Death(
+def breaker_for(
+    settings: Settings,
+    max_restarts: int | None,
+    restart_window: float | None,
+    abandon_for: float | None,
+) -> lc.Breaker:
+    """``Pool.set_breaker``'s breaker: each value given, else the pool's (``settings``). A
+    value ``PoolConfig`` would refuse is an ``ArgumentError``."""
+    if max_restarts is not None and (
+        isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0
+    ):
+        raise ArgumentError(f"max_restarts must be an int >= 0, not {max_restarts!r}")
+    window = check_timeout(restart_window, "restart_window", "the pool's value")
+    lasting = check_timeout(abandon_for, "abandon_for", "the pool's value")
+    return lc.Breaker(
+        settings.max_restarts if max_restarts is None else max_restarts,
+        settings.restart_window if window is None else window,
+        settings.abandon_for if lasting is None else lasting,
+    )
+
+
+def reset_env(entry: EnvEntry) -> bool:
+    """``Pool.reset``'s bookkeeping: the breaker back to active and the "too old Python" mark
+    forgotten (the env's Python may have been replaced). Returns whether the env was
+    abandoned (``EnvReset`` is due)."""
+    with entry.lock:
+        was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
+        entry.set_env_state(lc.EnvActive())
+        entry.unsupported = None
+    return was_abandoned
+
+
+def death_of(
+    generation: int, reason: lc.RetireReason, returncode: int | None, tail: str, at: float
+) -> lc.Death:
+    """The breaker's record of generation ``generation``'s death (``at`` on the pool's
+    clock; the wall time is now)."""
+    return lc.Death(
         at=at,
         when=time.time(),
         generation=generation,
         reason=reason,
         exitcode=returncode,
         signal=signal_name(returncode),
-        stderr_tail=stderr_tail,
+        stderr_tail=tail,
     )
+
+
+def record_death(entry: EnvEntry, death: lc.Death, config: Settings, events: Dispatcher) -> None:
+    """The crash-loop breaker's bookkeeping: count ``death`` (``death_of``); too many in the
+    window abandon the env (logged, and ``EnvAbandoned`` emitted once)."""
+    at = death.at
     breaker = entry.breaker or lc.Breaker(
         config.max_restarts, config.restart_window, config.abandon_for
     )

@@ -34,15 +34,20 @@ Where the rest lives (each module's docstring draws its part)::
                 settle; the errors of a broken exchange (``run_leased`` goes there)
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
-                the breaker); the reaper's timer; disposing of retired workers later
+                the breaker); the reaper's timer; the lock-free wake-up of the release of
+                dropped refs (``refs_dropped``); disposing of retired workers later
     _status     StatusThrottle: the status file kept current, throttled, on the reactor
     _callsite   CallSite: what Worker, RemoteRef and the asyncio path (_acall) may ask of
                 the pool; they import it, never this module
-    _policies   idle reaper, health ping, crash-loop breaker, dropped-ref release (on the
-                reactor, woken lock-free by ``_refs_dropped``): they decide with
-                ``_lifecycle`` and act through the gate
+    _policies   idle reaper, health ping, crash-loop breaker (and ``set_breaker``/``reset``'s
+                bookkeeping), dropped-ref release (on the reactor, woken lock-free by
+                ``Spawner.refs_dropped``): they decide with ``_lifecycle`` and act through
+                the gate
+    _config     PoolConfig, and ``configure``'s checks and writes (``configure_env``)
+    _start      ``start``: the warm starts, one thread per env
     _failures   the errors a broken call ends with (crash, timeout, protocol, abandoned)
-    _shutdown   close: stop every worker with shared deadlines; pools at exit; after fork
+    _shutdown   close (``stop_pool``): stop every worker with shared deadlines; pools at
+                exit; after fork (``abandon_pool``)
     _backend    Backend/WorkerGeneration: what starts, talks to and stops one generation
 
 **Races this prevents**:
@@ -77,12 +82,9 @@ Where the rest lives (each module's docstring draws its part)::
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import math
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -104,7 +106,6 @@ from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_
 from ._entry import EnvEntry, Slot, Ticket
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
-    ArgumentError,
     CallTimeout,
     EnvError,
     PoolClosedError,
@@ -150,10 +151,6 @@ _log = logging.getLogger("comfy_env")
 _UNSET = object()  # (no value: a setting an env's own settings do not hold yet)
 
 
-def _same(worker: Worker) -> Worker:
-    return worker
-
-
 class Pool:
     """Workers keyed by env. Create with a ``PoolConfig``; use as a context manager or call
     ``close()``. Workers spawn lazily, on an env's first call.
@@ -190,14 +187,12 @@ class Pool:
         self._closed = False
         self._close_done = threading.Event()
         # Starts generations and reports their ends; holds the reactor and the runtime dir.
-        self._spawner = Spawner(self, self._lock)
+        self._spawner = Spawner(self, self._lock, self._entries)
         self.dispose_later = self._spawner.dispose_later  # (CallSite: one call, no hop)
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
         # Keeps this host's status file current (throttled); on every call's end.
         self.status_changed = StatusThrottle(live_pool_snapshots, self._status_timer).changed
-        self._release_due = False  # a background release of dropped refs is queued (see
-        # _refs_dropped)
         self._registration = _shutdown.register(self)
         _shutdown.install_process_hooks()
 
@@ -224,21 +219,9 @@ class Pool:
         path that does not resolve raises ``EnvError`` here, as ``get_worker``. Returns
         one ``concurrent.futures.Future`` per env, in order, whose result is the env's
         ``Worker``; ``concurrent.futures.wait`` waits for several."""
-        from ._start import describe, module_names, start_in_background
+        from ._start import start_envs
 
-        names = module_names(preload)
-        if self._closed:
-            raise self.closed_error()
-        starts = []
-        for env in envs or (None,):
-            # A recipe is built on the start's thread; anything else resolves here (by name,
-            # as resolve_env: the recipe machinery loads only in programs that use it).
-            if type(env).__name__ == "Recipe" and not isinstance(env, (str, os.PathLike)):
-                open_worker: Callable[[], Worker] = functools.partial(self.get_worker, env)
-            else:
-                open_worker = functools.partial(_same, self.get_worker(env))
-            starts.append(start_in_background(open_worker, names, timeout, describe(env)))
-        return starts
+        return start_envs(self, envs, preload, timeout)
 
     def subscribe(self, callback: Callable[[Event], object]) -> Callable[[], None]:
         """Deliver lifecycle events (``WorkerSpawned``, ``WorkerReady``, ``WorkerRetired``,
@@ -269,11 +252,7 @@ class Pool:
         entry = self._entry(resolve_env(env))
         if entry.recover_stuck():
             self.status_changed()
-        with entry.lock:
-            was_abandoned = isinstance(entry.env_state, lc.EnvAbandoned)
-            entry.set_env_state(lc.EnvActive())
-            entry.unsupported = None
-        if was_abandoned:
+        if _policies.reset_env(entry):
             self.events.emit(EnvReset(entry.spec.key))
 
     def set_breaker(
@@ -289,18 +268,7 @@ class Pool:
         None keeps the pool's value). They count from the next death; deaths already counted
         stay, an abandonment in force keeps its end. ``comfy_env.comfyui.isolate`` uses it for a
         pack's own settings. Raises ``ArgumentError`` for a value ``PoolConfig`` would refuse."""
-        if max_restarts is not None and (
-            isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0
-        ):
-            raise ArgumentError(f"max_restarts must be an int >= 0, not {max_restarts!r}")
-        window = check_timeout(restart_window, "restart_window", "the pool's value")
-        lasting = check_timeout(abandon_for, "abandon_for", "the pool's value")
-        settings = self.settings
-        breaker = lc.Breaker(
-            settings.max_restarts if max_restarts is None else max_restarts,
-            settings.restart_window if window is None else window,
-            settings.abandon_for if lasting is None else lasting,
-        )
+        breaker = _policies.breaker_for(self.settings, max_restarts, restart_window, abandon_for)
         entry = self._entry(resolve_env(env))
         with entry.lock:
             entry.breaker = breaker
@@ -319,22 +287,9 @@ class Pool:
         started from now on take the variables and the memory limit (running ones keep theirs:
         ``retire_idle(env)`` replaces idle ones now); the breaker counts from the next death.
         ``stats()[env].settings`` shows what the env runs with."""
-        from ._config import settings_for_env
+        from ._config import configure_env
 
-        entry = self._entry(resolve_env(env))
-        own = {**entry.own_settings, **settings}
-        effective = settings_for_env(self.settings, own)  # raises before anything changes
-        breaker_fields = ("max_restarts", "restart_window", "abandon_for")
-        breaker = None
-        if any(name in own for name in breaker_fields):
-            breaker = lc.Breaker(
-                effective.max_restarts, effective.restart_window, effective.abandon_for
-            )
-        with entry.lock:
-            entry.own_settings = own
-            entry.settings = effective
-            if breaker is not None:
-                entry.breaker = breaker
+        configure_env(self._entry(resolve_env(env)), self.settings, settings)
         reactor = self._spawner.reactor
         if "idle_timeout" in settings and reactor is not None:
             reactor.call_later(0, self._spawner.reschedule_reaper)
@@ -438,7 +393,7 @@ class Pool:
             if entry is None:
                 entry = EnvEntry(spec, self.settings.max_workers_per_env, self.settings)
                 entry.call_later = self._call_later
-                entry.refs_dropped = self._refs_dropped
+                entry.refs_dropped = self._spawner.refs_dropped
                 self._entries[spec.key] = entry
             elif entry.spec.interpreter != spec.interpreter and not same_interpreter(
                 entry.spec.interpreter, spec.interpreter
@@ -460,32 +415,6 @@ class Pool:
         reactor = self._spawner.reactor
         if reactor is not None and reactor.running:
             reactor.call_later(delay, fn)
-
-    def _refs_dropped(self) -> None:
-        """A RemoteRef was dropped (``__del__``, ``discard``), or a slot was freed with dropped
-        refs still queued: the reactor releases them soon (``_release_dropped``).
-
-        Runs inside finalisers: in any thread, under any lock (this pool's and its entries'
-        too), at interpreter exit. So it takes no lock, blocks on nothing and raises nothing:
-        one flag and, once per burst, a callback queued with a wake-up byte
-        (``Reactor.notify``). The flag is cleared by the callback *before* it looks at the
-        queues, so a ref appended after that look finds the flag clear and queues another."""
-        reactor = self._spawner.reactor
-        if reactor is None or self._release_due:  # (None: no worker ran, no ref exists)
-            return
-        self._release_due = True
-        reactor.notify(self._release_dropped)
-
-    def _release_dropped(self) -> None:
-        """On the reactor: release the dropped refs of every env's idle workers
-        (``_policies.release_idle``); refs of a worker in a call wait for its end."""
-        self._release_due = False
-        if self._closed:
-            return  # the workers are being stopped, and their objects with them
-        # (A copy made in one C call, no lock: a new entry holds no dropped ref yet.)
-        for entry in tuple(self._entries.values()):
-            if entry.dropped_refs:
-                _policies.release_idle(entry)
 
     def start_locked(
         self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
@@ -815,20 +744,8 @@ class Pool:
         the ``idle_since`` it observed, so a worker that ran a call in between (or is leased by
         a caller right now) is never reaped. A ``now`` that is no finite number is an
         ``ArgumentError`` (NaN compared as "idle long enough" for every worker)."""
-        # (``object``, checked here: compiled, a ``float | None`` parameter would refuse a
-        # str with a bare TypeError and take True as 1.0 before this check.)
-        if now is None:
-            at = self.clock()
-        elif isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-            raise ArgumentError(
-                f"now must be a finite time on the pool's clock (time.monotonic() unless the "
-                f"pool was given another) or None, not {now!r}"
-            )
-        else:
-            at = float(now)
-        with self._lock:
-            entries = list(self._entries.values())
-        return _policies.reap_idle(entries, at, self.settings, self._reap_hooks)
+        at = _policies.reap_time(now, self.clock)  # (``object``: see reap_time)
+        return _policies.reap_idle(self.entries(), at, self.settings, self._reap_hooks)
 
     def _status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:
         """Where the status throttle queues its writes: the reactor's timer, while the pool is
@@ -844,39 +761,13 @@ class Pool:
         self._closed = True
         self._lock = self._spawner.lock = threading.Lock()
         self._close_done.set()
-        processes = set(self._spawner.processes)
-        for entry in self._entries.values():
-            entry.lock = threading.Lock()
-            entry.waiters.clear()
-            processes.update(s.process for s in entry.slots if s.process is not None)
-        for process in processes:
-            process.abandon_in_forked_child()
-        if self._spawner.reactor is not None:
-            self._spawner.reactor.abandon_in_forked_child()
-        if self._spawner.watcher is not None:
-            self._spawner.watcher.forget_in_forked_child()
+        _shutdown.abandon_pool(self._spawner, list(self._entries.values()))
 
     def _stop_everything(self, entries: list[EnvEntry], reactor: Reactor | None) -> None:
-        _shutdown.close_entries(entries)
-        if self._spawner.reaper is not None:
-            self._spawner.reaper.cancel()
+        _shutdown.stop_pool(self._spawner, entries, reactor)
         if reactor is None:
-            self.backend.close()
             self.events.close()
             return
-        _shutdown.stop_workers(
-            entries,
-            reactor,
-            lambda: list(self._spawner.processes),
-            self._lock,
-            self.settings.close_timeout,
-        )
-        watcher = self._spawner.watcher
-        if watcher is not None:  # every worker is stopped: the watcher has nothing to do
-            watcher.close(2.0)
-        self.backend.close()
-        if self._spawner.runtime_dir is not None:
-            shutil.rmtree(self._spawner.runtime_dir.path, ignore_errors=True)
         try:
             # Without this pool (the file goes with the last pool). A status directory that
             # cannot be written is a warning, never raised: the close must end.

@@ -52,25 +52,24 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import FrameReader
 
 from . import _handshake
 from ._channel import Channel
-from ._envs import EnvSpec
-from ._errors import WorkerStartError
 from ._exitwatch import WORKER_ID_VAR, ExitWatch
+from ._generation import Birth, GenerationFacts
 from ._handshake import GO as GO  # (re-exported: BOOT's byte)
 from ._handshake import SERIALS
 from ._handshake import TOO_OLD_EXIT as TOO_OLD_EXIT  # (re-exported: BOOT's exit code)
 from ._identity import HOST_ID_VAR, host_id
-from ._lifecycle import CancelKill, RetireReason, Stop
+from ._lifecycle import Stop
 from ._logs import WorkerLog
 from ._memlimit import WorkerMemory
 from ._outputpipes import OutputPipes
-from ._reactor import Reactor, ReactorFailed
+from ._reactor import ReactorFailed
 from ._rundir import runtime_root as runtime_root  # (re-exported: tests import it from here)
 from ._runtime_store import RuntimeDir as RuntimeDir  # (re-exported for the pool and backends)
 from ._settings import Settings
@@ -158,31 +157,15 @@ class _ChildEnds(NamedTuple):
 _Hooks = tuple["Callable[[], None] | None", "Callable[[WorkerProcess], None] | None"]
 
 
-class WorkerProcess:
+class WorkerProcess(GenerationFacts):
     """One launched worker process of generation ``generation``: a facade over its
-    ``channel``, its exit ``watch`` and its output ``pipes`` (see the module docstring)."""
+    ``channel``, its exit ``watch`` and its output ``pipes`` (see the module docstring).
+    (``death_detail`` stays None: exit codes say it all here.)"""
 
-    def __init__(
-        self,
-        spec: EnvSpec,
-        generation: int,
-        config: Settings,
-        reactor: Reactor,
-        runtime_dir: RuntimeDir,
-        on_exit: Callable[[WorkerProcess], None],
-        on_finished: Callable[[WorkerProcess], None],
-    ) -> None:
-        self.spec = spec
-        self.generation = generation
-        self.config = config
-        self.reactor = reactor
-        self.runtime_dir = runtime_dir
-        self.retire_reason: RetireReason | None = None  # set by the pool's gate
-        self.cancel_kill: CancelKill | None = None  # set by the gate with the reason
-        self.pid: int | None = None  # the interpreter's own pid, from its hello
-        self.hello: dict[str, Any] = {}
-        self.death_detail: str | None = None  # exit codes say it all here
-        self.death_reported = False  # by the pool (breaker, WorkerRetired), once
+    def __init__(self, birth: Birth) -> None:
+        super().__init__(birth)
+        spec, generation, config, reactor = self.spec, self.generation, self.config, self.reactor
+        on_exit, on_finished = birth.on_exit, birth.on_finished
         self.startup_seconds = 0.0
         self.log = WorkerLog(spec.key, spec.name, generation, config.stderr_tail_lines)
         # The channel's ends, set once at launch and never replaced (read on every call).
@@ -214,8 +197,13 @@ class WorkerProcess:
         self.status_at_eof = watch.status_at_eof
         self.collect_exit = watch.collect_exit
         self.wait_exit = watch.wait_exit
-        self.wait_output = pipes.wait
         self.force_close = watch.force_close
+
+    def wait_output(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the worker's output to end (it ends after the
+        reaping); at once for a worker never launched: it has no output to wait for."""
+        if self.watch.popen is not None:
+            self.pipes.wait(timeout)
 
     # ---- facts read through the parts ----
 
@@ -273,11 +261,9 @@ class WorkerProcess:
         try:
             self.memory = self.watch.memory = WorkerMemory(self.config.memory_limit)
         except OSError as exc:  # the hierarchy is usable, but no leaf could be made now
-            raise WorkerStartError(
+            raise self.start_error(
                 f"cannot give a worker of env {self.spec.key} its memory limit "
-                f"(PoolConfig.memory_limit): making its memory cgroup failed: {exc}",
-                env=self.spec.key,
-                generation=self.generation,
+                f"(PoolConfig.memory_limit): making its memory cgroup failed: {exc}"
             ) from exc
         environment.update(self.memory.worker_variables())
         child = self._open_descriptors()
@@ -289,10 +275,8 @@ class WorkerProcess:
                     )
                 )
             except (OSError, ReactorFailed) as exc:
-                raise WorkerStartError(
-                    f"cannot launch {self.spec.interpreter} for env {self.spec.key}: {exc}",
-                    env=self.spec.key,
-                    generation=self.generation,
+                raise self.start_error(
+                    f"cannot launch {self.spec.interpreter} for env {self.spec.key}: {exc}"
                 ) from exc
         except BaseException:
             self.dispose()
@@ -338,11 +322,9 @@ class WorkerProcess:
                 os.close(fd)
             for end in ends:
                 end.close()
-            raise WorkerStartError(
+            raise self.start_error(
                 f"cannot create the channel to a worker of env {self.spec.key}: {exc} (is the "
-                "host out of file descriptors? see ulimit -n)",
-                env=self.spec.key,
-                generation=self.generation,
+                "host out of file descriptors? see ulimit -n)"
             ) from exc
         parent_sock, child_sock, reply_sock, child_reply_sock = ends
         out_read, out_write, err_read, err_write, log_read, log_write = pipes[:6]
@@ -360,21 +342,15 @@ class WorkerProcess:
         """Reactor thread: fork the worker (unless stopped or refused first) and watch it."""
         before_launch, after_launch = hooks
         if self.watch.kill_requested:
-            raise WorkerStartError(
-                "the worker was stopped before it was launched",
-                env=self.spec.key,
-                generation=self.generation,
-            )
+            raise self.stopped_before_launch()
         if before_launch is not None:
             before_launch()
         cwd = self.config.cwd
         if cwd is not None and not os.path.isdir(cwd):
             # Popen's FileNotFoundError names no field and reads like a missing interpreter.
-            raise WorkerStartError(
+            raise self.start_error(
                 f"cannot launch a worker for env {self.spec.key}: its cwd {cwd!r} "
-                "(PoolConfig.cwd) is not an existing directory",
-                env=self.spec.key,
-                generation=self.generation,
+                "(PoolConfig.cwd) is not an existing directory"
             )
         child_fd, child_reply_fd = child.sock.fileno(), child.reply_sock.fileno()
         argv = [self.spec.interpreter, "-c", BOOT, self.runtime_dir.path, str(child_fd)]
@@ -414,11 +390,9 @@ class WorkerProcess:
         except OSError as exc:
             proc.kill()
             proc.wait()
-            raise WorkerStartError(
+            raise self.start_error(
                 f"cannot move a worker of env {self.spec.key} into its memory cgroup "
-                f"{leaf.path}: {exc}",
-                env=self.spec.key,
-                generation=self.generation,
+                f"{leaf.path}: {exc}"
             ) from exc
 
     def handshake(self, deadline: float) -> None:

@@ -85,15 +85,15 @@ from comfy_env_worker.protocol import (
     HEADER_SIZE,
     ChannelClosed,
     FrameError,
-    FrameType,
     Payload,
 )
 from comfy_env_worker.ray_actor import SIGTERM_WORDS
 
-from ._codec import decode_reply, encode_call, oob_threshold, worker_config
+from ._codec import encode_call, oob_threshold, worker_config
 from ._envs import EnvSpec
 from ._errors import ConfigError, SerializationError, WorkerStartError
-from ._lifecycle import CancelKill, RetireReason, Stop
+from ._generation import Birth, GenerationFacts
+from ._lifecycle import Stop
 from ._logs import WorkerLog
 from ._reactor import Reactor
 from ._settings import Settings
@@ -331,17 +331,8 @@ class RayBackend:
         self._shipped: tuple[str, Any, str] | None = None  # runtime dir, files ref, digest
         self._actor_class: Any = None
 
-    def new_generation(
-        self,
-        spec: EnvSpec,
-        generation: int,
-        config: Settings,
-        reactor: Reactor,
-        runtime_dir: RuntimeDir,
-        on_exit: Callable[[Any], None],
-        on_finished: Callable[[Any], None],
-    ) -> RayWorker:
-        return RayWorker(self, spec, generation, config, reactor, runtime_dir, on_exit, on_finished)
+    def new_generation(self, birth: Birth) -> RayWorker:
+        return RayWorker(self, birth)
 
     def close(self) -> None:
         with self._lock:
@@ -544,43 +535,24 @@ class _Reader:
             self.frames.append((ftype, 0, call_id, payload))
 
 
-class RayWorker:
+class RayWorker(GenerationFacts):
     """One worker generation as one Ray actor (the ``WorkerGeneration`` members)."""
 
-    def __init__(
-        self,
-        backend: RayBackend,
-        spec: EnvSpec,
-        generation: int,
-        config: Settings,
-        reactor: Reactor,
-        runtime_dir: RuntimeDir,
-        on_exit: Callable[[RayWorker], None],
-        on_finished: Callable[[RayWorker], None],
-    ) -> None:
+    def __init__(self, backend: RayBackend, birth: Birth) -> None:
+        super().__init__(birth)  # (``death_detail``: what Ray said about the death)
         self.backend = backend
-        self.spec = spec
-        self.generation = generation
-        self.config = config
-        self.reactor = reactor
-        self.runtime_dir = runtime_dir
-        self._on_exit = on_exit
-        self._on_finished = on_finished
-        self.retire_reason: RetireReason | None = None  # set by the pool's gate
-        self.cancel_kill: CancelKill | None = None  # set by the gate with the reason
+        self._on_exit = birth.on_exit
+        self._on_finished = birth.on_finished
         self.popen: Any = None  # no process of ours
         self.sock: Any = None  # no descriptor: the asyncio path runs calls on a thread
-        self.pid: int | None = None
-        self.hello: dict[str, Any] = {}
         self.returncode: int | None = None  # Ray reports none; a signal when the log says it
-        self.death_detail: str | None = None  # what Ray said about the death
         self.memory: WorkerMemory | None = None  # (Ray counts an actor's memory itself)
-        self.death_reported = False  # by the pool (breaker, WorkerRetired), once
         self.fault: str | None = None  # a Ray error that made the host stop the actor
         self.exited = threading.Event()
         self.output_done = threading.Event()
         self.startup_seconds = 0.0
-        self.log = WorkerLog(spec.key, spec.name, generation, config.stderr_tail_lines)
+        spec = self.spec
+        self.log = WorkerLog(spec.key, spec.name, self.generation, self.config.stderr_tail_lines)
         self.shm_state = "off"
         self.channel = None  # no fd channel: calls go through the actor (see ``_channel``)
         self.actor: Any = None
@@ -616,11 +588,7 @@ class RayWorker:
         self.activation = activation
         self.backend.preflight(self.spec, self.config.start_timeout)
         if self._kill_requested:
-            raise WorkerStartError(
-                "the worker was stopped before it was launched",
-                env=self.spec.key,
-                generation=self.generation,
-            )
+            raise self.stopped_before_launch()
         if before_launch is not None:
             before_launch()
         try:
@@ -683,23 +651,14 @@ class RayWorker:
         self.startup_seconds = time.monotonic() - started
 
     def _canary(self, deadline: float) -> None:
-        from ._handshake import canary_value
+        from ._handshake import canary_check, canary_value
 
         value = canary_value(min(self.config.shm_threshold_bytes, self.config.max_frame_bytes // 4))
         body, buffers, _ = encode_call(
             CANARY_TARGET, (value,), {}, oob_threshold(self.config.shm_threshold_bytes)
         )
         self.send_request(1, body, buffers, deadline)
-        ftype, flags, call_id, reply = self.read_frame(deadline)
-        if call_id != 1 or ftype not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
-            raise FrameError(f"canary: unexpected frame type {ftype} for call {call_id}")
-        body_in, buffers_in, _ = self.open_reply(1, flags, reply)
-        try:
-            echoed = decode_reply(ftype, body_in, CANARY_TARGET, buffers_in)
-        except Exception as exc:
-            raise FrameError(f"canary call failed: {type(exc).__name__}: {exc}") from exc
-        if echoed != value:
-            raise FrameError("canary came back different from what was sent")
+        canary_check(self, deadline, value, None)
 
     @staticmethod
     def _said(exc: BaseException) -> str:
@@ -707,18 +666,9 @@ class RayWorker:
         return f"{type(exc).__name__}: {text[0] if text else ''}"
 
     def _start_error(self, what: str) -> WorkerStartError:
-        self.kill(Stop.KILL)
-        self.wait_output(2.0)
-        tail = self.log.tail()
-        message = (
-            f"Ray actor for env {self.spec.key} (interpreter {self.spec.interpreter}, "
-            f"generation {self.generation}) {what}"
-        )
-        if tail:
-            message += "\n--- worker output (last lines) ---\n" + tail
-        return WorkerStartError(
-            message, env=self.spec.key, pid=self.pid, generation=self.generation, stderr_tail=tail
-        )
+        from ._handshake import start_error
+
+        return start_error(self, what, who="Ray actor", drain=2.0)
 
     # ---- requests and replies (the lease holder) ----
 

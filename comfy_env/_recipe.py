@@ -345,18 +345,25 @@ class Recipe:
             "requirements": list(self.requirements),
             "index_url": self.index_url,
             "extra_index_urls": list(self.extra_index_urls),
-            "cuda_wheels": None
-            if self.cuda_wheels is None
-            else {
-                "index_urls": list(self.cuda_wheels.index_urls),
-                "packages": list(self.cuda_wheels.packages),
-                "package_map": [list(pair) for pair in self.cuda_wheels.package_map],
-            },
+            "cuda_wheels": self._cuda_wheels_json(pairs=True),
             "lock": None if self.lock is None else _digest_file(self.lock),
             "interpreter": {k: interpreter[k] for k in sorted(interpreter)},
         }
         encoded = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(encoded).hexdigest()[:20]
+
+    def _cuda_wheels_json(self, pairs: bool) -> dict[str, Any] | None:
+        """``cuda_wheels`` as JSON: its package map as ``[name, wheel]`` pairs (``pairs``:
+        the content key's form, which must never change) or as an object (the record's)."""
+        cuda = self.cuda_wheels
+        if cuda is None:
+            return None
+        package_map: Any = [list(p) for p in cuda.package_map] if pairs else dict(cuda.package_map)
+        return {
+            "index_urls": list(cuda.index_urls),
+            "packages": list(cuda.packages),
+            "package_map": package_map,
+        }
 
     def describe(self) -> str:
         """A short label: the name, else the first requirements."""
@@ -372,13 +379,7 @@ class Recipe:
             "python": self.python,
             "index_url": self.index_url,
             "extra_index_urls": list(self.extra_index_urls),
-            "cuda_wheels": None
-            if self.cuda_wheels is None
-            else {
-                "index_urls": list(self.cuda_wheels.index_urls),
-                "packages": list(self.cuda_wheels.packages),
-                "package_map": dict(self.cuda_wheels.package_map),
-            },
+            "cuda_wheels": self._cuda_wheels_json(pairs=False),
             "lock": self.lock,
             "name": self.name,
             "source": self.source,

@@ -139,7 +139,7 @@ class RemoteRef:
     def __del__(self) -> None:
         # Runs in any thread, inside any lock (the entry's or the pool's, during a gc pass in
         # their code), or at interpreter exit with the pool closed and modules half torn down:
-        # only an atomic deque.append and a wake-up that takes no lock (``Pool._refs_dropped``)
+        # only an atomic deque.append and a wake-up that takes no lock (``Spawner.refs_dropped``)
         # and nothing that could raise out of here.
         try:
             if self._released:

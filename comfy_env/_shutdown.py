@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._entry import EnvEntry
     from ._reactor import Reactor
+    from ._spawner import Spawner
 
 _log = logging.getLogger("comfy_env")
 
@@ -131,6 +133,42 @@ def _after_fork_in_child() -> None:
     live_pools.clear()
 
 
+def stop_pool(spawner: Spawner, entries: list[EnvEntry], reactor: Reactor | None) -> None:
+    """``Pool.close``'s work once the pool is marked closed: fail the queued calls and retire
+    every worker through the gate (``close_entries``), stop the reaper's timer, stop the
+    workers (``stop_workers``; only if a reactor was ever made: else none was forked), the
+    host watcher and the backend, and remove the pool's runtime dir."""
+    close_entries(entries)
+    if spawner.reaper is not None:
+        spawner.reaper.cancel()
+    if reactor is not None:
+        close_timeout = spawner.pool.settings.close_timeout
+        stop_workers(entries, reactor, lambda: list(spawner.processes), spawner.lock, close_timeout)
+        if spawner.watcher is not None:  # every worker is stopped: it has nothing to do
+            spawner.watcher.close(2.0)
+    spawner.pool.backend.close()
+    if reactor is not None and spawner.runtime_dir is not None:
+        shutil.rmtree(spawner.runtime_dir.path, ignore_errors=True)
+
+
+def abandon_pool(spawner: Spawner, entries: list[EnvEntry]) -> None:
+    """In a forked child (``Pool.abandon_in_forked_child``, the pool already closed there):
+    replace the entries' locks (other threads may have held them at the fork), forget the
+    queued calls (their threads are the parent's), and make every process, the reactor and
+    the host watcher drop their inherited descriptors without signalling anything."""
+    processes = set(spawner.processes)
+    for entry in entries:
+        entry.lock = threading.Lock()
+        entry.waiters.clear()
+        processes.update(s.process for s in entry.slots if s.process is not None)
+    for process in processes:
+        process.abandon_in_forked_child()
+    if spawner.reactor is not None:
+        spawner.reactor.abandon_in_forked_child()
+    if spawner.watcher is not None:
+        spawner.watcher.forget_in_forked_child()
+
+
 def close_entries(entries: list[EnvEntry]) -> None:
     """Fail every queued call (``ticket.closed``) and ask every live worker to leave, through
     the gate (``CloseRequested`` of its generation)."""
@@ -158,8 +196,10 @@ def stop_workers(
     close_timeout: float,
 ) -> None:
     """Stop every worker of a closing pool and release their channels (see the module
-    docstring). ``tracked`` lists the processes forked and not yet reaped; ``lock`` is the
-    pool's lock, which guards the slots' leases against a caller that still ends its call."""
+    docstring). ``tracked`` lists the processes forked and not yet reaped, under ``lock``
+    (the pool's, which guards that set: the spawner adds to it as it forks). A slot's lease
+    is read under its entry's lock, which guards everything in the entry: a caller that
+    still ends its call keeps its worker's objects until it lets go (it disposes of them)."""
     from ._reactor import ReactorFailed  # (loaded with the reactor: costs nothing here)
 
     # Barrier: after this, no fork can start (the pool refuses before launching), and every
@@ -172,9 +212,8 @@ def stop_workers(
             pass  # it ended just now: as above
     with lock:
         processes = tracked()
-    for process in processes:
-        if process.retire_reason is None:  # still starting: not asked by the gate
-            process.kill(lc.Stop.TERMINATE)
+    for process in _not_asked(entries, processes):
+        process.kill(lc.Stop.TERMINATE)
     deadline = time.monotonic() + close_timeout
     for process in processes:
         process.wait_exit(max(0.0, deadline - time.monotonic()))
@@ -187,11 +226,10 @@ def stop_workers(
     for process in stragglers:
         process.wait_exit(max(0.0, killed_by - time.monotonic()))
     drained_by = time.monotonic() + 0.5
-    for entry in entries:
-        for slot in entry.slots:
-            if slot.process is not None and slot.process.popen is not None:
-                slot.process.wait_output(max(0.0, drained_by - time.monotonic()))
-    all_processes = {s.process for e in entries for s in e.slots if s.process is not None}
+    in_slots = _in_slots(entries)
+    for process in in_slots:  # (at once for one never launched: it has no output)
+        process.wait_output(max(0.0, drained_by - time.monotonic()))
+    all_processes = set(in_slots)
     all_processes.update(processes)
 
     def release_all() -> None:
@@ -204,7 +242,38 @@ def stop_workers(
         release_all()
     reactor.stop()
     for process in all_processes:
-        with lock:
-            leased = any(s.leased and s.process is process for e in entries for s in e.slots)
-        if not leased:
+        if not _leased(entries, process):
             process.dispose()
+
+
+def _not_asked(
+    entries: list[EnvEntry], processes: list[WorkerGeneration]
+) -> list[WorkerGeneration]:
+    """The tracked ``processes`` the gate did not ask to stop: those whose slot is not retired
+    (``close_entries`` retires every live slot, so these began starting after it looked, and
+    their start will fail on the closed pool). A tracked process that left its slot was
+    retired before its slot began the next generation: the gate stopped it then."""
+    tracked = set(processes)
+    not_asked = []
+    for entry in entries:
+        with entry.lock:
+            for slot in entry.slots:
+                process = slot.process
+                if process in tracked and not isinstance(slot.state, lc.Retired):
+                    not_asked.append(process)
+    return not_asked
+
+
+def _in_slots(entries: list[EnvEntry]) -> list[WorkerGeneration]:
+    """The process in each slot (the latest generation of each), in slot order."""
+    return [s.process for e in entries for s in e.slots if s.process is not None]
+
+
+def _leased(entries: list[EnvEntry], process: WorkerGeneration) -> bool:
+    """Whether a caller still holds the slot of ``process`` (each entry's lock held in turn:
+    it guards the slots' leases)."""
+    for entry in entries:
+        with entry.lock:
+            if any(s.leased and s.process is process for s in entry.slots):
+                return True
+    return False

@@ -41,6 +41,7 @@ from . import _policies
 from ._errors import PoolClosedError, WorkerStartError, chained, describe_exit, signal_name
 from ._events import ShmSwept, WorkerReady, WorkerRetired, WorkerSpawned
 from ._failures import abandoned_error
+from ._generation import Birth
 from ._identity import HOST_ID_VAR, host_id
 from ._interrupts import Deferred
 from ._process import RuntimeDir, base_environment
@@ -91,9 +92,10 @@ class Spawner:
     ``lock`` is the pool's: the pool's ``closed`` flag and what is made here on the first
     spawn change under it together, so a close never misses a reactor or a fork."""
 
-    def __init__(self, pool: SpawnSite, lock: threading.Lock) -> None:
+    def __init__(self, pool: SpawnSite, lock: threading.Lock, entries: dict[str, EnvEntry]) -> None:
         self.pool = pool
         self.lock = lock
+        self._entries = entries  # the pool's, by env key (read lock-free: ``_release_dropped``)
         self.reactor: Reactor | None = None
         self.runtime_dir: RuntimeDir | None = None
         self.watcher: HostWatcher | None = None  # stops setsid descendants if we die
@@ -101,6 +103,7 @@ class Spawner:
         self.last_sweep: SweepReport | None = None  # what the start-up sweep removed
         self.reaper: TimerHandle | None = None
         self._sweep_queued = False
+        self._release_due = False  # a background release of dropped refs is queued
 
     # ---- birth ----
 
@@ -176,7 +179,7 @@ class Spawner:
             old = slot.process
             if old is not None:
                 entry.log_lines_dropped += old.log.dropped
-            process: WorkerGeneration = pool.backend.new_generation(
+            birth = Birth(
                 entry.spec,
                 generation,
                 entry.settings,  # the pool's, or the env's own (``Pool.configure``)
@@ -185,6 +188,7 @@ class Spawner:
                 lambda p: self.on_exit(entry, slot, p),
                 lambda p: self.on_finished(entry, p),
             )
+            process: WorkerGeneration = pool.backend.new_generation(birth)
             slot.process = process
         if old is not None:
             old.dispose()
@@ -431,16 +435,37 @@ class Spawner:
         stderr_tail: str,
     ) -> None:
         pool = self.pool
-        _policies.record_death(
-            entry,
-            generation,
-            reason,
-            returncode,
-            stderr_tail,
-            pool.clock(),
-            pool.settings,
-            pool.events,
-        )
+        death = _policies.death_of(generation, reason, returncode, stderr_tail, pool.clock())
+        _policies.record_death(entry, death, pool.settings, pool.events)
+
+    # ---- dropped refs ----
+
+    def refs_dropped(self) -> None:
+        """A RemoteRef was dropped (``__del__``, ``discard``), or a slot was freed with dropped
+        refs still queued: the reactor releases them soon (``_release_dropped``). Every
+        entry's ``refs_dropped``.
+
+        Runs inside finalisers: in any thread, under any lock (the pool's and its entries'
+        too), at interpreter exit. So it takes no lock, blocks on nothing and raises nothing:
+        one flag and, once per burst, a callback queued with a wake-up byte
+        (``Reactor.notify``). The flag is cleared by the callback *before* it looks at the
+        queues, so a ref appended after that look finds the flag clear and queues another."""
+        reactor = self.reactor
+        if reactor is None or self._release_due:  # (None: no worker ran, no ref exists)
+            return
+        self._release_due = True
+        reactor.notify(self._release_dropped)
+
+    def _release_dropped(self) -> None:
+        """On the reactor: release the dropped refs of every env's idle workers
+        (``_policies.release_idle``); refs of a worker in a call wait for its end."""
+        self._release_due = False
+        if self.pool.closed:
+            return  # the workers are being stopped, and their objects with them
+        # (A copy made in one C call, no lock: a new entry holds no dropped ref yet.)
+        for entry in tuple(self._entries.values()):
+            if entry.dropped_refs:
+                _policies.release_idle(entry)
 
     def dispose_later(self, process: WorkerGeneration) -> None:
         """Release a retired worker's sockets and shared memory on the reactor thread, off the

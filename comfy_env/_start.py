@@ -28,6 +28,7 @@ close (its call gets ``PoolClosedError``), not waited for.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -107,3 +108,42 @@ def describe(env: str | os.PathLike[str] | Recipe | None) -> str:
     if isinstance(env, (str, os.PathLike)):
         return os.path.basename(os.fspath(env).rstrip("/")) or os.fspath(env)
     return "recipe"
+
+
+class _Opens(Protocol):
+    """What ``start_envs`` needs of a pool (``Pool``; not imported: the pool imports this
+    module on ``start``)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def closed_error(self) -> Exception: ...
+
+    def get_worker(self, env: str | os.PathLike[str] | Recipe | None = None) -> Any: ...
+
+
+def start_envs(
+    pool: _Opens,
+    envs: tuple[str | os.PathLike[str] | Recipe | None, ...],
+    preload: Iterable[str] | str,
+    timeout: float | None,
+) -> list[Future[Any]]:
+    """``Pool.start``: one background start per env (None: the current interpreter), in
+    order. A recipe is built on its start's thread; anything else resolves here, so an env
+    path that does not resolve raises ``EnvError`` at once, as ``get_worker``."""
+    names = module_names(preload)
+    if pool.closed:
+        raise pool.closed_error()
+    starts = []
+    for env in envs or (None,):
+        # (By name, as resolve_env: the recipe machinery loads only in programs that use it.)
+        if type(env).__name__ == "Recipe" and not isinstance(env, (str, os.PathLike)):
+            open_worker: Callable[[], Any] = functools.partial(pool.get_worker, env)
+        else:
+            open_worker = functools.partial(_same, pool.get_worker(env))
+        starts.append(start_in_background(open_worker, names, timeout, describe(env)))
+    return starts
+
+
+def _same(worker: W) -> W:
+    return worker

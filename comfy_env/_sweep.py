@@ -37,7 +37,7 @@ import signal
 
 from comfy_env_worker import shm
 
-from ._descendants import environ_of, pidfd_is, pids
+from ._descendants import environ_of, held_pids, pidfd_is
 from ._errors import RuntimeRootError
 from ._identity import HOST_ID_VAR, owner_dead, owner_of, pid_namespace, proc_stat
 from ._leftovers import private_root_removable, remove_blocks, remove_runtime_dirs
@@ -138,11 +138,7 @@ def _kill_stray_workers(dry_run: bool = False) -> list[int]:
     if pidfd_open is None or send is None:  # pragma: no cover - kernels without pidfd
         return []
     killed = []
-    for pid in pids():
-        try:
-            pidfd = pidfd_open(pid)
-        except OSError:
-            continue
+    for pid, pidfd in held_pids(pidfd_open):
         try:
             if _orphan_of_dead_host(pid) and pidfd_is(pidfd, pid):
                 if dry_run:
@@ -154,8 +150,6 @@ def _kill_stray_workers(dry_run: bool = False) -> list[int]:
                 killed.append(pid)
         except (OSError, ValueError, IndexError):
             continue
-        finally:
-            os.close(pidfd)
     return killed
 
 

@@ -393,6 +393,7 @@ def test_a_kill_after_the_death_was_told_keeps_the_crash_report(
     import threading
     from types import SimpleNamespace
 
+    from comfy_env._generation import Birth
     from comfy_env._lifecycle import Stop
     from comfy_env._ray import RayWorker
 
@@ -418,8 +419,7 @@ def test_a_kill_after_the_death_was_told_keeps_the_crash_report(
     spec = SimpleNamespace(key="env", name="env")
     config = SimpleNamespace(stderr_tail_lines=20)
     reported: list[object] = []
-    worker = RayWorker(
-        None,  # type: ignore[arg-type]
+    birth = Birth(
         spec,  # type: ignore[arg-type]
         1,
         config,  # type: ignore[arg-type]
@@ -428,6 +428,7 @@ def test_a_kill_after_the_death_was_told_keeps_the_crash_report(
         reported.append,
         lambda p: None,
     )
+    worker = RayWorker(None, birth)  # type: ignore[arg-type]
     worker.pid = 4242
     slow = SlowCancel()
     worker._escalation = slow

@@ -64,7 +64,6 @@ from .protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     FLAG_GONE,
     FLAG_OOB,
-    HEADER,
     HEADER_SIZE,
     MSG_NOSIGNAL,
     PROTOCOL_VERSION,
@@ -75,6 +74,7 @@ from .protocol import (
     FrameError,
     FrameReader,
     FrameType,
+    decode_header,
     encode_header,
     send_frame,
     send_parts,
@@ -367,32 +367,13 @@ class Worker:
         try:
             try:
                 if flags & FLAG_OOB:
-                    try:
-                        body, arg_views, sources, _ = shm.unpack(
-                            payload, self.mappings, copy_out=False
-                        )
-                    except ValueError as exc:
-                        raise FrameError("bad out-of-band call payload: %s" % exc) from None
-                    target, args, kwargs = _loads(
-                        body, buffers=[pickle.PickleBuffer(v) for v in arg_views]
-                    )
-                    del body
+                    target, args, kwargs = self._load_oob(payload, arg_views, sources)
                 else:
                     target, args, kwargs = _loads(payload)
             except (FrameError, refs.StaleRefError):
                 raise  # (a released RemoteRef among the arguments: told as itself)
             except (Exception, SystemExit) as exc:  # whatever the arguments' reducers raise
-                # Which import error it is (any subclass counts), so the host can raise one.
-                if isinstance(exc, ModuleNotFoundError):
-                    kind, named = "ModuleNotFoundError", exc.name
-                elif isinstance(exc, ImportError):
-                    kind, named = "ImportError", exc.name
-                elif isinstance(exc, arrays.DtypeNotRepresentable):
-                    kind, named = "DtypeNotRepresentable", None
-                else:
-                    kind, named = "", None
-                text = "%s: %s" % (type(exc).__name__, exc)
-                raise CallNotLoaded(text, kind, named) from exc
+                raise _not_loaded(exc) from exc
             del payload
             if type(target) is str:
                 fn = _TARGETS.get(target) or resolve_target(target)
@@ -418,13 +399,10 @@ class Worker:
         except FrameError:
             raise
         except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are replies too
-            self.control.end()  # idempotent: disarm before anything else runs
-            if _memory_rlimit and isinstance(exc, MemoryError):
-                _exit_out_of_memory(self)
             try:
-                data = error_record(exc, self.max_frame_bytes)
+                data = self._error_data(exc)
             finally:
-                del exc
+                del exc  # (its traceback holds the call's frames, and views in them)
             retained = self.release_args(arg_views, sources) if arg_views else arg_views
             self.reply_error(call_id, data, retained)
             return
@@ -434,37 +412,15 @@ class Worker:
             # Copy the result's buffers into our reply block *before* letting go of the
             # arguments: a result that is (a view of) an argument still points into the
             # host's block, and must not make that block look retained.
-            pool = self.pool
             # A result in the host's own argument blocks (an echo, a slice, an update in
             # place) goes back as references to them: no copy here, and the host keeps that
             # block out of its pool while the result lives.
             echo = shm.echo_table(buffers, self.mappings, sources) if sources else None
             if echo is not None:
-                del buffers
-                buffers = []
-                retained = self.release_args(arg_views, sources)
-                if not retained or not any(entry[1] in retained for entry in echo):
-                    self.reply_oob(call_id, data, echo, None, [], retained)
-                    return
-                # The function also kept what it returned (a cache): the caller gets its own
-                # copy instead of sharing memory with the cache, read back from our mapping.
-                mappings = self.mappings
-                assert mappings is not None
-                buffers = [mappings.view(e[1], e[2], e[3]) for e in echo]
-                if pool is not None and sum(b.nbytes for b in buffers) < self.threshold:
-                    pool = None
-                try:
-                    table, block, inline = shm.place(buffers, pool)
-                except OSError:
-                    table, block, inline = shm.place(buffers, None)
-                self.reply_oob(call_id, data, table, block, inline, retained)
+                del buffers  # (before the release: these views point into the host's blocks)
+                self._reply_echo(call_id, data, echo, arg_views, sources)
                 return
-            if pool is not None and sum(b.nbytes for b in buffers) < self.threshold:
-                pool = None  # small in total: inline (still no pickle copy)
-            try:
-                table, block, inline = shm.place(buffers, pool)
-            except OSError:  # shared memory full or gone: stream the buffers inline instead
-                table, block, inline = shm.place(buffers, None)
+            table, block, inline = _place(buffers, self.pool, self.threshold)
             if block is not None:
                 del buffers
                 buffers = []
@@ -478,6 +434,50 @@ class Worker:
             self.reply(FrameType.REPLY_OK, call_id, data)
             return
         self.reply_oob(call_id, data, [], None, [], retained)
+
+    def _error_data(self, exc: BaseException) -> bytes:
+        """The error record of a call that raised ``exc`` (a worker out of memory under its
+        limit exits instead, see ``_exit_out_of_memory``); the call control disarmed first."""
+        self.control.end()  # idempotent: disarm before anything else runs
+        if _memory_rlimit and isinstance(exc, MemoryError):
+            _exit_out_of_memory(self)
+        return error_record(exc, self.max_frame_bytes)
+
+    def _load_oob(self, payload: Any, arg_views: List[Any], sources: List[Optional[str]]) -> Any:
+        """Unpickle a call whose buffers came out of band: ``arg_views`` and ``sources`` (the
+        caller's, empty) get the buffers' views and the host's blocks they lie in as soon as
+        they are known, so the caller releases them whatever fails next."""
+        try:
+            body, views, names, _ = shm.unpack(payload, self.mappings, copy_out=False)
+        except ValueError as exc:
+            raise FrameError("bad out-of-band call payload: %s" % exc) from None
+        arg_views.extend(views)
+        sources.extend(names)
+        del views
+        return _loads(body, buffers=[pickle.PickleBuffer(v) for v in arg_views])
+
+    def _reply_echo(
+        self,
+        call_id: int,
+        data: bytes,
+        echo: List[Any],
+        arg_views: List[Any],
+        sources: List[Optional[str]],
+    ) -> None:
+        """Reply with a result that lies in the host's own argument blocks (an echo, a slice,
+        an update in place): as references to them (``echo``), no copy here; the host keeps
+        those blocks out of its pool while the result lives."""
+        retained = self.release_args(arg_views, sources)
+        if not retained or not any(entry[1] in retained for entry in echo):
+            self.reply_oob(call_id, data, echo, None, [], retained)
+            return
+        # The function also kept what it returned (a cache): the caller gets its own copy
+        # instead of sharing memory with the cache, read back from our mapping.
+        mappings = self.mappings
+        assert mappings is not None
+        buffers = [mappings.view(e[1], e[2], e[3]) for e in echo]
+        table, block, inline = _place(buffers, self.pool, self.threshold)
+        self.reply_oob(call_id, data, table, block, inline, retained)
 
     def reply_oob(
         self,
@@ -849,6 +849,33 @@ def _forked_by_env_code() -> None:
     dead.close()
 
 
+def _not_loaded(exc: BaseException) -> CallNotLoaded:
+    """The error of a call whose target and arguments did not unpickle (``exc``: what their
+    reducers raised), naming which import error it was (any subclass counts) so the host can
+    raise one."""
+    if isinstance(exc, ModuleNotFoundError):
+        kind, named = "ModuleNotFoundError", exc.name
+    elif isinstance(exc, ImportError):
+        kind, named = "ImportError", exc.name
+    elif isinstance(exc, arrays.DtypeNotRepresentable):
+        kind, named = "DtypeNotRepresentable", None
+    else:
+        kind, named = "", None
+    return CallNotLoaded("%s: %s" % (type(exc).__name__, exc), kind, named)
+
+
+def _place(buffers: List[Any], pool: Any, threshold: int) -> Any:
+    """``shm.place`` for a reply's buffers: in a block of ``pool`` unless they are small in
+    total (inline then, still no pickle copy) or shared memory is full or gone (streamed
+    inline instead). Returns ``(table, block, inline)``."""
+    if pool is not None and sum(b.nbytes for b in buffers) < threshold:
+        pool = None
+    try:
+        return shm.place(buffers, pool)
+    except OSError:
+        return shm.place(buffers, None)
+
+
 def _read_cancels(fd: int, buf: bytearray, calls: control.CallControl) -> bool:
     """Read CANCEL frames from the cancel pipe into ``calls``. False at EOF."""
     try:
@@ -862,7 +889,10 @@ def _read_cancels(fd: int, buf: bytearray, calls: control.CallControl) -> bool:
     buf += data
     now = _monotonic()
     while len(buf) >= HEADER_SIZE:
-        _magic, ftype, _flags, _length, call_id = HEADER.unpack_from(buf)
+        try:
+            ftype, _flags, _length, call_id = decode_header(buf)
+        except FrameError:  # not the host's: only CANCEL frames are ever written here
+            ftype = call_id = -1
         del buf[:HEADER_SIZE]
         if ftype == FrameType.CANCEL:
             calls.cancel(call_id, now)

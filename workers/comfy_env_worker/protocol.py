@@ -174,6 +174,23 @@ def encode_header(ftype: int, call_id: int, length: int, flags: int = 0) -> byte
     return HEADER.pack(MAGIC, ftype, flags, length, call_id)
 
 
+_unpack_header = HEADER.unpack_from  # (bound once: no attribute lookup per frame)
+
+
+def decode_header(buf: Any, offset: int = 0) -> Tuple[int, int, int, int]:
+    """``(frame type, flags, payload length, call id)`` of the frame header at ``offset`` in
+    ``buf`` (``HEADER_SIZE`` bytes from there must be present). A bad magic is a
+    ``FrameError``: the stream is out of step, and is never resynchronised. The length is
+    not checked against any limit: each reader has its own.
+
+    Every frame header is read through here (the channel, the cancel pipe, the log pipe, the
+    asyncio path); it is on every call's path, so it allocates nothing but its tuple."""
+    magic, ftype, flags, length, call_id = _unpack_header(buf, offset)
+    if magic != MAGIC:
+        raise FrameError("bad frame magic %r (stream corrupted)" % (bytes(magic),))
+    return ftype, flags, length, call_id
+
+
 class PartialSend(OSError):
     """The channel failed after part of a frame was written (the peer saw a partial frame)."""
 
@@ -634,15 +651,14 @@ class FrameReader:
             if not n:
                 raise ChannelClosed()
             if n >= HEADER_SIZE:
-                magic, ftype, flags, length, call_id = HEADER.unpack_from(self._scratch)
-                if n == HEADER_SIZE + length and magic == MAGIC and length <= self._limit:
+                # (A bad magic raises here, as it would below: the stream is lost either way.)
+                ftype, flags, length, call_id = decode_header(self._scratch)
+                if n == HEADER_SIZE + length and length <= self._limit:
                     return ftype, flags, call_id, self._scratch[HEADER_SIZE:n]
             buf += self._scratch_view[:n]
         while len(buf) < HEADER_SIZE:
             self._fill(deadline)
-        magic, ftype, flags, length, call_id = HEADER.unpack_from(buf)
-        if magic != MAGIC:
-            raise FrameError("bad frame magic %r (stream corrupted)" % (bytes(magic),))
+        ftype, flags, length, call_id = decode_header(buf)
         # An unknown *type* with a sound header is not a framing error: the stream is still in
         # sync, and the receiver answers it (the worker with an ERROR frame, never silence).
         if length > self._limit:

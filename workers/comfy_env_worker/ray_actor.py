@@ -163,7 +163,7 @@ class RayWorkerActor:
 
     def _pump_log_pipe(self, fd: int) -> None:
         """Records written between calls (the log pipe) wait in ``side`` for the next drain."""
-        from comfy_env_worker.protocol import HEADER, HEADER_SIZE
+        from comfy_env_worker.protocol import HEADER_SIZE, FrameError, decode_header
 
         buf = bytearray()
         while True:
@@ -175,7 +175,11 @@ class RayWorkerActor:
                 return
             buf += data
             while len(buf) >= HEADER_SIZE:
-                _magic, ftype, _flags, length, call_id = HEADER.unpack_from(buf)
+                try:
+                    ftype, _flags, length, call_id = decode_header(buf)
+                except FrameError:  # not a record (something else wrote on the pipe): dropped
+                    buf.clear()
+                    break
                 if len(buf) < HEADER_SIZE + length:
                     break
                 payload = bytes(buf[HEADER_SIZE : HEADER_SIZE + length])

@@ -1,0 +1,74 @@
+"""What one worker generation is born with (``Birth``), and the facts every backend's
+generation carries (``GenerationFacts``).
+
+Data flow::
+
+    Spawner._begin    gate(SpawnBegan g) -> Birth(spec, g, the env's settings, reactor,
+                      runtime dir, on_exit, on_finished)
+    Backend.new_generation(birth)
+                      -> WorkerProcess(birth)    (local: _process)
+                      -> RayWorker(backend, birth) (ray: _ray)
+                      both start from GenerationFacts: the data members of
+                      ``_backend.WorkerGeneration`` that do not depend on how a worker runs
+
+Who writes the facts: the backend (``pid``, ``hello`` from the worker's hello;
+``death_detail``), the gate (``retire_reason`` and ``cancel_kill``, under the entry's lock, as
+it retires the generation) and the spawner (``death_reported``, under the entry's lock, so a
+death is reported once whether the caller or the reactor sees it first).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._errors import WorkerStartError
+from ._values import value
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._envs import EnvSpec
+    from ._lifecycle import CancelKill, RetireReason
+    from ._reactor import Reactor
+    from ._runtime_store import RuntimeDir
+    from ._settings import Settings
+
+
+@value
+class Birth:
+    """Everything a backend needs to make generation ``generation``'s process object."""
+
+    spec: EnvSpec
+    generation: int
+    config: Settings  # the env's effective settings (the pool's, or its own: Pool.configure)
+    reactor: Reactor
+    runtime_dir: RuntimeDir
+    on_exit: Callable[[Any], None]  # it is known dead (the gate's Exited), on the reactor
+    on_finished: Callable[[Any], None]  # its exit code and last output are final
+
+
+class GenerationFacts:
+    """The facts about one generation that every backend keeps alike (see the module
+    docstring for who writes which)."""
+
+    def __init__(self, birth: Birth) -> None:
+        self.spec = birth.spec
+        self.generation = birth.generation
+        self.config = birth.config
+        self.reactor = birth.reactor
+        self.runtime_dir = birth.runtime_dir
+        self.retire_reason: RetireReason | None = None  # set by the pool's gate
+        self.cancel_kill: CancelKill | None = None  # set by the gate with the reason
+        self.pid: int | None = None  # the interpreter's own pid, from its hello
+        self.hello: dict[str, Any] = {}
+        self.death_detail: str | None = None  # how it died, where no exit code says it
+        self.death_reported = False  # by the pool (breaker, WorkerRetired), once
+
+    def start_error(self, text: str) -> WorkerStartError:
+        """A ``WorkerStartError`` naming this generation's env and number."""
+        return WorkerStartError(text, env=self.spec.key, generation=self.generation)
+
+    def stopped_before_launch(self) -> WorkerStartError:
+        """The start's error when the generation was stopped (a close, a reset) before it
+        was launched: nothing was started, so there is nothing to stop."""
+        return self.start_error("the worker was stopped before it was launched")
