@@ -16,12 +16,11 @@ Data flow of one call (``Pool.call``)::
 The caller writes its request and reads its reply itself: no thread hand-off on the hot path.
 
 The common call (a target string, scalar arguments, an idle worker ready, nobody waiting)
-takes the same steps in a straight line (``Worker.call`` -> ``call_plain``): ``start_plain``
-encodes, leases and applies ``CallStarted`` in one lock section; the request and the reply go
-inline; ``_lease.settle_ok`` applies ``Replied``, releases and counts in another. It declines
-before anything is counted when the call needs more; once started, anything but a plain reply
-goes on in ``run_leased`` (``_exchange.run``) from where it stopped (``resume``), under the
-general path's rules.
+takes the same steps in a straight line (``Worker.call`` -> ``call_plain``):
+``Exchange.start_plain`` encodes, leases and applies ``CallStarted`` in one lock section, then
+the call runs as any other (``Exchange.run``), so whatever it meets is answered by the general
+path's rules in the same object. It declines before anything is counted when the call needs
+more.
 
 Where the rest lives (each module's docstring draws its part)::
 
@@ -29,9 +28,9 @@ Where the rest lives (each module's docstring draws its part)::
                 snapshots: backend-agnostic, imports no other part of the pool
     _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
-    _exchange   a leased call's exchange with its worker: start (checks, CallStarted), send,
-                receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
-                settle; the errors of a broken exchange (``run_leased`` goes there)
+    _exchange   Exchange, one call's own object: prepare, lease (via _lease), start
+                (checks, CallStarted), send, receive (LOG/EVENT frames, the Ctrl-C drain),
+                open the reply, decode, settle; the errors of a broken exchange
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
                 the breaker); the reaper's timer; disposing of retired workers later
