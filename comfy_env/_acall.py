@@ -92,43 +92,44 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
     CALLS_IN_FLIGHT,
-    HEADER,
     HEADER_SIZE,
-    MAGIC,
     SPIN_RECHECK,
     FrameBuffer,
     FrameError,
     FrameReader,
     FrameType,
     Payload,
+    decode_header,
 )
 
 from . import _lease
 from . import _lifecycle as lc
 from ._call import EventCallback, deliver, event_handler
 from ._codec import decode_reply, target_label, use_shm
-from ._entry import Ticket
 from ._errors import (
     CallCancelled,
     CallTimeout,
     HostResourceError,
     WorkerCrashed,
 )
-from ._failures import completed_timeout, not_the_reply, protocol_error
-from ._process import WorkerProcess, python_mismatch
+from ._exchange import Exchange, pid_of, python_mismatch
+from ._failures import completed_timeout, missed_deadline, not_reached, not_the_reply
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._callsite import CallSite
-    from ._entry import EnvEntry, Slot
+    from ._channel import Channel
+    from ._entry import EnvEntry, Slot, Ticket
 
 T = TypeVar("T")
 
+_REPLY_OK = int(FrameType.REPLY_OK)
+_REPLY_ERR = int(FrameType.REPLY_ERR)
 _SMALL = 65536  # a request this small goes out in one sendall on the loop
 # Out-of-band bytes a warm call may copy into shared memory on the loop (one memcpy, ~2 ms
 # at most here); above it the call runs on a thread of its own so the loop never stalls long.
@@ -164,77 +165,49 @@ async def arun(
     timeout: float | None,
     on_event: EventCallback | None,
 ) -> Any:
+    call = cast(Exchange, pool.exchange(entry))  # the call's own object (``_exchange``)
     # The common call (scalar arguments, an idle worker ready, nobody waiting) is prepared,
-    # leased and started in one step, as the sync call's (``CallSite.start_plain``).
-    plain = None
+    # leased and started in one step, as the sync call's (``Exchange.start_plain``).
+    plain = False
     if timeout is None and on_event is None and type(target) is str:
-        plain = pool.start_plain(entry, target, args, kwargs)
-    started: WorkerGeneration | None
-    if plain is not None:
-        ticket, started, body, deadline = plain
-        buffers: list[memoryview] = []
-        by_value = False
-    else:
-        ticket = Ticket()
-        body, buffers, by_value, deadline = pool.prepare(
-            entry, target, args, kwargs, timeout, ticket, None
-        )
-        ticket.on_event = on_event
-    CALLS_IN_FLIGHT.append(ticket)  # a sync caller's reader must not poll meanwhile
+        plain = call.start_plain(target, args, kwargs)
+    if not plain:
+        call.prepare(target, args, kwargs, timeout, None)
+        call.on_event = on_event
+    CALLS_IN_FLIGHT.append(call)  # a sync caller's reader must not poll meanwhile
     try:
-        if plain is not None:
-            slot: Slot | None = ticket.slot
-        else:
-            # A small in-band call by reference may start in the lease's own lock section, as
-            # the sync call does (``Pool.start_locked``): one lock round instead of two.
-            small = not by_value and not buffers and len(body) <= _SMALL
-            eager = deadline if small else _lease.NOT_EAGER
-            try:
-                slot = _lease.lease_now(pool, entry, ticket, eager, _loop_waiter)
-                if slot is None:
-                    slot = await _queued(pool, entry, ticket, deadline)
-            except BaseException as exc:
-                cancelled = isinstance(exc, asyncio.CancelledError)
-                _lease.settle(
-                    pool, entry, ticket, "cancelled" if cancelled else _lease.outcome_of(exc), None
-                )
-                raise
-            started, ticket.started = ticket.started, None  # (CallStarted in lease_now)
-        assert slot is not None
-        process: WorkerProcess | None
-        if started is not None and not isinstance(started, WorkerProcess):
-            # No descriptor for the loop (a Ray actor): the thread runs the started call.
-            ticket.started = started
-            process = None
-        elif started is not None:
-            process = started
-        else:
-            process = _warm_process(pool, entry, slot, ticket, body, buffers, by_value)
-        if process is not None:
-            assert isinstance(process, WorkerProcess)  # a call on the loop needs an fd channel
-            sent, value = await _warm_call(
-                pool,
-                entry,
-                slot,
-                ticket,
-                process,
-                target,
-                body,
-                buffers,
-                deadline,
-                started is not None,
-            )
+        if not plain:
+            await _lease_call(call)
+        # Started in the lease (``Exchange.start_idle_locked``), or a worker to start on the
+        # loop; a generation without a channel of its own (a Ray actor) runs on the thread.
+        process = call.process if call.process is not None else _warm_process(call)
+        if process is not None and process.channel is not None:
+            sent, value = await _warm_call(call, process)
             if sent:
                 return value
-        return await _on_thread(
-            pool, entry, slot, ticket, target, body, buffers, by_value, deadline
-        )
+        return await _on_thread(call)
     except CallTimeout as exc:
-        completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
+        completed_timeout(exc, call.timeout, call.call_id, target_label(target))
         raise
     finally:
         if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
             CALLS_IN_FLIGHT.pop()
+
+
+async def _lease_call(call: Exchange) -> None:
+    """Lease a slot for ``call``, waiting in the queue on the loop (no thread) while all are
+    leased. A small in-band call by reference may start in the lease's own lock section, as
+    the sync call does: one lock round instead of two."""
+    site, entry = call.site, call.entry
+    small = not call.by_value and not call.buffers and len(call.body) <= _SMALL
+    try:
+        if _lease.lease_now(site, entry, call, small, _loop_waiter) is None:
+            await _queued(site, entry, call, call.deadline)
+    except BaseException as exc:
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        outcome = "cancelled" if cancelled else _lease.outcome_of(exc)
+        _lease.settle(site, entry, call, outcome, None)
+        raise
 
 
 # ---- queueing ---------------------------------------------------------------------------------
@@ -336,48 +309,46 @@ class _Cancels:
 # ---- the warm path: on the loop ---------------------------------------------------------------
 
 
-def _warm_process(
-    pool: CallSite,
-    entry: EnvEntry,
-    slot: Slot,
-    ticket: Ticket,
-    body: bytes,
-    buffers: list[memoryview],
-    by_value: bool,
-) -> WorkerProcess | None:
-    """The slot's worker if this call can run on the loop: verified and idle, nothing to
-    ping, release or check first, a small request whose out-of-band buffers (if any) go to
-    shared memory and total at most _OOB_LOOP_MAX bytes. Else None (the thread path)."""
+def _warm_process(call: Exchange) -> WorkerGeneration | None:
+    """The leased slot's worker if this call can run on the loop: verified and idle, with a
+    channel of its own, nothing to ping, release or check first, a small request whose
+    out-of-band buffers (if any) go to shared memory and total at most _OOB_LOOP_MAX bytes.
+    Else None (the thread path: the exchange's general start decides and explains)."""
+    slot = call.slot
+    assert slot is not None
     state, process = slot.state, slot.process
-    if not isinstance(state, lc.Idle) or not isinstance(process, WorkerProcess):
-        return None  # no verified worker, or one of a backend without an fd channel
-    if process.reply_sock is None:
+    if not isinstance(state, lc.Idle) or process is None:
+        return None  # no verified worker
+    channel = process.channel
+    if channel is None or channel.reply_sock is None:
+        return None  # a backend without an fd channel, or one shut
+    if len(call.body) > _SMALL or call.entry.dropped_refs or call.wanted is not None:
         return None
-    if len(body) > _SMALL or entry.dropped_refs or ticket.wanted is not None:
+    if call.buffers and not _loop_sendable(channel, call.body, call.buffers):
         return None
-    if buffers and not _loop_sendable(process, body, buffers):
+    settings = call.site.settings
+    if settings.ping_after_idle is not None and lc.needs_ping(
+        state, call.site.clock(), settings.ping_after_idle
+    ):
         return None
-    ping_after = pool.settings.ping_after_idle
-    if ping_after is not None and lc.needs_ping(state, pool.clock(), ping_after):
-        return None
-    if by_value and python_mismatch(process) is not None:
+    if call.by_value and python_mismatch(call.entry.spec.key, process) is not None:
         return None  # the thread path raises the clear error
     if process.idle_channel_state() != "quiet":
         return None  # the thread path retires it and starts a fresh one
     return process
 
 
-def _loop_sendable(process: WorkerProcess, body: bytes, buffers: list[memoryview]) -> bool:
+def _loop_sendable(channel: Channel, body: bytes, buffers: list[memoryview]) -> bool:
     """Whether a request with out-of-band ``buffers`` is cheap enough to send from the loop:
     into shared memory and at most _OOB_LOOP_MAX bytes, or few enough bytes to go inline in
     one small write. Inline streaming of more (shared memory off or unavailable) could block
     the loop on a full socket, so it stays on the thread path."""
     total = sum(b.nbytes for b in buffers)
-    blocks = process.blocks
+    blocks = channel.loans.blocks
     if (
         blocks is not None
-        and process.shm_state == "on"
-        and use_shm(buffers, process.config.shm_threshold_bytes)
+        and channel.loans.shm_state == "on"
+        and use_shm(buffers, channel.config.shm_threshold_bytes)
     ):
         # A fresh block costs far more than the copy (create, reserve, fault in): above
         # _FRESH_LOOP_MAX only an idle block of the pool is written from the loop.
@@ -485,9 +456,10 @@ class _ReplyReader:
         start = 0
         size = len(buf)
         while size - start >= HEADER_SIZE:
-            magic, ftype, flags, length, frame_call_id = HEADER.unpack_from(buf, start)
-            if magic != MAGIC:
-                self.finish("bad", f"bad frame magic {bytes(magic)!r} (stream corrupted)")
+            try:
+                ftype, flags, length, frame_call_id = decode_header(buf, start)
+            except FrameError as exc:  # a bad magic: the stream is out of step
+                self.finish("bad", str(exc))
                 return
             if length > self.limit:
                 self.finish("bad", f"frame of {length} bytes exceeds the limit of {self.limit}")
@@ -582,7 +554,7 @@ class _BigReply:
     _BIG_REPLY bytes) and reads no more of the channel. Data flow::
 
         loop: wait()            starts the thread; arms the deadline (``stop``); a cancel of
-                                the task asks the worker (``pool.cancel``) and marks the reply
+                                the task asks the worker (``_lease.cancel``) and marks the reply
                                 dropped, and the coroutine waits on (as on the loop)
         thread: run()           poll(channel, stop pipe) -> recv_into the payload's buffer
                                 (``_MappedFrame``), until whole, EOF, reset or stopped; then
@@ -603,8 +575,8 @@ class _BigReply:
     the loop still waits for it (HISTORY.md, fifteenth round)."""
 
     __slots__ = (
-        "call_id",
-        "clock",
+        "call",
+        "channel",
         "done",
         "dropped",
         "flags",
@@ -612,48 +584,26 @@ class _BigReply:
         "head",
         "length",
         "loop",
-        "process",
         "stop_r",
         "stop_w",
         "stopped",
-        "target",
     )
 
     def __init__(
-        self,
-        process: WorkerProcess,
-        call_id: int,
-        target: str | Callable[..., Any],
-        clock: Callable[[], float],
-        dropped: bool,
-        ftype: int,
-        flags: int,
-        length: int,
-        head: bytes,
+        self, call: Exchange, channel: Channel, dropped: bool, header: tuple[int, int, int, bytes]
     ) -> None:
-        self.process = process
-        self.call_id = call_id
-        self.target = target
-        self.clock = clock  # the pool's clock: when the whole reply arrived (replied_at)
+        self.call = call  # its target, call id, process; the site's clock (replied_at)
+        self.channel = channel
         self.dropped = dropped  # the task was cancelled: the reply is opened, not unpickled
-        self.ftype = ftype
-        self.flags = flags
-        self.length = length
-        self.head = head  # the start of the payload, read on the loop with the header
+        # The frame's type, flags, payload length and the start of the payload, read on the
+        # loop with the header.
+        self.ftype, self.flags, self.length, self.head = header
         self.stopped: str | None = None  # why the loop stopped the receiving ("deadline")
         self.stop_r = self.stop_w = -1
         self.loop: asyncio.AbstractEventLoop | None = None
         self.done: asyncio.Future[tuple[str, Any]] | None = None
 
-    async def wait(
-        self,
-        pool: CallSite,
-        entry: EnvEntry,
-        slot: Slot,
-        ticket: Ticket,
-        deadline: float | None,
-        cancels: _Cancels | None,
-    ) -> tuple[tuple[str, Any], _Cancels]:
+    async def wait(self, cancels: _Cancels | None) -> tuple[tuple[str, Any], _Cancels]:
         """Run the thread and wait for its outcome (and the thread's end); the deadline and
         cancellation of the task act as on the loop. Returns (the outcome, cancels). Whatever
         raises here (the thread could not start or failed, the coroutine was closed while it
@@ -670,6 +620,7 @@ class _BigReply:
         try:
             thread.start()
             started = True
+            deadline = self.call.deadline
             if deadline is not None:
                 delay = max(0.0, deadline - time.monotonic())
                 timer = loop.call_later(delay, self.stop, "deadline")
@@ -681,7 +632,8 @@ class _BigReply:
                     # As on the loop: ask the worker, keep waiting for the call's end (the
                     # grace kills a worker that does not end it); a second cancel kills now.
                     self.dropped = True
-                    _lease.cancel(pool, entry, ticket, force=cancels.add(exc))
+                    call = self.call
+                    _lease.cancel(call.site, call.entry, call, force=cancels.add(exc))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -726,9 +678,8 @@ class _BigReply:
         if frame is None:
             frame = FrameBuffer(length, head)
         self.head = b""
-        process = self.process
-        reader = process.reader
-        channel = process.reply_sock
+        reader = self.channel.reader
+        channel = self.channel.reply_sock
         assert reader is not None and channel is not None
         stop_r = self.stop_r
         poller = select.poll()
@@ -753,279 +704,88 @@ class _BigReply:
                 return ("eof", None)
             if frame.wrote(n):
                 break
-        replied_at = self.clock()
+        call = self.call
+        replied_at = call.site.clock()
         payload: Any = frame.data
         del frame
         buffers = None
-        opened: list[str] | str | HostResourceError = []
+        opened: list[str] | Exception = []
         if self.flags:
+            process = call.process
+            assert process is not None
             try:
-                payload, buffers, opened = process.open_reply(self.call_id, self.flags, payload)
-            except FrameError as exc:
-                return ("opened", (replied_at, str(exc), None))
-            except HostResourceError as exc:
+                payload, buffers, opened = process.open_reply(call.call_id, self.flags, payload)
+            except (FrameError, HostResourceError) as exc:  # told by ``Exchange.not_opened``
                 return ("opened", (replied_at, exc, None))
         if self.dropped:
             return ("opened", (replied_at, opened, None))
         try:
             decoded: tuple[bool, Any] = (
                 True,
-                decode_reply(self.ftype, payload, self.target, buffers),
+                decode_reply(self.ftype, payload, call.target, buffers),
             )
         except BaseException as exc:  # noqa: BLE001 - the call's outcome, raised on the loop
             decoded = (False, exc)
         return ("opened", (replied_at, opened, decoded))
 
 
-async def _warm_call(
-    pool: CallSite,
-    entry: EnvEntry,
-    slot: Slot,
-    ticket: Ticket,
-    process: WorkerProcess,
-    target: str | Callable[..., Any],
-    body: bytes,
-    buffers: list[memoryview],
-    deadline: float | None,
-    started: bool = False,
-) -> tuple[bool, Any]:
-    """Run the call on the loop. (False, None) if nothing was sent (the worker died idle under
-    our feet): the caller moves the call to the thread path, which starts a fresh worker.
-    ``started``: ``CallStarted`` was applied already (``ticket.call_id``), in the lease."""
-    generation = process.generation
-    if started:
-        call_id = ticket.call_id
-    else:
-        call_id = next(pool.call_ids)
-        with entry.lock:
-            cancelled = ticket.cancelled
-            started = False
-            if not cancelled:
-                started = entry.start_call_locked(slot, generation, call_id, pool.clock())
-                ticket.generation = generation
-                ticket.call_id = call_id
-                ticket.ran_on = slot
-        if cancelled:
-            _lease.settle(pool, entry, ticket, "cancelled", None)
-            raise CallCancelled("the call was cancelled", env=entry.spec.key)
-        if not started:
-            return False, None
-    replies = process.reply_sock
-    assert replies is not None
-    block = None
+async def _warm_call(call: Exchange, process: WorkerGeneration) -> tuple[bool, Any]:
+    """Run the call on the loop: its start, send and waiting here, every decision the
+    exchange's. (False, None) if nothing was sent (the worker died idle under our feet): the
+    caller moves the call to the thread path, which starts a fresh worker."""
+    site, entry = call.site, call.entry
+    if call.process is None:  # not started in the lease: ``CallStarted`` now
+        try:
+            if not call.begin(process):
+                return False, None
+        except CallCancelled:
+            _lease.settle(site, entry, call, "cancelled", None)
+            raise
     try:
         # Loans given back ride in front; buffers go into a pooled shared-memory block.
-        block = process.send_request(call_id, body, buffers, None)
+        call.block = process.send_request(call.call_id, call.body, call.buffers, None)
     except (BrokenPipeError, ConnectionResetError):
-        entry.apply(slot, lc.ChannelClosed(generation))
+        entry.apply(call.slot, lc.ChannelClosed(process.generation))  # type: ignore[arg-type]
+        call.process = None
         return False, None  # not one byte went out: the call never ran
     except OSError:
         pass  # the read below reports the crash
     except BaseException:
         # Nothing was sent (``SerializationError``: shared memory failed and the inline frame
         # is over the limit, or the copy itself failed): end the call as the sync path does.
-        _lease.settle(pool, entry, ticket, "failed", None)
+        _lease.settle(site, entry, call, "failed", None)
         raise
     outcome = "failed"
-    replied_at: float | None = None
     cancels: _Cancels | None = None  # made once the call waits through the loop
-    frames = process.reader
-    assert frames is not None
-    fd = replies.fileno()
-    timer = None
-    registered = False
-    loop: asyncio.AbstractEventLoop | None = None
-    reader: _ReplyReader | None = None
-    ended: tuple[str, Any] | None = None  # (kind, value) once the call ended
     try:
-        # A quick call replies within tens of microseconds: wait for that on the spot (at
-        # most _REPLY_SPIN, GIL released) rather than pay for a reader registration and two
-        # turns of the loop. A longer call is then read through the loop. When this thread
-        # and the worker share one single CPU, the reply is often there already (the request
-        # woke the worker, which ran at once): one non-blocking recv first; if nothing yet,
-        # the worker cannot reply before it runs, so give it the CPU (sched_yield) rather
-        # than sleep in select and be woken by the reply. Otherwise (the worker runs
-        # elsewhere, its reply takes at least a cross-CPU wake-up) wait in select at once.
-        data: bytes | None = None
-        now = time.monotonic()
-        spin_end = now + _REPLY_SPIN
-        try:
-            if _shares_one_cpu(process, now):
-                try:
-                    data = frames.recv_nowait()
-                except (BlockingIOError, InterruptedError):
-                    os.sched_yield()
-                    try:
-                        data = frames.recv_nowait()
-                    except (BlockingIOError, InterruptedError):
-                        pass
-            elif frames.spins():
-                # Across CPUs: poll rather than sleep in select, as the sync path does (the
-                # wake-up is most of the round trip; FrameReader.spin_wait).
-                if frames.poll_until(min(spin_end, now + frames.spin_budget)):
-                    data = frames.recv_nowait()
-            if data is None and fd < 1024:  # select()'s FD_SETSIZE
-                left = spin_end - time.monotonic()
-                if left > 0 and select.select((fd,), (), (), left)[0]:
-                    data = frames.recv_nowait()
-        except (BlockingIOError, InterruptedError):
-            pass
-        except ConnectionResetError:
-            ended = ("reset", None)
-        except OSError:
-            ended = ("eof", None)
-        if data is not None and len(data) >= HEADER_SIZE:
-            magic, ftype, flags, length, reply_id = HEADER.unpack_from(data)
-            # The common case: exactly one whole frame, the reply itself (LOG and EVENT
-            # frames, partial or oversize frames and anything odd take the general parser).
-            if (
-                len(data) == HEADER_SIZE + length
-                and magic == MAGIC
-                and length <= frames.limit
-                and (ftype == FrameType.REPLY_OK or ftype == FrameType.REPLY_ERR)
-            ):
-                ended = ("frame", (ftype, flags, reply_id, data[HEADER_SIZE:], b""))
-        if ended is None:
-            sink = None
-            if ticket.on_event is not None:
-                sink = event_handler(ticket.on_event, call_id, generation)
-            reader = _ReplyReader(frames, process.log.emit_frame, call_id, sink, deadline)
-            if data is not None:  # a partial frame, or frames before the reply
-                reader.feed(data)
-                if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
-                    while reader.outcome is None:
-                        left = spin_end - time.monotonic()
-                        if left <= 0 or not select.select((fd,), (), (), left)[0]:
-                            break
-                        reader.on_readable()
-            ended = reader.outcome
-        if ended is None:
-            assert reader is not None
-            loop = asyncio.get_running_loop()
-            reader.done = loop.create_future()
-            loop.add_reader(fd, reader.on_readable)
-            registered = True
-            if deadline is not None:
-                delay = max(0.0, deadline - time.monotonic())
-                timer = loop.call_later(delay, reader.finish, "deadline")
-            cancels = _Cancels()
-            while reader.outcome is None:
-                assert reader.done is not None
-                try:
-                    await reader.done
-                except asyncio.CancelledError as exc:
-                    # Ask the worker first; keep waiting for the call's end (the grace timer
-                    # kills a worker that does not stop). A second cancellation kills at once.
-                    force = cancels.add(exc)
-                    if reader.outcome is not None:
-                        break  # it ended as the cancel came: the reply is dropped below
-                    reader.done = loop.create_future()
-                    _lease.cancel(pool, entry, ticket, force=force)
-            ended = reader.outcome
-            assert ended is not None
-        kind, value = ended
-        if registered:
-            assert loop is not None
-            registered = False
-            loop.remove_reader(fd)
-        if timer is not None:
-            timer.cancel()
-        if kind == "big":
-            # A large reply: its rest is received and unpickled on a thread of the call's own,
-            # while the coroutine keeps the deadline and answers cancellation as above.
-            big = _BigReply(process, call_id, target, pool.clock, bool(cancels), *value)
-            (kind, value), cancels = await big.wait(pool, entry, slot, ticket, deadline, cancels)
-        if kind == "opened":
-            replied_at, opened, decoded = value
-            frames.note_wait(time.monotonic() - now)
-            if isinstance(opened, str):  # open_reply's FrameError
-                raise protocol_error(entry, slot, process, opened)
-            if isinstance(opened, HostResourceError):
-                # The host's fault: the worker replied whole and stays, idle (replied_at).
-                process.finish_request(block, [block.name] if block is not None else [])
-                raise opened
-            process.finish_request(block, opened)
-            if cancels:
-                outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
-                raise cancels.error()
+        (kind, value), cancels = await _await_reply(call)
+        if kind == "frame" or kind == "opened":
+            ok, result = _replied(call, kind, value, cancels)
             outcome = "raised"
-            assert decoded is not None  # (not decoded only once cancelled)
-            ok, result = decoded
             if not ok:
                 raise result
             outcome = "ok"
             return True, result
-        if kind == "frame":
-            ftype, flags, reply_id, payload, rest = value
-            if rest:
-                frames.unread(rest)
-            if (
-                ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR
-            ) or reply_id != call_id:
-                raise not_the_reply(entry, slot, process, ftype, reply_id, call_id, payload)
-            replied_at = pool.clock()
-            frames.note_wait(time.monotonic() - now)  # polls next time only if it would pay
-            reply_buffers = None
-            retained: list[str] = []
-            if flags:
-                try:
-                    payload, reply_buffers, retained = process.open_reply(call_id, flags, payload)
-                except FrameError as exc:
-                    raise protocol_error(entry, slot, process, str(exc)) from None
-                except HostResourceError:
-                    # The host's fault: the worker replied whole and stays, idle (replied_at).
-                    process.finish_request(block, [block.name] if block is not None else [])
-                    raise
-            process.finish_request(block, retained)
-            if cancels:
-                outcome = "cancelled"  # the reply crossed the cancel: dropped, counted once
-                cause: CallCancelled | None = None
-                if ftype == FrameType.REPLY_ERR:
-                    # The call stopped on the cancel: its CallCancelled is the cause, saying
-                    # so, as on the thread path. Another error (or a result) is dropped.
-                    try:
-                        decode_reply(ftype, payload, target, reply_buffers)
-                    except CallCancelled as exc:
-                        cause = exc
-                    except Exception:  # noqa: BLE001 - the function's own error: dropped
-                        pass
-                raise cancels.error() from cause
-            outcome = "raised"
-            try:
-                result = decode_reply(ftype, payload, target, reply_buffers)
-            except FrameError as exc:  # an error record that is not the runtime's
-                outcome = "failed"
-                raise protocol_error(entry, slot, process, str(exc)) from None
-            outcome = "ok"
-            return True, result
         if kind == "bad":
-            raise protocol_error(entry, slot, process, value)
+            raise call.protocol_broken(value)
         if kind == "error":
             # The host's own failure while reading (a side frame's handler raised, no memory
             # for a frame's buffer): the reply can no longer be read in order. ``settle``
             # (below) finds the slot still in this call with no reply and stops the worker,
             # as after any error before the reply (the sync read stops it the same way).
             raise value
-        label = target_label(target)  # only on failure: the success path names nothing
-        if kind == "deadline" and entry.apply(slot, lc.DeadlineHit(generation, call_id)):
-            raise CallTimeout(
-                f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
-                f"worker pid {process.pid} (generation {generation}) was stopped",
-                env=entry.spec.key,
-                pid=process.pid,
-                generation=generation,
-                call_id=call_id,
-                target=label or None,
-            )
+        timed_out = call.deadline_hit() if kind == "deadline" else None
+        if timed_out is not None:
+            raise timed_out
         # EOF, reset, or a deadline that lost to another retirement: compose the crash report
         # (it waits, bounded, for the exit status) off the loop.
-        raise await _blocking(lambda: pool.crash_error(entry, slot, process, call_id, label))
+        raise await _blocking(call.crashed)
     except CallCancelled as exc:
         outcome = "cancelled"
         if cancels:
             raise cancels.error() from exc
         if exc.env is None:
-            exc.env, exc.generation, exc.pid = entry.spec.key, generation, process.pid
+            exc.env, exc.generation, exc.pid = entry.spec.key, call.generation, process.pid
         raise
     except CallTimeout:
         outcome = "timed_out"
@@ -1037,15 +797,189 @@ async def _warm_call(
         outcome = "cancelled"
         raise
     finally:
-        if registered:
-            assert loop is not None
-            loop.remove_reader(fd)
+        if outcome == "ok" and call.replied_at is not None:
+            _lease.settle_ok(site, entry, call, call.replied_at)
+        else:
+            _lease.settle(site, entry, call, outcome, call.replied_at)
+
+
+def _replied(call: Exchange, kind: str, value: Any, cancels: _Cancels | None) -> tuple[bool, Any]:
+    """The reply, opened by the exchange: (True, result) or (False, the call's own error);
+    the errors of a reply that cannot be opened, or of a task cancelled meanwhile (the reply
+    crossed the cancel: dropped, counted once as cancelled), raised."""
+    if kind == "opened":  # a large reply, received, opened and decoded on its own thread
+        replied_at, opened, decoded = value
+        if not isinstance(opened, list):  # open_reply's error
+            call.not_opened(opened, replied_at)
+        process = call.process
+        assert process is not None
+        process.finish_request(call.block, opened)
+        call.replied_at = replied_at
+        if cancels:
+            raise cancels.error()
+        assert decoded is not None  # (not decoded only once cancelled)
+        return decoded  # type: ignore[no-any-return]
+    ftype, _, reply_id, payload = value
+    if (ftype != _REPLY_OK and ftype != _REPLY_ERR) or reply_id != call.call_id:
+        raise call.protocol_broken(not_the_reply(ftype, reply_id, call.call_id, payload))
+    ftype, payload, reply_buffers = call.open(value)
+    if cancels:
+        cause: CallCancelled | None = None
+        if ftype == _REPLY_ERR:
+            # The call stopped on the cancel: its CallCancelled is the cause, saying so, as
+            # on the thread path. Another error (or a result) is dropped.
+            try:
+                decode_reply(ftype, payload, call.target, reply_buffers)
+            except CallCancelled as exc:
+                cause = exc
+            except Exception:  # noqa: BLE001 - the function's own error: dropped
+                pass
+        raise cancels.error() from cause
+    try:
+        return True, decode_reply(ftype, payload, call.target, reply_buffers)
+    except FrameError as exc:  # an error record that is not the runtime's
+        raise call.protocol_broken(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - the call's own error, raised by the caller
+        return False, exc
+
+
+async def _await_reply(call: Exchange) -> tuple[tuple[str, Any], _Cancels | None]:
+    """Wait for the sent call's end: on the spot first (``_spin_for_reply``), then through
+    the loop (``_await_on_loop``), a large reply's rest on a thread (``_BigReply``). Returns
+    (kind, value) and the task's cancellations: ("frame", (type, flags, call id, payload)),
+    ("opened", ...) for a large reply, or "bad", "error", "deadline", "eof", "reset"."""
+    process = call.process
+    channel = process.channel if process is not None else None
+    assert channel is not None and channel.reader is not None and channel.reply_sock is not None
+    frames = channel.reader
+    fd = channel.reply_sock.fileno()
+    now = time.monotonic()
+    ended, reader = _spin_for_reply(call, frames, fd, now)
+    cancels: _Cancels | None = None
+    if ended is None:
+        assert reader is not None
+        ended, cancels = await _await_on_loop(call, reader, fd)
+    kind, value = ended
+    if kind == "big":
+        # A large reply: its rest is received and unpickled on a thread of the call's own,
+        # while the coroutine keeps the deadline and answers cancellation as on the loop.
+        big = _BigReply(call, channel, bool(cancels), value)
+        ended, cancels = await big.wait(cancels)
+        if ended[0] == "opened":
+            frames.note_wait(time.monotonic() - now)
+    elif kind == "frame":
+        ftype, flags, reply_id, payload, rest = value
+        if rest:
+            frames.unread(rest)
+        ended = (kind, (ftype, flags, reply_id, payload))
+        if reply_id == call.call_id and (ftype == _REPLY_OK or ftype == _REPLY_ERR):
+            frames.note_wait(time.monotonic() - now)  # polls next time only if it would pay
+    return ended, cancels
+
+
+def _spin_for_reply(
+    call: Exchange, frames: FrameReader, fd: int, now: float
+) -> tuple[tuple[str, Any] | None, _ReplyReader | None]:
+    """A quick call replies within tens of microseconds: wait for that on the spot (at most
+    _REPLY_SPIN, GIL released) rather than pay for a reader registration and two turns of the
+    loop. When this thread and the worker share one single CPU, the reply is often there
+    already (the request woke the worker, which ran at once): one non-blocking recv first; if
+    nothing yet, the worker cannot reply before it runs, so give it the CPU (sched_yield)
+    rather than sleep in select and be woken by the reply. Otherwise (the worker runs
+    elsewhere, its reply takes at least a cross-CPU wake-up) wait in select at once.
+
+    Returns how the call ended, or the reader that parsed what came (the caller goes on
+    through the loop)."""
+    data: bytes | None = None
+    spin_end = now + _REPLY_SPIN
+    try:
+        if _shares_one_cpu(call.process, now):  # type: ignore[arg-type]
+            try:
+                data = frames.recv_nowait()
+            except (BlockingIOError, InterruptedError):
+                os.sched_yield()
+                try:
+                    data = frames.recv_nowait()
+                except (BlockingIOError, InterruptedError):
+                    pass
+        elif frames.spins():
+            # Across CPUs: poll rather than sleep in select, as the sync path does (the
+            # wake-up is most of the round trip; FrameReader.spin_wait).
+            if frames.poll_until(min(spin_end, now + frames.spin_budget)):
+                data = frames.recv_nowait()
+        if data is None and fd < 1024:  # select()'s FD_SETSIZE
+            left = spin_end - time.monotonic()
+            if left > 0 and select.select((fd,), (), (), left)[0]:
+                data = frames.recv_nowait()
+    except (BlockingIOError, InterruptedError):
+        pass
+    except ConnectionResetError:
+        return ("reset", None), None
+    except OSError:
+        return ("eof", None), None
+    if data is not None and len(data) >= HEADER_SIZE:
+        try:
+            ftype, flags, length, reply_id = decode_header(data)
+        except FrameError:
+            ftype = length = -1  # a bad magic: the general parser below ends the call
+        # The common case: exactly one whole frame, the reply itself (LOG and EVENT frames,
+        # partial or oversize frames and anything odd take the general parser).
+        if (
+            len(data) == HEADER_SIZE + length
+            and length <= frames.limit
+            and (ftype == _REPLY_OK or ftype == _REPLY_ERR)
+        ):
+            return ("frame", (ftype, flags, reply_id, data[HEADER_SIZE:], b"")), None
+    sink = None
+    if call.on_event is not None:
+        sink = event_handler(call.on_event, call.call_id, call.generation)
+    assert call.process is not None
+    emit_log = call.process.log.emit_frame
+    reader = _ReplyReader(frames, emit_log, call.call_id, sink, call.deadline)
+    if data is not None:  # a partial frame, or frames before the reply
+        reader.feed(data)
+        if reader.outcome is None and fd < 1024:  # select()'s FD_SETSIZE
+            while reader.outcome is None:
+                left = spin_end - time.monotonic()
+                if left <= 0 or not select.select((fd,), (), (), left)[0]:
+                    break
+                reader.on_readable()
+    ended = reader.outcome
+    return ended, (reader if ended is None else None)
+
+
+async def _await_on_loop(
+    call: Exchange, reader: _ReplyReader, fd: int
+) -> tuple[tuple[str, Any], _Cancels]:
+    """Read the call's frames through the loop (``add_reader``) until its end, with the
+    deadline's timer and the task's cancellation: the first asks the worker (a grace timer
+    kills one that does not stop), a second kills it at once, and the wait goes on for the
+    call's end either way (it is settled once, by its caller)."""
+    loop = asyncio.get_running_loop()
+    reader.done = loop.create_future()
+    loop.add_reader(fd, reader.on_readable)
+    timer = None
+    try:
+        if call.deadline is not None:
+            delay = max(0.0, call.deadline - time.monotonic())
+            timer = loop.call_later(delay, reader.finish, "deadline")
+        cancels = _Cancels()
+        while reader.outcome is None:
+            assert reader.done is not None
+            try:
+                await reader.done
+            except asyncio.CancelledError as exc:
+                force = cancels.add(exc)
+                if reader.outcome is not None:
+                    break  # it ended as the cancel came: the reply is dropped by the caller
+                reader.done = loop.create_future()
+                _lease.cancel(call.site, call.entry, call, force=force)
+    finally:
+        loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
-        if outcome == "ok" and replied_at is not None:
-            _lease.settle_ok(pool, entry, ticket, replied_at)
-        else:
-            _lease.settle(pool, entry, ticket, outcome, replied_at)
+    assert reader.outcome is not None
+    return reader.outcome, cancels
 
 
 # How long an answer of ``_shares_one_cpu`` stands: the reader's own period (one answer per
@@ -1054,12 +988,13 @@ async def _warm_call(
 _AFFINITY_TTL = SPIN_RECHECK
 
 
-def _shares_one_cpu(process: WorkerProcess, now: float) -> bool:
+def _shares_one_cpu(process: WorkerGeneration, now: float) -> bool:
     """True if this thread and the worker's main thread are both confined to the same single
     CPU (``taskset``, a one-CPU cpuset or container): the reply to a request just sent cannot
     come before the worker gets that CPU. The worker's reader keeps the answer
     (``FrameReader.on_one_cpu``)."""
-    reader = process.reader
+    channel = process.channel
+    reader = channel.reader if channel is not None else None
     return reader is not None and reader.on_one_cpu(now)
 
 
@@ -1094,19 +1029,12 @@ async def _blocking(fn: Callable[[], T]) -> T:
     raise value
 
 
-async def _on_thread(
-    pool: CallSite,
-    entry: EnvEntry,
-    slot: Slot,
-    ticket: Ticket,
-    target: str | Callable[..., Any],
-    body: bytes,
-    buffers: list[memoryview],
-    by_value: bool,
-    deadline: float | None,
-) -> Any:
+async def _on_thread(call: Exchange) -> Any:
+    """Run the call's exchange (``Exchange.run``: a worker to start, a ping due, large
+    buffers, RemoteRefs, an actor) on a thread of its own; the coroutine keeps the deadline
+    and answers cancellation of the task."""
     loop = asyncio.get_running_loop()
-    callback = ticket.on_event
+    callback = call.on_event
     if callback is not None:
 
         def on_loop(event: Any) -> None:
@@ -1117,15 +1045,12 @@ async def _on_thread(
             except RuntimeError:
                 pass
 
-        ticket.on_event = on_loop
+        call.on_event = on_loop
     done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
 
     def run() -> None:
         try:
-            outcome: tuple[bool, Any] = (
-                True,
-                pool.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline),
-            )
+            outcome: tuple[bool, Any] = (True, call.run())
         except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
             outcome = (False, exc)
         try:
@@ -1139,8 +1064,8 @@ async def _on_thread(
     # in the same turn of the loop as the outcome (``_queued``). The thread ends the call with
     # the same deadline (and counts it); the caller does not wait for a worker still starting.
     timer = None
-    if deadline is not None:
-        delay = max(0.0, deadline - time.monotonic())
+    if call.deadline is not None:
+        delay = max(0.0, call.deadline - time.monotonic())
         timer = loop.call_later(delay, _resolve, done, _PAST_DEADLINE)
     cancels = _Cancels()
     while True:
@@ -1150,7 +1075,7 @@ async def _on_thread(
         except asyncio.CancelledError as exc:
             if timer is not None:
                 timer.cancel()  # cancelled: wait for the call's end (the thread's deadline holds)
-            _lease.cancel(pool, entry, ticket, force=cancels.add(exc))
+            _lease.cancel(call.site, call.entry, call, force=cancels.add(exc))
     if timer is not None:
         timer.cancel()
     if cancels:
@@ -1161,20 +1086,19 @@ async def _on_thread(
             outcome[1] if ended and isinstance(outcome[1], CallCancelled) else None
         )
     if outcome is _PAST_DEADLINE:
-        if ticket.call_id:  # sent: the thread's own deadline stops its worker
-            raise CallTimeout(
-                f"call {ticket.call_id} on env {entry.spec.key} missed its deadline; its worker "
-                f"(generation {ticket.generation}) is stopped",
-                env=entry.spec.key,
-                generation=ticket.generation,
-                call_id=ticket.call_id,
-            )
-        raise CallTimeout(
-            f"the call's deadline passed before it reached a worker of env {entry.spec.key}; "
-            "the worker still starting goes on and serves the next call",
-            env=entry.spec.key,
-        )
+        raise _past_deadline(call)
     ok, value = outcome
     if ok:
         return value
     raise value
+
+
+def _past_deadline(call: Exchange) -> CallTimeout:
+    """The error of a call on the thread path whose deadline passed before the thread ended
+    it: sent (the thread's own deadline stops its worker), or still waiting for a worker."""
+    env = call.entry.spec.key
+    if not call.call_id:
+        return not_reached(env, "; the worker still starting goes on and serves the next call")
+    label = target_label(call.target)
+    pid = pid_of(call.ran_on, call.generation)
+    return missed_deadline(env, call.call_id, label, pid, call.generation)

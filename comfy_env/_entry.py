@@ -97,7 +97,6 @@ class Ticket:
     wanted: Slot | None = None  # the one slot this call must run on (it uses a RemoteRef)
     bound_generation = 0  # ... and the generation that must still occupy it
     ran_on: Slot | None = None  # the slot the call was sent to
-    started: WorkerGeneration | None = None  # started while leasing, not sent yet
     held: Deferred | None = None  # the call holds Ctrl-C back outside its waits (_interrupts)
     stage = "new"  # "queued" -> "in_flight" -> "done"
     generation = 0
@@ -109,6 +108,11 @@ class Ticket:
     def __init__(self, wanted: Slot | None = None) -> None:
         if wanted is not None:
             self.wanted = wanted
+
+    def start_idle_locked(self, slot: Slot) -> None:
+        """Start the call on ``slot``'s idle worker in the lease's lock section, if it can
+        take it as it is (``_lease.lease_now``, lock held). A bare ticket starts nothing; the
+        call's own object does (``_exchange.Exchange``)."""
 
     def wake(self) -> None:
         """The waiter's slot was handed over, or it must give up (closed, cancelled)."""

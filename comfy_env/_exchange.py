@@ -1,41 +1,65 @@
-"""The sync call's exchange with its worker, once the call holds a slot: start, send, receive,
-open the reply, decode and settle (``run``), its failures turned into errors in one place.
+"""One call's own object: ``Exchange``, the ticket of a call and its exchange with a worker.
 
-Data flow of one call after leasing (``Pool.call`` / ``Pool.call_plain`` enter here)::
+A call is an ``Exchange`` (a ``_entry.Ticket``: one allocation per call, as before) between
+the slot it leases and that slot's worker. It holds what the call is (target, pickled body,
+out-of-band buffers, deadline) and where it runs (entry, slot, process, request block), so
+every step reads its own fields::
 
-    run(site, entry, slot, ticket, ...)          decode the reply, settle once (``_lease.settle``)
-      exchange                                   loops while the call never ran on a worker
-        start    live worker (the site spawns), checks, CallStarted through the gate
-        send     the CALL frame; EPIPE before a byte went out -> (False, None): loop
-        receive  LOG/EVENT frames on the way; the worker died with our request unread ->
-                 NotDelivered: loop; Ctrl-C -> drain_cancelled (ask it to stop, read on)
-        open the reply's out-of-band buffers (``open_reply``), free the request's block
-      crashed / timed_out / protocol_error        the errors of a broken exchange
+    Pool.call / Worker.submit      prepare   encode, size, deadline, RemoteRef binding
+      -> call                      lease (``_lease.acquire``; an idle worker may start in the
+                                   lease's lock section: ``start_idle_locked``), then run
+    Pool.call_plain / _acall       start_plain   the common call prepared, leased and
+                                   started in one lock section, then the same run
+    run       the loop until the call ran on a worker, decode, settle once (``_lease``)
+      start     a live worker (the site spawns), checks, CallStarted through the gate (begin)
+      send      the CALL frame; EPIPE before a byte went out: loop (it died idle)
+      receive   LOG/EVENT frames on the way; the worker died with our request unread: loop;
+                Ctrl-C: ask it to stop and read on (drain_cancelled)
+      open      the reply's out-of-band buffers, the request's block freed
+    crashed / timed_out / protocol_broken     every failure turned into its error here: the
+                gate event, the exit status collected, the death reported; the words are
+                ``_failures``' (texts built from facts)
 
-The lifecycle table is written only through ``entry.apply`` / the entry's ``*_locked`` writers
-(``EnvEntry._store``), and what a failure does to the process (report its death) goes through the
-site, outside the entry's lock. This module never imports the pool, the spawner or the process
-mechanism (``tests/test_structure.py``): it sees a worker as a ``WorkerGeneration`` and the pool
-as an ``ExchangeSite``.
+The asyncio path (``_acall``) keeps only its waiting (spin, the loop's reader, the big-reply
+thread) and asks this object for every decision (``begin``, ``open``, ``decode``,
+``deadline_hit``, ``crashed``, ``protocol_broken``).
 
-``resume``: the plain call (``Pool.call_plain``) sends and reads once itself; anything unusual
-after its call started goes on here from where it stopped, as if this loop had done it.
+A crash, from EOF to ``WorkerCrashed`` (the sync path; 7 modules, no call back into the pool):
+``protocol.FrameReader.read`` raises ``ChannelClosed`` -> ``Exchange.read_failed`` ->
+``Exchange.crashed``: ``status_at_eof`` / ``collect_exit`` / ``wait_exit``
+(``_process`` -> ``_exitwatch``), ``EnvEntry.apply(ChannelClosed)`` (``_entry`` ->
+``_lifecycle``), ``site.report_death`` (``_spawner``: the breaker, ``WorkerRetired``), then
+``_failures.crash_story`` tells it; ``run`` settles (``_lease``) and raises.
+
+The lifecycle table is written only through ``entry.apply`` / the entry's ``*_locked``
+writers (``EnvEntry._store``), effects outside the entry's lock. This module never imports the
+pool, the spawner or the process mechanism (``tests/test_structure.py``): it sees a worker as a
+``WorkerGeneration`` and the pool as an ``ExchangeSite``.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from comfy_env_worker.protocol import ChannelClosed, FrameError, FrameType, Payload
+from comfy_env_worker.protocol import (
+    CALLS_IN_FLIGHT,
+    HEADER_SIZE,
+    ChannelClosed,
+    FrameError,
+    FrameType,
+    Payload,
+)
+from comfy_env_worker.shm import SCALARS
 
 from . import _lease, _policies
 from . import _lifecycle as lc
 from ._call import event_handler
-from ._callsite import CallSite
-from ._codec import decode_reply, target_label
+from ._callsite import GENERAL_PATH, CallSite
+from ._codec import decode_reply, encode_call, target_label, use_shm
+from ._entry import Ticket
 from ._errors import (
     CallCancelled,
     CallTimeout,
@@ -45,32 +69,47 @@ from ._errors import (
     chained,
 )
 from ._failures import (
-    HostFault,
-    NotDelivered,
+    Death,
+    cancelled_text,
     completed_timeout,
-    crash_error,
+    crash_story,
+    missed_deadline,
+    not_reached,
     not_the_reply,
+    pool_closed,
     protocol_error,
     retire_reason,
-    timeout_error,
 )
-from ._interrupts import allowing
-from ._refs import check_bound
+from ._interrupts import Deferred, allowing, in_storm
+from ._refs import bound_by_refs, check_bound
+from ._settings import check_timeout
 
 if TYPE_CHECKING:
     from comfy_env_worker.shm import Block
 
     from ._backend import WorkerGeneration
-    from ._entry import EnvEntry, Slot, Ticket
+    from ._entry import EnvEntry, Slot
 
-# How far the plain call's own exchange went before it handed on (``Pool.call_plain``): its
-# send raised, its read raised, or it read a frame that is not a plain reply.
-SEND_FAILED, READ_FAILED, READ = 1, 2, 3
-Resume = tuple[int, Any]
+# A frame as read: (type, flags, call id, payload).
+Frame = tuple[int, int, int, Payload]
+# A reply once opened: its type, body and out-of-band buffers (None: none).
+Reply = tuple[int, Any, list[Any] | None]
+_REPLY_OK = int(FrameType.REPLY_OK)  # (plain ints: no enum lookup on every call's path)
+_REPLY_ERR = int(FrameType.REPLY_ERR)
+_LOG = int(FrameType.LOG)
+_EVENT = int(FrameType.EVENT)
+_NO_BUFFERS: list[memoryview] = []  # a call without out-of-band buffers (never appended to)
 
 
 class ExchangeSite(CallSite, Protocol):
     """What the exchange asks of its pool beyond ``CallSite`` (implemented by ``_pool.Pool``)."""
+
+    oob_threshold: int  # bytes from which a buffer goes out of band (``_codec.oob_threshold``)
+
+    @property
+    def call_ids(self) -> Iterator[int]:
+        """This pool's call ids (1 is the canary's)."""
+        ...
 
     def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if it is empty or retired."""
@@ -83,391 +122,531 @@ class ExchangeSite(CallSite, Protocol):
         ...
 
 
-def python_mismatch(entry: EnvEntry, process: WorkerGeneration) -> str | None:
+def python_mismatch(env: str, process: WorkerGeneration) -> str | None:
     """Why a by-value callable cannot go to this worker, or None if it can."""
     env_version = process.python_version[:2]
     if env_version == tuple(sys.version_info[:2]):
         return None
     return (
-        f"env {entry.spec.key} runs Python {'.'.join(map(str, env_version))}, the host "
+        f"env {env} runs Python {'.'.join(map(str, env_version))}, the host "
         f"{sys.version_info[0]}.{sys.version_info[1]}: a function sent by value (a lambda, a "
         "closure, or one defined in __main__) only loads in the same Python version; pass it "
         "as 'package.module:function' instead"
     )
 
 
-def run(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot | None,
-    ticket: Ticket,
-    target: str | Callable[..., Any],
-    body: bytes,
-    buffers: list[memoryview],
-    by_value: bool,
-    deadline: float | None,
-    resume: Resume | None = None,
-) -> Any:
-    """The rest of a call once it holds ``slot`` (None: acquiring failed and raised in
-    the caller, who still must settle): exchange, decode, settle, count once. ``resume``:
-    see ``_exchange``."""
-    outcome = "failed"
-    replied_at: float | None = None
-    try:
-        assert slot is not None
-        ftype, reply, reply_buffers, replied_at = exchange(
-            site, entry, slot, ticket, target, body, buffers, by_value, deadline, resume
-        )
-        del buffers
-        if ticket.interrupted:
-            raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
-        outcome = "raised"
-        try:
-            result = decode_reply(ftype, reply, target, reply_buffers)
-        except FrameError as exc:  # an error record that is not the runtime's
-            outcome = "failed"
-            process = slot.process
-            assert process is not None and process.generation == ticket.generation
-            raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
-        outcome = "ok"
-        return result
-    except HostFault as fault:
-        replied_at = fault.replied_at  # the worker replied whole: it goes back to idle
-        raise chained(fault.error, None)  # noqa: B904
-    except CallTimeout as exc:
-        outcome = "timed_out"
-        completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
-        raise
-    except CallCancelled as exc:
-        outcome = "cancelled"
-        if exc.env is None:  # stopped by the worker itself: it lives on
-            exc.env = entry.spec.key
-            exc.generation = ticket.generation
-            exc.pid = _pid_of(slot, ticket.generation)
-        raise
-    except KeyboardInterrupt:
-        outcome = "cancelled"
-        raise
-    except WorkerCrashed:
-        outcome = "crashed"
-        raise
-    finally:
-        _lease.settle(site, entry, ticket, outcome, replied_at)
+def all_scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether every argument is of an exact scalar type (int, str, None, ...): such a call
+    holds no RemoteRef and nothing that could go out of band (bytes could)."""
+    for value in args:
+        if type(value) not in SCALARS:
+            return False
+    if kwargs:
+        for value in kwargs.values():
+            if type(value) not in SCALARS:
+                return False
+    return True
 
 
-def _pid_of(slot: Slot | None, generation: int) -> int | None:
+def pid_of(slot: Slot | None, generation: int) -> int | None:
     process = slot.process if slot is not None else None
     return process.pid if process is not None and process.generation == generation else None
 
 
-def exchange(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    ticket: Ticket,
-    target: str | Callable[..., Any],
-    body: bytes,
-    buffers: list[memoryview],
-    by_value: bool,
-    deadline: float | None,
-    resume: Resume | None = None,
-) -> tuple[int, Payload | memoryview, list[Any] | None, float]:
-    """Send the call to the leased slot's worker (spawning one if needed) and read the reply.
+class Exchange(Ticket):
+    """One call: its ticket (queue place, lease, cancel flag) and its exchange with a worker.
 
-    Returns the reply's type, body and out-of-band buffers (private copies; the worker has
-    been told it may reuse its blocks) and the time of the reply (``Replied``, which
-    ``settle`` applies). ``resume``: how far the plain call's own exchange went on the
-    worker it started (``call_plain``); the rest goes as if this loop had done it."""
-    started = ticket.started
-    ticket.started = None
-    assert resume is None or started is not None
-    while True:
-        if started is not None:
-            # Started in ``_acquire``'s lock section (the common call): checked there.
-            process, started = started, None
-            call_id = ticket.call_id
-            generation = process.generation
-        else:
-            process, call_id = start(site, entry, slot, ticket, by_value, deadline)
-            if call_id == 0:
-                continue
-            generation = process.generation
-        if ticket.on_event is not None:
-            ticket.sink = event_handler(ticket.on_event, call_id, generation)
-        # The plain call's own exchange went as far as ``resume`` says (first round only).
-        resumed, resume = resume, None
-        if resumed is None or resumed[0] == SEND_FAILED:
-            sent, block = send(
-                site,
-                entry,
-                slot,
-                process,
-                call_id,
-                target,
-                body,
-                buffers,
-                deadline,
-                None if resumed is None else resumed[1],
+    Fields are class-level defaults, as ``Ticket``'s: one allocation per call, and only the
+    fields a call sets are written."""
+
+    target: str | Callable[..., Any] = ""
+    body = b""
+    buffers: list[memoryview] = _NO_BUFFERS
+    by_value = False
+    deadline: float | None = None  # time.monotonic(); None: no deadline
+    process: WorkerGeneration | None = None  # the worker it started on (CallStarted applied)
+    block: Block | None = None  # the request's shared-memory block, freed with the reply
+    replied_at: float | None = None  # when the whole reply arrived (``Replied``)
+
+    def __init__(self, site: ExchangeSite, entry: EnvEntry, wanted: Slot | None = None) -> None:
+        self.site = site
+        self.entry = entry
+        if wanted is not None:
+            self.wanted = wanted
+
+    # ---- before the lease ----
+
+    def prepare(
+        self,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: Any,  # float | None, checked here (a compiled build would coerce it)
+        bound: tuple[Slot, int] | None,
+    ) -> None:
+        """Everything a call checks before it queues: pickle it (bad input raises here),
+        its size, its deadline (which starts now), the RemoteRefs that bind it to a slot."""
+        site, entry = self.site, self.entry
+        if site.closed:
+            raise site.closed_error()
+        config = site.settings
+        # One scan of the arguments: a call whose arguments are all scalars (the common small
+        # call) can hold no RemoteRef and no out-of-band buffer, so both checks are skipped.
+        plain = all_scalars(args, kwargs)
+        if bound is None and not plain:
+            bound = bound_by_refs(entry, args, kwargs)
+        body, buffers, by_value = encode_call(target, args, kwargs, site.oob_threshold, plain)
+        inline = len(body)
+        if buffers:  # the small call has none: two generator scans saved
+            if not (config.shared_memory and use_shm(buffers, config.shm_threshold_bytes)):
+                inline += sum(b.nbytes for b in buffers)
+        if inline + HEADER_SIZE > config.max_frame_bytes:
+            raise SerializationError(
+                f"the call to {target_label(target)} pickles to {inline} bytes, over "
+                f"PoolConfig.max_frame_bytes={config.max_frame_bytes}"
             )
-            resumed = None
-            if not sent:
-                continue  # EPIPE before a byte went out: it died idle; nothing was sent
-        else:
-            block = None
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        if timeout is None:
+            timeout = entry.settings.call_timeout
+        if timeout is not None:
+            self.deadline = time.monotonic() + timeout
+            self.timeout = timeout  # (for a CallTimeout's message)
+        if bound is not None:
+            self.wanted, self.bound_generation = bound
+            check_bound(entry, bound[0], bound[1])
+        self.target, self.body, self.by_value = target, body, by_value
+        if buffers:
+            self.buffers = buffers
+
+    def start_plain(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Prepare, lease and start the common call in one step: a target string, scalar
+        arguments, an idle worker ready to take it and nobody waiting before it; ``prepare``
+        and the lease without their branches for anything else. True: leased, counted,
+        ``CallStarted`` applied, nothing sent; False, having counted, leased and sent nothing,
+        when the call or the env asks for more (the general path decides and explains)."""
+        site, entry = self.site, self.entry
+        if site.closed or not all_scalars(args, kwargs):
+            return False
+        body, _, _ = encode_call(target, args, kwargs, site.oob_threshold, True)
+        if len(body) + HEADER_SIZE > site.settings.max_frame_bytes:
+            return False  # (``prepare`` says why)
+        timeout = entry.settings.call_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with entry.lock:
+            if (
+                site.closed
+                or entry.waiters
+                or entry.dropped_refs
+                or (
+                    isinstance(entry.env_state, lc.EnvAbandoned)
+                    and entry.abandoned_locked(site.clock())
+                )
+            ):
+                return False
+            for slot in entry.slots:  # ``free_slot``'s first choice: an idle worker, not held
+                state = slot.state
+                if type(state) is lc.Idle and not slot.leased:
+                    break
+            else:
+                return False
+            process = slot.process
+            now = None if process is None else self._ready_locked(state, process, deadline)
+            if process is None or now is None:
+                return False
+            entry.start_plain_locked(self, slot, state, next(site.call_ids), now)
+            _lease.lease_plain_locked(entry, self, slot)
+        self.process, self.target, self.body = process, target, body
+        if deadline is not None:
+            self.deadline, self.timeout = deadline, timeout
+        return True
+
+    def start_idle_locked(self, slot: Slot) -> None:
+        """The eager start in the lease's lock section (``_lease.lease_now``): ``CallStarted``
+        if the slot's idle worker can take the call as it is; else nothing, and ``start``
+        decides (and explains) after the lease."""
+        state, process = slot.state, slot.process
+        if type(state) is not lc.Idle or process is None:
+            return
+        now = self._ready_locked(state, process, self.deadline)
+        if now is None:
+            return
+        call_id = next(self.site.call_ids)
+        if self.entry.start_call_locked(slot, state.generation, call_id, now):
+            self.generation, self.call_id, self.ran_on = state.generation, call_id, slot
+            self.process = process
+
+    def _ready_locked(
+        self, state: lc.Idle, process: WorkerGeneration, deadline: float | None
+    ) -> float | None:
+        """Whether ``process``, idle in ``state``, can take a call as it is (lock held):
+        verified in that generation, no ping due, the deadline not passed, its channel quiet.
+        The time read for the ping check (``CallStarted`` uses it too), or None."""
+        if process.generation != state.generation:
+            return None
+        now = self.site.clock()
+        ping_after = self.site.settings.ping_after_idle
+        if ping_after is not None and lc.needs_ping(state, now, ping_after):
+            return None
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        # One poll(2) under the lock: the idle channel must be quiet (``start`` retires a
+        # worker that hung up or wrote unasked, and explains it).
+        if process.idle_channel_state() != "quiet":
+            return None
+        return now
+
+    # ---- the sync call, end to end ----
+
+    def call(self) -> Any:
+        """The prepared call to its end: lease (waiting in the queue), run, settle."""
+        # Counted while it runs: a reader polls for its reply only while this process makes
+        # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
+        CALLS_IN_FLIGHT.append(self)
         try:
-            ftype, flags, reply = receive(
-                site, entry, slot, process, ticket, call_id, target, deadline, resumed
-            )
-        except NotDelivered:
-            continue  # it died with our request unread: the call never ran
-        replied_at = site.clock()
-        if not flags and block is None:
-            return ftype, reply, None, replied_at  # the small-call path: nothing out of band
+            if in_storm():
+                # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
+                # its waits (the queue, the reply) take one each (``held``).
+                with Deferred() as held:
+                    self.held = held
+                    return self._leased_run()
+            return self._leased_run()
+        except BaseException as exc:
+            _lease.settle_interrupted(self.site, self.entry, self, exc)
+            raise
+        finally:
+            if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
+                CALLS_IN_FLIGHT.pop()
+
+    def _leased_run(self) -> Any:
+        site, entry = self.site, self.entry
         try:
-            reply_body, reply_buffers, retained = process.open_reply(call_id, flags, reply)
-        except FrameError as exc:
-            raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
-        except HostResourceError as exc:  # the host's fault: the worker stays, idle
-            process.finish_request(block, [block.name] if block is not None else [])
-            raise chained(HostFault(replied_at, exc), None)  # noqa: B904
-        process.finish_request(block, retained)
-        return ftype, reply_body, reply_buffers, replied_at
+            _lease.acquire(site, entry, self, self.deadline, not self.by_value)
+        except BaseException as exc:
+            _lease.settle(site, entry, self, _lease.outcome_of(exc), None)
+            if isinstance(exc, CallTimeout):
+                completed_timeout(exc, self.timeout, self.call_id, target_label(self.target))
+            raise
+        return self.run()
 
+    def call_plain(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The common call (``start_plain``) run to its end; ``GENERAL_PATH``, having
+        counted, leased and sent nothing, when ``start_plain`` declines. Once started it is
+        ``run`` like any other: whatever it meets is answered by the same rules."""
+        CALLS_IN_FLIGHT.append(self)  # as in ``call``
+        try:
+            # Leased inside the ``try``: an interrupt right after the lease is settled below.
+            if not self.start_plain(target, args, kwargs):
+                return GENERAL_PATH
+            return self.run()
+        except BaseException as exc:
+            _lease.settle_interrupted(self.site, self.entry, self, exc)
+            raise
+        finally:
+            if CALLS_IN_FLIGHT:
+                CALLS_IN_FLIGHT.pop()
 
-def start(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    ticket: Ticket,
-    by_value: bool,
-    deadline: float | None,
-) -> tuple[WorkerGeneration, int]:
-    """The general start of a call on the leased slot: a live worker (spawned if needed),
-    checked (binding, idle channel, ping, refs, Python version, deadline), then
-    ``CallStarted``. Returns the process and the call id, or call id 0 if the worker was
-    replaced meanwhile (the caller loops and the call goes to a fresh worker)."""
-    if ticket.wanted is not None:
-        check_bound(entry, slot, ticket.bound_generation)
-    process = site.live_process(entry, slot)
-    channel = process.idle_channel_state()
-    if channel != "quiet":
-        # Died idle (EOF) or wrote bytes nobody asked for: retire it before it gets
-        # the call, which then runs on a fresh worker.
-        stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
-        entry.apply(slot, stray(process.generation))
-        return process, 0
-    ping_after = site.settings.ping_after_idle
-    if ping_after is not None and lc.needs_ping(slot.state, site.clock(), ping_after):
-        if not _policies.ping(entry, slot, process, site.settings.ping_timeout):
-            return process, 0  # replaced through the gate; a fresh worker runs it
-    if entry.dropped_refs:
-        _policies.release_dropped_refs(entry, slot, process)
-    if by_value:
-        # It reads only ``python_version`` (a WorkerGeneration member); _process types it
-        # by its own class.
-        why = python_mismatch(entry, process)
-        if why is not None:
-            raise SerializationError(why)
-    if deadline is not None and time.monotonic() >= deadline:
-        raise CallTimeout(
-            f"the call's deadline passed before it reached a worker of env "
-            f"{entry.spec.key} (start-up took {process.startup_seconds:.2f}s)",
-            env=entry.spec.key,
-            pid=process.pid,
-            generation=process.generation,
-        )
-    call_id = next(site.call_ids)
-    generation = process.generation
-    with entry.lock:
-        if ticket.cancelled:
-            raise CallCancelled("the call was cancelled", env=entry.spec.key)
-        started = entry.start_call_locked(slot, generation, call_id, site.clock())
-        ticket.generation = generation
-        ticket.call_id = call_id
-        ticket.ran_on = slot
-    if not started:
-        return process, 0  # died idle after we looked: a fresh worker takes it
-    return process, call_id
+    def run(self) -> Any:
+        """The rest of a call once it holds its slot: exchange, decode, settle, count once."""
+        outcome = "failed"
+        try:
+            ftype, reply, reply_buffers = self.exchange()
+            if self.interrupted:
+                raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
+            outcome = "raised"
+            try:
+                result = decode_reply(ftype, reply, self.target, reply_buffers)
+            except FrameError as exc:  # an error record that is not the runtime's
+                outcome = "failed"
+                raise chained(self.protocol_broken(str(exc)), None)  # noqa: B904
+            outcome = "ok"
+            return result
+        except CallTimeout as exc:
+            outcome = "timed_out"
+            completed_timeout(exc, self.timeout, self.call_id, target_label(self.target))
+            raise
+        except CallCancelled as exc:
+            outcome = "cancelled"
+            if exc.env is None:  # stopped by the worker itself: it lives on
+                exc.env = self.entry.spec.key
+                exc.generation = self.generation
+                exc.pid = pid_of(self.slot, self.generation)
+            raise
+        except KeyboardInterrupt:
+            outcome = "cancelled"
+            raise
+        except WorkerCrashed:
+            outcome = "crashed"
+            raise
+        finally:
+            if outcome == "ok":
+                _lease.settle_ok(self.site, self.entry, self, self.replied_at)  # type: ignore[arg-type]
+            else:
+                _lease.settle(self.site, self.entry, self, outcome, self.replied_at)
 
+    def exchange(self) -> Reply:
+        """Send the call to the leased slot's worker (starting one if needed) until a worker
+        has it, and read and open its reply (private copies; the worker may reuse its blocks)."""
+        while True:
+            if self.process is None and not self.start():
+                continue  # the worker was replaced meanwhile: a fresh one takes the call
+            if self.on_event is not None:
+                self.sink = event_handler(self.on_event, self.call_id, self.generation)
+            frame = self.receive() if self.send() else None
+            if frame is not None:
+                return self.open(frame)
+            self.process = None  # it never ran (EPIPE, or died with the request unread)
 
-def send(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    call_id: int,
-    target: str | Callable[..., Any],
-    body: bytes,
-    buffers: list[memoryview],
-    deadline: float | None,
-    failed: BaseException | None = None,
-) -> tuple[bool, Block | None]:
-    """Send the CALL frame. Returns (False, None) if the worker was already gone before any
-    byte went out (safe to run the call elsewhere), else (True, the request's shared-memory
-    block). Raises the call's error once part of it was sent.
+    def start(self) -> bool:
+        """The general start on the leased slot: a live worker (spawned if needed), checked
+        (binding, idle channel, ping, refs, Python version, deadline), then ``begin``. False:
+        the worker was replaced meanwhile (the caller loops to a fresh one)."""
+        site, entry, slot = self.site, self.entry, self.slot
+        assert slot is not None
+        if self.wanted is not None:
+            check_bound(entry, slot, self.bound_generation)
+        process = site.live_process(entry, slot)
+        channel = process.idle_channel_state()
+        if channel != "quiet":
+            # Died idle (EOF) or wrote bytes nobody asked for: retire it before it gets
+            # the call, which then runs on a fresh worker.
+            stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
+            entry.apply(slot, stray(process.generation))
+            return False
+        ping_after = site.settings.ping_after_idle
+        if ping_after is not None and lc.needs_ping(slot.state, site.clock(), ping_after):
+            if not _policies.ping(entry, slot, process, site.settings.ping_timeout):
+                return False  # replaced through the gate; a fresh worker runs it
+        if entry.dropped_refs:
+            _policies.release_dropped_refs(entry, slot, process)
+        if self.by_value:
+            why = python_mismatch(entry.spec.key, process)
+            if why is not None:
+                raise SerializationError(why)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise not_reached(entry.spec.key, f" (start-up took {process.startup_seconds:.2f}s)")
+        return self.begin(process)
 
-    ``failed``: what the plain call's own send raised (``call_plain``), answered here as
-    if this send had raised it."""
-    try:
-        if failed is not None:
-            raise failed
-        # Not opened to Ctrl-C even when held: the worker is idle and reads the request
-        # (a full socket waits on it, bounded by the deadline), and the send does the
-        # request's shared-memory bookkeeping, which an interrupt must not cut in two.
-        block = process.send_request(call_id, body, buffers, deadline)
-    except (BrokenPipeError, ConnectionResetError):
-        entry.apply(slot, lc.ChannelClosed(process.generation))
-        return False, None
-    except TimeoutError:
-        label = target_label(target)
-        raise chained(  # noqa: B904 - see chained
-            timed_out(site, entry, slot, process, call_id, label), None
-        )
-    except SerializationError:
-        raise
-    except OSError:
-        raise chained(  # noqa: B904 - see chained
-            crashed(site, entry, slot, process, call_id, target_label(target)), None
-        )
-    return True, block
+    def begin(self, process: WorkerGeneration) -> bool:
+        """``CallStarted`` for this call on ``process``, its slot's idle worker. False if it
+        died idle after the caller looked (a fresh worker takes it); a call cancelled
+        meanwhile raises ``CallCancelled``."""
+        call_id = next(self.site.call_ids)
+        entry, slot = self.entry, self.slot
+        assert slot is not None
+        with entry.lock:
+            if self.cancelled:
+                raise CallCancelled("the call was cancelled", env=entry.spec.key)
+            started = entry.start_call_locked(slot, process.generation, call_id, self.site.clock())
+            self.generation, self.call_id, self.ran_on = process.generation, call_id, slot
+        if started:
+            self.process = process
+        return started
 
+    def send(self) -> bool:
+        """Send the CALL frame. False if the worker was gone before any byte went out (safe
+        to run the call elsewhere); the call's error once part of it was sent."""
+        process = self.process
+        assert process is not None
+        try:
+            # Not opened to Ctrl-C even when held: the worker is idle and reads the request
+            # (a full socket waits on it, bounded by the deadline), and the send does the
+            # request's shared-memory bookkeeping, which an interrupt must not cut in two.
+            self.block = process.send_request(self.call_id, self.body, self.buffers, self.deadline)
+        except (BrokenPipeError, ConnectionResetError):
+            self.entry.apply(self.slot, lc.ChannelClosed(process.generation))  # type: ignore[arg-type]
+            return False
+        except TimeoutError:
+            raise chained(self.timed_out(), None)  # noqa: B904 - see chained
+        except SerializationError:
+            raise
+        except OSError:
+            raise chained(self.crashed(), None)  # noqa: B904 - see chained
+        return True
 
-def receive(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    ticket: Ticket,
-    call_id: int,
-    target: str | Callable[..., Any],
-    deadline: float | None,
-    resumed: Resume | None = None,
-) -> tuple[int, int, Payload]:
-    """Read the call's reply (its LOG and EVENT frames handled on the way). ``resumed``:
-    the frame the plain call already read, or what its read raised (``call_plain``),
-    taken here as this read's."""
-    reader = process.reader
-    assert reader is not None
-    try:
-        if resumed is None:
-            held = ticket.held
+    def receive(self) -> Frame | None:
+        """Read the call's reply (its LOG and EVENT frames handled on the way). None: the
+        worker died before it read the request (the call never ran)."""
+        process = self.process
+        assert process is not None
+        reader = process.reader
+        assert reader is not None
+        try:
+            held = self.held
             if held is None:
-                ftype, flags, reply_id, reply = reader.read(deadline)
+                frame = reader.read(self.deadline)
             else:
                 with held.allowing():
-                    ftype, flags, reply_id, reply = reader.read(deadline)
-        elif resumed[0] == READ:
-            ftype, flags, reply_id, reply = resumed[1]
-        else:
-            raise resumed[1]
-        if ftype == FrameType.LOG or ftype == FrameType.EVENT:
-            # What the call logged or reported: handle it, then read on to the reply.
-            with allowing(ticket.held):
-                ftype, flags, reply_id, reply = process.read_frame(
-                    deadline, (ftype, reply_id, reply), ticket.sink
-                )
-    except TimeoutError:
-        label = target_label(target)
-        raise chained(  # noqa: B904 - see chained
-            timed_out(site, entry, slot, process, call_id, label), None
-        )
-    except (ChannelClosed, ConnectionError, OSError) as exc:
-        # The worker died before it read the whole request: the call never ran and may
-        # run on a fresh worker. Its exit resets the requests socket (a reply end only
-        # reads EOF), so ``request_unread`` asks there; a reset read here directly is a
-        # backend whose one socket carries both ways. Any reply bytes mean it did run.
-        if isinstance(exc, ConnectionResetError) or process.request_unread():
-            entry.apply(slot, lc.ChannelClosed(process.generation))
-            reason = retire_reason(slot, process.generation)
-            if reader.buffered == 0 and reason is lc.RetireReason.CRASHED:
-                raise chained(NotDelivered(), None)  # noqa: B904
-        raise chained(  # noqa: B904 - see chained
-            crashed(site, entry, slot, process, call_id, target_label(target)), None
-        )
-    except FrameError as exc:
-        raise chained(protocol_error(entry, slot, process, str(exc)), None)  # noqa: B904
-    except BaseException as exc:
+                    frame = reader.read(self.deadline)
+            ftype = frame[0]
+            if ftype == _LOG or ftype == _EVENT:
+                # What the call logged or reported: handle it, then read on to the reply.
+                with allowing(self.held):
+                    frame = process.read_frame(
+                        self.deadline, (ftype, frame[2], frame[3]), self.sink
+                    )
+        except BaseException as exc:  # noqa: BLE001 - answered in one place
+            return self.read_failed(exc)
+        if (frame[0] != _REPLY_OK and frame[0] != _REPLY_ERR) or frame[2] != self.call_id:
+            raise self.protocol_broken(not_the_reply(frame[0], frame[2], self.call_id, frame[3]))
+        return frame
+
+    def read_failed(self, exc: BaseException) -> Frame | None:
+        """What a read that raised ``exc`` means: the call's error (raised); None if the
+        worker died with the request unread (the call never ran and may run on a fresh
+        worker); or, after Ctrl-C, the reply the worker sent once asked to stop."""
+        process, entry, slot = self.process, self.entry, self.slot
+        assert process is not None and slot is not None
+        if isinstance(exc, TimeoutError):
+            raise chained(self.timed_out(), None)
+        if isinstance(exc, (ChannelClosed, ConnectionError, OSError)):
+            # Its exit resets the requests socket (a reply end only reads EOF), so
+            # ``request_unread`` asks there; a reset read here directly is a backend whose
+            # one socket carries both ways. Any reply bytes mean it did run.
+            if isinstance(exc, ConnectionResetError) or process.request_unread():
+                entry.apply(slot, lc.ChannelClosed(process.generation))
+                reason = retire_reason(slot, process.generation)
+                reader = process.reader
+                if reader is not None and reader.buffered == 0:
+                    if reason is lc.RetireReason.CRASHED:
+                        return None
+            raise chained(self.crashed(), None)
+        if isinstance(exc, FrameError):
+            raise chained(self.protocol_broken(str(exc)), None)
         # KeyboardInterrupt (or another async exception) while waiting: the call's result
-        # can no longer be delivered. Ctrl-C asks the worker first (it may keep its
-        # caches); anything else, or a second Ctrl-C, stops the worker at once.
-        if not isinstance(exc, KeyboardInterrupt) or entry.settings.cancel_grace <= 0:
-            entry.apply(slot, lc.CallCancelled(process.generation, call_id))
-            raise
-        frame = drain_cancelled(site, entry, slot, process, ticket, call_id)
-        if frame is None:
-            raise
-        ticket.interrupted = True
-        ftype, flags, reply_id, reply = frame
-    if (ftype != FrameType.REPLY_OK and ftype != FrameType.REPLY_ERR) or reply_id != call_id:
-        raise not_the_reply(entry, slot, process, ftype, reply_id, call_id, reply)
-    return ftype, flags, reply
+        # can no longer be delivered. Ctrl-C asks the worker first (it may keep its caches);
+        # anything else, or a second Ctrl-C, stops the worker at once.
+        if isinstance(exc, KeyboardInterrupt) and entry.settings.cancel_grace > 0:
+            frame = self.drain_cancelled()
+            if frame is not None:
+                self.interrupted = True
+                return frame
+        else:
+            entry.apply(slot, lc.CallCancelled(process.generation, self.call_id))
+        raise exc
 
+    def drain_cancelled(self) -> Frame | None:
+        """After Ctrl-C: ask the worker to stop the call and read on until its reply (the
+        grace timer kills it if it does not stop). The reply frame, or None if the worker was
+        stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
+        process, entry, slot = self.process, self.entry, self.slot
+        assert process is not None and slot is not None
+        _lease.cancel(self.site, entry, self)
+        try:
+            with allowing(self.held):  # a second Ctrl-C stops the worker at once
+                frame = process.read_frame(None, None, self.sink)
+        except BaseException:  # noqa: BLE001 - EOF after the kill, a garbled read, a second Ctrl-C
+            entry.apply(slot, lc.CallCancelled(process.generation, self.call_id))
+            return None
+        if frame[2] != self.call_id or frame[0] not in (_REPLY_OK, _REPLY_ERR):
+            entry.apply(slot, lc.ProtocolViolated(process.generation))
+            return None
+        return frame
 
-def drain_cancelled(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    ticket: Ticket,
-    call_id: int,
-) -> tuple[int, int, int, Payload] | None:
-    """After Ctrl-C: ask the worker to stop ``call_id`` and read on until its reply (the
-    grace timer kills it if it does not stop). The reply frame, or None if the worker was
-    stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
-    _lease.cancel(site, entry, ticket)
-    try:
-        with allowing(ticket.held):  # a second Ctrl-C stops the worker at once
-            frame = process.read_frame(None, None, ticket.sink)
-    except BaseException:  # noqa: BLE001 - EOF after the kill, a garbled read, a second Ctrl-C
-        entry.apply(slot, lc.CallCancelled(process.generation, call_id))
-        return None
-    if frame[2] != call_id or frame[0] not in (FrameType.REPLY_OK, FrameType.REPLY_ERR):
-        entry.apply(slot, lc.ProtocolViolated(process.generation))
-        return None
-    return frame
+    # ---- the reply ----
 
+    def open(self, frame: Frame | tuple[int, int, int, Any]) -> Reply:
+        """The reply's body and out-of-band buffers (loaned blocks opened), the request's
+        block freed; the time of the reply kept for ``Replied``."""
+        ftype, flags, _, payload = frame
+        replied_at = self.site.clock()
+        block = self.block
+        if not flags and block is None:
+            self.replied_at = replied_at
+            return ftype, payload, None  # the small call: nothing out of band
+        process = self.process
+        assert process is not None
+        try:
+            body, reply_buffers, retained = process.open_reply(self.call_id, flags, payload)
+        except BaseException as exc:  # noqa: BLE001 - answered in one place
+            self.not_opened(exc, replied_at)
+        process.finish_request(block, retained)
+        self.replied_at = replied_at
+        return ftype, body, reply_buffers
 
-# ---- errors (texts in _failures) ----
+    def not_opened(self, exc: BaseException, replied_at: float) -> NoReturn:
+        """A reply whose out-of-band part could not be opened: a broken table is the
+        worker's fault (retired); the host's own (``HostResourceError``) keeps the worker,
+        which replied whole (``replied_at``: it goes back to idle) while the call fails."""
+        if isinstance(exc, FrameError):
+            raise chained(self.protocol_broken(str(exc)), None)
+        if isinstance(exc, HostResourceError):
+            block = self.block
+            process = self.process
+            assert process is not None
+            process.finish_request(block, [block.name] if block is not None else [])
+            self.replied_at = replied_at
+        raise exc
 
+    def decode(self, ftype: int, reply: Any, buffers: list[Any] | None) -> Any:
+        """The call's result, or its error raised; an error record that is not the
+        runtime's breaks the protocol."""
+        try:
+            return decode_reply(ftype, reply, self.target, buffers)
+        except FrameError as exc:
+            raise chained(self.protocol_broken(str(exc)), None)  # noqa: B904
 
-def crashed(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    call_id: int,
-    label: str,
-) -> Exception:
-    """The error of a call whose worker's channel broke (``_failures.crash_error``)."""
-    return crash_error(*_failure(site, entry, slot, process, call_id, label))
+    # ---- failures: each acts (gate, collect, report), then ``_failures`` tells ----
 
+    def crashed(self) -> Exception:
+        """The error of a call whose worker's channel broke: retire it through the gate,
+        collect its exit status (a bounded wait) and output, report its death (the breaker,
+        ``WorkerRetired``) before the caller hears of it, then tell the story."""
+        process, entry, slot = self.process, self.entry, self.slot
+        assert process is not None and slot is not None
+        label = target_label(self.target)
+        # The common crash: the kernel holds the exit status already and what it wrote is in
+        # the pipes; both are read before the gate's kill, which then has nothing to signal.
+        rc = process.status_at_eof()
+        # Still running although its channel closed (it closed or replaced the descriptors):
+        # the gate's SIGKILL is then the host's, and the story must not blame "a kill -9 from
+        # outside" for it.
+        alive_at_eof = rc is None and not process.exited.is_set()
+        entry.apply(slot, lc.ChannelClosed(process.generation))
+        reason = retire_reason(slot, process.generation)
+        if reason is lc.RetireReason.CLOSED or self.site.closed:
+            return pool_closed(label)
+        if reason is lc.RetireReason.CANCELLED:
+            how, grace = process.cancel_kill, entry.settings.cancel_grace
+            return CallCancelled(
+                cancelled_text(label, process.generation, how, grace),
+                env=entry.spec.key,
+                pid=process.pid,
+                generation=process.generation,
+            )
+        still_running = False
+        if rc is None:  # reap and drain here, or wait (bounded) for the exit
+            process.collect_exit()
+            rc = process.wait_exit(1.0)
+            # A backend without exit codes (Ray) reports a death with rc None.
+            still_running = rc is None and not process.exited.is_set()
+            if still_running:
+                process.kill(lc.Stop.KILL)
+                rc = process.wait_exit(1.0)
+            process.wait_output(0.5)
+        tail = process.log.tail()
+        self.site.report_death(entry, process, rc, tail)
+        death = Death(rc, tail, still_running, alive_at_eof)
+        return crash_story(entry.spec.key, process, self.call_id, label, death)
 
-def timed_out(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    call_id: int,
-    label: str,
-) -> Exception:
-    return timeout_error(*_failure(site, entry, slot, process, call_id, label))
+    def deadline_hit(self) -> CallTimeout | None:
+        """``DeadlineHit`` through the gate (it stops the worker): the call's ``CallTimeout``,
+        or None if something else retired the worker first (``crashed`` tells that)."""
+        process = self.process
+        assert process is not None and self.slot is not None
+        if not self.entry.apply(self.slot, lc.DeadlineHit(process.generation, self.call_id)):
+            return None
+        label = target_label(self.target)
+        env = self.entry.spec.key
+        return missed_deadline(env, self.call_id, label, process.pid, process.generation)
 
+    def timed_out(self) -> Exception:
+        """The error of a call that missed its deadline (``deadline_hit``, else ``crashed``)."""
+        return self.deadline_hit() or self.crashed()
 
-def _failure(
-    site: ExchangeSite,
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    call_id: int,
-    label: str,
-) -> tuple[
-    EnvEntry, Slot, WorkerGeneration, int, str, bool, float, Callable[[int | None, str], None]
-]:
-    """What both error builders of ``_failures`` take: the call, the pool's state, and how
-    to report the worker's death."""
-
-    def report_death(returncode: int | None, tail: str) -> None:
-        site.report_death(entry, process, returncode, tail)
-
-    closed, grace = site.closed, entry.settings.cancel_grace
-    return entry, slot, process, call_id, label, closed, grace, report_death
+    def protocol_broken(self, detail: str) -> Exception:
+        """Retire a worker that broke the protocol (a stream is never resynchronised)."""
+        process = self.process
+        assert process is not None and self.slot is not None
+        self.entry.apply(self.slot, lc.ProtocolViolated(process.generation))
+        return protocol_error(self.entry.spec.key, process, detail)

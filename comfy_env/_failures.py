@@ -1,31 +1,27 @@
 """The errors a call ends with when its worker breaks: what happened, told once, in one place.
 
-Data flow (who calls what; every builder retires through the gate first, then tells)::
+Every function here is a text built from facts: none of them touches the gate, a process or
+the breaker. What a failure *does* (retire through the gate, collect the exit status, report
+the death) is the call's own object's (``_exchange.Exchange.crashed`` / ``timed_out`` /
+``protocol_broken``), which gathers the facts and then asks here for the words::
 
-    the call path (_pool, _acall)          on a read/send failure of generation g
-        crash_error(...)        the exit status, if the kernel has it (status_at_eof)
-                                gate(ChannelClosed g) -> why was it retired?
-                                  CLOSED / pool closed  -> PoolClosedError
-                                  CANCELLED             -> CallCancelled (the grace ran out,
-                                                           or a second cancel: cancelled_text)
-                                  else: the status (or a bounded wait for it) and the last
-                                  output; the death reported (breaker, WorkerRetired);
-                                  then WorkerCrashed naming signal and tail
-        timeout_error(...)      gate(DeadlineHit g, call id) -> CallTimeout; if something
-                                else retired it first, crash_error tells that instead
-        completed_timeout(...)  where the call ends (_pool.call_prepared, run_leased;
-                                _acall.arun): a CallTimeout raised where the call's timeout,
-                                id or target was not known gets them, once
-        protocol_error(...)     gate(ProtocolViolated g) -> ProtocolError
-        not_the_reply(...)      a frame read where the reply belonged -> protocol_error
-    the breaker (_policies)     abandoned_error(env, EnvAbandoned) lists the recent deaths
+    Exchange.crashed      status_at_eof, gate(ChannelClosed g), why retired?
+                            CLOSED / pool closed  -> pool_closed(label)
+                            CANCELLED             -> CallCancelled(cancelled_text(...))
+                            else: the status (a bounded wait for it), the last output, the
+                            death reported -> crash_story(env, process, call, label, Death)
+    Exchange.timed_out    gate(DeadlineHit g, call id) -> missed_deadline(...); if something
+                          else retired it first, ``crashed`` tells that instead
+    Exchange.protocol_broken   gate(ProtocolViolated g) -> protocol_error(env, process, detail)
+                          (a frame out of turn: not_the_reply(...) is the detail)
+    where the call ends   completed_timeout(...): a CallTimeout raised where the call's
+                          timeout, id or target was not known gets them, once
+    the breaker (_policies, _lease)   abandoned_error(env, EnvAbandoned) lists the recent deaths
 
 The race the bounded wait prevents: "socket closed but worker still running, exit code None"
-(the crash report raced the reaping of the process). The builders apply their event through
-the gate, so whichever of the reader and the reactor retires first wins and the other's event
-is dropped; the message then names the reason that actually won.
-
-``NotDelivered`` and ``HostFault`` are the call path's internal signals (never seen by users).
+(the crash report raced the reaping of the process). The exchange applies its event through
+the gate first, so whichever of the reader and the reactor retires first wins and the other's
+event is dropped; the message then names the reason that actually won (``retire_reason``).
 """
 
 from __future__ import annotations
@@ -33,17 +29,14 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from comfy_env_worker.protocol import FrameType, Payload
 
 from . import _lifecycle as lc
 from ._errors import (
-    CallCancelled,
     CallTimeout,
     EnvAbandonedError,
-    HostResourceError,
     PoolClosedError,
     ProtocolError,
     WorkerCrashed,
@@ -54,22 +47,7 @@ from ._errors import (
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
-    from ._entry import EnvEntry, Slot
-
-
-class NotDelivered(Exception):
-    """The worker died without reading the request: the call may run on a fresh worker."""
-
-
-class HostFault(Exception):
-    """Carries a ``HostResourceError`` out of the exchange with the time of the call's reply
-    (its ``Replied``), so the worker that replied whole is settled as idle (not retired) while
-    the call fails."""
-
-    def __init__(self, replied_at: float, error: HostResourceError) -> None:
-        super().__init__(str(error))
-        self.replied_at = replied_at
-        self.error = error
+    from ._entry import Slot
 
 
 def retire_reason(slot: Slot, generation: int) -> lc.RetireReason | None:
@@ -80,54 +58,22 @@ def retire_reason(slot: Slot, generation: int) -> lc.RetireReason | None:
     return None
 
 
-def crash_error(
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    call_id: int,
-    label: str,
-    closed: bool,
-    cancel_grace: float,
-    report_death: Callable[[int | None, str], None],
-) -> Exception:
-    """The error of a call whose worker's channel broke (``closed``: the pool is closing;
-    ``report_death(exit status, last output)`` tells the breaker and subscribers)."""
-    # The common crash: the kernel holds the exit status already (the process is being torn
-    # down) and what it wrote is in the pipes; both are read here, before the gate's kill,
-    # which then has nothing to signal. The reactor reaps and reports a moment later.
-    rc = process.status_at_eof()
-    # Still running although its channel closed (it closed or replaced the descriptors): the
-    # gate's SIGKILL below is then the host's, and the story must not blame "a kill -9 from
-    # outside" for it. (A process being torn down has its status set before its descriptors
-    # close, so ``status_at_eof`` knows a real death already.)
-    alive_at_eof = rc is None and not process.exited.is_set()
-    entry.apply(slot, lc.ChannelClosed(process.generation))
-    reason = retire_reason(slot, process.generation)
-    if reason is lc.RetireReason.CLOSED or closed:
-        return PoolClosedError(f"the pool was closed during the call to {label}")
-    if reason is lc.RetireReason.CANCELLED:
-        return CallCancelled(
-            cancelled_text(label, process.generation, process.cancel_kill, cancel_grace),
-            env=entry.spec.key,
-            pid=process.pid,
-            generation=process.generation,
-        )
-    # Else reap and drain here if the exit is there, or wait (bounded) for it, so the
-    # message can name the signal.
-    still_running = False
-    if rc is None:
-        process.collect_exit()
-        rc = process.wait_exit(1.0)
-        # A backend without exit codes (Ray) reports a death with rc None and its own words.
-        still_running = rc is None and not process.exited.is_set()
-        if still_running:
-            process.kill(lc.Stop.KILL)
-            rc = process.wait_exit(1.0)
-        process.wait_output(0.5)
-    tail = process.log.tail()
-    # Reported (the breaker, ``WorkerRetired``) before the caller hears of it, so a caller
-    # that calls again at once meets the breaker's verdict (else the reactor reports, once).
-    report_death(rc, tail)
+class Death(NamedTuple):
+    """What the caller learnt of a worker's death (``Exchange.crashed`` gathers it): the exit
+    status (None: unknown), the last output, whether the host had to kill it because it still
+    ran after its channel broke, and whether it still ran when the channel broke."""
+
+    rc: int | None
+    tail: str
+    still_running: bool
+    alive_at_eof: bool
+
+
+def crash_story(
+    env: str, process: WorkerGeneration, call_id: int, label: str, death: Death
+) -> WorkerCrashed:
+    """The error of a call whose worker died under it, told from the facts (``death``)."""
+    rc, tail = death.rc, death.tail
     # Nothing of ours closes a live worker's channel: the env's code closed or replaced its
     # descriptors. The worker says so itself when it gets to (``_channel_failed`` in
     # comfy_env_worker.main), but the gate's kill, or its watchdog seeing the host let go,
@@ -143,9 +89,9 @@ def crash_error(
             what = describe_exit(rc)
         else:
             what = process.death_detail or "ended, and Ray reported no exit status"
-    elif still_running or (alive_at_eof and rc == -signal.SIGKILL):
+    elif death.still_running or (death.alive_at_eof and rc == -signal.SIGKILL):
         what = "closed its channel while still running (it was killed)" + hint
-    elif alive_at_eof and rc is not None:
+    elif death.alive_at_eof and rc is not None:
         # It ended by itself once its channel was gone (its watchdog exits when the host lets
         # go of the cancel pipe, which a busy machine may get to first).
         what = f"closed its channel while still running, then {describe_exit(rc)}" + hint
@@ -157,7 +103,7 @@ def crash_error(
     if verdict is not None:
         what = verdict.text()
     message = (
-        f"worker for env {entry.spec.key} (pid {process.pid}, generation "
+        f"worker for env {env} (pid {process.pid}, generation "
         f"{process.generation}) {what} during call {call_id} to {label or '?'}; "
         f"the call was not retried, the next call starts generation {process.generation + 1}"
     )
@@ -165,7 +111,7 @@ def crash_error(
         message += "\n--- worker output (last lines) ---\n" + tail
     error = (WorkerCrashed if verdict is None else WorkerOutOfMemory)(
         message,
-        env=entry.spec.key,
+        env=env,
         pid=process.pid,
         generation=process.generation,
         exitcode=rc,
@@ -201,28 +147,26 @@ def cancelled_text(
     )
 
 
-def timeout_error(
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    call_id: int,
-    label: str,
-    closed: bool,
-    cancel_grace: float,
-    report_death: Callable[[int | None, str], None],
-) -> Exception:
-    """The error of a call that missed its deadline: ``DeadlineHit`` stops its worker."""
-    if not entry.apply(slot, lc.DeadlineHit(process.generation, call_id)):
-        # Something else retired the worker first (crash, close, cancel): report that.
-        return crash_error(entry, slot, process, call_id, label, closed, cancel_grace, report_death)
+def missed_deadline(
+    env: str, call_id: int, label: str, pid: int | None, generation: int
+) -> CallTimeout:
+    """The error of a call that missed its deadline once sent (its worker is stopped)."""
+    worker = f"worker pid {pid}" if pid is not None else "its worker"
     return CallTimeout(
-        f"call {call_id} to {label or '?'} on env {entry.spec.key} missed its deadline; "
-        f"worker pid {process.pid} (generation {process.generation}) was stopped",
-        env=entry.spec.key,
-        pid=process.pid,
-        generation=process.generation,
+        f"call {call_id} to {label or '?'} on env {env} missed its deadline; "
+        f"{worker} (generation {generation}) was stopped",
+        env=env,
+        pid=pid,
+        generation=generation,
         call_id=call_id,
         target=label or None,
+    )
+
+
+def not_reached(env: str, why: str) -> CallTimeout:
+    """The error of a call whose deadline passed before it reached a worker (``why``)."""
+    return CallTimeout(
+        f"the call's deadline passed before it reached a worker of env {env}{why}", env=env
     )
 
 
@@ -250,40 +194,28 @@ def completed_timeout(
     return exc
 
 
-def protocol_error(
-    entry: EnvEntry, slot: Slot, process: WorkerGeneration, detail: str
-) -> ProtocolError:
-    """Retire a worker that broke the protocol (a stream is never resynchronised)."""
-    entry.apply(slot, lc.ProtocolViolated(process.generation))
+def protocol_error(env: str, process: WorkerGeneration, detail: str) -> ProtocolError:
+    """The error of a call whose worker broke the protocol (the caller retired it: a stream
+    is never resynchronised)."""
     return ProtocolError(
-        f"worker for env {entry.spec.key} (pid {process.pid}, generation "
+        f"worker for env {env} (pid {process.pid}, generation "
         f"{process.generation}) broke the protocol and was retired: {detail}",
-        env=entry.spec.key,
+        env=env,
         pid=process.pid,
         generation=process.generation,
     )
 
 
-def not_the_reply(
-    entry: EnvEntry,
-    slot: Slot,
-    process: WorkerGeneration,
-    ftype: int,
-    reply_id: int,
-    call_id: int,
-    payload: Payload | memoryview,
-) -> ProtocolError:
-    """The error for a frame read where the reply to ``call_id`` belonged (both the sync
+def not_the_reply(ftype: int, reply_id: int, call_id: int, payload: Payload | memoryview) -> str:
+    """What is wrong with a frame read where the reply to ``call_id`` belonged (both the sync
     and the asyncio path): the worker refused our frame, or said something out of turn."""
     if ftype == FrameType.ERROR:
-        detail = bytes(payload).decode("utf-8", "replace")
-        return protocol_error(entry, slot, process, f"worker refused a frame: {detail}")
-    return protocol_error(
-        entry,
-        slot,
-        process,
-        f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}",
-    )
+        return "worker refused a frame: " + bytes(payload).decode("utf-8", "replace")
+    return f"expected the reply to call {call_id}, got frame type {ftype} for call {reply_id}"
+
+
+def pool_closed(label: str) -> PoolClosedError:
+    return PoolClosedError(f"the pool was closed during the call to {label}")
 
 
 # A frame of Python's own library in a ``faulthandler`` dump: a frozen module, or a file

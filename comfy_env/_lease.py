@@ -4,7 +4,7 @@ Data flow of one call's lease (every step under the entry's lock, effects after 
 
     lease_now ----------- a free slot, nobody waiting before it -> leased, counted in flight
       |   (eager: the slot's idle worker is also started in the same lock section,
-      |    ``CallSite.start_locked``; the common call's second lock round saved)
+      |    ``Ticket.start_idle_locked``; the common call's second lock round saved)
       `-- none free: the ticket queues (FIFO) with its waiter's way to wake
               (``thread_waiter``: a threading.Event; ``_acall``: an asyncio future)
     acquire               lease_now, then the thread's wait (deadline, Ctrl-C)
@@ -43,9 +43,6 @@ if TYPE_CHECKING:
     from ._callsite import CallSite
     from ._entry import EnvEntry, Slot, Ticket
 
-# ``lease_now``'s deadline when the call may not start in its lock section.
-NOT_EAGER = -1.0
-
 
 def thread_waiter(ticket: Ticket) -> None:
     """How a thread waits in the queue (``acquire``): an event its slot's releaser sets."""
@@ -56,16 +53,16 @@ def lease_now(
     site: CallSite,
     entry: EnvEntry,
     ticket: Ticket,
-    deadline: float | None,
+    eager: bool,
     waiter: Callable[[Ticket], None],
 ) -> Slot | None:
     """Lease a free slot to ``ticket`` at once, counted submitted and in flight; or queue the
     ticket (FIFO) after ``waiter(ticket)`` gave it its way to be woken, and return None.
 
-    Unless ``deadline`` is ``NOT_EAGER``, a slot leased at once whose verified idle worker
-    needs nothing first is also started in the same lock section (``CallStarted`` through the
-    gate; ``ticket.started`` names the process); anything unusual leaves the start to the
-    general path, which checks and explains. A call cancelled before it got here, or an env
+    ``eager``: a slot leased at once whose verified idle worker needs nothing first is also
+    started in the same lock section (``ticket.start_idle_locked``: ``CallStarted`` through
+    the gate); anything unusual leaves the start to the call's general start, which checks
+    and explains. A call cancelled before it got here, or an env
     the breaker abandoned, raises (counted in flight: its settling counts the outcome)."""
     with entry.lock:
         if site.closed:
@@ -84,8 +81,8 @@ def lease_now(
             raise abandoned_error(entry.spec.key, abandoned, entry.breaker is not None)
         slot = lease_at_once_locked(entry, ticket)
         if slot is not None:
-            if deadline != NOT_EAGER and ticket.wanted is None and not entry.dropped_refs:
-                site.start_locked(entry, slot, ticket, deadline)
+            if eager and ticket.wanted is None and not entry.dropped_refs:
+                ticket.start_idle_locked(slot)
             return slot
         waiter(ticket)
         queue_locked(entry, ticket)
@@ -98,7 +95,7 @@ def acquire(
     """Lease a slot for a sync call (``lease_now``), waiting on the thread while all are
     leased: until one is handed over, the deadline passes, the call is cancelled or the pool
     closes (each its own error). ``eager``: the call may start in the lease's lock section."""
-    slot = lease_now(site, entry, ticket, deadline if eager else NOT_EAGER, thread_waiter)
+    slot = lease_now(site, entry, ticket, eager, thread_waiter)
     if slot is not None:
         return slot
     event = ticket.event

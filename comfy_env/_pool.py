@@ -16,12 +16,11 @@ Data flow of one call (``Pool.call``)::
 The caller writes its request and reads its reply itself: no thread hand-off on the hot path.
 
 The common call (a target string, scalar arguments, an idle worker ready, nobody waiting)
-takes the same steps in a straight line (``Worker.call`` -> ``call_plain``): ``start_plain``
-encodes, leases and applies ``CallStarted`` in one lock section; the request and the reply go
-inline; ``_lease.settle_ok`` applies ``Replied``, releases and counts in another. It declines
-before anything is counted when the call needs more; once started, anything but a plain reply
-goes on in ``run_leased`` (``_exchange.run``) from where it stopped (``resume``), under the
-general path's rules.
+takes the same steps in a straight line (``Worker.call`` -> ``call_plain``):
+``Exchange.start_plain`` encodes, leases and applies ``CallStarted`` in one lock section, then
+the call runs as any other (``Exchange.run``), so whatever it meets is answered by the general
+path's rules in the same object. It declines before anything is counted when the call needs
+more.
 
 Where the rest lives (each module's docstring draws its part)::
 
@@ -29,9 +28,9 @@ Where the rest lives (each module's docstring draws its part)::
                 snapshots: backend-agnostic, imports no other part of the pool
     _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
-    _exchange   a leased call's exchange with its worker: start (checks, CallStarted), send,
-                receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
-                settle; the errors of a broken exchange (``run_leased`` goes there)
+    _exchange   Exchange, one call's own object: prepare, lease (via _lease), start
+                (checks, CallStarted), send, receive (LOG/EVENT frames, the Ctrl-C drain),
+                open the reply, decode, settle; the errors of a broken exchange
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
                 the breaker); the reaper's timer; the lock-free wake-up of the release of
@@ -90,43 +89,27 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from comfy_env_worker.protocol import (
-    CALLS_IN_FLIGHT,
-    HEADER_SIZE,
-    FrameType,
-)
-from comfy_env_worker.shm import SCALARS
-
-from . import _exchange, _lease, _policies, _shutdown
 from . import _lifecycle as lc
+from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._call import EventCallback
 from ._callsite import GENERAL_PATH
-from ._codec import decode_reply, encode_call, oob_threshold, target_label, use_shm
+from ._codec import oob_threshold
 from ._entry import EnvEntry, Slot, Ticket
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
-    CallTimeout,
     EnvError,
     PoolClosedError,
-    SerializationError,
 )
 from ._events import (
     Dispatcher,
     EnvReset,
     Event,
 )
-from ._exchange import READ as _READ
-from ._exchange import READ_FAILED as _READ_FAILED
-from ._exchange import SEND_FAILED as _SEND_FAILED
-from ._exchange import Resume
-from ._failures import (
-    completed_timeout,
-)
-from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, in_storm
+from ._exchange import Exchange
+from ._interrupts import LAST_INTERRUPT, NEVER, in_storm
 from ._reactor import Reactor
-from ._refs import bound_by_refs, check_bound
-from ._settings import Settings, check_timeout, environment_overrides, warn_unknown_variables
+from ._settings import Settings, environment_overrides, warn_unknown_variables
 from ._spawner import Spawner
 from ._stats import CALL_COUNTERS, EnvStats
 from ._status import Snapshot, StatusThrottle, host_publisher
@@ -177,7 +160,7 @@ class Pool:
             from ._config import settings_for
 
             self.settings, self._config = settings_for(config)
-        self._oob_threshold = oob_threshold(self.settings.shm_threshold_bytes)  # once, not per call
+        self.oob_threshold = oob_threshold(self.settings.shm_threshold_bytes)  # once, not per call
         self.backend: Backend = backend_for(self.settings)
         self.clock = clock
         self.events = Dispatcher()
@@ -416,62 +399,11 @@ class Pool:
         if reactor is not None and reactor.running:
             reactor.call_later(delay, fn)
 
-    def start_locked(
-        self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
-    ) -> None:
-        """The eager start of ``_acquire`` (lock held): apply ``CallStarted`` if the slot's
-        idle worker can take the call as it is; else leave everything to ``_exchange``.
-        ``ticket.started`` names the process the call goes to."""
-        ticket.started = self._start_idle_locked(entry, slot, ticket, deadline)
+    # ---- the call (each call is its own ``_exchange.Exchange``) ----
 
-    def _start_idle_locked(
-        self, entry: EnvEntry, slot: Slot, ticket: Ticket, deadline: float | None
-    ) -> WorkerGeneration | None:
-        """``CallStarted`` for ``ticket`` (its slot leased) if the slot's worker can take a call
-        as it is (lock held; ``_ready_locked``). Returns the process the call goes to, or None
-        with nothing changed: the general checks of ``_start`` decide (and explain) instead."""
-        state = slot.state
-        process = slot.process
-        if type(state) is not lc.Idle or process is None:
-            return None
-        now = self._ready_locked(state, process, deadline)
-        if now is None:
-            return None
-        generation = state.generation
-        call_id = next(self.call_ids)
-        if not entry.start_call_locked(slot, generation, call_id, now):
-            return None  # cannot happen (Idle of this generation); ``_exchange`` starts it
-        ticket.generation = generation
-        ticket.call_id = call_id
-        ticket.ran_on = slot
-        return process
-
-    def _ready_locked(
-        self, state: lc.Idle, process: WorkerGeneration, deadline: float | None
-    ) -> float | None:
-        """Whether the worker ``process``, idle in ``state``, can take a call as it is (lock
-        held): verified in that generation, no ping due, the deadline not passed, its channel
-        quiet. Returns the time read for the ping check (``CallStarted`` uses it too), or
-        None: the general checks of ``_start`` decide (and explain) instead."""
-        if process.generation != state.generation:
-            return None
-        now = self.clock()  # one clock read for the ping check and ``CallStarted``
-        ping_after = self.settings.ping_after_idle
-        if ping_after is not None and lc.needs_ping(state, now, ping_after):
-            return None
-        if deadline is not None and time.monotonic() >= deadline:
-            return None
-        # One poll(2) under the lock: the idle channel must be quiet (``_exchange`` retires a
-        # worker that hung up or wrote unasked, and explains it).
-        if process.idle_channel_state() != "quiet":
-            return None
-        return now
-
-    def cancel(self, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:
-        """Cancel a call from any thread (``_lease.cancel``; ``Call.cancel`` goes here)."""
-        return _lease.cancel(self, entry, ticket, force)
-
-    # ---- the call ----
+    def exchange(self, entry: EnvEntry) -> Exchange:
+        """A new call of ``entry``, nothing prepared yet (a handle keeps it as its ticket)."""
+        return Exchange(self, entry)
 
     def call(
         self,
@@ -479,244 +411,27 @@ class Pool:
         target: str | Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: Any,  # float | None, checked in prepare (a compiled build would coerce it)
+        timeout: float | None,
         ticket: Ticket | None = None,
         bound: tuple[Slot, int] | None = None,
         on_event: EventCallback | None = None,
     ) -> Any:
-        if ticket is None:
-            ticket = Ticket()
-        body, buffers, by_value, deadline = self.prepare(
-            entry, target, args, kwargs, timeout, ticket, bound
-        )
-        ticket.on_event = on_event
-        return self.call_prepared(entry, ticket, target, body, buffers, by_value, deadline)
-
-    def start_plain(
-        self,
-        entry: EnvEntry,
-        target: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        ticket: Ticket | None = None,
-    ) -> PlainStart | None:
-        """Prepare, lease and start the common call in one step: a target string, scalar
-        arguments, an idle worker ready to take it and nobody waiting before it. What
-        ``prepare`` and ``_acquire`` do for it, without their branches for anything else
-        (RemoteRefs, out-of-band buffers, by-value code, queueing, spawning).
-
-        Returns the call's ticket (leased, counted, ``CallStarted`` applied), its worker, the
-        pickled call and its deadline, with nothing sent; or None, having counted, leased and
-        sent nothing, when the call or the env asks for more: the general path then runs it
-        from the start and decides (and explains) everything itself. ``call_plain`` and the
-        asyncio path (``_acall.arun``) go on from here."""
-        if self._closed or not _all_scalars(args, kwargs):
-            return None
-        config = self.settings
-        body, _, _ = encode_call(target, args, kwargs, self._oob_threshold, True)
-        if len(body) + HEADER_SIZE > config.max_frame_bytes:
-            return None  # (``prepare`` says why)
-        timeout = entry.settings.call_timeout
-        if ticket is None:
-            ticket = Ticket()
-        deadline = None
-        if timeout is not None:
-            deadline = time.monotonic() + timeout
-            ticket.timeout = timeout
-        with entry.lock:
-            if (
-                self._closed
-                or entry.waiters
-                or entry.dropped_refs
-                or (
-                    isinstance(entry.env_state, lc.EnvAbandoned)
-                    and entry.abandoned_locked(self.clock())
-                )
-            ):
-                return None
-            for slot in entry.slots:  # ``free_slot``'s first choice: an idle worker, not held
-                state = slot.state
-                if type(state) is lc.Idle and not slot.leased:
-                    break
-            else:
-                return None
-            process = slot.process
-            now = None if process is None else self._ready_locked(state, process, deadline)
-            if process is None or now is None:
-                return None
-            entry.start_plain_locked(ticket, slot, state, next(self.call_ids), now)
-            _lease.lease_plain_locked(entry, ticket, slot)
-        return ticket, process, body, deadline
+        """The call prepared and run to its end (``Exchange.prepare``, ``Exchange.call``);
+        ``ticket``: the call's exchange, made earlier by ``exchange``."""
+        call = Exchange(self, entry) if ticket is None else ticket
+        assert isinstance(call, Exchange)
+        call.prepare(target, args, kwargs, timeout, bound)
+        call.on_event = on_event
+        return call.call()
 
     def call_plain(
         self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """The common call in one straight line (``start_plain``), its exchange inline.
-
-        Returns ``GENERAL_PATH``, having counted, leased and sent nothing, when
-        ``start_plain`` declines. Once the call started, anything but a plain reply (its send
-        or read raised, a log or event frame, an error reply, out-of-band buffers) goes on in
-        ``run_leased`` from where it is (``resume``), so every failure is answered by the
-        general path's one set of rules."""
+        """The common call in one straight line (``Exchange.call_plain``), or
+        ``GENERAL_PATH``, having counted, leased and sent nothing, when it needs more."""
         if LAST_INTERRUPT[0] > NEVER and in_storm():  # (one compare until a first Ctrl-C)
-            return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call_prepared``)
-        ticket = Ticket()
-        CALLS_IN_FLIGHT.append(ticket)  # as in ``call_prepared``
-        try:
-            # Leased inside the ``try``: an interrupt right after the lease is settled below.
-            started = self.start_plain(entry, target, args, kwargs, ticket)
-            if started is None:
-                return GENERAL_PATH
-            _, process, body, deadline = started
-            slot, call_id = ticket.slot, ticket.call_id
-            resume: Resume | None = None
-            try:
-                process.send_request(call_id, body, [], deadline)
-            except BaseException as exc:  # noqa: BLE001 - answered by ``_send``
-                resume = (_SEND_FAILED, exc)
-            else:
-                try:
-                    frame = process.reader.read(deadline)  # type: ignore[union-attr]
-                except BaseException as exc:  # noqa: BLE001 - answered by ``_receive``
-                    resume = (_READ_FAILED, exc)
-                else:
-                    if frame[0] != _REPLY_OK or frame[1] or frame[2] != call_id:
-                        resume = (_READ, frame)
-            if resume is not None:
-                ticket.started = process
-                return self.run_leased(
-                    entry, slot, ticket, target, body, [], False, deadline, resume
-                )
-            # A plain reply: decode, then settle as ``run_leased`` would.
-            replied_at = self.clock()
-            outcome = "raised"
-            try:
-                result = decode_reply(_REPLY_OK, frame[3], target)
-                outcome = "ok"
-            except KeyboardInterrupt:
-                outcome = "cancelled"
-                raise
-            finally:
-                if outcome != "ok":
-                    _lease.settle(self, entry, ticket, outcome, replied_at)
-            _lease.settle_ok(self, entry, ticket, replied_at)
-            return result
-        except BaseException as exc:
-            _lease.settle_interrupted(self, entry, ticket, exc)
-            raise
-        finally:
-            if CALLS_IN_FLIGHT:
-                CALLS_IN_FLIGHT.pop()
-
-    def call_prepared(
-        self,
-        entry: EnvEntry,
-        ticket: Ticket,
-        target: str | Callable[..., Any],
-        body: bytes,
-        buffers: list[memoryview],
-        by_value: bool,
-        deadline: float | None,
-    ) -> Any:
-        # Counted while it runs: a reader polls for its reply only while this process makes
-        # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
-        CALLS_IN_FLIGHT.append(ticket)
-        try:
-            if in_storm():
-                # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
-                # its waits (the queue, the reply) take one each (``ticket.held``).
-                with Deferred() as held:
-                    ticket.held = held
-                    return self._call_acquired(
-                        entry, ticket, target, body, buffers, by_value, deadline
-                    )
-            return self._call_acquired(entry, ticket, target, body, buffers, by_value, deadline)
-        except BaseException as exc:
-            _lease.settle_interrupted(self, entry, ticket, exc)
-            raise
-        finally:
-            if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
-                CALLS_IN_FLIGHT.pop()
-
-    def _call_acquired(
-        self,
-        entry: EnvEntry,
-        ticket: Ticket,
-        target: str | Callable[..., Any],
-        body: bytes,
-        buffers: list[memoryview],
-        by_value: bool,
-        deadline: float | None,
-    ) -> Any:
-        try:
-            slot = _lease.acquire(self, entry, ticket, deadline, not by_value)
-        except BaseException as exc:
-            _lease.settle(self, entry, ticket, _lease.outcome_of(exc), None)
-            if isinstance(exc, CallTimeout):
-                completed_timeout(exc, ticket.timeout, ticket.call_id, target_label(target))
-            raise
-        return self.run_leased(entry, slot, ticket, target, body, buffers, by_value, deadline)
-
-    def prepare(
-        self,
-        entry: EnvEntry,
-        target: str | Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: Any,  # float | None, checked in prepare (a compiled build would coerce it)
-        ticket: Ticket,
-        bound: tuple[Slot, int] | None,
-    ) -> tuple[bytes, list[memoryview], bool, float | None]:
-        """Everything a call checks before it queues: pickle it (bad input raises here),
-        its size, its deadline (which starts now), the RemoteRefs that bind it to a slot."""
-        if self._closed:
-            raise self.closed_error()
-        config = self.settings
-        # One scan of the arguments: a call whose arguments are all scalars (the common small
-        # call) can hold no RemoteRef and no out-of-band buffer, so both checks are skipped.
-        plain = _all_scalars(args, kwargs)
-        if bound is None and not plain:
-            bound = bound_by_refs(entry, args, kwargs)
-        threshold = config.shm_threshold_bytes
-        body, buffers, by_value = encode_call(target, args, kwargs, self._oob_threshold, plain)
-        inline = len(body)
-        if buffers:  # the small call has none: two generator scans saved
-            if not (config.shared_memory and use_shm(buffers, threshold)):
-                inline += sum(b.nbytes for b in buffers)
-        if inline + HEADER_SIZE > config.max_frame_bytes:
-            raise SerializationError(
-                f"the call to {target_label(target)} pickles to {inline} bytes, over "
-                f"PoolConfig.max_frame_bytes={config.max_frame_bytes}"
-            )
-        if timeout is not None:
-            timeout = check_timeout(timeout)
-        if timeout is None:
-            timeout = entry.settings.call_timeout
-        deadline = None
-        if timeout is not None:
-            deadline = time.monotonic() + timeout
-            ticket.timeout = timeout  # (for a CallTimeout's message)
-        if bound is not None:
-            ticket.wanted, ticket.bound_generation = bound
-            check_bound(entry, bound[0], bound[1])
-        return body, buffers, by_value, deadline
-
-    def run_leased(
-        self,
-        entry: EnvEntry,
-        slot: Slot | None,
-        ticket: Ticket,
-        target: str | Callable[..., Any],
-        body: bytes,
-        buffers: list[memoryview],
-        by_value: bool,
-        deadline: float | None,
-        resume: Resume | None = None,
-    ) -> Any:
-        """The rest of a call once it holds ``slot`` (``_exchange.run``)."""
-        return _exchange.run(
-            self, entry, slot, ticket, target, body, buffers, by_value, deadline, resume
-        )
+            return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call``)
+        return Exchange(self, entry).call_plain(target, args, kwargs)
 
     def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
@@ -729,12 +444,6 @@ class Pool:
         self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
     ) -> None:
         self._spawner.report_death(entry, process, returncode, tail)
-
-    def crash_error(
-        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, call_id: int, label: str
-    ) -> Exception:
-        """The error of a call whose worker's channel broke (``_exchange.crashed``)."""
-        return _exchange.crashed(self, entry, slot, process, call_id, label)
 
     def reap_idle(self, now: object = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
@@ -774,24 +483,6 @@ class Pool:
             host_publisher(live_pool_snapshots).publish_or_warn()
         finally:
             self.events.close()
-
-
-# What ``start_plain`` hands on: the call's ticket, its worker, the pickled call, its deadline.
-PlainStart = tuple[Ticket, WorkerGeneration, bytes, float | None]
-_REPLY_OK = int(FrameType.REPLY_OK)  # (a plain int: no enum lookup on every call's path)
-
-
-def _all_scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether every argument is of an exact scalar type (int, str, None, ...): such a call
-    holds no RemoteRef and nothing that could go out of band (bytes could)."""
-    for value in args:
-        if type(value) not in SCALARS:
-            return False
-    if kwargs:
-        for value in kwargs.values():
-            if type(value) not in SCALARS:
-                return False
-    return True
 
 
 # ---- status snapshots (written by _status's publisher) -----------------------------------

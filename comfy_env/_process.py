@@ -50,7 +50,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -454,16 +453,3 @@ class WorkerProcess(GenerationFacts):
         self.channel.abandon()
         self.pipes.abandon()
         self.watch.abandon()
-
-
-def python_mismatch(process: WorkerProcess) -> str | None:
-    """Why a by-value callable cannot go to this worker, or None if it can."""
-    env_version = process.python_version[:2]
-    if env_version == tuple(sys.version_info[:2]):
-        return None
-    return (
-        f"env {process.spec.key} runs Python {'.'.join(map(str, env_version))}, the host "
-        f"{sys.version_info[0]}.{sys.version_info[1]}: a function sent by value (a lambda, a "
-        "closure, or one defined in __main__) only loads in the same Python version; pass it "
-        "as 'package.module:function' instead"
-    )

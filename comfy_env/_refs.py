@@ -44,13 +44,13 @@ from comfy_env_worker import refs as worker_refs
 
 from . import _lifecycle as lc
 from ._codec import check_target, target_label
-from ._entry import Ticket, holds
+from ._entry import holds
 from ._errors import ComfyEnvError, RefReleasedError, StaleGenerationError
 
 if TYPE_CHECKING:
     from ._call import EventCallback
     from ._callsite import CallSite
-    from ._entry import EnvEntry, Slot
+    from ._entry import EnvEntry, Slot, Ticket
 
 
 def released_error(ref: RemoteRef) -> RefReleasedError:
@@ -174,7 +174,7 @@ def call_ref(
     # The target travels as an argument of ``call_and_keep``: checked here, as a direct call's
     # is, so a malformed one raises ``ArgumentError`` before anything runs.
     check_target(target)
-    ticket = ticket or Ticket()
+    ticket = ticket or site.exchange(entry)
     try:
         ref_id = site.call(
             entry, _CALL_AND_KEEP, (target, args, kwargs), {}, timeout, ticket, on_event=on_event

@@ -7,7 +7,7 @@ env's first slot's, as of now.
 
 Data flow: ``Worker`` holds a ``CallSite`` (the pool, typed by ``_callsite``) and the env's
 ``EnvEntry`` (``_entry``); every method is one call into the site (``call``/``run``: the sync
-path; ``submit``: ``prepare`` now, ``call_prepared`` on the ``Call``'s thread; ``call_ref``/
+path; ``submit``: the call's ``Exchange`` prepared now, run on the ``Call``'s thread; ``call_ref``/
 ``arun_ref``: ``_refs.call_ref``; ``acall``/``arun``: ``_acall.arun``). It never imports
 ``_pool``.
 """
@@ -17,13 +17,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from . import _lease
 from . import _lifecycle as lc
 from ._callsite import GENERAL_PATH
 from ._codec import check_target
-from ._entry import Ticket
 from ._errors import ArgumentError, CallCancelled
+from ._exchange import Exchange
 from ._refs import call_ref
 
 if TYPE_CHECKING:
@@ -211,11 +212,13 @@ class Worker:
         pool, entry = self._pool, self._entry
         args, kwargs = call_arguments(args, kwargs)
         check_on_event(on_event)
-        ticket = Ticket()
-        prepared = pool.prepare(entry, target, args, kwargs, timeout, ticket, None)
-        ticket.on_event = on_event
-        call = Call(entry.spec.key, ticket, lambda force: pool.cancel(entry, ticket, force=force))
-        call._start(lambda: pool.call_prepared(entry, ticket, target, *prepared))
+        exchange = cast(Exchange, pool.exchange(entry))
+        exchange.prepare(target, args, kwargs, timeout, None)  # bad input raises here
+        exchange.on_event = on_event
+        call = Call(
+            entry.spec.key, exchange, lambda force: _lease.cancel(pool, entry, exchange, force)
+        )
+        call._start(exchange.call)
         return call
 
     def start(
@@ -265,7 +268,7 @@ class Worker:
         check_on_event(on_event)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
-        ticket = Ticket()
+        ticket = pool.exchange(entry)
 
         def settle(outcome: Any, failed: bool) -> None:
             if done.done():
@@ -295,7 +298,7 @@ class Worker:
             try:
                 ref = await asyncio.shield(done)
             except asyncio.CancelledError as exc:
-                pool.cancel(entry, ticket, force=cancels.add(exc))
+                _lease.cancel(pool, entry, ticket, force=cancels.add(exc))
                 continue
             except BaseException as exc:
                 if cancels:

@@ -742,57 +742,81 @@ def test_every_call_is_counted_once_whichever_path_runs_it(
 def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
     config: comfy_env.PoolConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The plain path sends and reads a started call inline; anything but a plain reply goes
-    # on in ``run_leased`` from where it stopped (``resume``): an error reply, a log frame, a
-    # read that failed (a crash, a deadline), a send that failed (the worker went between
-    # the idle check and the send). Each must end as the general path ends it, counted once.
-    from comfy_env import _pool
+    # The plain path starts a call in one step (``Exchange.start_plain``) and runs it as the
+    # same object runs any call: anything but a plain reply goes on in that object from where
+    # it is, answered by the general path's rules: an error reply, a log frame, a read that
+    # failed (a crash, a deadline: ``read_failed``), a send that failed before a byte went
+    # out (the worker went between the idle check and the send: a fresh worker, ``start``).
+    # Each must end as the general path ends it, counted once.
+    from comfy_env import _exchange
     from comfy_env._process import WorkerProcess
 
-    resumed: list[int | None] = []
-    run_leased = _pool.Pool.run_leased
+    seen: list[str] = []
+    exchange = _exchange.Exchange
+    real_start_plain, real_start = exchange.start_plain, exchange.start
+    real_send, real_read_failed = exchange.send, exchange.read_failed
 
-    def spy(self: _pool.Pool, *args: object) -> object:
-        resume = args[8] if len(args) > 8 else None
-        resumed.append(None if resume is None else resume[0])  # type: ignore[index]
-        return run_leased(self, *args)  # type: ignore[arg-type]
+    def start_plain(self: _exchange.Exchange, *args: Any) -> bool:
+        started = real_start_plain(self, *args)
+        seen.append("plain" if started else "declined")
+        return started
 
-    # The hand-over is watched on the pure modules; a compiled Pool's methods cannot be
+    def start(self: _exchange.Exchange) -> bool:
+        seen.append("start")
+        return real_start(self)
+
+    def send(self: _exchange.Exchange) -> bool:
+        sent = real_send(self)
+        if not sent:
+            seen.append("not sent")
+        return sent
+
+    def read_failed(self: _exchange.Exchange, exc: BaseException) -> object:
+        seen.append("read failed")
+        return real_read_failed(self, exc)
+
+    # The steps are watched on the pure modules; a compiled Exchange's methods cannot be
     # replaced, so there the outcomes alone are checked.
-    pure = (_pool.__file__ or "").endswith(".py")
+    pure = (_exchange.__file__ or "").endswith(".py")
     if pure:
-        monkeypatch.setattr(_pool.Pool, "run_leased", spy)
+        for name, spy in [
+            ("start_plain", start_plain),
+            ("start", start),
+            ("send", send),
+            ("read_failed", read_failed),
+        ]:
+            monkeypatch.setattr(exchange, name, spy)
 
-    def kinds(*expected: int | None) -> list[int | None]:
+    def steps(*expected: str) -> list[str]:
         return list(expected) if pure else []
 
     with caplog.at_level(logging.WARNING, logger="comfy_env.worker"):
         with comfy_env.Pool(config.model_copy(update={"call_timeout": 3.0})) as pool:
             w = pool.get_worker()
             assert w.call("tasks.remote:add", 1, 1) == 2  # spawned: the general path
-            assert w.call("tasks.remote:add", 2, 2) == 4  # a plain reply: never handed over
-            assert resumed == kinds(None)
-            resumed.clear()
+            assert w.call("tasks.remote:add", 2, 2) == 4  # a plain reply
+            assert seen == steps("declined", "start", "plain")
+            seen.clear()
 
             with pytest.raises(remote_tasks.CustomError):
                 w.call("tasks.remote:raise_custom", 7)  # an error reply
-            assert resumed == kinds(_pool._READ) and w.generation == 1
+            assert seen == steps("plain") and w.generation == 1
 
-            resumed.clear()
+            seen.clear()
             assert w.call("tasks.remote:log_things", 1) == 1  # log frames before the reply
-            assert resumed == kinds(_pool._READ)
+            assert seen == steps("plain")
             assert "careful: warning" in caplog.messages
 
-            resumed.clear()
+            seen.clear()
             with pytest.raises(WorkerCrashed):
                 w.call("tasks.remote:kill_self", int(signal.SIGKILL))  # its read hit EOF
-            assert resumed == kinds(_pool._READ_FAILED)
+            assert seen == steps("plain", "read failed")
 
             assert w.call("tasks.remote:add", 0, 0) == 0  # generation 2
-            resumed.clear()
+            seen.clear()
             with pytest.raises(comfy_env.CallTimeout):
                 w.call("comfy_env_worker.tasks:sleep", 30.0)  # its read hit the deadline
-            assert resumed == kinds(_pool._READ_FAILED)
+            assert seen == steps("plain", "read failed")
 
             # The worker goes between the idle check and the send: our write half is shut
             # right after the check said quiet, so the send fails before a byte went out
@@ -811,9 +835,9 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
                 return answer
 
             monkeypatch.setattr(process, "idle_channel_state", quiet_then_gone)
-            resumed.clear()
+            seen.clear()
             assert w.call("tasks.remote:add", 4, 4) == 8
-            assert resumed == kinds(_pool._SEND_FAILED)
+            assert seen == steps("plain", "not sent", "start")
             assert w.generation == 4
 
             stats = w.stats()

@@ -281,5 +281,11 @@ def test_leasing_never_imports_the_pool_the_spawner_or_the_mechanism(part: str) 
     assert not imports & {f"{NAME}._pool", f"{NAME}._spawner", f"{NAME}._process"}, imports
 
 
+def test_the_asyncio_path_never_imports_the_process_mechanism() -> None:
+    # It waits on the generation's ``channel`` (None: a backend without one, on a thread);
+    # every decision is the call's ``Exchange``'s.
+    assert f"{NAME}._process" not in _graph()[f"{NAME}._acall"]
+
+
 def test_the_spawner_never_imports_the_pool() -> None:
     assert f"{NAME}._pool" not in _graph()[f"{NAME}._spawner"]
