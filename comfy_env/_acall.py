@@ -109,7 +109,7 @@ from comfy_env_worker.protocol import (
 
 from . import _lease
 from . import _lifecycle as lc
-from ._call import EventCallback, deliver, event_handler
+from ._call import deliver, event_handler
 from ._codec import decode_reply, target_label, use_shm
 from ._errors import (
     CallCancelled,
@@ -122,7 +122,7 @@ from ._failures import completed_timeout, missed_deadline, not_reached, not_the_
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
-    from ._callsite import CallSite
+    from ._callsite import CallSite, PendingCall
     from ._channel import Channel
     from ._entry import EnvEntry, Slot, Ticket
 
@@ -157,23 +157,22 @@ _MAPPED_REPLY = 8 << 20
 
 
 async def arun(
-    pool: CallSite,
-    entry: EnvEntry,
+    pending: PendingCall,
     target: str | Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     timeout: float | None,
-    on_event: EventCallback | None,
 ) -> Any:
-    call = cast(Exchange, pool.exchange(entry))  # the call's own object (``_exchange``)
+    """``target(*args, **kwargs)`` run as ``call`` (a new exchange of the env, its
+    ``on_event`` set if any) on the event loop, to its end."""
+    call = cast(Exchange, pending)  # (what ``CallSite.exchange`` makes)
     # The common call (scalar arguments, an idle worker ready, nobody waiting) is prepared,
     # leased and started in one step, as the sync call's (``Exchange.start_plain``).
     plain = False
-    if timeout is None and on_event is None and type(target) is str:
+    if timeout is None and call.on_event is None and type(target) is str:
         plain = call.start_plain(target, args, kwargs)
     if not plain:
-        call.prepare(target, args, kwargs, timeout, None)
-        call.on_event = on_event
+        call.prepare(target, args, kwargs, timeout)
     CALLS_IN_FLIGHT.append(call)  # a sync caller's reader must not poll meanwhile
     try:
         if not plain:

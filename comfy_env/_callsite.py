@@ -3,15 +3,15 @@
 Data flow (who holds what; arrows are calls)::
 
     Worker (_worker) ----------.            RemoteRef (_refs)
-      call/run/submit/arun_ref  |             call_method/release -> site.call(bound=...)
-      (call/run: call_plain     |
-       first, else call)        |
+      call/run/submit/call_ref  |             call_method/release
+      (call/run: call_plain     |               -> site.exchange(entry).prepare(bound=...)
+       first, else exchange)    |                  .call()
       acall/arun -> _acall.arun |
                                 v
     CallSite (this Protocol; implemented by _pool.Pool)
-      call_plain, call                                   the handles' entry points
-      exchange                                           a new call (``_exchange.Exchange``)
-                                                         for a handle that keeps its ticket
+      call_plain                                         the common call in one line
+      exchange                                           a new call (``_exchange.Exchange``):
+                                                         ``prepare(...)`` then ``call()``
       dispose_later, status_changed                      what leasing (_lease) asks for
       settings, clock, closed, closed_error              what those read
                                 |
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._call import EventCallback
-    from ._entry import EnvEntry, Slot, Ticket
+    from ._entry import EnvEntry, Slot
     from ._errors import PoolClosedError
     from ._settings import Settings
 
-# ``call_plain``'s answer when the call must go the general way (``call``): never a call's
+# ``call_plain``'s answer when the call must go the general way (``exchange``): never a call's
 # result, since nothing unpickled is this object.
 GENERAL_PATH: Any = object()
 
@@ -53,8 +53,10 @@ class CallSite(Protocol):
 
     def closed_error(self) -> PoolClosedError: ...
 
-    def exchange(self, entry: EnvEntry) -> Ticket:
-        """A new call of ``entry`` (an ``_exchange.Exchange``), nothing prepared yet."""
+    def exchange(self, entry: EnvEntry) -> PendingCall:
+        """A new call of ``entry``, nothing prepared yet: ``prepare(...)`` checks and
+        encodes it, ``call()`` runs it to its end; a handle may keep it first as its
+        ticket (to cancel it)."""
         ...
 
     def call_plain(
@@ -64,20 +66,6 @@ class CallSite(Protocol):
         leased or sent."""
         ...
 
-    def call(
-        self,
-        entry: EnvEntry,
-        target: str | Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        ticket: Ticket | None = None,
-        bound: tuple[Slot, int] | None = None,
-        on_event: EventCallback | None = None,
-    ) -> Any:
-        """A call prepared and run to its end (``ticket``: its ``exchange``, made earlier)."""
-        ...
-
     def dispose_later(self, process: WorkerGeneration) -> None:
         """Release a retired worker's descriptors and memory soon, off the caller's path."""
         ...
@@ -85,3 +73,34 @@ class CallSite(Protocol):
     def status_changed(self) -> None:
         """Something ``comfy-env status`` shows changed (the write is throttled)."""
         ...
+
+
+class PendingCall(Protocol):
+    """A new call of an env as a handle sees it (an ``_exchange.Exchange``, which is also the
+    call's ``Ticket``): ``prepare`` checks and encodes it (bad input raises there), ``call``
+    runs it to its end; ``cancel`` works from any thread, queued or running. After the call,
+    ``ran_on`` and ``generation`` say where it ran (a ``RemoteRef`` is bound to them)."""
+
+    entry: EnvEntry
+    on_event: EventCallback | None  # set before ``call``: the caller's event callback
+    ran_on: Slot | None
+    generation: int
+    call_id: int
+    stage: str
+    cancelled: bool
+
+    @property
+    def site(self) -> CallSite: ...
+
+    def prepare(
+        self,
+        target: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: Any = None,
+        bound: tuple[Slot, int] | None = None,
+    ) -> PendingCall: ...
+
+    def call(self) -> Any: ...
+
+    def cancel(self, force: bool = False) -> bool: ...

@@ -174,6 +174,10 @@ class Exchange(Ticket):
         if wanted is not None:
             self.wanted = wanted
 
+    def cancel(self, force: bool = False) -> bool:
+        """Cancel this call from any thread, queued or running (``_lease.cancel``)."""
+        return _lease.cancel(self.site, self.entry, self, force)
+
     # ---- before the lease ----
 
     def prepare(
@@ -181,11 +185,13 @@ class Exchange(Ticket):
         target: str | Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: Any,  # float | None, checked here (a compiled build would coerce it)
-        bound: tuple[Slot, int] | None,
-    ) -> None:
+        timeout: Any = None,  # float | None, checked here (a compiled build would coerce it)
+        bound: tuple[Slot, int] | None = None,
+    ) -> Exchange:
         """Everything a call checks before it queues: pickle it (bad input raises here),
-        its size, its deadline (which starts now), the RemoteRefs that bind it to a slot."""
+        its size, its deadline (which starts now), the RemoteRefs that bind it to a slot
+        (``bound``: the slot and generation a ref's own call must run on). Returns the call,
+        ready for ``call``."""
         site, entry = self.site, self.entry
         if site.closed:
             raise site.closed_error()
@@ -218,6 +224,7 @@ class Exchange(Ticket):
         self.target, self.body, self.by_value = target, body, by_value
         if buffers:
             self.buffers = buffers
+        return self
 
     def start_plain(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Prepare, lease and start the common call in one step: a target string, scalar

@@ -92,10 +92,9 @@ from typing import TYPE_CHECKING, Any
 from . import _lifecycle as lc
 from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
-from ._call import EventCallback
 from ._callsite import GENERAL_PATH
 from ._codec import oob_threshold
-from ._entry import EnvEntry, Slot, Ticket
+from ._entry import EnvEntry, Slot
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
     EnvError,
@@ -404,25 +403,6 @@ class Pool:
     def exchange(self, entry: EnvEntry) -> Exchange:
         """A new call of ``entry``, nothing prepared yet (a handle keeps it as its ticket)."""
         return Exchange(self, entry)
-
-    def call(
-        self,
-        entry: EnvEntry,
-        target: str | Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        ticket: Ticket | None = None,
-        bound: tuple[Slot, int] | None = None,
-        on_event: EventCallback | None = None,
-    ) -> Any:
-        """The call prepared and run to its end (``Exchange.prepare``, ``Exchange.call``);
-        ``ticket``: the call's exchange, made earlier by ``exchange``."""
-        call = Exchange(self, entry) if ticket is None else ticket
-        assert isinstance(call, Exchange)
-        call.prepare(target, args, kwargs, timeout, bound)
-        call.on_event = on_event
-        return call.call()
 
     def call_plain(
         self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]

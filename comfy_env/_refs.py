@@ -20,12 +20,13 @@ so it takes no lock, blocks on nothing and raises nothing.
 
 Data flow::
 
-    Worker.call_ref -> call_ref(site, entry, ...)   runs comfy_env_worker.refs:call_and_keep
+    Worker.call_ref -> call_ref(site.exchange(entry), ...)   runs refs:call_and_keep
                        under entry lock: slot.live_refs.add(id) if the generation still holds
                        -> RemoteRef(site, entry, slot, generation, id)
     a later call's arguments -> bound_by_refs(entry, args, kwargs) -> (slot, generation)
                        the call is leased to that slot only; check_bound before it is sent
-    ref.release()   -> site.call("comfy_env_worker.refs:release", bound=(slot, generation))
+    ref.release()   -> exchange.prepare("comfy_env_worker.refs:release", bound=(slot,
+                       generation)).call()
     ref.discard() / __del__ -> entry.dropped_refs (lock-free) + entry.refs_dropped()
                        -> reactor: ``_policies.release_idle`` (an idle worker: one release
                        frame under the entry lock); a worker in a call: when its slot is freed
@@ -48,9 +49,8 @@ from ._entry import holds
 from ._errors import ComfyEnvError, RefReleasedError, StaleGenerationError
 
 if TYPE_CHECKING:
-    from ._call import EventCallback
-    from ._callsite import CallSite
-    from ._entry import EnvEntry, Slot, Ticket
+    from ._callsite import CallSite, PendingCall
+    from ._entry import EnvEntry, Slot
 
 
 def released_error(ref: RemoteRef) -> RefReleasedError:
@@ -90,7 +90,8 @@ class RemoteRef:
         if self._released:
             raise released_error(self)
         try:
-            return self._pool.call(self._entry, _CALL_METHOD, (self, name, args, kwargs), {}, None)
+            call = self._pool.exchange(self._entry)
+            return call.prepare(_CALL_METHOD, (self, name, args, kwargs), {}).call()
         except ComfyEnvError as exc:
             told_as(exc, _CALL_METHOD, f"RemoteRef {self.id}.{name}")
             raise
@@ -101,14 +102,9 @@ class RemoteRef:
             return
         self._released = True
         if self._is_live():
-            self._pool.call(
-                self._entry,
-                "comfy_env_worker.refs:release",
-                ([self.id],),
-                {},
-                None,
-                bound=(self._slot, self.generation),
-            )
+            call = self._pool.exchange(self._entry)
+            bound = (self._slot, self.generation)
+            call.prepare("comfy_env_worker.refs:release", ([self.id],), {}, None, bound).call()
             self._uncount()
 
     def discard(self) -> None:
@@ -160,31 +156,27 @@ _CALL_METHOD = "comfy_env_worker.refs:call_method"
 
 
 def call_ref(
-    site: CallSite,
-    entry: EnvEntry,
+    call: PendingCall,
     target: str | Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    timeout: float | None,
-    ticket: Ticket | None = None,
-    on_event: EventCallback | None = None,
+    timeout: float | None = None,
 ) -> RemoteRef:
-    """Run ``target(*args, **kwargs)`` in a worker of ``entry``, keep the result there, and
-    return a ``RemoteRef`` bound to the generation that ran it (``Worker.call_ref``)."""
+    """Run ``target(*args, **kwargs)`` as ``call`` (a new exchange of the env, its
+    ``on_event`` set if any), keep the result in the worker, and return a ``RemoteRef``
+    bound to the generation that ran it (``Worker.call_ref``)."""
     # The target travels as an argument of ``call_and_keep``: checked here, as a direct call's
     # is, so a malformed one raises ``ArgumentError`` before anything runs.
     check_target(target)
-    ticket = ticket or site.exchange(entry)
+    site, entry = call.site, call.entry
     try:
-        ref_id = site.call(
-            entry, _CALL_AND_KEEP, (target, args, kwargs), {}, timeout, ticket, on_event=on_event
-        )
+        ref_id = call.prepare(_CALL_AND_KEEP, (target, args, kwargs), {}, timeout).call()
     except ComfyEnvError as exc:
         told_as(exc, _CALL_AND_KEEP, target_label(target))
         raise
-    slot = ticket.ran_on
+    slot = call.ran_on
     assert slot is not None
-    generation = ticket.generation
+    generation = call.generation
     with entry.lock:
         if holds(slot, generation):
             slot.live_refs.add(ref_id)

@@ -17,14 +17,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from . import _lease
 from . import _lifecycle as lc
 from ._callsite import GENERAL_PATH
 from ._codec import check_target
 from ._errors import ArgumentError, CallCancelled
-from ._exchange import Exchange
 from ._refs import call_ref
 
 if TYPE_CHECKING:
@@ -167,7 +165,7 @@ class Worker:
             result = self._pool.call_plain(self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
                 return result
-        return self._pool.call(self._entry, target, args, kwargs, None)
+        return self._pool.exchange(self._entry).prepare(target, args, kwargs).call()
 
     def run(
         self,
@@ -192,7 +190,9 @@ class Worker:
             result = self._pool.call_plain(self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
                 return result
-        return self._pool.call(self._entry, target, args, kwargs, timeout, on_event=on_event)
+        call = self._pool.exchange(self._entry).prepare(target, args, kwargs, timeout)
+        call.on_event = on_event
+        return call.call()
 
     def submit(
         self,
@@ -212,12 +212,9 @@ class Worker:
         pool, entry = self._pool, self._entry
         args, kwargs = call_arguments(args, kwargs)
         check_on_event(on_event)
-        exchange = cast(Exchange, pool.exchange(entry))
-        exchange.prepare(target, args, kwargs, timeout, None)  # bad input raises here
+        exchange = pool.exchange(entry).prepare(target, args, kwargs, timeout)  # bad input raises
         exchange.on_event = on_event
-        call = Call(
-            entry.spec.key, exchange, lambda force: _lease.cancel(pool, entry, exchange, force)
-        )
+        call = Call(entry.spec.key, exchange, exchange.cancel)
         call._start(exchange.call)
         return call
 
@@ -242,7 +239,7 @@ class Worker:
         a ``RemoteRef`` to it. Pass the ref as an argument to later calls (it resolves to the
         live object there) or use ``ref.call_method``; ``ref.release()`` frees it. Once the
         worker's generation is gone, using the ref raises ``StaleGenerationError``."""
-        return call_ref(self._pool, self._entry, target, args, kwargs, None)
+        return call_ref(self._pool.exchange(self._entry), target, args, kwargs)
 
     async def arun_ref(
         self,
@@ -268,7 +265,8 @@ class Worker:
         check_on_event(on_event)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
-        ticket = pool.exchange(entry)
+        ticket = pool.exchange(entry)  # kept here to cancel it
+        ticket.on_event = on_event
 
         def settle(outcome: Any, failed: bool) -> None:
             if done.done():
@@ -282,7 +280,7 @@ class Worker:
             ref: RemoteRef | None = None
             outcome: Any
             try:
-                ref = call_ref(pool, entry, target, args, kwargs, timeout, ticket, on_event)
+                ref = call_ref(ticket, target, args, kwargs, timeout)
                 outcome, failed = ref, False
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 outcome, failed = exc, True
@@ -298,7 +296,7 @@ class Worker:
             try:
                 ref = await asyncio.shield(done)
             except asyncio.CancelledError as exc:
-                _lease.cancel(pool, entry, ticket, force=cancels.add(exc))
+                ticket.cancel(force=cancels.add(exc))
                 continue
             except BaseException as exc:
                 if cancels:
@@ -312,7 +310,7 @@ class Worker:
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``call`` for asyncio; see ``arun``."""
         acall = _acall or _load_acall()
-        return await acall.arun(self._pool, self._entry, target, args, kwargs, None, None)
+        return await acall.arun(self._pool.exchange(self._entry), target, args, kwargs, None)
 
     async def arun(
         self,
@@ -336,7 +334,9 @@ class Worker:
         if on_event is not None:
             check_on_event(on_event)
         acall = _acall or _load_acall()
-        return await acall.arun(self._pool, self._entry, target, args, kwargs, timeout, on_event)
+        call = self._pool.exchange(self._entry)
+        call.on_event = on_event
+        return await acall.arun(call, target, args, kwargs, timeout)
 
     def __repr__(self) -> str:
         return f"<comfy_env.Worker env={self.env!r} generation={self.generation} pid={self.pid}>"

@@ -148,6 +148,17 @@ def ray_cluster() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def no_ctrl_c_carried_over() -> None:
+    """Each test starts as if no Ctrl-C had reached the pool: a test that interrupts calls
+    leaves the process-wide time of the last one behind, and for ``STORM_SECONDS`` after it
+    every call takes the held path (``_interrupts.in_storm``), which the next test did not ask
+    for."""
+    from comfy_env import _interrupts
+
+    _interrupts.LAST_INTERRUPT[0] = _interrupts.NEVER
+
+
+@pytest.fixture(autouse=True)
 def leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("ray") is not None:
         # Before the snapshot: the cluster's processes and threads are not the test's.
