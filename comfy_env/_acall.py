@@ -117,8 +117,14 @@ from ._errors import (
     HostResourceError,
     WorkerCrashed,
 )
-from ._exchange import Exchange, pid_of, python_mismatch
-from ._failures import completed_timeout, missed_deadline, not_reached, not_the_reply
+from ._exchange import Exchange, pid_of
+from ._failures import (
+    completed_timeout,
+    missed_deadline,
+    not_reached,
+    not_the_reply,
+    python_mismatch,
+)
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration

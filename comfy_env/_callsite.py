@@ -4,14 +4,14 @@ Data flow (who holds what; arrows are calls)::
 
     Worker (_worker) ----------.            RemoteRef (_refs)
       call/run/submit/call_ref  |             call_method/release
-      (call/run: call_plain     |               -> site.exchange(entry).prepare(bound=...)
-       first, else exchange)    |                  .call()
+      (call/run: call_plain     |               -> site.call(site.exchange(entry)
+       first, else call)        |                  .prepare(..., bound=...))
       acall/arun -> _acall.arun |
                                 v
     CallSite (this Protocol; implemented by _pool.Pool)
       call_plain                                         the common call in one line
-      exchange                                           a new call (``_exchange.Exchange``):
-                                                         ``prepare(...)`` then ``call()``
+      exchange                                           a new call (``_exchange.Exchange``)
+      call                                               a prepared call leased, run, settled
       dispose_later, status_changed                      what leasing (_lease) asks for
       settings, clock, closed, closed_error              what those read
                                 |
@@ -55,8 +55,11 @@ class CallSite(Protocol):
 
     def exchange(self, entry: EnvEntry) -> PendingCall:
         """A new call of ``entry``, nothing prepared yet: ``prepare(...)`` checks and
-        encodes it, ``call()`` runs it to its end; a handle may keep it first as its
-        ticket (to cancel it)."""
+        encodes it; a handle may keep it first as its ticket (to cancel it)."""
+        ...
+
+    def call(self, prepared: PendingCall) -> Any:
+        """A prepared call to its end: leased (waiting in the queue), run, settled."""
         ...
 
     def call_plain(
@@ -77,9 +80,10 @@ class CallSite(Protocol):
 
 class PendingCall(Protocol):
     """A new call of an env as a handle sees it (an ``_exchange.Exchange``, which is also the
-    call's ``Ticket``): ``prepare`` checks and encodes it (bad input raises there), ``call``
-    runs it to its end; ``cancel`` works from any thread, queued or running. After the call,
-    ``ran_on`` and ``generation`` say where it ran (a ``RemoteRef`` is bound to them)."""
+    call's ``Ticket``): ``prepare`` checks and encodes it (bad input raises there),
+    ``CallSite.call`` runs it to its end; ``cancel`` works from any thread, queued or running.
+    After the call, ``ran_on`` and ``generation`` say where it ran (a ``RemoteRef`` is bound
+    to them)."""
 
     entry: EnvEntry
     on_event: EventCallback | None  # set before ``call``: the caller's event callback
@@ -100,7 +104,5 @@ class PendingCall(Protocol):
         timeout: Any = None,
         bound: tuple[Slot, int] | None = None,
     ) -> PendingCall: ...
-
-    def call(self) -> Any: ...
 
     def cancel(self, force: bool = False) -> bool: ...

@@ -5,11 +5,11 @@ the slot it leases and that slot's worker. It holds what the call is (target, pi
 out-of-band buffers, deadline) and where it runs (entry, slot, process, request block), so
 every step reads its own fields::
 
-    Pool.call / Worker.submit      prepare   encode, size, deadline, RemoteRef binding
-      -> call                      lease (``_lease.acquire``; an idle worker may start in the
-                                   lease's lock section: ``start_idle_locked``), then run
-    Pool.call_plain / _acall       start_plain   the common call prepared, leased and
-                                   started in one lock section, then the same run
+    a handle: site.exchange(entry).prepare(...)   encode, size, deadline, RemoteRef binding
+      Pool.call(call)   lease (``_lease.acquire``; an idle worker may start in the lease's
+                        lock section: ``start_idle_locked``), then ``run``
+    Pool.call_plain / _acall   start_plain: the common call prepared, leased and started
+                        in one lock section (``_lease.plain_slot_locked``), then ``run``
     run       the loop until the call ran on a worker, decode, settle once (``_lease``)
       start     a live worker (the site spawns), checks, CallStarted through the gate (begin)
       send      the CALL frame; EPIPE before a byte went out: loop (it died idle)
@@ -26,9 +26,8 @@ thread) and asks this object for every decision (``begin``, ``open``, ``decode``
 
 A crash, from EOF to ``WorkerCrashed`` (the sync path; 7 modules, no call back into the pool):
 ``protocol.FrameReader.read`` raises ``ChannelClosed`` -> ``Exchange.read_failed`` ->
-``Exchange.crashed``: ``status_at_eof`` / ``collect_exit`` / ``wait_exit``
-(``_process`` -> ``_exitwatch``), ``EnvEntry.apply(ChannelClosed)`` (``_entry`` ->
-``_lifecycle``), ``site.report_death`` (``_spawner``: the breaker, ``WorkerRetired``), then
+``Exchange.crashed``: ``status_at_eof``, ``await_exit`` (``_process`` -> ``_exitwatch``), ``EnvEntry.apply(ChannelClosed)`` (``_entry`` ->
+``_lifecycle``), ``site.deaths.report_death`` (``_spawner``: the breaker, ``WorkerRetired``), then
 ``_failures.crash_story`` tells it; ``run`` settles (``_lease``) and raises.
 
 The lifecycle table is written only through ``entry.apply`` / the entry's ``*_locked``
@@ -39,13 +38,11 @@ pool, the spawner or the process mechanism (``tests/test_structure.py``): it see
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from comfy_env_worker.protocol import (
-    CALLS_IN_FLIGHT,
     HEADER_SIZE,
     ChannelClosed,
     FrameError,
@@ -57,7 +54,7 @@ from comfy_env_worker.shm import SCALARS
 from . import _lease, _policies
 from . import _lifecycle as lc
 from ._call import event_handler
-from ._callsite import GENERAL_PATH, CallSite
+from ._callsite import CallSite
 from ._codec import decode_reply, encode_call, target_label, use_shm
 from ._entry import Ticket
 from ._errors import (
@@ -70,7 +67,7 @@ from ._errors import (
 )
 from ._failures import (
     Death,
-    cancelled_text,
+    cancelled_error,
     completed_timeout,
     crash_story,
     missed_deadline,
@@ -78,11 +75,12 @@ from ._failures import (
     not_the_reply,
     pool_closed,
     protocol_error,
+    python_mismatch,
     retire_reason,
 )
-from ._interrupts import Deferred, allowing, in_storm
+from ._interrupts import allowing
 from ._refs import bound_by_refs, check_bound
-from ._settings import check_timeout
+from ._settings import Settings, check_timeout
 
 if TYPE_CHECKING:
     from comfy_env_worker.shm import Block
@@ -101,10 +99,21 @@ _EVENT = int(FrameType.EVENT)
 _NO_BUFFERS: list[memoryview] = []  # a call without out-of-band buffers (never appended to)
 
 
+class Deaths(Protocol):
+    """Where a call reports the death it met (``_spawner.Spawner``)."""
+
+    def report_death(
+        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
+    ) -> None:
+        """Record a worker's death (exit status, output tail): the breaker, ``WorkerRetired``."""
+        ...
+
+
 class ExchangeSite(CallSite, Protocol):
     """What the exchange asks of its pool beyond ``CallSite`` (implemented by ``_pool.Pool``)."""
 
     oob_threshold: int  # bytes from which a buffer goes out of band (``_codec.oob_threshold``)
+    deaths: Deaths  # the pool's spawner: a crash is reported there, not through the pool
 
     @property
     def call_ids(self) -> Iterator[int]:
@@ -114,25 +123,6 @@ class ExchangeSite(CallSite, Protocol):
     def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if it is empty or retired."""
         ...
-
-    def report_death(
-        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
-    ) -> None:
-        """Record a worker's death (its exit status and output tail)."""
-        ...
-
-
-def python_mismatch(env: str, process: WorkerGeneration) -> str | None:
-    """Why a by-value callable cannot go to this worker, or None if it can."""
-    env_version = process.python_version[:2]
-    if env_version == tuple(sys.version_info[:2]):
-        return None
-    return (
-        f"env {env} runs Python {'.'.join(map(str, env_version))}, the host "
-        f"{sys.version_info[0]}.{sys.version_info[1]}: a function sent by value (a lambda, a "
-        "closure, or one defined in __main__) only loads in the same Python version; pass it "
-        "as 'package.module:function' instead"
-    )
 
 
 def all_scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -153,6 +143,60 @@ def pid_of(slot: Slot | None, generation: int) -> int | None:
     return process.pid if process is not None and process.generation == generation else None
 
 
+def ready_locked(
+    site: ExchangeSite, state: lc.Idle, process: WorkerGeneration, deadline: float | None
+) -> float | None:
+    """Whether ``process``, idle in ``state``, can take a call as it is (the entry's lock
+    held): verified in that generation, no ping due, the deadline not passed, its channel
+    quiet. The time read for the ping check (``CallStarted`` uses it too), or None: the
+    call's general ``start`` then decides and explains."""
+    if process.generation != state.generation:
+        return None
+    now = site.clock()
+    ping_after = site.settings.ping_after_idle
+    if ping_after is not None and lc.needs_ping(state, now, ping_after):
+        return None
+    if deadline is not None and time.monotonic() >= deadline:
+        return None
+    # One poll(2) under the lock: the idle channel must be quiet (``start`` retires a
+    # worker that hung up or wrote unasked, and explains it).
+    if process.idle_channel_state() != "quiet":
+        return None
+    return now
+
+
+def check_size(config: Settings, target: Any, body: bytes, buffers: list[memoryview]) -> None:
+    """Refuse a call whose frame would pass ``PoolConfig.max_frame_bytes``: its pickled body
+    and the out-of-band buffers that travel inline (those under the shared-memory threshold,
+    or all of them without shared memory)."""
+    inline = len(body)
+    if buffers:  # the small call has none: two generator scans saved
+        if not (config.shared_memory and use_shm(buffers, config.shm_threshold_bytes)):
+            inline += sum(b.nbytes for b in buffers)
+    if inline + HEADER_SIZE > config.max_frame_bytes:
+        raise SerializationError(
+            f"the call to {target_label(target)} pickles to {inline} bytes, over "
+            f"PoolConfig.max_frame_bytes={config.max_frame_bytes}"
+        )
+
+
+def await_exit(process: WorkerGeneration, rc: int | None) -> tuple[int | None, bool]:
+    """The exit status of a worker whose channel broke (``rc``: as read at EOF; None: not in
+    yet): reaped, or waited for (bounded), killed if still running (a backend without exit
+    codes, such as Ray, reports a death with None), its output drained. Also whether it was
+    still running (the host's kill, then, not anyone else's)."""
+    if rc is not None:
+        return rc, False
+    process.collect_exit()
+    rc = process.wait_exit(1.0)
+    still_running = rc is None and not process.exited.is_set()
+    if still_running:
+        process.kill(lc.Stop.KILL)
+        rc = process.wait_exit(1.0)
+    process.wait_output(0.5)
+    return rc, still_running
+
+
 class Exchange(Ticket):
     """One call: its ticket (queue place, lease, cancel flag) and its exchange with a worker.
 
@@ -169,8 +213,7 @@ class Exchange(Ticket):
     replied_at: float | None = None  # when the whole reply arrived (``Replied``)
 
     def __init__(self, site: ExchangeSite, entry: EnvEntry, wanted: Slot | None = None) -> None:
-        self.site = site
-        self.entry = entry
+        self.site, self.entry = site, entry
         if wanted is not None:
             self.wanted = wanted
 
@@ -195,22 +238,13 @@ class Exchange(Ticket):
         site, entry = self.site, self.entry
         if site.closed:
             raise site.closed_error()
-        config = site.settings
         # One scan of the arguments: a call whose arguments are all scalars (the common small
         # call) can hold no RemoteRef and no out-of-band buffer, so both checks are skipped.
         plain = all_scalars(args, kwargs)
         if bound is None and not plain:
             bound = bound_by_refs(entry, args, kwargs)
         body, buffers, by_value = encode_call(target, args, kwargs, site.oob_threshold, plain)
-        inline = len(body)
-        if buffers:  # the small call has none: two generator scans saved
-            if not (config.shared_memory and use_shm(buffers, config.shm_threshold_bytes)):
-                inline += sum(b.nbytes for b in buffers)
-        if inline + HEADER_SIZE > config.max_frame_bytes:
-            raise SerializationError(
-                f"the call to {target_label(target)} pickles to {inline} bytes, over "
-                f"PoolConfig.max_frame_bytes={config.max_frame_bytes}"
-            )
+        check_size(site.settings, target, body, buffers)
         if timeout is not None:
             timeout = check_timeout(timeout)
         if timeout is None:
@@ -241,24 +275,12 @@ class Exchange(Ticket):
         timeout = entry.settings.call_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         with entry.lock:
-            if (
-                site.closed
-                or entry.waiters
-                or entry.dropped_refs
-                or (
-                    isinstance(entry.env_state, lc.EnvAbandoned)
-                    and entry.abandoned_locked(site.clock())
-                )
-            ):
+            slot = _lease.plain_slot_locked(site, entry)
+            if slot is None:
                 return False
-            for slot in entry.slots:  # ``free_slot``'s first choice: an idle worker, not held
-                state = slot.state
-                if type(state) is lc.Idle and not slot.leased:
-                    break
-            else:
-                return False
+            state: lc.Idle = slot.state  # type: ignore[assignment]  # (idle: plain_slot_locked)
             process = slot.process
-            now = None if process is None else self._ready_locked(state, process, deadline)
+            now = None if process is None else ready_locked(site, state, process, deadline)
             if process is None or now is None:
                 return False
             entry.start_plain_locked(self, slot, state, next(site.call_ids), now)
@@ -273,85 +295,22 @@ class Exchange(Ticket):
         if the slot's idle worker can take the call as it is; else nothing, and ``start``
         decides (and explains) after the lease."""
         state, process = slot.state, slot.process
-        if type(state) is not lc.Idle or process is None:
-            return
-        now = self._ready_locked(state, process, self.deadline)
-        if now is None:
-            return
+        if type(state) is lc.Idle and process is not None:
+            now = ready_locked(self.site, state, process, self.deadline)
+            if now is not None:
+                self.begin_locked(slot, process, now)
+
+    def begin_locked(self, slot: Slot, process: WorkerGeneration, now: float) -> bool:
+        """``CallStarted`` for this call on ``process``, idle in ``slot`` (lock held): True
+        once applied; False if it is no longer that slot's idle worker."""
         call_id = next(self.site.call_ids)
-        if self.entry.start_call_locked(slot, state.generation, call_id, now):
-            self.generation, self.call_id, self.ran_on = state.generation, call_id, slot
-            self.process = process
+        self.generation, self.call_id, self.ran_on = process.generation, call_id, slot
+        if not self.entry.start_call_locked(slot, process.generation, call_id, now):
+            return False
+        self.process = process
+        return True
 
-    def _ready_locked(
-        self, state: lc.Idle, process: WorkerGeneration, deadline: float | None
-    ) -> float | None:
-        """Whether ``process``, idle in ``state``, can take a call as it is (lock held):
-        verified in that generation, no ping due, the deadline not passed, its channel quiet.
-        The time read for the ping check (``CallStarted`` uses it too), or None."""
-        if process.generation != state.generation:
-            return None
-        now = self.site.clock()
-        ping_after = self.site.settings.ping_after_idle
-        if ping_after is not None and lc.needs_ping(state, now, ping_after):
-            return None
-        if deadline is not None and time.monotonic() >= deadline:
-            return None
-        # One poll(2) under the lock: the idle channel must be quiet (``start`` retires a
-        # worker that hung up or wrote unasked, and explains it).
-        if process.idle_channel_state() != "quiet":
-            return None
-        return now
-
-    # ---- the sync call, end to end ----
-
-    def call(self) -> Any:
-        """The prepared call to its end: lease (waiting in the queue), run, settle."""
-        # Counted while it runs: a reader polls for its reply only while this process makes
-        # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
-        CALLS_IN_FLIGHT.append(self)
-        try:
-            if in_storm():
-                # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
-                # its waits (the queue, the reply) take one each (``held``).
-                with Deferred() as held:
-                    self.held = held
-                    return self._leased_run()
-            return self._leased_run()
-        except BaseException as exc:
-            _lease.settle_interrupted(self.site, self.entry, self, exc)
-            raise
-        finally:
-            if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
-                CALLS_IN_FLIGHT.pop()
-
-    def _leased_run(self) -> Any:
-        site, entry = self.site, self.entry
-        try:
-            _lease.acquire(site, entry, self, self.deadline, not self.by_value)
-        except BaseException as exc:
-            _lease.settle(site, entry, self, _lease.outcome_of(exc), None)
-            if isinstance(exc, CallTimeout):
-                completed_timeout(exc, self.timeout, self.call_id, target_label(self.target))
-            raise
-        return self.run()
-
-    def call_plain(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The common call (``start_plain``) run to its end; ``GENERAL_PATH``, having
-        counted, leased and sent nothing, when ``start_plain`` declines. Once started it is
-        ``run`` like any other: whatever it meets is answered by the same rules."""
-        CALLS_IN_FLIGHT.append(self)  # as in ``call``
-        try:
-            # Leased inside the ``try``: an interrupt right after the lease is settled below.
-            if not self.start_plain(target, args, kwargs):
-                return GENERAL_PATH
-            return self.run()
-        except BaseException as exc:
-            _lease.settle_interrupted(self.site, self.entry, self, exc)
-            raise
-        finally:
-            if CALLS_IN_FLIGHT:
-                CALLS_IN_FLIGHT.pop()
+    # ---- the call once it holds its slot ----
 
     def run(self) -> Any:
         """The rest of a call once it holds its slot: exchange, decode, settle, count once."""
@@ -435,20 +394,15 @@ class Exchange(Ticket):
         return self.begin(process)
 
     def begin(self, process: WorkerGeneration) -> bool:
-        """``CallStarted`` for this call on ``process``, its slot's idle worker. False if it
-        died idle after the caller looked (a fresh worker takes it); a call cancelled
-        meanwhile raises ``CallCancelled``."""
-        call_id = next(self.site.call_ids)
+        """``begin_locked`` after the general start's checks. False if the worker died idle
+        after the caller looked (a fresh worker takes it); a call cancelled meanwhile raises
+        ``CallCancelled``."""
         entry, slot = self.entry, self.slot
         assert slot is not None
         with entry.lock:
             if self.cancelled:
                 raise CallCancelled("the call was cancelled", env=entry.spec.key)
-            started = entry.start_call_locked(slot, process.generation, call_id, self.site.clock())
-            self.generation, self.call_id, self.ran_on = process.generation, call_id, slot
-        if started:
-            self.process = process
-        return started
+            return self.begin_locked(slot, process, self.site.clock())
 
     def send(self) -> bool:
         """Send the CALL frame. False if the worker was gone before any byte went out (safe
@@ -577,11 +531,9 @@ class Exchange(Ticket):
         which replied whole (``replied_at``: it goes back to idle) while the call fails."""
         if isinstance(exc, FrameError):
             raise chained(self.protocol_broken(str(exc)), None)
-        if isinstance(exc, HostResourceError):
+        if isinstance(exc, HostResourceError) and self.process is not None:
             block = self.block
-            process = self.process
-            assert process is not None
-            process.finish_request(block, [block.name] if block is not None else [])
+            self.process.finish_request(block, [block.name] if block is not None else [])
             self.replied_at = replied_at
         raise exc
 
@@ -614,25 +566,10 @@ class Exchange(Ticket):
         if reason is lc.RetireReason.CLOSED or self.site.closed:
             return pool_closed(label)
         if reason is lc.RetireReason.CANCELLED:
-            how, grace = process.cancel_kill, entry.settings.cancel_grace
-            return CallCancelled(
-                cancelled_text(label, process.generation, how, grace),
-                env=entry.spec.key,
-                pid=process.pid,
-                generation=process.generation,
-            )
-        still_running = False
-        if rc is None:  # reap and drain here, or wait (bounded) for the exit
-            process.collect_exit()
-            rc = process.wait_exit(1.0)
-            # A backend without exit codes (Ray) reports a death with rc None.
-            still_running = rc is None and not process.exited.is_set()
-            if still_running:
-                process.kill(lc.Stop.KILL)
-                rc = process.wait_exit(1.0)
-            process.wait_output(0.5)
+            return cancelled_error(entry.spec.key, label, process, entry.settings.cancel_grace)
+        rc, still_running = await_exit(process, rc)  # reaped and drained, or waited for
         tail = process.log.tail()
-        self.site.report_death(entry, process, rc, tail)
+        self.site.deaths.report_death(entry, process, rc, tail)
         death = Death(rc, tail, still_running, alive_at_eof)
         return crash_story(entry.spec.key, process, self.call_id, label, death)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -35,6 +36,7 @@ from comfy_env_worker.protocol import FrameType, Payload
 
 from . import _lifecycle as lc
 from ._errors import (
+    CallCancelled,
     CallTimeout,
     EnvAbandonedError,
     PoolClosedError,
@@ -144,6 +146,31 @@ def cancelled_text(
     return (
         f"the call to {label} was cancelled and did not stop within "
         f"PoolConfig.cancel_grace={cancel_grace:g}s; {worker} was killed"
+    )
+
+
+def cancelled_error(env: str, label: str, process: WorkerGeneration, grace: float) -> CallCancelled:
+    """The error of a call whose worker was killed because the call was cancelled
+    (``cancelled_text`` says how)."""
+    generation = process.generation
+    return CallCancelled(
+        cancelled_text(label, generation, process.cancel_kill, grace),
+        env=env,
+        pid=process.pid,
+        generation=generation,
+    )
+
+
+def python_mismatch(env: str, process: WorkerGeneration) -> str | None:
+    """Why a by-value callable cannot go to this worker, or None if it can."""
+    env_version = process.python_version[:2]
+    if env_version == tuple(sys.version_info[:2]):
+        return None
+    return (
+        f"env {env} runs Python {'.'.join(map(str, env_version))}, the host "
+        f"{sys.version_info[0]}.{sys.version_info[1]}: a function sent by value (a lambda, a "
+        "closure, or one defined in __main__) only loads in the same Python version; pass it "
+        "as 'package.module:function' instead"
     )
 
 

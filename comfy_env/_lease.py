@@ -347,6 +347,24 @@ def lease_at_once_locked(entry: EnvEntry, ticket: Ticket) -> Slot | None:
     return slot
 
 
+def plain_slot_locked(site: CallSite, entry: EnvEntry) -> Slot | None:
+    """The slot the common call may lease in one step (lock held; ``lease_plain_locked``):
+    an idle worker's that no caller holds, with nobody waiting before the call, no dropped
+    refs to release first, the pool open and the env not abandoned by its breaker. None: the
+    general path leases, and explains, instead."""
+    if (
+        site.closed
+        or entry.waiters
+        or entry.dropped_refs
+        or (isinstance(entry.env_state, lc.EnvAbandoned) and entry.abandoned_locked(site.clock()))
+    ):
+        return None
+    for slot in entry.slots:  # ``free_slot``'s first choice
+        if type(slot.state) is lc.Idle and not slot.leased:
+            return slot
+    return None
+
+
 def queue_locked(entry: EnvEntry, ticket: Ticket) -> None:
     """Append ``ticket`` to the env's FIFO of waiters (lock held; its waker is set)."""
     ticket.stage = "queued"

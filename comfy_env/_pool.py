@@ -1,6 +1,6 @@
 """The pool: the public API (``Pool``) and the call path; it holds the env entries.
 
-Data flow of one call (``Pool.call``)::
+Data flow of one call (``Pool.call`` running its ``_exchange.Exchange``)::
 
     caller thread                                   reactor thread (one per pool)
     ------------------------------------------      ------------------------------
@@ -28,9 +28,10 @@ Where the rest lives (each module's docstring draws its part)::
                 snapshots: backend-agnostic, imports no other part of the pool
     _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
-    _exchange   Exchange, one call's own object: prepare, lease (via _lease), start
-                (checks, CallStarted), send, receive (LOG/EVENT frames, the Ctrl-C drain),
-                open the reply, decode, settle; the errors of a broken exchange
+    _exchange   Exchange, one call's own object: prepare, start (checks, CallStarted),
+                send, receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
+                settle; the errors of a broken exchange. ``Pool.call`` leases it (``_lease``)
+                and runs it; ``Pool.call_plain`` does the common call in one line
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
                 the breaker); the reaper's timer; the lock-free wake-up of the release of
@@ -87,16 +88,19 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from comfy_env_worker.protocol import CALLS_IN_FLIGHT
+
+from . import _lease, _policies, _shutdown
 from . import _lifecycle as lc
-from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
 from ._callsite import GENERAL_PATH
-from ._codec import oob_threshold
+from ._codec import oob_threshold, target_label
 from ._entry import EnvEntry, Slot
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
+    CallTimeout,
     EnvError,
     PoolClosedError,
 )
@@ -105,8 +109,9 @@ from ._events import (
     EnvReset,
     Event,
 )
-from ._exchange import Exchange
-from ._interrupts import LAST_INTERRUPT, NEVER, in_storm
+from ._exchange import Deaths, Exchange
+from ._failures import completed_timeout
+from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, in_storm
 from ._reactor import Reactor
 from ._settings import Settings, environment_overrides, warn_unknown_variables
 from ._spawner import Spawner
@@ -121,6 +126,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from concurrent.futures import Future
 
+    from ._callsite import PendingCall
     from ._config import PoolConfig
     from ._recipe import Recipe
     from ._sweep import SweepReport
@@ -170,6 +176,7 @@ class Pool:
         self._close_done = threading.Event()
         # Starts generations and reports their ends; holds the reactor and the runtime dir.
         self._spawner = Spawner(self, self._lock, self._entries)
+        self.deaths: Deaths = self._spawner  # (ExchangeSite: a crash reported with no hop)
         self.dispose_later = self._spawner.dispose_later  # (CallSite: one call, no hop)
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
@@ -404,14 +411,61 @@ class Pool:
         """A new call of ``entry``, nothing prepared yet (a handle keeps it as its ticket)."""
         return Exchange(self, entry)
 
+    def call(self, prepared: PendingCall) -> Any:
+        """A prepared call (``exchange(entry).prepare(...)``) to its end: leased (waiting in
+        the queue), run (``Exchange.run``), settled once."""
+        call = cast(Exchange, prepared)
+        # Counted while it runs: a reader polls for its reply only while this process makes
+        # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
+        CALLS_IN_FLIGHT.append(call)
+        try:
+            if in_storm():
+                # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
+                # its waits (the queue, the reply) take one each (``held``).
+                with Deferred() as held:
+                    call.held = held
+                    return self._leased_run(call)
+            return self._leased_run(call)
+        except BaseException as exc:
+            _lease.settle_interrupted(self, call.entry, call, exc)
+            raise
+        finally:
+            if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
+                CALLS_IN_FLIGHT.pop()
+
+    def _leased_run(self, call: Exchange) -> Any:
+        entry = call.entry
+        try:
+            _lease.acquire(self, entry, call, call.deadline, not call.by_value)
+        except BaseException as exc:
+            _lease.settle(self, entry, call, _lease.outcome_of(exc), None)
+            if isinstance(exc, CallTimeout):
+                completed_timeout(exc, call.timeout, call.call_id, target_label(call.target))
+            raise
+        return call.run()
+
     def call_plain(
         self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """The common call in one straight line (``Exchange.call_plain``), or
-        ``GENERAL_PATH``, having counted, leased and sent nothing, when it needs more."""
+        """The common call in one straight line: prepared, leased and started in one step
+        (``Exchange.start_plain``), then run as any call (``Exchange.run``: whatever it meets
+        is answered by the same rules). ``GENERAL_PATH``, having counted, leased and sent
+        nothing, when the call or the env asks for more."""
         if LAST_INTERRUPT[0] > NEVER and in_storm():  # (one compare until a first Ctrl-C)
             return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call``)
-        return Exchange(self, entry).call_plain(target, args, kwargs)
+        call = Exchange(self, entry)
+        CALLS_IN_FLIGHT.append(call)  # as in ``call``
+        try:
+            # Leased inside the ``try``: an interrupt right after the lease is settled below.
+            if not call.start_plain(target, args, kwargs):
+                return GENERAL_PATH
+            return call.run()
+        except BaseException as exc:
+            _lease.settle_interrupted(self, entry, call, exc)
+            raise
+        finally:
+            if CALLS_IN_FLIGHT:
+                CALLS_IN_FLIGHT.pop()
 
     def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
@@ -419,11 +473,6 @@ class Pool:
         if isinstance(state, lc.Idle) and slot.process is not None:
             return slot.process
         return self._spawner.spawn(entry, slot)
-
-    def report_death(
-        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
-    ) -> None:
-        self._spawner.report_death(entry, process, returncode, tail)
 
     def reap_idle(self, now: object = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;

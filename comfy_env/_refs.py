@@ -25,8 +25,8 @@ Data flow::
                        -> RemoteRef(site, entry, slot, generation, id)
     a later call's arguments -> bound_by_refs(entry, args, kwargs) -> (slot, generation)
                        the call is leased to that slot only; check_bound before it is sent
-    ref.release()   -> exchange.prepare("comfy_env_worker.refs:release", bound=(slot,
-                       generation)).call()
+    ref.release()   -> site.call(exchange.prepare("comfy_env_worker.refs:release",
+                       bound=(slot, generation)))
     ref.discard() / __del__ -> entry.dropped_refs (lock-free) + entry.refs_dropped()
                        -> reactor: ``_policies.release_idle`` (an idle worker: one release
                        frame under the entry lock); a worker in a call: when its slot is freed
@@ -90,8 +90,9 @@ class RemoteRef:
         if self._released:
             raise released_error(self)
         try:
-            call = self._pool.exchange(self._entry)
-            return call.prepare(_CALL_METHOD, (self, name, args, kwargs), {}).call()
+            site = self._pool
+            call = site.exchange(self._entry)
+            return site.call(call.prepare(_CALL_METHOD, (self, name, args, kwargs), {}))
         except ComfyEnvError as exc:
             told_as(exc, _CALL_METHOD, f"RemoteRef {self.id}.{name}")
             raise
@@ -102,9 +103,10 @@ class RemoteRef:
             return
         self._released = True
         if self._is_live():
-            call = self._pool.exchange(self._entry)
+            site = self._pool
             bound = (self._slot, self.generation)
-            call.prepare("comfy_env_worker.refs:release", ([self.id],), {}, None, bound).call()
+            call = site.exchange(self._entry)
+            site.call(call.prepare("comfy_env_worker.refs:release", ([self.id],), {}, None, bound))
             self._uncount()
 
     def discard(self) -> None:
@@ -170,7 +172,7 @@ def call_ref(
     check_target(target)
     site, entry = call.site, call.entry
     try:
-        ref_id = call.prepare(_CALL_AND_KEEP, (target, args, kwargs), {}, timeout).call()
+        ref_id = site.call(call.prepare(_CALL_AND_KEEP, (target, args, kwargs), {}, timeout))
     except ComfyEnvError as exc:
         told_as(exc, _CALL_AND_KEEP, target_label(target))
         raise

@@ -165,7 +165,8 @@ class Worker:
             result = self._pool.call_plain(self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
                 return result
-        return self._pool.exchange(self._entry).prepare(target, args, kwargs).call()
+        pool = self._pool
+        return pool.call(pool.exchange(self._entry).prepare(target, args, kwargs))
 
     def run(
         self,
@@ -192,7 +193,7 @@ class Worker:
                 return result
         call = self._pool.exchange(self._entry).prepare(target, args, kwargs, timeout)
         call.on_event = on_event
-        return call.call()
+        return self._pool.call(call)
 
     def submit(
         self,
@@ -215,7 +216,7 @@ class Worker:
         exchange = pool.exchange(entry).prepare(target, args, kwargs, timeout)  # bad input raises
         exchange.on_event = on_event
         call = Call(entry.spec.key, exchange, exchange.cancel)
-        call._start(exchange.call)
+        call._start(lambda: pool.call(exchange))
         return call
 
     def start(
