@@ -24,11 +24,15 @@ The asyncio path (``_acall``) keeps only its waiting (spin, the loop's reader, t
 thread) and asks this object for every decision (``begin``, ``open``, ``decode``,
 ``deadline_hit``, ``crashed``, ``protocol_broken``).
 
-A crash, from EOF to ``WorkerCrashed`` (the sync path; 7 modules, no call back into the pool):
-``protocol.FrameReader.read`` raises ``ChannelClosed`` -> ``Exchange.read_failed`` ->
-``Exchange.crashed``: ``status_at_eof``, ``await_exit`` (``_process`` -> ``_exitwatch``), ``EnvEntry.apply(ChannelClosed)`` (``_entry`` ->
-``_lifecycle``), ``site.deaths.report_death`` (``_spawner``: the breaker, ``WorkerRetired``), then
-``_failures.crash_story`` tells it; ``run`` settles (``_lease``) and raises.
+A crash, from EOF to ``WorkerCrashed`` (the sync path; nothing calls back into the pool)::
+
+    protocol.FrameReader.read raises ChannelClosed
+    -> Exchange.read_failed -> Exchange.crashed
+       status_at_eof, await_exit     _process (facade) -> _exitwatch, _outputpipes
+       entry.apply(ChannelClosed)    _entry -> _lifecycle (Retired; the kill is an effect)
+       site.deaths.report_death      _spawner -> _policies (the breaker), _events
+       crash_story                   _failures (the words; _errors, _memlimit's verdict)
+    -> run settles (_lease) and raises
 
 The lifecycle table is written only through ``entry.apply`` / the entry's ``*_locked``
 writers (``EnvEntry._store``), effects outside the entry's lock. This module never imports the

@@ -64,6 +64,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from comfy_env_worker.protocol import (
     HEADER_SIZE,
@@ -133,6 +134,18 @@ def _printed_from(logger: logging.Logger) -> int:
     return logging.INFO
 
 
+class LogLine(NamedTuple):
+    """One line of a worker's output as the host logs it: a LOG frame's record, or a line
+    its native code wrote to stdout/stderr (logger ``native``, stream ``native-stderr``)."""
+
+    level: int
+    worker_logger: str  # the worker-side logger's name
+    message: str
+    exc_text: str | None  # the formatted traceback, if the record had one
+    created: float | None  # the worker's time.time() of the record; None: the host's clock
+    stream: str  # "log", or "native-stdout"/"native-stderr"
+
+
 class WorkerLog:
     """Emits one worker's output records, within budget, and keeps its tail."""
 
@@ -185,15 +198,10 @@ class WorkerLog:
             )
         return False
 
-    def emit(
-        self,
-        level: int,
-        worker_logger: str,
-        message: str,
-        exc_text: str | None,
-        created: float | None,
-        stream: str,
-    ) -> None:
+    def emit(self, line: LogLine) -> None:
+        """One line the worker logged or printed, to the host's ``logging`` (or printed, when
+        the host configured none) and to the output tail."""
+        level, worker_logger, message, exc_text, created, stream = line
         self._keep(message if not exc_text else f"{message}\n{exc_text}", created, stream)
         if not self.logger.hasHandlers():
             # The host never configured logging: Python would show warnings only, without
@@ -299,7 +307,7 @@ class WorkerLog:
             return
         if when is not None and not math.isfinite(when):
             when = None  # no such time: the record takes the host's clock
-        self.emit(level, name, message, exc_text, when, stream)
+        self.emit(LogLine(level, name, message, exc_text, when, stream))
 
     def _bad_record(self, exc: BaseException) -> None:
         if self._record_warned:
@@ -376,7 +384,7 @@ class WorkerLog:
     def _native_line(self, stream: str, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace")
         level = logging.WARNING if stream == "stderr" else logging.INFO
-        self.emit(level, "native", line, None, None, f"native-{stream}")
+        self.emit(LogLine(level, "native", line, None, None, f"native-{stream}"))
 
     # ---- the log pipe (reactor thread) ----
 

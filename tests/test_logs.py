@@ -13,7 +13,7 @@ from conftest import TESTS_DIR, run_host, wait_until
 from tasks import remote as remote_tasks
 
 import comfy_env
-from comfy_env._logs import WorkerLog
+from comfy_env._logs import LogLine, WorkerLog
 
 
 def _records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -246,19 +246,19 @@ def test_the_tail_keeps_a_record_written_before_a_crash_dump_that_arrived_first(
     try:
         before = time.time()
         log.feed_native("stderr", b"Fatal Python error: Segmentation fault\nExtension modules: x\n")
-        log.emit(logging.WARNING, "pack", "said by the pack", None, before - 0.01, "log")
+        log.emit(LogLine(logging.WARNING, "pack", "said by the pack", None, before - 0.01, "log"))
         assert log.tail().splitlines() == [
             "said by the pack",
             "Fatal Python error: Segmentation fault",
             "Extension modules: x",
         ]
         # A record written after the dump arrived stays after it; so does one without a time.
-        log.emit(logging.WARNING, "pack", "later", None, time.time() + 0.01, "log")
-        log.emit(logging.WARNING, "pack", "untimed", None, None, "log")
+        log.emit(LogLine(logging.WARNING, "pack", "later", None, time.time() + 0.01, "log"))
+        log.emit(LogLine(logging.WARNING, "pack", "untimed", None, None, "log"))
         assert log.tail().splitlines()[-2:] == ["later", "untimed"]
         # A record older than the window (a worker clock far behind) moves no line.
         log.feed_native("stderr", b"native line\n")
-        log.emit(logging.WARNING, "pack", "stale", None, time.time() - 5.0, "log")
+        log.emit(LogLine(logging.WARNING, "pack", "stale", None, time.time() - 5.0, "log"))
         assert log.tail().splitlines()[-2:] == ["native line", "stale"]
     finally:
         log.logger.handlers.clear()
