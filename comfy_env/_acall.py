@@ -92,7 +92,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
@@ -171,7 +171,7 @@ async def arun(
 ) -> Any:
     """``target(*args, **kwargs)`` run as ``call`` (a new exchange of the env, its
     ``on_event`` set if any) on the event loop, to its end."""
-    call = cast(Exchange, pending)  # (what ``CallSite.exchange`` makes)
+    call: Exchange = pending  # type: ignore[assignment]  # (what CallSite.exchange makes)
     # The common call (scalar arguments, an idle worker ready, nobody waiting) is prepared,
     # leased and started in one step, as the sync call's (``Exchange.start_plain``).
     plain = False

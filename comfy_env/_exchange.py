@@ -147,28 +147,6 @@ def pid_of(slot: Slot | None, generation: int) -> int | None:
     return process.pid if process is not None and process.generation == generation else None
 
 
-def ready_locked(
-    site: ExchangeSite, state: lc.Idle, process: WorkerGeneration, deadline: float | None
-) -> float | None:
-    """Whether ``process``, idle in ``state``, can take a call as it is (the entry's lock
-    held): verified in that generation, no ping due, the deadline not passed, its channel
-    quiet. The time read for the ping check (``CallStarted`` uses it too), or None: the
-    call's general ``start`` then decides and explains."""
-    if process.generation != state.generation:
-        return None
-    now = site.clock()
-    ping_after = site.settings.ping_after_idle
-    if ping_after is not None and lc.needs_ping(state, now, ping_after):
-        return None
-    if deadline is not None and time.monotonic() >= deadline:
-        return None
-    # One poll(2) under the lock: the idle channel must be quiet (``start`` retires a
-    # worker that hung up or wrote unasked, and explains it).
-    if process.idle_channel_state() != "quiet":
-        return None
-    return now
-
-
 def check_size(config: Settings, target: Any, body: bytes, buffers: list[memoryview]) -> None:
     """Refuse a call whose frame would pass ``PoolConfig.max_frame_bytes``: its pickled body
     and the out-of-band buffers that travel inline (those under the shared-memory threshold,
@@ -279,17 +257,13 @@ class Exchange(Ticket):
         timeout = entry.settings.call_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         with entry.lock:
-            slot = _lease.plain_slot_locked(site, entry)
-            if slot is None:
+            now = _lease.lease_plain_locked(site, entry, self, deadline)
+            if now is None:
                 return False
-            state: lc.Idle = slot.state  # type: ignore[assignment]  # (idle: plain_slot_locked)
-            process = slot.process
-            now = None if process is None else ready_locked(site, state, process, deadline)
-            if process is None or now is None:
-                return False
-            entry.start_plain_locked(self, slot, state, next(site.call_ids), now)
-            _lease.lease_plain_locked(entry, self, slot)
-        self.process, self.target, self.body = process, target, body
+            slot = self.slot
+            state: lc.Idle = slot.state  # type: ignore[union-attr,assignment]  # (Idle: leased so)
+            entry.start_plain_locked(self, slot, state, next(site.call_ids), now)  # type: ignore[arg-type]
+        self.process, self.target, self.body = slot.process, target, body  # type: ignore[union-attr]
         if deadline is not None:
             self.deadline, self.timeout = deadline, timeout
         return True
@@ -300,7 +274,7 @@ class Exchange(Ticket):
         decides (and explains) after the lease."""
         state, process = slot.state, slot.process
         if type(state) is lc.Idle and process is not None:
-            now = ready_locked(self.site, state, process, self.deadline)
+            now = _lease.ready_locked(self.site, state, process, self.deadline)
             if now is not None:
                 self.begin_locked(slot, process, now)
 
@@ -317,10 +291,25 @@ class Exchange(Ticket):
     # ---- the call once it holds its slot ----
 
     def run(self) -> Any:
-        """The rest of a call once it holds its slot: exchange, decode, settle, count once."""
+        """The rest of a call once it holds its slot: sent to the leased slot's worker
+        (starting one if needed) until a worker has it, its reply read and opened (private
+        copies: the worker may reuse its blocks) and decoded; settled and counted once."""
         outcome = "failed"
         try:
-            ftype, reply, reply_buffers = self.exchange()
+            while True:
+                if self.process is None and not self.start():
+                    continue  # the worker was replaced meanwhile: a fresh one takes the call
+                if self.on_event is not None:
+                    self.sink = event_handler(self.on_event, self.call_id, self.generation)
+                frame = self.receive() if self.send() else None
+                if frame is not None:
+                    break
+                self.process = None  # it never ran (EPIPE, or died with the request unread)
+            if frame[1] or self.block is not None:
+                ftype, reply, reply_buffers = self.open(frame)
+            else:  # the small call: nothing out of band (``open`` without its branches)
+                self.replied_at = self.site.clock()
+                ftype, reply, reply_buffers = frame[0], frame[3], None
             if self.interrupted:
                 raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
             outcome = "raised"
@@ -353,19 +342,6 @@ class Exchange(Ticket):
                 _lease.settle_ok(self.site, self.entry, self, self.replied_at)  # type: ignore[arg-type]
             else:
                 _lease.settle(self.site, self.entry, self, outcome, self.replied_at)
-
-    def exchange(self) -> Reply:
-        """Send the call to the leased slot's worker (starting one if needed) until a worker
-        has it, and read and open its reply (private copies; the worker may reuse its blocks)."""
-        while True:
-            if self.process is None and not self.start():
-                continue  # the worker was replaced meanwhile: a fresh one takes the call
-            if self.on_event is not None:
-                self.sink = event_handler(self.on_event, self.call_id, self.generation)
-            frame = self.receive() if self.send() else None
-            if frame is not None:
-                return self.open(frame)
-            self.process = None  # it never ran (EPIPE, or died with the request unread)
 
     def start(self) -> bool:
         """The general start on the leased slot: a live worker (spawned if needed), checked

@@ -146,15 +146,62 @@ def leave_queue(entry: EnvEntry, ticket: Ticket) -> None:
         entry.refs_dropped()  # the slot may be free now: release what waited for it
 
 
-def lease_plain_locked(entry: EnvEntry, ticket: Ticket, slot: Slot) -> None:
-    """Lease ``slot`` (free, nobody waiting) to the plain call, started on it by the gate
-    (``EnvEntry.start_plain_locked``) in the same lock section: counted submitted and in
-    flight, as ``lease_now`` counts."""
-    slot.leased = True
-    ticket.slot = slot
-    ticket.stage = "in_flight"
-    entry.submitted += 1
-    entry.in_flight += 1
+def lease_plain_locked(
+    site: CallSite, entry: EnvEntry, ticket: Ticket, deadline: float | None
+) -> float | None:
+    """Lease the common call a slot in one step (lock held): an idle worker's that no caller
+    holds and that can take the call as it is (``ready_locked``), with nobody waiting before
+    the call, no dropped refs to release first, the pool open and the env not abandoned by
+    its breaker. Counted submitted and in flight, as ``lease_now`` counts; the caller starts
+    it through the gate (``EnvEntry.start_plain_locked``) in the same lock section. Returns
+    the time read for the ping check (``CallStarted``'s too), or None having leased and
+    counted nothing: the general path leases, and explains, instead."""
+    if (
+        site.closed
+        or entry.waiters
+        or entry.dropped_refs
+        or (isinstance(entry.env_state, lc.EnvAbandoned) and entry.abandoned_locked(site.clock()))
+    ):
+        return None
+    for slot in entry.slots:  # ``free_slot``'s first choice
+        state = slot.state
+        if type(state) is lc.Idle and not slot.leased:
+            break
+    else:
+        return None
+    process = slot.process
+    if process is None:
+        return None
+    now = ready_locked(site, state, process, deadline)
+    if now is not None:
+        slot.leased = True
+        ticket.slot = slot
+        ticket.stage = "in_flight"
+        entry.submitted += 1
+        entry.in_flight += 1
+    return now
+
+
+def ready_locked(
+    site: CallSite, state: lc.Idle, process: WorkerGeneration, deadline: float | None
+) -> float | None:
+    """Whether ``process``, idle in ``state``, can take a call as it is (the entry's lock
+    held): verified in that generation, no ping due, the deadline not passed, its channel
+    quiet. The time read for the ping check (``CallStarted`` uses it too), or None: the
+    call's general start (``Exchange.start``) then decides and explains."""
+    if process.generation != state.generation:
+        return None
+    now = site.clock()
+    ping_after = site.settings.ping_after_idle
+    if ping_after is not None and lc.needs_ping(state, now, ping_after):
+        return None
+    if deadline is not None and time.monotonic() >= deadline:
+        return None
+    # One poll(2) under the lock: the idle channel must be quiet (``Exchange.start`` retires
+    # a worker that hung up or wrote unasked, and explains it).
+    if process.idle_channel_state() != "quiet":
+        return None
+    return now
 
 
 def settle(
@@ -345,24 +392,6 @@ def lease_at_once_locked(entry: EnvEntry, ticket: Ticket) -> Slot | None:
         ticket.stage = "in_flight"
         entry.in_flight += 1
     return slot
-
-
-def plain_slot_locked(site: CallSite, entry: EnvEntry) -> Slot | None:
-    """The slot the common call may lease in one step (lock held; ``lease_plain_locked``):
-    an idle worker's that no caller holds, with nobody waiting before the call, no dropped
-    refs to release first, the pool open and the env not abandoned by its breaker. None: the
-    general path leases, and explains, instead."""
-    if (
-        site.closed
-        or entry.waiters
-        or entry.dropped_refs
-        or (isinstance(entry.env_state, lc.EnvAbandoned) and entry.abandoned_locked(site.clock()))
-    ):
-        return None
-    for slot in entry.slots:  # ``free_slot``'s first choice
-        if type(slot.state) is lc.Idle and not slot.leased:
-            return slot
-    return None
 
 
 def queue_locked(entry: EnvEntry, ticket: Ticket) -> None:

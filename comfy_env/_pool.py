@@ -172,7 +172,7 @@ class Pool:
         self._reap_hooks = _policies.ReapHooks()  # see add_reap_hook
         self._lock = threading.Lock()
         self._entries: dict[str, EnvEntry] = {}
-        self._closed = False
+        self.closed = False  # (read it; close() sets it. A plain attribute: read on every call)
         self._close_done = threading.Event()
         # Starts generations and reports their ends; holds the reactor and the runtime dir.
         self._spawner = Spawner(self, self._lock, self._entries)
@@ -216,7 +216,7 @@ class Pool:
         """Deliver lifecycle events (``WorkerSpawned``, ``WorkerReady``, ``WorkerRetired``,
         ``EnvAbandoned``, ``EnvReset``, ``ShmSwept``) to ``callback``, in order, on the pool's
         event thread, outside every pool lock. Returns a function that unsubscribes."""
-        if self._closed:
+        if self.closed:
             raise self.closed_error()
         check_plain_callable(callback, "a subscribe callback")
         return self.events.subscribe(callback)
@@ -289,7 +289,7 @@ class Pool:
         (``comfy_env.comfyui`` retires the worker of a pack whose scan failed). Workers in a
         call, leased by a caller or holding live ``RemoteRef`` s are kept; retired ones count in
         ``reaped`` with retire reason ``idle``, and the env's next call spawns a fresh one."""
-        if self._closed:
+        if self.closed:
             raise self.closed_error()
         with self._lock:
             entry = self._entries.get(resolve_env(env).key)
@@ -317,10 +317,6 @@ class Pool:
         return config
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def last_sweep(self) -> SweepReport | None:
         """What the pool's start-up sweep removed (None until it ran)."""
         return self._spawner.last_sweep
@@ -346,10 +342,10 @@ class Pool:
         Queued calls fail with ``PoolClosedError``; calls running on a worker fail with
         ``PoolClosedError`` as their worker is stopped. Idempotent and thread-safe."""
         with self._lock:
-            if self._closed:
+            if self.closed:
                 first = False
             else:
-                self._closed = True
+                self.closed = True
                 first = True
             entries = list(self._entries.values())
             reactor = self._spawner.reactor
@@ -369,14 +365,14 @@ class Pool:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self.closed else "open"
         return f"<comfy_env.Pool {state} envs={len(self._entries)}>"
 
     # ---- entries and leasing ----
 
     def _entry(self, spec: EnvSpec) -> EnvEntry:
         with self._lock:
-            if self._closed:
+            if self.closed:
                 raise self.closed_error()
             entry = self._entries.get(spec.key)
             if entry is None:
@@ -489,14 +485,14 @@ class Pool:
         """Where the status throttle queues its writes: the reactor's timer, while the pool is
         open and has one (``StatusThrottle``)."""
         reactor = self._spawner.reactor
-        return None if reactor is None or self._closed else reactor.call_later
+        return None if reactor is None or self.closed else reactor.call_later
 
     # ---- shutdown ----
 
     def abandon_in_forked_child(self) -> None:
         """In a forked child: close inherited descriptors, signal nothing, own nothing (the
         fork hook of ``_shutdown`` calls it; not for users)."""
-        self._closed = True
+        self.closed = True
         self._lock = self._spawner.lock = threading.Lock()
         self._close_done.set()
         _shutdown.abandon_pool(self._spawner, list(self._entries.values()))

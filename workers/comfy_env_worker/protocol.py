@@ -651,9 +651,10 @@ class FrameReader:
             if not n:
                 raise ChannelClosed()
             if n >= HEADER_SIZE:
-                # (A bad magic raises here, as it would below: the stream is lost either way.)
-                ftype, flags, length, call_id = decode_header(self._scratch)
-                if n == HEADER_SIZE + length and length <= self._limit:
+                # ``decode_header`` inlined (every reply comes this way: one call fewer); a bad
+                # magic goes on below, where ``decode_header`` raises.
+                magic, ftype, flags, length, call_id = _unpack_header(self._scratch)
+                if magic == MAGIC and n == HEADER_SIZE + length and length <= self._limit:
                     return ftype, flags, call_id, self._scratch[HEADER_SIZE:n]
             buf += self._scratch_view[:n]
         while len(buf) < HEADER_SIZE:
