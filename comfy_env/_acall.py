@@ -1006,10 +1006,12 @@ def _shares_one_cpu(process: WorkerGeneration, now: float) -> bool:
 # ---- everything else: a thread of its own -----------------------------------------------------
 
 
-async def _blocking(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on a short-lived thread of its own (never the loop's default executor) and
-    return its result; cancellation waits for it (it is bounded)."""
-    loop = asyncio.get_running_loop()
+def _start_thread(
+    loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]
+) -> asyncio.Future[tuple[bool, Any]]:
+    """Run ``fn`` on a short-lived thread of its own (never the loop's default executor); the
+    future returned is resolved on ``loop`` with ``(True, result)`` or ``(False, error)``
+    (``_blocking``, ``_on_thread``)."""
     done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
 
     def run() -> None:
@@ -1019,10 +1021,17 @@ async def _blocking(fn: Callable[[], T]) -> T:
             outcome = (False, exc)
         try:
             loop.call_soon_threadsafe(_resolve, done, outcome)
-        except RuntimeError:
+        except RuntimeError:  # the loop is closed: its coroutine will never run again
             pass
 
     threading.Thread(target=run, name="comfy-env-acall", daemon=True).start()
+    return done
+
+
+async def _blocking(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a thread of its own (``_start_thread``) and return its result;
+    cancellation waits for it (it is bounded)."""
+    done = _start_thread(asyncio.get_running_loop(), fn)
     while True:
         try:
             ok, value = await asyncio.shield(done)
@@ -1051,19 +1060,7 @@ async def _on_thread(call: Exchange) -> Any:
                 pass
 
         call.on_event = on_loop
-    done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
-
-    def run() -> None:
-        try:
-            outcome: tuple[bool, Any] = (True, call.run())
-        except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
-            outcome = (False, exc)
-        try:
-            loop.call_soon_threadsafe(_resolve, done, outcome)
-        except RuntimeError:
-            pass
-
-    threading.Thread(target=run, name="comfy-env-acall", daemon=True).start()
+    done = _start_thread(loop, call.run)
     # The deadline: a timer that resolves ``done`` first (the thread's own outcome then finds
     # it settled), not ``asyncio.wait_for``, which before Python 3.12 loses a cancel that comes
     # in the same turn of the loop as the outcome (``_queued``). The thread ends the call with

@@ -178,24 +178,22 @@ class Call:
         """The call's result (or its error raised). ``timeout`` bounds this wait only
         (``TimeoutError``; a wait too long for the clock, such as ``math.inf``, is no bound);
         Ctrl-C while waiting cancels the call, then re-raises."""
-        wait = _wait_bound(timeout)
-        try:
-            # Waited for apart from the outcome: the call's own error may be a TimeoutError.
-            if not concurrent.futures.wait((self._future,), wait).done:
-                raise self._still_running(wait)
-            return self._future.result()
-        except KeyboardInterrupt:
-            self.cancel()
-            raise
+        self._wait(timeout)
+        return self._future.result()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The call's error, or None if it returned; ``timeout`` as for ``result``."""
+        self._wait(timeout)
+        return self._future.exception()
+
+    def _wait(self, timeout: float | None) -> None:
+        """Wait for the call's end (``result``, ``exception``): ``TimeoutError`` when
+        ``timeout`` ends the wait first; Ctrl-C while waiting cancels the call, then re-raises.
+        Waited for apart from the outcome: the call's own error may be a TimeoutError."""
         wait = _wait_bound(timeout)
         try:
-            # Waited for apart from the outcome: the call's own error may be a TimeoutError.
             if not concurrent.futures.wait((self._future,), wait).done:
                 raise self._still_running(wait)
-            return self._future.exception()
         except KeyboardInterrupt:
             self.cancel()
             raise

@@ -64,9 +64,17 @@ class GenerationFacts:
         self.death_detail: str | None = None  # how it died, where no exit code says it
         self.death_reported = False  # by the pool (breaker, WorkerRetired), once
 
-    def start_error(self, text: str) -> WorkerStartError:
-        """A ``WorkerStartError`` naming this generation's env and number."""
-        return WorkerStartError(text, env=self.spec.key, generation=self.generation)
+    def start_error(self, text: str, tail: str = "", unsupported: bool = False) -> WorkerStartError:
+        """A ``WorkerStartError`` naming this generation's env, number and pid (None before
+        its hello), with ``tail``, its last output lines (``_handshake.start_error``)."""
+        return WorkerStartError(
+            text,
+            env=self.spec.key,
+            pid=self.pid,
+            generation=self.generation,
+            stderr_tail=tail,
+            unsupported=unsupported,
+        )
 
     def stopped_before_launch(self) -> WorkerStartError:
         """The start's error when the generation was stopped (a close, a reset) before it

@@ -84,6 +84,10 @@ class Starting(Protocol):
 
     def wait_output(self, timeout: float) -> None: ...
 
+    def start_error(
+        self, text: str, tail: str = "", unsupported: bool = False
+    ) -> WorkerStartError: ...
+
 
 def canary_value(oob_bytes: int) -> Any:
     """Exercises the codec: nested containers, int keys, bytes, floats, a 4 KiB in-band
@@ -271,12 +275,10 @@ def _too_old_error(process: Starting) -> WorkerStartError:
     tail = process.log.tail()
     match = re.search(r"unsupported Python (\d+\.\d+)", tail)
     version = match.group(1) if match else "older than 3.8"
-    return WorkerStartError(
+    return process.start_error(
         f"env {process.spec.key} runs Python {version} ({process.spec.interpreter}); comfy-env "
         "workers need Python 3.8 or newer",
-        env=process.spec.key,
-        generation=process.generation,
-        stderr_tail=tail,
+        tail,
         unsupported=True,
     )
 
@@ -287,12 +289,15 @@ class Failing(Protocol):
 
     spec: EnvSpec
     generation: int
-    pid: int | None
     log: WorkerLog
 
     def kill(self, stop: Stop) -> None: ...
 
     def wait_output(self, timeout: float) -> None: ...
+
+    def start_error(
+        self, text: str, tail: str = "", unsupported: bool = False
+    ) -> WorkerStartError: ...
 
 
 def start_error(
@@ -312,10 +317,4 @@ def start_error(
         message += silent_hint
     if tail:
         message += "\n--- worker output (last lines) ---\n" + tail
-    return WorkerStartError(
-        message,
-        env=process.spec.key,
-        pid=process.pid,
-        generation=process.generation,
-        stderr_tail=tail,
-    )
+    return process.start_error(message, tail)

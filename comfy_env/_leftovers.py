@@ -47,6 +47,10 @@ import time
 
 from ._identity import owner_dead, owner_of
 
+TYPE_CHECKING = False  # (``comfy-env status`` imports this module: no typing at run time)
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
 Owner = tuple[int, int, int]  # (pid, start ticks, pid namespace), as ``owner_of`` parses names
 
 STATUS_DIR_NAME = "status"  # under runtime_root(); must not start with "host-" (sweep's names)
@@ -116,21 +120,29 @@ def _unlink(path: str, dry_run: bool) -> bool:
     return True
 
 
+def _left_by_dead_hosts(
+    directory: str, prefix: str, host: Owner | None, *, directories: bool
+) -> Iterator[tuple[str, str]]:
+    """(name, path) of each entry of ``directory`` named ``<prefix><token>-...`` whose host
+    is proven dead (``host``: that host only) and that is ours to remove (``directories``:
+    real directories, else regular files), in name order. Each is checked as it is reached,
+    so the caller removes one before the next is looked at."""
+    for name in _listdir(directory):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(directory, name)
+        if _of_dead_host(owner_of(name), host) and ours_to_remove(path, directory=directories):
+            yield name, path
+
+
 def remove_blocks(
     shm_dir: str, name_prefix: str, *, host: Owner | None = None, dry_run: bool = False
 ) -> list[str]:
     """Unlink the shared-memory blocks in ``shm_dir`` (named ``<name_prefix><token>-...``) of
     dead hosts (``host``: of that host only); returns their names (``dry_run``: what would be
     removed; nothing is)."""
-    removed = []
-    for name in _listdir(shm_dir):
-        if not name.startswith(name_prefix):
-            continue
-        path = os.path.join(shm_dir, name)
-        if _of_dead_host(owner_of(name), host) and ours_to_remove(path, directory=False):
-            if _unlink(path, dry_run):
-                removed.append(name)
-    return removed
+    blocks = _left_by_dead_hosts(shm_dir, name_prefix, host, directories=False)
+    return [name for name, path in blocks if _unlink(path, dry_run)]
 
 
 def remove_runtime_dirs(
@@ -139,16 +151,12 @@ def remove_runtime_dirs(
     """Remove the runtime directories (``host-<token>-...``) under ``root`` of dead hosts
     (``host``: of that host only); returns their names."""
     removed = []
-    for name in _listdir(root):
-        if not name.startswith(RUNTIME_DIR_PREFIX):
-            continue
-        path = os.path.join(root, name)
-        if _of_dead_host(owner_of(name), host) and ours_to_remove(path, directory=True):
-            if not dry_run:
-                import shutil  # (here: ``comfy-env status`` imports this module)
+    for name, path in _left_by_dead_hosts(root, RUNTIME_DIR_PREFIX, host, directories=True):
+        if not dry_run:
+            import shutil  # (here: ``comfy-env status`` imports this module)
 
-                shutil.rmtree(path, ignore_errors=True)
-            removed.append(name)
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
     return removed
 
 

@@ -260,8 +260,8 @@ class WorkerLog:
         self,
         read: Callable[[float | None], tuple[int, int, int, Payload]],
         deadline: float | None,
-        pending: tuple[int, int, Payload] | None,
-        on_event: Callable[[int, Payload], None] | None,
+        pending: tuple[int, int, Payload] | None = None,
+        on_event: Callable[[int, Payload], None] | None = None,
     ) -> tuple[int, int, int, Payload]:
         """The next frame from ``read`` that is not a log record or a call event: LOG frames
         met on the way are emitted here and EVENT frames handed to ``on_event(call id,

@@ -61,6 +61,7 @@ started them (PR_SET_PDEATHSIG), and the first call may come from a short-lived 
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import importlib
@@ -560,6 +561,9 @@ class RayWorker(GenerationFacts):
         self.pending: Any = None  # the ObjectRef of the call in flight
         self._sentinel: Any = None  # the ObjectRef of wait_until_dead (the death notice)
         self._reader = _Reader(self)
+        # ``read_frame``: the next frame that is not a log record or a call event (those are
+        # handled on the way), the same reading as the local channel's, bound once.
+        self.read_frame = functools.partial(self.log.read_past_side_frames, self._reader.read)
         self._death_lock = threading.Lock()
         self._dead = False
         self._kill_requested = False
@@ -698,16 +702,6 @@ class RayWorker(GenerationFacts):
             raise BrokenPipeError("the actor is gone")
         self._reader.frames.clear()
         self.pending = self.actor.call.remote(call_id, flags, payload)
-
-    def read_frame(
-        self,
-        deadline: float | None,
-        pending: tuple[int, int, Payload] | None = None,
-        on_event: Callable[[int, Payload], None] | None = None,
-    ) -> tuple[int, int, int, Payload]:
-        """The next frame that is not a log record or a call event (those are handled on the
-        way, as ``WorkerProcess.read_frame`` does)."""
-        return self.log.read_past_side_frames(self._reader.read, deadline, pending, on_event)
 
     def open_reply(
         self, call_id: int, flags: int, payload: Payload

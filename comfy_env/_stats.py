@@ -1,20 +1,44 @@
 """Frozen snapshots of a pool's state: ``EnvStats`` per env, ``WorkerStats`` per slot.
 
-Returned by ``Pool.stats()`` and ``Worker.stats()``; the status file and the CLI read the same
-counters (``CALL_COUNTERS``).
+Returned by ``Pool.stats()`` and ``Worker.stats()``. The call counters are declared once
+(``CallCounts``): ``EnvStats`` starts with them, the status file's ``_status.EnvStatus`` too,
+and the pool's status snapshot and the CLI go through their names (``CALL_COUNTERS``).
 """
 
 from __future__ import annotations
 
-from ._values import value
+from ._values import fields, value
 
 TYPE_CHECKING = False  # (``comfy-env status`` loads this module: no typing import at run time)
 if TYPE_CHECKING:
     from ._settings import Settings
 
-# How a call ended, and the counters that add up to ``submitted`` (with spawns alongside).
-OUTCOMES = ("ok", "raised", "crashed", "timed_out", "cancelled", "failed")
-CALL_COUNTERS = ("submitted", *OUTCOMES, "in_flight", "queued", "spawns")
+
+@value
+class CallCounts:
+    """How one env's calls stand. Invariant: ``submitted == ok + raised + crashed +
+    timed_out + cancelled + failed + in_flight + queued``: every call submitted is queued, in
+    flight, or ended in one way (``ok`` to ``failed``); ``spawns`` (workers started) alongside.
+
+    ``raised``: the function raised (or its result did not unpickle). ``crashed``: the worker
+    died during the call. ``failed``: the call could not run for another reason (the worker did
+    not start, spoke garbage, the pool closed, a by-value function met another Python).
+    """
+
+    submitted: int
+    ok: int
+    raised: int
+    crashed: int
+    timed_out: int
+    cancelled: int
+    failed: int
+    in_flight: int
+    queued: int
+    spawns: int
+
+
+# The counters' names, in order (the status file's keys, the CLI's rows).
+CALL_COUNTERS = fields(CallCounts)
 
 
 @value
@@ -37,33 +61,18 @@ class WorkerStats:
 
 
 @value
-class EnvStats:
-    """Counters of one env. Invariant: ``submitted == ok + raised + crashed + timed_out +
-    cancelled + failed + in_flight + queued``.
+class EnvStats(CallCounts):
+    """One env: its call counters (``CallCounts``, with their invariant), then the rest.
 
     ``generation`` is the latest generation spawned for the env (any slot's spawn bumps it);
     ``pid``, ``state`` and ``shared_memory`` are the first slot's (``workers[0]``). With
     ``max_workers_per_env > 1`` each slot's own generation, pid and state are in ``workers``.
-
-    ``raised``: the function raised (or its result did not unpickle). ``crashed``: the worker
-    died during the call. ``failed``: the call could not run for another reason (the worker did
-    not start, spoke garbage, the pool closed, a by-value function met another Python).
     """
 
     env: str
     generation: int
     pid: int | None
     state: str
-    submitted: int
-    ok: int
-    raised: int
-    crashed: int
-    timed_out: int
-    cancelled: int
-    failed: int
-    in_flight: int
-    queued: int
-    spawns: int
     stale_events_dropped: int
     workers: tuple[WorkerStats, ...]
     reaped: int = 0

@@ -50,7 +50,7 @@ from ._leftovers import STATUS_DIR_NAME as STATUS_DIR_NAME  # (its public home w
 from ._leftovers import STATUS_FILE, remove_status_files
 from ._rundir import private_subdir, runtime_root
 from ._say import package_logger
-from ._stats import CALL_COUNTERS
+from ._stats import CALL_COUNTERS, CallCounts
 from ._values import replace, value
 
 SCHEMA = 1
@@ -398,23 +398,13 @@ class WorkerStatus:
 
 
 @value
-class EnvStatus:
-    """One env of one pool of a host, with its call counters."""
+class EnvStatus(CallCounts):
+    """One env of one pool of a host: its call counters (``CallCounts``), then the rest."""
 
     pool: str
     env: str
     interpreter: str | None
     generation: int
-    submitted: int
-    ok: int
-    raised: int
-    crashed: int
-    timed_out: int
-    cancelled: int
-    failed: int
-    in_flight: int
-    queued: int
-    spawns: int
     workers: tuple[WorkerStatus, ...]
     # The env's own settings (``Pool.configure``), effective values; ``env_vars`` by name.
     own_settings: tuple[tuple[str, Any], ...] = ()

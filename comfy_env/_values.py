@@ -20,7 +20,10 @@ within 3x a hand-written minimal host and worker).
   to set its fields on load); a method the class body defines itself is kept;
 * ``replace`` and ``as_dict`` here do what ``dataclasses.replace``/``asdict`` did.
 
-Every annotation is a field (a ``ClassVar`` is refused); no base classes.
+Every annotation is a field (a ``ClassVar`` is refused). A value class may derive from one
+other value class, as a dataclass from a dataclass: the base's fields come first, then its
+own (``_stats.CallCounts``: the call counters of ``EnvStats`` and ``EnvStatus``, declared once);
+no other base classes.
 
 Type checkers see a frozen dataclass (``dataclass_transform``); at run time the decorator is a
 plain function, so a compiled build (mypyc) leaves these classes interpreted, as it must: a
@@ -49,6 +52,8 @@ else:
 
 # The class attribute naming a value class's fields, in order (``replace``, ``as_dict``).
 VALUE_FIELDS = "__value_fields__"
+# The class attribute holding the defaults of a value class's fields (for a derived class).
+VALUE_DEFAULTS = "__value_defaults__"
 
 
 class FrozenValueError(AttributeError):
@@ -74,22 +79,37 @@ def _fields_of(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
 
 @dataclass_transform(frozen_default=True)
 def value(cls: type[_T]) -> type[_T]:
-    """Make ``cls`` (a class of annotated fields, no bases) a frozen, slotted value class."""
-    if cls.__bases__ != (object,):
-        raise TypeError(f"{cls.__qualname__}: a value class cannot have base classes")
+    """Make ``cls`` (a class of annotated fields, deriving from nothing or from one value
+    class) a frozen, slotted value class."""
+    bases: tuple[type, ...] = cls.__bases__
+    inherited: tuple[str, ...] = ()
+    defaults: dict[str, Any] = {}
+    if bases == (object,):
+        bases = ()
+    elif len(bases) == 1 and VALUE_FIELDS in bases[0].__dict__:  # (``value`` made the base)
+        inherited = bases[0].__dict__[VALUE_FIELDS]
+        defaults = dict(bases[0].__dict__[VALUE_DEFAULTS])
+    else:
+        raise TypeError(
+            f"{cls.__qualname__}: a value class cannot have base classes other than one value class"
+        )
     namespace = dict(cls.__dict__)
     annotations = namespace.get("__annotations__", {})
-    names = tuple(annotations)
+    own = tuple(annotations)
     for name, annotation in annotations.items():
         if "ClassVar" in str(annotation):  # every annotation is a field here
             raise TypeError(f"{cls.__qualname__}: {name!r} is a ClassVar; value classes have none")
-    defaults = {name: namespace.pop(name) for name in names if name in namespace}
+        if name in inherited:
+            raise TypeError(f"{cls.__qualname__}: field {name!r} is its base's already")
+    names = inherited + own
+    defaults.update({name: namespace.pop(name) for name in own if name in namespace})
     namespace.pop("__dict__", None)
     namespace.pop("__weakref__", None)
-    namespace["__slots__"] = names
+    namespace["__slots__"] = own  # (the base's fields are the base's slots)
     namespace["__match_args__"] = names
     namespace[VALUE_FIELDS] = names
-    built: Any = type(cls.__name__, (), namespace)
+    namespace[VALUE_DEFAULTS] = defaults
+    built: Any = type(cls.__name__, bases, namespace)
 
     # __init__: one compiled function per class, storing through the slot descriptors.
     scope: dict[str, Any] = {}
@@ -135,6 +155,12 @@ def value(cls: type[_T]) -> type[_T]:
     built.__qualname__ = cls.__qualname__
     built.__module__ = cls.__module__
     return built  # type: ignore[no-any-return]
+
+
+def fields(cls: type[Any]) -> tuple[str, ...]:
+    """The names of the value class ``cls``'s fields, in order (``dataclasses.fields``)."""
+    names: tuple[str, ...] = getattr(cls, VALUE_FIELDS)
+    return names
 
 
 def replace(obj: _T, **changes: Any) -> _T:

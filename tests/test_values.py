@@ -26,6 +26,13 @@ class Point:
 
 
 @value
+class Tagged(Point):
+    """A point with a tag: a value class derived from a value class."""
+
+    tag: str = ""
+
+
+@value
 class Other:
     x: int
     y: int = 0
@@ -102,6 +109,33 @@ def test_bad_declarations_are_refused() -> None:
         @value
         class Derived(Base):
             a: int
+
+
+def test_a_value_class_derives_from_one_value_class_whose_fields_come_first() -> None:
+    from comfy_env._values import as_dict, fields, replace
+
+    t = Tagged(1, 2, "a", "t")
+    assert (t.x, t.y, t.label, t.tag) == (1, 2, "a", "t") and isinstance(t, Point)
+    assert fields(Tagged) == Tagged.__match_args__ == ("x", "y", "label", "tag")
+    assert Tagged(1, tag="t") == Tagged(1, 0, None, "t") and Tagged(1) != Point(1)
+    assert repr(t) == "Tagged(x=1, y=2, label='a', tag='t')" and not hasattr(t, "__dict__")
+    assert pickle.loads(pickle.dumps(t)) == t == copy.deepcopy(t)
+    assert hash(t) == hash(copy.copy(t))
+    assert replace(t, x=5, tag="u") == Tagged(5, 2, "a", "u")
+    assert as_dict(t) == {"x": 1, "y": 2, "label": "a", "tag": "t"}
+    with pytest.raises(FrozenValueError, match="cannot assign to field 'x' of Tagged"):
+        t.x = 2  # type: ignore[misc]
+    with pytest.raises(TypeError, match="without a default follows one"):
+
+        @value
+        class Bad(Point):
+            z: int
+
+    with pytest.raises(TypeError, match="is its base's already"):
+
+        @value
+        class Again(Point):
+            x: int = 0
 
 
 def test_replace_and_as_dict_do_what_the_dataclasses_helpers_did() -> None:
