@@ -12,9 +12,9 @@ every step reads its own fields::
                         in one lock section (``_lease.plain_slot_locked``), then ``run``
     run       the loop until the call ran on a worker, decode, settle once (``_lease``)
       start     a live worker (the site spawns), checks, CallStarted through the gate (begin)
-      send      the CALL frame; EPIPE before a byte went out: loop (it died idle)
-      receive   LOG/EVENT frames on the way; the worker died with our request unread: loop;
-                Ctrl-C: ask it to stop and read on (drain_cancelled)
+      send      the CALL frame; EPIPE before a byte went out: loop (it died idle: send_failed)
+      read      LOG/EVENT frames on the way (side_frames); the worker died with our request
+                unread: loop; Ctrl-C: ask it to stop and read on (read_failed, drain_cancelled)
       open      the reply's out-of-band buffers, the request's block freed
     crashed / timed_out / protocol_broken     every failure turned into its error here: the
                 gate event, the exit status collected, the death reported; the words are
@@ -196,6 +196,12 @@ class Exchange(Ticket):
 
     def __init__(self, site: ExchangeSite, entry: EnvEntry, wanted: Slot | None = None) -> None:
         self.site, self.entry = site, entry
+        # Read on every call: set here, so that each read finds them on the instance (a
+        # field read through the class is not specialised by CPython 3.11: about 150
+        # instructions each, against 5 for a store).
+        self.held = self.on_event = self.deadline = None
+        self.buffers = _NO_BUFFERS
+        self.interrupted = False
         if wanted is not None:
             self.wanted = wanted
 
@@ -297,14 +303,42 @@ class Exchange(Ticket):
         outcome = "failed"
         try:
             while True:
-                if self.process is None and not self.start():
-                    continue  # the worker was replaced meanwhile: a fresh one takes the call
+                process = self.process
+                if process is None:
+                    if not self.start():
+                        continue  # the worker was replaced meanwhile: a fresh one takes it
+                    process = self.process
+                    assert process is not None
                 if self.on_event is not None:
                     self.sink = event_handler(self.on_event, self.call_id, self.generation)
-                frame = self.receive() if self.send() else None
-                if frame is not None:
-                    break
-                self.process = None  # it never ran (EPIPE, or died with the request unread)
+                try:
+                    # Not opened to Ctrl-C even when held: the worker is idle and reads the
+                    # request, and the send does the request's shared-memory bookkeeping.
+                    self.block = process.send_request(
+                        self.call_id, self.body, self.buffers, self.deadline
+                    )
+                except BaseException as exc:  # noqa: BLE001 - answered in one place
+                    self.send_failed(exc, process)  # the call's error, or it never went out
+                    continue
+                try:
+                    held = self.held
+                    if held is None:
+                        frame = process.reader.read(self.deadline)  # type: ignore[union-attr]
+                    else:
+                        with held.allowing():
+                            frame = process.reader.read(self.deadline)  # type: ignore[union-attr]
+                    if frame[0] == _LOG or frame[0] == _EVENT:
+                        frame = self.side_frames(process, frame)
+                except BaseException as exc:  # noqa: BLE001 - answered in one place
+                    frame = self.read_failed(exc)
+                    if frame is None:
+                        self.process = None  # died with the request unread: it never ran
+                        continue
+                if (frame[0] != _REPLY_OK and frame[0] != _REPLY_ERR) or frame[2] != self.call_id:
+                    raise self.protocol_broken(
+                        not_the_reply(frame[0], frame[2], self.call_id, frame[3])
+                    )
+                break
             if frame[1] or self.block is not None:
                 ftype, reply, reply_buffers = self.open(frame)
             else:  # the small call: nothing out of band (``open`` without its branches)
@@ -384,53 +418,24 @@ class Exchange(Ticket):
                 raise CallCancelled("the call was cancelled", env=entry.spec.key)
             return self.begin_locked(slot, process, self.site.clock())
 
-    def send(self) -> bool:
-        """Send the CALL frame. False if the worker was gone before any byte went out (safe
-        to run the call elsewhere); the call's error once part of it was sent."""
-        process = self.process
-        assert process is not None
-        try:
-            # Not opened to Ctrl-C even when held: the worker is idle and reads the request
-            # (a full socket waits on it, bounded by the deadline), and the send does the
-            # request's shared-memory bookkeeping, which an interrupt must not cut in two.
-            self.block = process.send_request(self.call_id, self.body, self.buffers, self.deadline)
-        except (BrokenPipeError, ConnectionResetError):
+    def send_failed(self, exc: BaseException, process: WorkerGeneration) -> None:
+        """A send of the CALL frame that raised ``exc``: the call's error (raised); or, the
+        worker gone before any byte went out, nothing: it never ran, a fresh worker takes it."""
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
             self.entry.apply(self.slot, lc.ChannelClosed(process.generation))  # type: ignore[arg-type]
-            return False
-        except TimeoutError:
-            raise chained(self.timed_out(), None)  # noqa: B904 - see chained
-        except SerializationError:
-            raise
-        except OSError:
-            raise chained(self.crashed(), None)  # noqa: B904 - see chained
-        return True
+            self.process = None
+            return
+        if isinstance(exc, TimeoutError):
+            raise chained(self.timed_out(), None)
+        if isinstance(exc, OSError) and not isinstance(exc, SerializationError):
+            raise chained(self.crashed(), None)
+        raise exc
 
-    def receive(self) -> Frame | None:
-        """Read the call's reply (its LOG and EVENT frames handled on the way). None: the
-        worker died before it read the request (the call never ran)."""
-        process = self.process
-        assert process is not None
-        reader = process.reader
-        assert reader is not None
-        try:
-            held = self.held
-            if held is None:
-                frame = reader.read(self.deadline)
-            else:
-                with held.allowing():
-                    frame = reader.read(self.deadline)
-            ftype = frame[0]
-            if ftype == _LOG or ftype == _EVENT:
-                # What the call logged or reported: handle it, then read on to the reply.
-                with allowing(self.held):
-                    frame = process.read_frame(
-                        self.deadline, (ftype, frame[2], frame[3]), self.sink
-                    )
-        except BaseException as exc:  # noqa: BLE001 - answered in one place
-            return self.read_failed(exc)
-        if (frame[0] != _REPLY_OK and frame[0] != _REPLY_ERR) or frame[2] != self.call_id:
-            raise self.protocol_broken(not_the_reply(frame[0], frame[2], self.call_id, frame[3]))
-        return frame
+    def side_frames(self, process: WorkerGeneration, frame: Frame) -> Frame:
+        """What the call logged or reported (LOG, EVENT frames) handled, then the next frame
+        that is neither (Ctrl-C reaches this wait when the call holds it back)."""
+        with allowing(self.held):
+            return process.read_frame(self.deadline, (frame[0], frame[2], frame[3]), self.sink)
 
     def read_failed(self, exc: BaseException) -> Frame | None:
         """What a read that raised ``exc`` means: the call's error (raised); None if the

@@ -754,7 +754,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
     seen: list[str] = []
     exchange = _exchange.Exchange
     real_start_plain, real_start = exchange.start_plain, exchange.start
-    real_send, real_read_failed = exchange.send, exchange.read_failed
+    real_send_failed, real_read_failed = exchange.send_failed, exchange.read_failed
 
     def start_plain(self: _exchange.Exchange, *args: Any) -> bool:
         started = real_start_plain(self, *args)
@@ -765,11 +765,9 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
         seen.append("start")
         return real_start(self)
 
-    def send(self: _exchange.Exchange) -> bool:
-        sent = real_send(self)
-        if not sent:
-            seen.append("not sent")
-        return sent
+    def send_failed(self: _exchange.Exchange, exc: BaseException, process: Any) -> None:
+        real_send_failed(self, exc, process)  # raises the call's error if it went out
+        seen.append("not sent")
 
     def read_failed(self: _exchange.Exchange, exc: BaseException) -> object:
         seen.append("read failed")
@@ -782,7 +780,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
         for name, spy in [
             ("start_plain", start_plain),
             ("start", start),
-            ("send", send),
+            ("send_failed", send_failed),
             ("read_failed", read_failed),
         ]:
             monkeypatch.setattr(exchange, name, spy)
