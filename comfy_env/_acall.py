@@ -96,7 +96,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
-    CALLS_IN_FLIGHT,
     HEADER_SIZE,
     SPIN_RECHECK,
     FrameBuffer,
@@ -119,6 +118,7 @@ from ._errors import (
 )
 from ._exchange import Exchange, pid_of, python_mismatch
 from ._failures import completed_timeout, missed_deadline, not_reached, not_the_reply
+from ._inflight import CALLS_IN_FLIGHT
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
@@ -174,7 +174,7 @@ async def arun(
     if not plain:
         call.prepare(target, args, kwargs, timeout, None)
         call.on_event = on_event
-    CALLS_IN_FLIGHT.append(call)  # a sync caller's reader must not poll meanwhile
+    CALLS_IN_FLIGHT.add(call)  # a sync caller's reader must not poll meanwhile
     try:
         if not plain:
             await _lease_call(call)
@@ -190,8 +190,7 @@ async def arun(
         completed_timeout(exc, call.timeout, call.call_id, target_label(target))
         raise
     finally:
-        if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
-            CALLS_IN_FLIGHT.pop()
+        CALLS_IN_FLIGHT.discard(call)  # (gone already in a child forked during the call)
 
 
 async def _lease_call(call: Exchange) -> None:

@@ -45,7 +45,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from comfy_env_worker.protocol import (
-    CALLS_IN_FLIGHT,
     HEADER_SIZE,
     ChannelClosed,
     FrameError,
@@ -80,6 +79,7 @@ from ._failures import (
     protocol_error,
     retire_reason,
 )
+from ._inflight import CALLS_IN_FLIGHT
 from ._interrupts import Deferred, allowing, in_storm
 from ._refs import bound_by_refs, check_bound
 from ._settings import check_timeout
@@ -301,8 +301,8 @@ class Exchange(Ticket):
     def call(self) -> Any:
         """The prepared call to its end: lease (waiting in the queue), run, settle."""
         # Counted while it runs: a reader polls for its reply only while this process makes
-        # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
-        CALLS_IN_FLIGHT.append(self)
+        # one call at a time (see _inflight).
+        CALLS_IN_FLIGHT.add(self)
         try:
             if in_storm():
                 # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
@@ -315,8 +315,7 @@ class Exchange(Ticket):
             _lease.settle_interrupted(self.site, self.entry, self, exc)
             raise
         finally:
-            if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
-                CALLS_IN_FLIGHT.pop()
+            CALLS_IN_FLIGHT.discard(self)  # (gone already in a child forked during the call)
 
     def _leased_run(self) -> Any:
         site, entry = self.site, self.entry
@@ -333,7 +332,7 @@ class Exchange(Ticket):
         """The common call (``start_plain``) run to its end; ``GENERAL_PATH``, having
         counted, leased and sent nothing, when ``start_plain`` declines. Once started it is
         ``run`` like any other: whatever it meets is answered by the same rules."""
-        CALLS_IN_FLIGHT.append(self)  # as in ``call``
+        CALLS_IN_FLIGHT.add(self)  # as in ``call``
         try:
             # Leased inside the ``try``: an interrupt right after the lease is settled below.
             if not self.start_plain(target, args, kwargs):
@@ -343,8 +342,7 @@ class Exchange(Ticket):
             _lease.settle_interrupted(self.site, self.entry, self, exc)
             raise
         finally:
-            if CALLS_IN_FLIGHT:
-                CALLS_IN_FLIGHT.pop()
+            CALLS_IN_FLIGHT.discard(self)
 
     def run(self) -> Any:
         """The rest of a call once it holds its slot: exchange, decode, settle, count once."""
