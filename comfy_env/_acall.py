@@ -754,7 +754,7 @@ async def _warm_call(call: Exchange, process: WorkerGeneration) -> tuple[bool, A
         # is over the limit, or the copy itself failed): end the call as the sync path does.
         _lease.settle(site, entry, call, "failed", None)
         raise
-    outcome = "failed"
+    outcome: _lease.Outcome = "failed"
     cancels: _Cancels | None = None  # made once the call waits through the loop
     try:
         (kind, value), cancels = await _await_reply(call)

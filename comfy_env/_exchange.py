@@ -346,7 +346,7 @@ class Exchange(Ticket):
 
     def run(self) -> Any:
         """The rest of a call once it holds its slot: exchange, decode, settle, count once."""
-        outcome = "failed"
+        outcome: _lease.Outcome = "failed"
         try:
             ftype, reply, reply_buffers = self.exchange()
             if self.interrupted:
