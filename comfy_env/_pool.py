@@ -445,7 +445,7 @@ class Pool:
     ) -> None:
         self._spawner.report_death(entry, process, returncode, tail)
 
-    def reap_idle(self, now: object = None) -> int:
+    def reap_idle(self, now: float | None = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
         ``now`` defaults to the pool's clock). Returns how many were retired.
 
@@ -453,7 +453,7 @@ class Pool:
         the ``idle_since`` it observed, so a worker that ran a call in between (or is leased by
         a caller right now) is never reaped. A ``now`` that is no finite number is an
         ``ArgumentError`` (NaN compared as "idle long enough" for every worker)."""
-        at = _policies.reap_time(now, self.clock)  # (``object``: see reap_time)
+        at = _policies.reap_time(now, self.clock)
         return _policies.reap_idle(self.entries(), at, self.settings, self._reap_hooks)
 
     def _status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:
