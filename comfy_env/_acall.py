@@ -96,7 +96,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from comfy_env_worker import shm
 from comfy_env_worker.protocol import (
-    CALLS_IN_FLIGHT,
     HEADER_SIZE,
     SPIN_RECHECK,
     FrameBuffer,
@@ -125,6 +124,7 @@ from ._failures import (
     not_the_reply,
     python_mismatch,
 )
+from ._inflight import CALLS_IN_FLIGHT
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
@@ -179,7 +179,7 @@ async def arun(
         plain = call.start_plain(target, args, kwargs)
     if not plain:
         call.prepare(target, args, kwargs, timeout)
-    CALLS_IN_FLIGHT.append(call)  # a sync caller's reader must not poll meanwhile
+    CALLS_IN_FLIGHT.add(call)  # a sync caller's reader must not poll meanwhile
     try:
         if not plain:
             await _lease_call(call)
@@ -195,8 +195,7 @@ async def arun(
         completed_timeout(exc, call.timeout, call.call_id, target_label(target))
         raise
     finally:
-        if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
-            CALLS_IN_FLIGHT.pop()
+        CALLS_IN_FLIGHT.discard(call)  # (gone already in a child forked during the call)
 
 
 async def _lease_call(call: Exchange) -> None:
@@ -760,7 +759,7 @@ async def _warm_call(call: Exchange, process: WorkerGeneration) -> tuple[bool, A
         # is over the limit, or the copy itself failed): end the call as the sync path does.
         _lease.settle(site, entry, call, "failed", None)
         raise
-    outcome = "failed"
+    outcome: _lease.Outcome = "failed"
     cancels: _Cancels | None = None  # made once the call waits through the loop
     try:
         (kind, value), cancels = await _await_reply(call)

@@ -27,7 +27,7 @@ import pickle
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ._errors import CallCancelled
 from ._values import value
@@ -97,13 +97,18 @@ def deliver(callback: EventCallback, event: CallEvent) -> None:
         )
 
 
+# A call's stage, written by leasing alone (``_lease``): "new" -> "queued" -> "in_flight" ->
+# "done" (a call leased at once skips "queued"). A Literal: a misspelt stage is a type error.
+Stage = Literal["new", "queued", "in_flight", "done"]
+
+
 class CallTicket(Protocol):
     """What a ``Call`` reads of the pool's ticket for its call (narrow on purpose: this module
     never needs the pool's names)."""
 
     call_id: int  # 0 until sent
     generation: int  # 0 until sent
-    stage: str  # "queued", then "in_flight"
+    stage: Stage  # "queued", then "in_flight"
     cancelled: bool
 
 

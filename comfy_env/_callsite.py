@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
-    from ._call import EventCallback
+    from ._call import EventCallback, Stage
     from ._entry import EnvEntry, Slot
     from ._errors import PoolClosedError
     from ._settings import Settings
@@ -90,7 +90,7 @@ class PendingCall(Protocol):
     ran_on: Slot | None
     generation: int
     call_id: int
-    stage: str
+    stage: Stage
     cancelled: bool
 
     @property

@@ -167,7 +167,6 @@ class Loans:
         self.shm_state = "on" if self.shm_wanted else "off"
         if config.shared_memory and not self.shm_wanted:
             self.shm_state = "unavailable"
-        self.ack_consumed = True  # tests turn this off to exercise the worker's TTL
         # Loaned reply blocks whose last view died (call ids), appended by finalizers on any
         # thread; the lease holder sends their CONSUMED frames ahead of its next request.
         self.returned: deque[int] = deque()
@@ -234,8 +233,7 @@ class Loans:
             except IndexError:
                 break
             frames.append(encode_header(FrameType.CONSUMED, call_id, 0))
-        # Tests turn acks off to exercise the worker's TTL: the returns are then dropped.
-        return b"".join(frames) if self.ack_consumed else b""
+        return b"".join(frames)
 
     def shm_unavailable(self, why: str, err: int | None = None) -> None:
         """Shared memory failed (``err``: the errno, where this side saw it): stream inline,
@@ -493,8 +491,6 @@ class Channel:
 
     def send_consumed(self, call_id: int, flags: int = 0) -> None:
         """CONSUMED for ``call_id`` now (the reply's blocks were not lent)."""
-        if not self.loans.ack_consumed:
-            return
         sock = self.sock
         assert sock is not None
         try:

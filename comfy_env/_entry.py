@@ -53,7 +53,7 @@ from ._stats import EnvStats, WorkerStats
 
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
-    from ._call import EventCallback
+    from ._call import EventCallback, Stage
     from ._envs import EnvSpec
     from ._interrupts import Deferred
 
@@ -98,7 +98,7 @@ class Ticket:
     bound_generation = 0  # ... and the generation that must still occupy it
     ran_on: Slot | None = None  # the slot the call was sent to
     held: Deferred | None = None  # the call holds Ctrl-C back outside its waits (_interrupts)
-    stage = "new"  # "queued" -> "in_flight" -> "done"
+    stage: Stage = "new"  # "queued" -> "in_flight" -> "done"
     generation = 0
     call_id = 0
     timeout: float | None = None  # the call's timeout in seconds, if it has a deadline

@@ -300,7 +300,7 @@ class Exchange(Ticket):
         """The rest of a call once it holds its slot: sent to the leased slot's worker
         (starting one if needed) until a worker has it, its reply read and opened (private
         copies: the worker may reuse its blocks) and decoded; settled and counted once."""
-        outcome = "failed"
+        outcome: _lease.Outcome = "failed"
         try:
             while True:
                 process = self.process
@@ -312,8 +312,7 @@ class Exchange(Ticket):
                 if self.on_event is not None:
                     self.sink = event_handler(self.on_event, self.call_id, self.generation)
                 try:
-                    # Not opened to Ctrl-C even when held: the worker is idle and reads the
-                    # request, and the send does the request's shared-memory bookkeeping.
+                    # Not opened to Ctrl-C when held: it does the request's shm bookkeeping.
                     self.block = process.send_request(
                         self.call_id, self.body, self.buffers, self.deadline
                     )

@@ -43,6 +43,7 @@ from comfy_env_worker.protocol import (
 from ._codec import decode_reply, encode_call, oob_threshold, worker_config
 from ._errors import WorkerStartError, describe_exit
 from ._identity import host_id
+from ._inflight import CALLS_IN_FLIGHT
 from ._interrupts import Deferred
 from ._lifecycle import Stop
 
@@ -188,7 +189,7 @@ def _converse(process: Starting, deadline: float, canary: Canary) -> None:
     reader.limit = config.max_frame_bytes
     canary_check(channel, deadline, value, block)
     # Only now: the handshake and the canary wait on an interpreter's start-up.
-    reader.spin_wait(config.spin_wait, process.pid or 0)
+    reader.spin_wait(config.spin_wait, process.pid or 0, CALLS_IN_FLIGHT)
 
 
 def _hello(process: Starting, deadline: float, canary: Canary) -> tuple[Canary, Any]:

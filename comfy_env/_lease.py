@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from . import _lifecycle as lc
 from ._entry import run_effects
@@ -42,6 +42,10 @@ if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._callsite import CallSite
     from ._entry import EnvEntry, Slot, Ticket
+
+# The counter a settled call's outcome increments, one each (``_count_locked``). A Literal: a
+# misspelt outcome is a type error, not a counter nobody reads.
+Outcome = Literal["ok", "raised", "crashed", "timed_out", "cancelled", "failed"]
 
 
 def thread_waiter(ticket: Ticket) -> None:
@@ -205,7 +209,7 @@ def ready_locked(
 
 
 def settle(
-    site: CallSite, entry: EnvEntry, ticket: Ticket, outcome: str, replied_at: float | None
+    site: CallSite, entry: EnvEntry, ticket: Ticket, outcome: Outcome, replied_at: float | None
 ) -> None:
     """End of a call, in one lock section: apply its ``Replied`` (``replied_at``: when the
     worker's whole reply arrived; None if it did not), release its slot (to the next waiter,
@@ -248,7 +252,7 @@ def settle(
     site.status_changed()
 
 
-def _count_locked(entry: EnvEntry, outcome: str) -> None:
+def _count_locked(entry: EnvEntry, outcome: Outcome) -> None:
     """Count a settled call's ``outcome`` (lock held), by name, one counter each."""
     if outcome == "ok":  # the common call first
         entry.ok += 1
@@ -370,7 +374,7 @@ def release_locked(entry: EnvEntry, slot: Slot) -> WorkerGeneration | None:
     return None
 
 
-def outcome_of(exc: BaseException) -> str:
+def outcome_of(exc: BaseException) -> Outcome:
     """The counter a call that ended with ``exc`` before it ran increments."""
     if isinstance(exc, CallTimeout):
         return "timed_out"

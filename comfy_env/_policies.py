@@ -94,11 +94,11 @@ class ReapHooks:
         return bool(hooks)
 
 
-def reap_time(now: object, clock: Callable[[], float]) -> float:
+def reap_time(now: float | None, clock: Callable[[], float]) -> float:
     """The time ``Pool.reap_idle(now)`` reaps as of: ``now``, or the pool's ``clock()`` for
-    None. A ``now`` that is no finite number is an ``ArgumentError`` (NaN compared as "idle
-    long enough" for every worker). (``object``, checked here: compiled, a ``float | None``
-    parameter would refuse a str with a bare TypeError and take True as 1.0.)"""
+    None. A ``now`` that is no finite number (a bool, a str, NaN, which compared as "idle long
+    enough" for every worker) is an ``ArgumentError``: callers without a type checker get a
+    typed error, not a wrong reap."""
     if now is None:
         return clock()
     if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):

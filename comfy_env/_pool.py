@@ -90,8 +90,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from comfy_env_worker.protocol import CALLS_IN_FLIGHT
-
 from . import _lease, _policies, _shutdown
 from . import _lifecycle as lc
 from ._backend import Backend, WorkerGeneration, backend_for
@@ -111,6 +109,7 @@ from ._events import (
 )
 from ._exchange import Deaths, Exchange
 from ._failures import completed_timeout
+from ._inflight import CALLS_IN_FLIGHT
 from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, in_storm
 from ._reactor import Reactor
 from ._settings import Settings, environment_overrides, warn_unknown_variables
@@ -412,8 +411,8 @@ class Pool:
         the queue), run (``Exchange.run``), settled once."""
         call = cast(Exchange, prepared)
         # Counted while it runs: a reader polls for its reply only while this process makes
-        # one call at a time (see comfy_env_worker.protocol.CALLS_IN_FLIGHT).
-        CALLS_IN_FLIGHT.append(call)
+        # one call at a time (see _inflight).
+        CALLS_IN_FLIGHT.add(call)
         try:
             if in_storm():
                 # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
@@ -426,8 +425,7 @@ class Pool:
             _lease.settle_interrupted(self, call.entry, call, exc)
             raise
         finally:
-            if CALLS_IN_FLIGHT:  # (emptied in a child forked during the call)
-                CALLS_IN_FLIGHT.pop()
+            CALLS_IN_FLIGHT.discard(call)  # (gone already in a child forked during the call)
 
     def _leased_run(self, call: Exchange) -> Any:
         entry = call.entry
@@ -450,7 +448,7 @@ class Pool:
         if LAST_INTERRUPT[0] > NEVER and in_storm():  # (one compare until a first Ctrl-C)
             return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call``)
         call = Exchange(self, entry)
-        CALLS_IN_FLIGHT.append(call)  # as in ``call``
+        CALLS_IN_FLIGHT.add(call)  # as in ``call``
         try:
             # Leased inside the ``try``: an interrupt right after the lease is settled below.
             if not call.start_plain(target, args, kwargs):
@@ -460,8 +458,7 @@ class Pool:
             _lease.settle_interrupted(self, entry, call, exc)
             raise
         finally:
-            if CALLS_IN_FLIGHT:
-                CALLS_IN_FLIGHT.pop()
+            CALLS_IN_FLIGHT.discard(call)
 
     def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""
@@ -470,7 +467,7 @@ class Pool:
             return slot.process
         return self._spawner.spawn(entry, slot)
 
-    def reap_idle(self, now: object = None) -> int:
+    def reap_idle(self, now: float | None = None) -> int:
         """Retire workers idle longer than ``idle_timeout`` (the reaper runs this on a timer;
         ``now`` defaults to the pool's clock). Returns how many were retired.
 
@@ -478,7 +475,7 @@ class Pool:
         the ``idle_since`` it observed, so a worker that ran a call in between (or is leased by
         a caller right now) is never reaped. A ``now`` that is no finite number is an
         ``ArgumentError`` (NaN compared as "idle long enough" for every worker)."""
-        at = _policies.reap_time(now, self.clock)  # (``object``: see reap_time)
+        at = _policies.reap_time(now, self.clock)
         return _policies.reap_idle(self.entries(), at, self.settings, self._reap_hooks)
 
     def _status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:

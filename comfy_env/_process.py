@@ -191,7 +191,6 @@ class WorkerProcess(GenerationFacts):
         self.send_cancel = channel.send_cancel
         self.release_refs = channel.release_refs
         self.request_unread = channel.request_unread
-        self.take_returns = channel.loans.take_returns
         # What a caller whose read saw the EOF asks the exit watch.
         self.status_at_eof = watch.status_at_eof
         self.collect_exit = watch.collect_exit

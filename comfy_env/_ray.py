@@ -260,13 +260,9 @@ def _local_head() -> Any:
 # ---- the actors of this process (the test suite's leak guard reads them) ----------------------
 
 _actors_lock = threading.Lock()
-_live_actors: dict[str, int | None] = {}  # actor id (hex) -> pid once known
-
-
-def live_actors() -> dict[str, int | None]:
-    """Actors this process created whose death Ray has not reported yet (id -> pid)."""
-    with _actors_lock:
-        return dict(_live_actors)
+# Actors this process created whose death Ray has not reported yet: actor id (hex) -> pid
+# once known. Written under ``_actors_lock``.
+_live_actors: dict[str, int | None] = {}
 
 
 # ---- the runtime shipped to the actors ---------------------------------------------------------

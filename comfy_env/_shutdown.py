@@ -38,9 +38,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from comfy_env_worker.protocol import CALLS_IN_FLIGHT
-
 from . import _lifecycle as lc
+from ._inflight import CALLS_IN_FLIGHT
 from ._rundir import install_exit_hook
 
 if TYPE_CHECKING:
@@ -126,7 +125,7 @@ def _after_fork_in_child() -> None:
     global _hooks_lock
     _hooks_lock = threading.Lock()
     # The calls in flight were the parent's threads' (gone here); a call of the forking thread
-    # that ends in the child finds the list empty and leaves it so.
+    # that ends in the child finds itself gone already (its discard does nothing).
     CALLS_IN_FLIGHT.clear()
     for registration in list(live_pools):
         registration.pool.abandon_in_forked_child()

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from . import _lifecycle as lc
 from . import _policies
-from ._errors import PoolClosedError, WorkerStartError, chained, describe_exit, signal_name
+from ._errors import PoolClosedError, WorkerStartError, describe_exit, signal_name
 from ._events import ShmSwept, WorkerReady, WorkerRetired, WorkerSpawned
 from ._failures import abandoned_error
 from ._generation import Birth
@@ -82,7 +82,7 @@ class SpawnSite(Protocol):
 
     def entries(self) -> list[EnvEntry]: ...
 
-    def reap_idle(self, now: object = None) -> int: ...
+    def reap_idle(self, now: float | None = None) -> int: ...
 
 
 class Spawner:
@@ -125,9 +125,7 @@ class Spawner:
                     with entry.lock:
                         entry.unsupported = exc
                 if self.pool.closed and isinstance(exc, WorkerStartError):
-                    raise chained(  # noqa: B904 - see chained
-                        PoolClosedError("the pool was closed while the worker started"), exc
-                    )
+                    raise PoolClosedError("the pool was closed while the worker started") from exc
                 raise
             self._ready(entry, slot, process)
             return process
@@ -154,7 +152,7 @@ class Spawner:
                     "host out of file descriptors or disk space?)",
                     env=entry.spec.key,
                 )
-                raise chained(error, exc)  # noqa: B904
+                raise error from exc
             return self.reactor, self.runtime_dir
 
     def _begin(
@@ -242,9 +240,7 @@ class Spawner:
             if closed and isinstance(exc, WorkerStartError):
                 # close() stopped it before or while it was launched ("stopped before it was
                 # launched", a reactor already stopped): the pool's closing, not the env's.
-                raise chained(  # noqa: B904 - see chained
-                    PoolClosedError("the pool was closed while the worker started"), exc
-                )
+                raise PoolClosedError("the pool was closed while the worker started") from exc
             raise
         if process.popen is not None:
             self.pool.events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))

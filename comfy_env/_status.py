@@ -262,13 +262,14 @@ class StatusThrottle:
     among them). A change inside the throttle window (``window`` seconds) is written when the
     window ends, so the file is never more than about a second behind the last change.
 
-    On every call's path it costs one flag test (and one store) while a write is pending, with
-    no lock: ``changed`` sets ``_dirty`` *before* it reads ``_pending`` again, and the window's
-    end (``_written``, on the reactor) clears ``_pending`` *before* it reads ``_dirty``, so
-    under the GIL's one order of these four steps at least one side sees the other's write: a
-    change is never left unwritten (at worst written twice)."""
+    Every decision (open a window, mark a change for its end, close it) is made under
+    ``_lock``. A busy call path costs one flag test and no lock: once a change is marked
+    (``_dirty``), the changes after it need nothing more, because the window's end
+    (``_written``) clears the mark under the lock *before* it asks for the write, and the
+    write takes its snapshot after that; so a caller that still saw the mark made its change
+    before the snapshot. Only the first change of each window takes the lock."""
 
-    __slots__ = ("_dirty", "_pending", "_snapshots", "_timer", "window")
+    __slots__ = ("_dirty", "_lock", "_pending", "_snapshots", "_timer", "window")
 
     def __init__(
         self,
@@ -281,36 +282,41 @@ class StatusThrottle:
         self._snapshots = snapshots
         self._timer = timer
         self.window = window
-        self._pending = False
-        self._dirty = False  # changed while a write was pending: write again after it
+        self._lock = _thread.allocate_lock()
+        self._pending = False  # a window is open: its end (``_written``) is queued
+        self._dirty = False  # changed inside the open window: written at its end
 
     def changed(self) -> None:
-        if self._pending:
-            self._dirty = True
-            if self._pending:
-                return  # the end of the window sees the flag
-            # The window ended between the two tests and may have missed the flag: go on.
+        if self._dirty:
+            return  # marked already; the window's end writes it (see the class docstring)
+        # Asked before the lock: a pool inherited by fork is closed (no timer), and a lock
+        # another thread of the parent held at the fork is never taken.
         call_later = self._timer()
         if call_later is None:
             return
-        try:
-            publisher = host_publisher(self._snapshots)
-        except (OSError, RuntimeRootError):
-            # The first publisher names this host (``host_id``), which reads /proc: a host out
-            # of descriptors. The status file waits for the next change; the call that got
-            # here keeps its own outcome.
-            self._dirty = True
-            return
-        self._pending = True
+        with self._lock:
+            if self._pending:
+                self._dirty = True
+                return
+            try:
+                publisher = host_publisher(self._snapshots)
+            except (OSError, RuntimeRootError):
+                # The first publisher names this host (``host_id``), which reads /proc: a host
+                # out of descriptors. No window opens: the next change tries again; the call
+                # that got here keeps its own outcome.
+                return
+            self._pending = True
         publisher.publish_soon(call_later)
         call_later(self.window, self._written)
 
     def _written(self) -> None:
         """Reactor thread: the throttle window ended; publish what changed inside it."""
-        self._pending = False
-        if self._dirty:
+        with self._lock:
+            self._pending = False
+            if not self._dirty:
+                return
             self._dirty = False
-            self.changed()
+        self.changed()
 
 
 def _start_ms() -> int:

@@ -80,10 +80,17 @@ def _children() -> set[tuple[int, float]]:
 
 def _ray_actors() -> set[str]:
     """Actors comfy-env created that Ray has not reported dead (with their pids)."""
+    return {f"actor {a} pid {p}" for a, p in ray_live_actors().items()}
+
+
+def ray_live_actors() -> dict[str, int | None]:
+    """Actors this process created through comfy-env whose death Ray has not reported yet
+    (actor id -> pid once known); empty while the Ray backend was never imported."""
     ray_backend = sys.modules.get("comfy_env._ray")
     if ray_backend is None:
-        return set()
-    return {f"actor {a} pid {p}" for a, p in ray_backend.live_actors().items()}
+        return {}
+    with ray_backend._actors_lock:
+        return dict(ray_backend._live_actors)
 
 
 def _zombies() -> list[int]:
@@ -298,6 +305,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def stop_consumed_acks(channel: Any) -> None:
+    """Make the host send no more CONSUMED acks on ``channel`` (a ``comfy_env._channel.Channel``):
+    loans returned later are dropped and a reply copied out is not acked, so the worker keeps
+    those reply blocks pinned until its TTL (``shm_pinned_ttl``) or its death."""
+    loans = channel.loans
+
+    def take_returns() -> bytes:
+        loans.returned.clear()
+        return b""
+
+    loans.take_returns = take_returns
+    channel.send_consumed = lambda call_id, flags=0: None
 
 
 def run_host(code: str, *args: str) -> subprocess.Popen[str]:

@@ -691,6 +691,57 @@ def test_status_is_current_within_a_second_of_the_last_change(
         capsys.readouterr()
 
 
+def test_changes_racing_to_open_the_status_window_open_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads whose changes both find the status throttle's window closed open it once:
+    one write and one window's end queued, the other change marked for that end (the
+    decisions are made under the throttle's lock)."""
+    import threading
+
+    from comfy_env import _status
+
+    queued: list[object] = []  # what the throttle gave the reactor's call_later
+    writes: list[object] = []
+
+    class Publisher:
+        def publish_soon(self, call_later: object) -> None:
+            writes.append(call_later)
+
+    monkeypatch.setattr(_status, "host_publisher", lambda snapshots: Publisher())
+    first_asks = threading.Event()
+    second_done = threading.Event()
+
+    def call_later(delay: float, fn: object) -> None:
+        queued.append(fn)
+
+    def timer() -> object:
+        # The first thread stops here, its test of the window done, until the second thread's
+        # change went through.
+        if threading.current_thread().name == "first":
+            first_asks.set()
+            assert second_done.wait(10)
+        return call_later
+
+    throttle = _status.StatusThrottle(lambda: [], timer)
+    first = threading.Thread(target=throttle.changed, name="first")
+    first.start()
+    assert first_asks.wait(10)
+    throttle.changed()
+    second_done.set()
+    first.join(10)
+    assert not first.is_alive()
+    assert len(writes) == 1 and len(queued) == 1  # one write, one window
+    (window_end,) = queued
+    window_end()  # type: ignore[operator]
+    assert len(writes) == 2  # the marked change, written at the window's end
+    assert len(queued) == 2  # ... in a window of its own
+    queued[1]()  # type: ignore[operator]
+    assert len(writes) == 2 and len(queued) == 2  # nothing changed since: the window closes
+    throttle.changed()
+    assert len(writes) == 3 and len(queued) == 3  # the next change opens it again
+
+
 def test_call_error_text_names_the_type_once(capsys: pytest.CaptureFixture[str]) -> None:
     # SystemExit comes back as RemoteError, whose own text starts with the type name.
     code, _, err = run_cli(capsys, "call", "-", "sys:exit", '["bad mesh"]')

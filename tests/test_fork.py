@@ -14,7 +14,7 @@ from conftest import run_host as _run_host
 
 import comfy_env
 from comfy_env import PoolClosedError
-from comfy_env_worker.protocol import CALLS_IN_FLIGHT
+from comfy_env._inflight import CALLS_IN_FLIGHT
 
 
 def _channel_inodes(pool: comfy_env.Pool) -> set[str]:
@@ -114,7 +114,7 @@ def test_a_forked_child_inherits_none_of_the_parents_calls_in_flight(
     assert report["calls_in_flight"] == 0
     assert report["calls_in_flight_after"] == 0
     assert running.result(10) > 0
-    assert CALLS_IN_FLIGHT == []
+    assert CALLS_IN_FLIGHT == set()
 
 
 def _mp_child(queue: multiprocessing.Queue[object], worker: comfy_env.Worker) -> None:

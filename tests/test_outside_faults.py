@@ -268,6 +268,7 @@ _DYING_HOST = """
     import numpy as np
     import comfy_env
     from comfy_env._process import runtime_root
+    from conftest import stop_consumed_acks
 
     how, venv = sys.argv[1], sys.argv[2]
     pool = comfy_env.Pool(comfy_env.PoolConfig(shm_pinned_ttl=600))
@@ -281,7 +282,7 @@ _DYING_HOST = """
     def work():
         for w, target, payload in zip(workers, targets, payloads):
             w.call(target, payload)
-            w._entry.slots[0].process.channel.loans.ack_consumed = False
+            stop_consumed_acks(w._entry.slots[0].process.channel)
             w.call(target, payload)  # its reply blocks stay pinned
 
     if how == "thread-exit":

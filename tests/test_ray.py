@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import TESTS_DIR, other_python, wait_until
+from conftest import TESTS_DIR, other_python, ray_live_actors, wait_until
 
 import comfy_env
 from comfy_env import PoolClosedError, WorkerStartError
@@ -139,13 +139,11 @@ def test_a_forked_child_is_inert(rpool: comfy_env.Pool) -> None:
 def test_close_kills_the_actors_and_leaves_the_applications_ray_running() -> None:
     import ray
 
-    from comfy_env import _ray
-
     pool = comfy_env.Pool(_config())
     pool.get_worker().call("tasks.remote:add", 1)
-    assert len(_ray.live_actors()) == 1
+    assert len(ray_live_actors()) == 1
     pool.close()
-    assert _ray.live_actors() == {}  # killed, and Ray said so, before close returned
+    assert ray_live_actors() == {}  # killed, and Ray said so, before close returned
     assert ray.is_initialized()  # the session's cluster: not comfy-env's to shut down
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import TESTS_DIR, alive, private_shm_mount_usable
+from conftest import TESTS_DIR, alive, private_shm_mount_usable, stop_consumed_acks
 from conftest import run_host as _run_host
 from conftest import wait_until as _wait
 from tasks import remote as remote_tasks
@@ -281,7 +281,7 @@ def test_the_consumed_ack_frees_pinned_reply_blocks_at_once(pool: comfy_env.Pool
     out = w.call(remote_tasks.filled, 1.0, MiB)  # copied out (copies_for_all)
     assert out.nbytes == 4 * MiB
     assert _worker_shm(w)["pinned"] == 0
-    _host_process(w).channel.loans.ack_consumed = False
+    stop_consumed_acks(_host_process(w).channel)
     w.call(remote_tasks.filled, 1.0, MiB)
     assert _worker_shm(w)["pinned"] == 1  # no ack: the reply block stays pinned
 
@@ -666,7 +666,7 @@ def test_the_ttl_frees_blocks_the_host_never_acks(config: comfy_env.PoolConfig) 
     with comfy_env.Pool(config.model_copy(update={"shm_pinned_ttl": 0.3})) as pool:
         w = pool.get_worker()
         w.call("comfy_env_worker.tasks:echo", 0)
-        _host_process(w).channel.loans.ack_consumed = False
+        stop_consumed_acks(_host_process(w).channel)
         w.call(remote_tasks.filled, 1.0, MiB)
         w.call(remote_tasks.filled, 1.0, 2 * MiB)
         assert _worker_shm(w)["pinned"] == 2
@@ -759,7 +759,7 @@ def test_a_reply_block_gone_before_the_host_opens_it_fails_that_call_only(
 def test_a_crash_with_pinned_blocks_leaks_nothing(pool: comfy_env.Pool) -> None:
     w = pool.get_worker()
     w.call("comfy_env_worker.tasks:echo", 0)
-    _host_process(w).channel.loans.ack_consumed = False
+    stop_consumed_acks(_host_process(w).channel)
     w.call(remote_tasks.filled, 1.0, 2 * MiB)
     pid = w.pid
     prefix = f"ce-{os.getpid()}-"
@@ -948,9 +948,10 @@ def _double_crash_then_sweep(pool: comfy_env.Pool) -> None:
     host = _run_host(
         """
         import os, time, numpy as np, comfy_env
+        from conftest import stop_consumed_acks
         w = comfy_env.get_worker()
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
-        w._entry.slots[0].process.channel.loans.ack_consumed = False
+        stop_consumed_acks(w._entry.slots[0].process.channel)
         w.call("comfy_env_worker.tasks:echo", np.ones(2 << 20, dtype=np.float32))
         pool = comfy_env.default_pool()
         while pool._spawner.watcher is None:  # started on the reactor with the first worker

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import pytest
 
 import comfy_env
+from comfy_env._inflight import CALLS_IN_FLIGHT
 from comfy_env._process import WorkerProcess
 from comfy_env_worker import protocol
 from comfy_env_worker.protocol import (
-    CALLS_IN_FLIGHT,
     HEADER,
     MAGIC,
     ChannelClosed,
@@ -197,18 +197,19 @@ def test_no_polling_while_the_process_makes_more_than_one_call(
     if len(restore_affinity) < 2:
         pytest.skip("one CPU: the reader never polls here")
     reader = FrameReader(pair[0])
-    reader.spin_wait(0.001, os.getpid())
-    assert CALLS_IN_FLIGHT == [] and reader.spins()
-    CALLS_IN_FLIGHT.append(object())  # this thread's own call: it may poll
+    reader.spin_wait(0.001, os.getpid(), CALLS_IN_FLIGHT)  # as the host's handshake does
+    mine, another = object(), object()
+    assert CALLS_IN_FLIGHT == set() and reader.spins()
+    CALLS_IN_FLIGHT.add(mine)  # this thread's own call: it may poll
     try:
         assert reader.spins()
-        CALLS_IN_FLIGHT.append(object())  # another thread's call too: it may not
+        CALLS_IN_FLIGHT.add(another)  # another thread's call too: it may not
         try:
             assert not reader.spins()
         finally:
-            CALLS_IN_FLIGHT.pop()
+            CALLS_IN_FLIGHT.discard(another)
     finally:
-        CALLS_IN_FLIGHT.pop()
+        CALLS_IN_FLIGHT.discard(mine)
     assert reader.spins()
 
 
@@ -224,21 +225,21 @@ def test_every_call_is_in_flight_while_it_runs_and_only_then(pool: comfy_env.Poo
             "tasks.remote:report", (2,), on_event=lambda _: seen.append(len(CALLS_IN_FLIGHT))
         )
     )
-    assert seen == [1, 1, 1, 1] and CALLS_IN_FLIGHT == []
+    assert seen == [1, 1, 1, 1] and CALLS_IN_FLIGHT == set()
     running = worker.submit("tasks.remote:busy_loop", (0.5,))
     deadline = time.monotonic() + 10
     while not CALLS_IN_FLIGHT and time.monotonic() < deadline:
         time.sleep(0.001)
     assert len(CALLS_IN_FLIGHT) == 1  # the submitted call, on a thread of its own
     running.result(10)
-    assert CALLS_IN_FLIGHT == []
+    assert CALLS_IN_FLIGHT == set()
     with pytest.raises(comfy_env.RemoteError):
         worker.call("tasks.remote:system_exit", 3)
     with pytest.raises(comfy_env.CallTimeout):
         worker.run("tasks.remote:busy_loop", (5.0,), timeout=0.2)
     with pytest.raises(comfy_env.SerializationError):
         worker.call("tasks.remote:add", threading.Lock())
-    assert CALLS_IN_FLIGHT == []
+    assert CALLS_IN_FLIGHT == set()
 
 
 def test_no_polling_on_either_side_when_caller_and_worker_share_one_pinned_cpu(

@@ -39,7 +39,7 @@ import time
 
 TYPE_CHECKING = False  # typing costs ~3-5 ms at worker start-up; annotations are strings
 if TYPE_CHECKING:
-    from typing import Any, Callable, List, Optional, Tuple, Union
+    from typing import Any, Callable, List, Optional, Sized, Tuple, Union
 
 PROTOCOL_VERSION = 1
 
@@ -114,12 +114,6 @@ SPIN_RECHECK_READS = 1000
 ALARM_RECHECK = 0.001
 ALARM_RECHECKS = 20
 _spin_supported = hasattr(os, "sched_getaffinity") and hasattr(os, "sched_yield")
-# The calls this process is making right now, one entry each (the host's pool appends one for
-# the whole of every call; a worker makes none). A reader polls only while at most one call is
-# in flight: each poll releases the GIL, and with more caller threads busy the poller would
-# trade the GIL with them at every turn (measured with eight threads on two CPUs: throughput
-# down by up to a fifth, tail latency up by half). list.append and pop are atomic: no lock.
-CALLS_IN_FLIGHT: List[object] = []
 
 
 def shares_one_cpu(peer_pid: int) -> bool:
@@ -292,6 +286,7 @@ class FrameReader:
         "_alarm_rechecks",
         "_alarm_suspects",
         "_buf",
+        "_calls",
         "_limit",
         "_on_alarm",
         "_one_cpu",
@@ -323,6 +318,7 @@ class FrameReader:
         self._spin_short = True  # the last wait ended within the budget
         self._spin_since = 0.0  # when a wait that did not poll began (0: none pending)
         self._one_cpu = False  # both ends pinned to one same CPU, as last looked at
+        self._calls: Sized = ()  # the calls this process makes right now (spin_wait's)
         # Alarms (``set_alarms``): descriptors whose readiness may mean the peer is dead,
         # watched by waits that outlast a blocking read's timeout.
         self._alarm_poller: Optional[select.poll] = None
@@ -443,7 +439,7 @@ class FrameReader:
         self._alarm_suspects = []
         self._alarm_rechecks = 0
 
-    def spin_wait(self, seconds: float, peer_pid: int) -> None:
+    def spin_wait(self, seconds: float, peer_pid: int, calls: Sized = ()) -> None:
         """Poll for up to ``seconds`` before a blocking read of a new frame (0: never).
 
         A process asleep in ``recv`` must be woken by the kernel when its peer writes, and
@@ -462,8 +458,15 @@ class FrameReader:
         Adaptive, like a mutex that spins: a wait polls only if the previous one ended within
         ``seconds`` (a wait that slept is timed too). Calls that take longer than the budget,
         or a worker whose next call comes rarely, would only burn the budget in every wait,
-        CPU that other workers and caller threads need on a loaded machine. And no reader
-        polls while its process makes more than one call at a time (``CALLS_IN_FLIGHT``)."""
+        CPU that other workers and caller threads need on a loaded machine.
+
+        And no wait polls while ``calls`` (the calls this process is making right now: the
+        host's ``comfy_env._inflight.CALLS_IN_FLIGHT``, one entry per call; a worker makes none)
+        holds more than one: each poll releases the GIL, and with more caller threads busy
+        the poller would trade the GIL with them at every turn (measured with eight threads
+        on two CPUs: throughput down by up to a fifth, tail latency up by half). The reader
+        only takes its size, at each wait."""
+        self._calls = calls
         self._spin_budget = self._spin = seconds if seconds > 0 and _spin_supported else 0.0
         self._spin_peer = peer_pid if _spin_supported else 0
         self._spin_recheck = 0.0
@@ -477,7 +480,7 @@ class FrameReader:
         return (
             self._spin_budget > 0
             and self._spin_short
-            and len(CALLS_IN_FLIGHT) <= 1
+            and len(self._calls) <= 1
             and self._spin_allowed(_monotonic())
         )
 
@@ -507,7 +510,7 @@ class FrameReader:
         now = _monotonic()
         if not self._spin_allowed(now):
             return  # one pinned CPU now: no polling, no timing
-        if self._spin_short and len(CALLS_IN_FLIGHT) <= 1:
+        if self._spin_short and len(self._calls) <= 1:
             end = now + self._spin
             if deadline is not None and deadline < end:
                 end = deadline
