@@ -194,7 +194,7 @@ class Exchange(Ticket):
     block: Block | None = None  # the request's shared-memory block, freed with the reply
     replied_at: float | None = None  # when the whole reply arrived (``Replied``)
 
-    def __init__(self, site: ExchangeSite, entry: EnvEntry, wanted: Slot | None = None) -> None:
+    def __init__(self, site: ExchangeSite, entry: EnvEntry) -> None:
         self.site, self.entry = site, entry
         # Read on every call: set here, so that each read finds them on the instance (a
         # field read through the class is not specialised by CPython 3.11: about 150
@@ -202,8 +202,6 @@ class Exchange(Ticket):
         self.held = self.on_event = self.deadline = None
         self.buffers = _NO_BUFFERS
         self.interrupted = False
-        if wanted is not None:
-            self.wanted = wanted
 
     def cancel(self, force: bool = False) -> bool:
         """Cancel this call from any thread, queued or running (``_lease.cancel``)."""
@@ -305,10 +303,9 @@ class Exchange(Ticket):
             while True:
                 process = self.process
                 if process is None:
-                    if not self.start():
+                    process = self.start()
+                    if process is None:
                         continue  # the worker was replaced meanwhile: a fresh one takes it
-                    process = self.process
-                    assert process is not None
                 if self.on_event is not None:
                     self.sink = event_handler(self.on_event, self.call_id, self.generation)
                 try:
@@ -326,23 +323,25 @@ class Exchange(Ticket):
                     else:
                         with held.allowing():
                             frame = process.reader.read(self.deadline)  # type: ignore[union-attr]
-                    if frame[0] == _LOG or frame[0] == _EVENT:
+                    ftype = frame[0]
+                    if ftype == _LOG or ftype == _EVENT:
                         frame = self.side_frames(process, frame)
+                        ftype = frame[0]
                 except BaseException as exc:  # noqa: BLE001 - answered in one place
                     frame = self.read_failed(exc)
                     if frame is None:
                         self.process = None  # died with the request unread: it never ran
                         continue
-                if (frame[0] != _REPLY_OK and frame[0] != _REPLY_ERR) or frame[2] != self.call_id:
-                    raise self.protocol_broken(
-                        not_the_reply(frame[0], frame[2], self.call_id, frame[3])
-                    )
+                    ftype = frame[0]
+                if (ftype != _REPLY_OK and ftype != _REPLY_ERR) or frame[2] != self.call_id:
+                    why = not_the_reply(ftype, frame[2], self.call_id, frame[3])
+                    raise self.protocol_broken(why)
                 break
             if frame[1] or self.block is not None:
                 ftype, reply, reply_buffers = self.open(frame)
             else:  # the small call: nothing out of band (``open`` without its branches)
                 self.replied_at = self.site.clock()
-                ftype, reply, reply_buffers = frame[0], frame[3], None
+                reply, reply_buffers = frame[3], None
             if self.interrupted:
                 raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
             outcome = "raised"
@@ -376,10 +375,10 @@ class Exchange(Ticket):
             else:
                 _lease.settle(self.site, self.entry, self, outcome, self.replied_at)
 
-    def start(self) -> bool:
+    def start(self) -> WorkerGeneration | None:
         """The general start on the leased slot: a live worker (spawned if needed), checked
-        (binding, idle channel, ping, refs, Python version, deadline), then ``begin``. False:
-        the worker was replaced meanwhile (the caller loops to a fresh one)."""
+        (binding, idle channel, ping, refs, Python version, deadline), then ``begin``: the
+        worker it started on, or None if it was replaced meanwhile (the caller loops)."""
         site, entry, slot = self.site, self.entry, self.slot
         assert slot is not None
         if self.wanted is not None:
@@ -391,11 +390,11 @@ class Exchange(Ticket):
             # the call, which then runs on a fresh worker.
             stray = lc.ChannelClosed if channel == "closed" else lc.ProtocolViolated
             entry.apply(slot, stray(process.generation))
-            return False
+            return None
         ping_after = site.settings.ping_after_idle
         if ping_after is not None and lc.needs_ping(slot.state, site.clock(), ping_after):
             if not _policies.ping(entry, slot, process, site.settings.ping_timeout):
-                return False  # replaced through the gate; a fresh worker runs it
+                return None  # replaced through the gate; a fresh worker runs it
         if entry.dropped_refs:
             _policies.release_dropped_refs(entry, slot, process)
         if self.by_value:
@@ -404,7 +403,7 @@ class Exchange(Ticket):
                 raise SerializationError(why)
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise not_reached(entry.spec.key, f" (start-up took {process.startup_seconds:.2f}s)")
-        return self.begin(process)
+        return process if self.begin(process) else None
 
     def begin(self, process: WorkerGeneration) -> bool:
         """``begin_locked`` after the general start's checks. False if the worker died idle

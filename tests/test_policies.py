@@ -761,7 +761,7 @@ def test_a_plain_call_that_ends_otherwise_goes_on_in_the_general_path(
         seen.append("plain" if started else "declined")
         return started
 
-    def start(self: _exchange.Exchange) -> bool:
+    def start(self: _exchange.Exchange) -> object:
         seen.append("start")
         return real_start(self)
 
