@@ -84,8 +84,10 @@ class WorkerGeneration(Protocol):
     def shm_state(self) -> str: ...
 
     @property
-    def popen(self) -> Any:
-        """The launched process, if the backend has one (None for an actor)."""
+    def launched_pid(self) -> int | None:
+        """The pid of the process launched for it, known once ``launch`` returns
+        (``WorkerSpawned`` tells it then); None where nothing of ours was launched (an actor:
+        its pid is known from its hello, and ``WorkerSpawned`` tells it once it is ready)."""
         ...
 
     @property

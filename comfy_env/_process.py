@@ -214,6 +214,11 @@ class WorkerProcess(GenerationFacts):
         return self.watch.popen
 
     @property
+    def launched_pid(self) -> int | None:
+        popen = self.watch.popen
+        return popen.pid if popen is not None else None
+
+    @property
     def returncode(self) -> int | None:
         return self.watch.returncode
 

@@ -242,8 +242,9 @@ class Spawner:
                 # launched", a reactor already stopped): the pool's closing, not the env's.
                 raise PoolClosedError("the pool was closed while the worker started") from exc
             raise
-        if process.popen is not None:
-            self.pool.events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
+        launched = process.launched_pid
+        if launched is not None:
+            self.pool.events.emit(WorkerSpawned(entry.spec.key, generation, launched))
 
     def _ready(self, entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
         """``HandshakeOk`` through the gate, then the events and the status file."""
@@ -280,8 +281,8 @@ class Spawner:
             process.pid,
             process.startup_seconds * 1000,
         )
-        if process.popen is None and process.pid is not None:
-            # No process of ours was launched (a Ray actor): its pid is known from its hello.
+        if process.launched_pid is None and process.pid is not None:
+            # No process of ours was launched (an actor): its pid is known from its hello.
             pool.events.emit(WorkerSpawned(entry.spec.key, generation, process.pid))
         pool.events.emit(
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
