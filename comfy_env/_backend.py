@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ._activation import Activation
     from ._channel import Channel
     from ._generation import Birth
-    from ._lifecycle import CancelKill, RetireReason, Stop
+    from ._lifecycle import Stop
     from ._logs import WorkerLog
     from ._memlimit import WorkerMemory
     from ._settings import Settings
@@ -69,13 +69,10 @@ class WorkerGeneration(Protocol):
     generation: int
     pid: int | None
     startup_seconds: float
-    retire_reason: RetireReason | None
-    cancel_kill: CancelKill | None  # how a cancel killed it (set by the gate with the reason)
     log: WorkerLog
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
     death_detail: str | None  # how it died, where no exit code says it (Ray)
     memory: WorkerMemory | None  # its memory limit and OOM evidence (None: Ray's actors)
-    death_reported: bool  # the pool reported this generation's end (breaker, event)
 
     @property
     def returncode(self) -> int | None: ...

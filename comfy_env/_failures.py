@@ -149,12 +149,14 @@ def cancelled_text(
     )
 
 
-def cancelled_error(env: str, label: str, process: WorkerGeneration, grace: float) -> CallCancelled:
-    """The error of a call whose worker was killed because the call was cancelled
-    (``cancelled_text`` says how)."""
+def cancelled_error(
+    env: str, label: str, process: WorkerGeneration, how: lc.CancelKill | None, grace: float
+) -> CallCancelled:
+    """The error of a call whose worker was killed because the call was cancelled: ``how``
+    (the gate's ``GenerationEnd.cancel_kill``) is told by ``cancelled_text``."""
     generation = process.generation
     return CallCancelled(
-        cancelled_text(label, generation, process.cancel_kill, grace),
+        cancelled_text(label, generation, how, grace),
         env=env,
         pid=process.pid,
         generation=generation,

@@ -18,7 +18,8 @@ Data flow of an end (on the reactor, or first on the caller a crash failed)::
     output drained -> on_finished -> report_death: ``WorkerRetired`` once, then the
                       crash-loop breaker counts it (``_policies.record_death``)
 
-Writes of ``slot.process`` and ``entry.generation`` happen here and nowhere else
+Writes of ``slot.process`` (with ``slot.ending``, the core's record of that generation's end),
+``entry.generation`` and ``GenerationEnd.death_reported`` happen here and nowhere else
 (``tests/test_structure.py``). Ctrl-C is held back from ``SpawnBegan`` to the start's outcome
 (``_interrupts``): it interrupts only the waits for the activation and the handshake, and the
 clean-up that records ``StartFailed`` runs whole, so no interrupt leaves a slot starting with
@@ -41,7 +42,7 @@ from . import _policies
 from ._errors import PoolClosedError, WorkerStartError, describe_exit, signal_name
 from ._events import ShmSwept, WorkerReady, WorkerRetired, WorkerSpawned
 from ._failures import abandoned_error
-from ._generation import Birth
+from ._generation import Birth, GenerationEnd
 from ._identity import HOST_ID_VAR, host_id
 from ._interrupts import Deferred
 from ._process import RuntimeDir, base_environment
@@ -184,10 +185,11 @@ class Spawner:
                 reactor,
                 runtime_dir,
                 lambda p: self.on_exit(entry, slot, p),
-                lambda p: self.on_finished(entry, p),
+                lambda p: self.on_finished(entry, p, ending),
             )
+            ending = GenerationEnd(generation)
             process: WorkerGeneration = pool.backend.new_generation(birth)
-            slot.process = process
+            slot.process, slot.ending = process, ending
         if old is not None:
             old.dispose()
         return process, generation
@@ -388,12 +390,19 @@ class Spawner:
         entry.apply(slot, lc.Exited(process.generation, process.returncode))
         self.pool.status_changed()
 
-    def on_finished(self, entry: EnvEntry, process: WorkerGeneration) -> None:
+    def on_finished(
+        self, entry: EnvEntry, process: WorkerGeneration, ending: GenerationEnd
+    ) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
-        self.report_death(entry, process, process.returncode, process.log.tail())
+        self.report_death(entry, process, ending, process.returncode, process.log.tail())
 
     def report_death(
-        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
+        self,
+        entry: EnvEntry,
+        process: WorkerGeneration,
+        ending: GenerationEnd,
+        returncode: int | None,
+        tail: str,
     ) -> None:
         """Report a generation's end once: subscribers get ``WorkerRetired``, then the
         crash-loop breaker counts it (deaths only, and nothing while the pool closes;
@@ -402,10 +411,10 @@ class Spawner:
         calls again at once meets the breaker's verdict and events keep their order; else the
         reactor does when the exit is reported."""
         with entry.lock:
-            if process.death_reported:
+            if ending.death_reported:
                 return
-            process.death_reported = True
-        reason = process.retire_reason or lc.RetireReason.CRASHED
+            ending.death_reported = True
+            reason = ending.retire_reason or lc.RetireReason.CRASHED
         events = self.pool.events
         # Causal order for subscribers: the retirement first, then the breaker's verdict on
         # it (``record_death`` emits ``EnvAbandoned`` when this death trips the breaker).
