@@ -6,7 +6,7 @@ They hold a ``WorkerGeneration`` per slot and reach it only through the members 
 ``Backend`` makes one generation at a time::
 
     Spawner._begin --new_generation(Birth)--> WorkerGeneration (not started; ``_generation``)
-                 launch(before, after, activation)
+                 launch(before, after, activation) -> the pid launched (None: an actor)
                                             start it (a process, an actor) with the env's
                                             activation variables (``_activation``)
                  handshake(deadline)        verified: hello + canary, or WorkerStartError
@@ -81,13 +81,6 @@ class WorkerGeneration(Protocol):
     def shm_state(self) -> str: ...
 
     @property
-    def launched_pid(self) -> int | None:
-        """The pid of the process launched for it, known once ``launch`` returns
-        (``WorkerSpawned`` tells it then); None where nothing of ours was launched (an actor:
-        its pid is known from its hello, and ``WorkerSpawned`` tells it once it is ready)."""
-        ...
-
-    @property
     def reader(self) -> FrameSource | None: ...
 
     @property
@@ -103,7 +96,11 @@ class WorkerGeneration(Protocol):
         before_launch: Callable[[], None] | None = None,
         after_launch: Callable[[Any], None] | None = None,
         activation: Activation | None = None,
-    ) -> None: ...
+    ) -> int | None:
+        """Start it. Returns the pid of the process launched for it (``WorkerSpawned`` tells
+        it at once), or None where no process of ours was launched (an actor: its pid comes
+        with its hello, and ``WorkerSpawned`` tells it once it is ready)."""
+        ...
 
     def handshake(self, deadline: float) -> None: ...
 

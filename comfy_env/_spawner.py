@@ -116,7 +116,7 @@ class Spawner:
             process, generation = self._begin(entry, slot, reactor, runtime_dir)
             activation = self._activate(entry, slot, generation, held)
             started = time.monotonic()
-            self._launch(entry, slot, process, activation)
+            launched = self._launch(entry, slot, process, activation)
             try:
                 with held.allowing():  # (a slow import: the user may give up)
                     process.handshake(started + self.pool.settings.start_timeout)
@@ -128,7 +128,7 @@ class Spawner:
                 if self.pool.closed and isinstance(exc, WorkerStartError):
                     raise PoolClosedError("the pool was closed while the worker started") from exc
                 raise
-            self._ready(entry, slot, process)
+            self._ready(entry, slot, process, launched)
             return process
 
     def _services(self, entry: EnvEntry) -> tuple[Reactor, RuntimeDir]:
@@ -219,14 +219,15 @@ class Spawner:
         slot: Slot,
         process: WorkerGeneration,
         activation: Activation | None,
-    ) -> None:
+    ) -> int | None:
         """Fork the worker (on the reactor); a start that fails is recorded (``StartFailed``)
-        and, since no exit will be reported for it, counted as a death now."""
+        and, since no exit will be reported for it, counted as a death now. Returns the pid
+        launched (``WorkerSpawned`` tells it now), None where no process was (an actor)."""
         generation = process.generation
         try:
             # Not interruptible: the fork runs on the reactor, and a caller that left its
             # wait would leave the forked process's descriptors to nobody.
-            process.launch(
+            launched = process.launch(
                 before_launch=self.refuse_if_closed, after_launch=self.track, activation=activation
             )
         except BaseException as exc:
@@ -244,12 +245,15 @@ class Spawner:
                 # launched", a reactor already stopped): the pool's closing, not the env's.
                 raise PoolClosedError("the pool was closed while the worker started") from exc
             raise
-        launched = process.launched_pid
         if launched is not None:
             self.pool.events.emit(WorkerSpawned(entry.spec.key, generation, launched))
+        return launched
 
-    def _ready(self, entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
-        """``HandshakeOk`` through the gate, then the events and the status file."""
+    def _ready(
+        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, launched: int | None
+    ) -> None:
+        """``HandshakeOk`` through the gate, then the events and the status file
+        (``launched``: the pid ``launch`` returned, None where it launched no process)."""
         pool, generation = self.pool, process.generation
         if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, pool.clock())):
             # Retired while starting (the pool is closing, or it died right after the canary).
@@ -283,7 +287,7 @@ class Spawner:
             process.pid,
             process.startup_seconds * 1000,
         )
-        if process.launched_pid is None and process.pid is not None:
+        if launched is None and process.pid is not None:
             # No process of ours was launched (an actor): its pid is known from its hello.
             pool.events.emit(WorkerSpawned(entry.spec.key, generation, process.pid))
         pool.events.emit(
