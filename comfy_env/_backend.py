@@ -6,7 +6,7 @@ They hold a ``WorkerGeneration`` per slot and reach it only through the members 
 ``Backend`` makes one generation at a time::
 
     Spawner._begin --new_generation(Birth)--> WorkerGeneration (not started; ``_generation``)
-                 launch(before, after, activation)
+                 launch(before, after, activation) -> the pid launched (None: an actor)
                                             start it (a process, an actor) with the env's
                                             activation variables (``_activation``)
                  handshake(deadline)        verified: hello + canary, or WorkerStartError
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ._activation import Activation
     from ._channel import Channel
     from ._generation import Birth
-    from ._lifecycle import CancelKill, RetireReason, Stop
+    from ._lifecycle import Stop
     from ._logs import WorkerLog
     from ._memlimit import WorkerMemory
     from ._settings import Settings
@@ -69,24 +69,16 @@ class WorkerGeneration(Protocol):
     generation: int
     pid: int | None
     startup_seconds: float
-    retire_reason: RetireReason | None
-    cancel_kill: CancelKill | None  # how a cancel killed it (set by the gate with the reason)
     log: WorkerLog
     exited: threading.Event  # set once it is known dead (reaped, or the actor is gone)
     death_detail: str | None  # how it died, where no exit code says it (Ray)
     memory: WorkerMemory | None  # its memory limit and OOM evidence (None: Ray's actors)
-    death_reported: bool  # the pool reported this generation's end (breaker, event)
 
     @property
     def returncode(self) -> int | None: ...
 
     @property
     def shm_state(self) -> str: ...
-
-    @property
-    def popen(self) -> Any:
-        """The launched process, if the backend has one (None for an actor)."""
-        ...
 
     @property
     def reader(self) -> FrameSource | None: ...
@@ -104,7 +96,11 @@ class WorkerGeneration(Protocol):
         before_launch: Callable[[], None] | None = None,
         after_launch: Callable[[Any], None] | None = None,
         activation: Activation | None = None,
-    ) -> None: ...
+    ) -> int | None:
+        """Start it. Returns the pid of the process launched for it (``WorkerSpawned`` tells
+        it at once), or None where no process of ours was launched (an actor: its pid comes
+        with its hello, and ``WorkerSpawned`` tells it once it is ready)."""
+        ...
 
     def handshake(self, deadline: float) -> None: ...
 

@@ -4,8 +4,11 @@ Data flow (what each piece holds, and who writes it)::
 
     EnvEntry (one per env key; its ``lock`` guards everything below)
       slots[i]: Slot                  state (a ``_lifecycle`` State), process (the
-                                      ``WorkerGeneration`` of state.generation), leased,
-                                      live_refs (RemoteRef ids of that generation)
+                                      ``WorkerGeneration`` of state.generation), ending
+                                      (the core's ``GenerationEnd`` of that generation:
+                                      why the gate retired it, whether its death was
+                                      reported), leased, live_refs (RemoteRef ids of that
+                                      generation)
       waiters: deque[Ticket]          FIFO of calls waiting for a slot
       counters                        submitted/ok/raised/..., read by ``snapshot()``
       env_state                       the crash-loop breaker (``_lifecycle.EnvActive``/
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._call import EventCallback, Stage
     from ._envs import EnvSpec
+    from ._generation import GenerationEnd
     from ._interrupts import Deferred
 
 STATE_NAMES: dict[type, str] = {
@@ -69,14 +73,16 @@ STATE_NAMES: dict[type, str] = {
 
 class Slot:
     """One worker place of an env: the lifecycle state of its current generation, that
-    generation's worker, whether a call leases it, and the RemoteRefs its worker keeps."""
+    generation's worker and the core's record of its end (``process`` and ``ending``, written
+    together by the spawner), whether a call leases it, and the RemoteRefs its worker keeps."""
 
-    __slots__ = ("index", "leased", "live_refs", "process", "state")
+    __slots__ = ("ending", "index", "leased", "live_refs", "process", "state")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.state: lc.State | None = None
         self.process: WorkerGeneration | None = None  # the process of state.generation
+        self.ending: GenerationEnd | None = None  # how that generation ended (the core's)
         self.leased = False
         self.live_refs: set[int] = set()  # RemoteRef ids kept by this generation's worker
 
@@ -184,13 +190,13 @@ class EnvEntry:
             return None
         self._store(slot, result.state)
         if isinstance(result.state, lc.Retired):
-            process = slot.process
-            if process is not None and process.generation == result.state.generation:
-                process.retire_reason = result.state.reason
+            ending = slot.ending
+            if ending is not None and ending.generation == result.state.generation:
+                ending.retire_reason = result.state.reason
                 if result.state.reason is lc.RetireReason.CANCELLED:
                     # Read from the state before the event: the retired one no longer says
                     # whether a cancel was pending (a second cancel, or the grace running out).
-                    process.cancel_kill = lc.cancel_kill(before, event)
+                    ending.cancel_kill = lc.cancel_kill(before, event)
             slot.live_refs.clear()  # they died with this generation
         return result.effects
 

@@ -91,6 +91,7 @@ if TYPE_CHECKING:
 
     from ._backend import WorkerGeneration
     from ._entry import EnvEntry, Slot
+    from ._generation import GenerationEnd
 
 # A frame as read: (type, flags, call id, payload).
 Frame = tuple[int, int, int, Payload]
@@ -107,7 +108,12 @@ class Deaths(Protocol):
     """Where a call reports the death it met (``_spawner.Spawner``)."""
 
     def report_death(
-        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
+        self,
+        entry: EnvEntry,
+        process: WorkerGeneration,
+        ending: GenerationEnd,
+        returncode: int | None,
+        tail: str,
     ) -> None:
         """Record a worker's death (exit status, output tail): the breaker, ``WorkerRetired``."""
         ...
@@ -548,11 +554,16 @@ class Exchange(Ticket):
         reason = retire_reason(slot, process.generation)
         if reason is lc.RetireReason.CLOSED or self.site.closed:
             return pool_closed(label)
+        # The slot's record of this generation's end: the lease keeps the slot from beginning
+        # the next generation, so it is this process's (written with it by the spawner).
+        ending = slot.ending
+        assert ending is not None
         if reason is lc.RetireReason.CANCELLED:
-            return cancelled_error(entry.spec.key, label, process, entry.settings.cancel_grace)
+            how = ending.cancel_kill
+            return cancelled_error(entry.spec.key, label, process, how, entry.settings.cancel_grace)
         rc, still_running = await_exit(process, rc)  # reaped and drained, or waited for
         tail = process.log.tail()
-        self.site.deaths.report_death(entry, process, rc, tail)
+        self.site.deaths.report_death(entry, process, ending, rc, tail)
         death = Death(rc, tail, still_running, alive_at_eof)
         return crash_story(entry.spec.key, process, self.call_id, label, death)
 

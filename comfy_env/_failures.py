@@ -84,9 +84,9 @@ def crash_story(
         " (did code in the worker close or replace descriptors it does not own: "
         "os.closerange, os.dup2, a daemonising library?)"
     )
-    if process.popen is None:
-        # An actor (Ray): no channel of its own that its code could close; its death is told
-        # by Ray's notice (or the signal its log names).
+    if process.channel is None:
+        # No channel of its own that its code could close (an actor, Ray's): its death is
+        # told by its backend's notice (``death_detail``, or the signal its log names).
         if rc is not None:
             what = describe_exit(rc)
         else:
@@ -149,12 +149,14 @@ def cancelled_text(
     )
 
 
-def cancelled_error(env: str, label: str, process: WorkerGeneration, grace: float) -> CallCancelled:
-    """The error of a call whose worker was killed because the call was cancelled
-    (``cancelled_text`` says how)."""
+def cancelled_error(
+    env: str, label: str, process: WorkerGeneration, how: lc.CancelKill | None, grace: float
+) -> CallCancelled:
+    """The error of a call whose worker was killed because the call was cancelled: ``how``
+    (the gate's ``GenerationEnd.cancel_kill``) is told by ``cancelled_text``."""
     generation = process.generation
     return CallCancelled(
-        cancelled_text(label, generation, process.cancel_kill, grace),
+        cancelled_text(label, generation, how, grace),
         env=env,
         pid=process.pid,
         generation=generation,

@@ -1,5 +1,5 @@
-"""What one worker generation is born with (``Birth``), and the facts every backend's
-generation carries (``GenerationFacts``).
+"""What one worker generation is born with (``Birth``), the facts every backend's generation
+carries (``GenerationFacts``), and the core's own record of how it ended (``GenerationEnd``).
 
 Data flow::
 
@@ -11,10 +11,14 @@ Data flow::
                       both start from GenerationFacts: the data members of
                       ``_backend.WorkerGeneration`` that do not depend on how a worker runs
 
+    Spawner._begin    -> GenerationEnd(g), in the slot beside its process (``slot.ending``)
+
 Who writes the facts: the backend (``pid``, ``hello`` from the worker's hello;
-``death_detail``), the gate (``retire_reason`` and ``cancel_kill``, under the entry's lock, as
-it retires the generation) and the spawner (``death_reported``, under the entry's lock, so a
-death is reported once whether the caller or the reactor sees it first).
+``death_detail``). The lifecycle facts are the core's, not the mechanism's, so they live on
+``GenerationEnd``, never on the backend's object: the gate writes ``retire_reason`` and
+``cancel_kill`` (under the entry's lock, as it retires the generation) and the spawner
+``death_reported`` (under the entry's lock, so a death is reported once whether the caller or
+the reactor sees it first). One writer each (``tests/test_structure.py``).
 """
 
 from __future__ import annotations
@@ -57,12 +61,9 @@ class GenerationFacts:
         self.config = birth.config
         self.reactor = birth.reactor
         self.runtime_dir = birth.runtime_dir
-        self.retire_reason: RetireReason | None = None  # set by the pool's gate
-        self.cancel_kill: CancelKill | None = None  # set by the gate with the reason
         self.pid: int | None = None  # the interpreter's own pid, from its hello
         self.hello: dict[str, Any] = {}
         self.death_detail: str | None = None  # how it died, where no exit code says it
-        self.death_reported = False  # by the pool (breaker, WorkerRetired), once
 
     def start_error(self, text: str, tail: str = "", unsupported: bool = False) -> WorkerStartError:
         """A ``WorkerStartError`` naming this generation's env, number and pid (None before
@@ -80,3 +81,17 @@ class GenerationFacts:
         """The start's error when the generation was stopped (a close, a reset) before it
         was launched: nothing was started, so there is nothing to stop."""
         return self.start_error("the worker was stopped before it was launched")
+
+
+class GenerationEnd:
+    """The core's record of how generation ``generation`` of a slot ended (see the module
+    docstring for who writes which). It outlives the slot's state: a death is reported (the
+    reactor's ``on_finished``) after the slot may have begun the next generation."""
+
+    __slots__ = ("cancel_kill", "death_reported", "generation", "retire_reason")
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.retire_reason: RetireReason | None = None  # set by the pool's gate
+        self.cancel_kill: CancelKill | None = None  # how a cancel killed it: the gate, with it
+        self.death_reported = False  # by the spawner (breaker, WorkerRetired), once

@@ -247,8 +247,8 @@ class WorkerProcess(GenerationFacts):
         before_launch: Callable[[], None] | None = None,
         after_launch: Callable[[WorkerProcess], None] | None = None,
         activation: Activation | None = None,
-    ) -> None:
-        """Start the process on the reactor thread and begin watching it.
+    ) -> int:
+        """Start the process on the reactor thread and begin watching it; returns its pid.
 
         ``before_launch`` runs on the reactor thread just before the fork and may raise to
         refuse it (the pool refuses once it is closing); ``after_launch`` runs right after, on
@@ -286,6 +286,9 @@ class WorkerProcess(GenerationFacts):
             child.sock.close()  # the worker holds the only other ends now
             child.reply_sock.close()
             os.close(child.cancel)
+        popen = self.watch.popen
+        assert popen is not None  # (forked: ``_start`` ran without raising)
+        return popen.pid
 
     def _open_descriptors(self) -> _ChildEnds:
         """Both socketpairs and the four pipes; the host's ends go to the channel and the

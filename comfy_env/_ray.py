@@ -540,7 +540,6 @@ class RayWorker(GenerationFacts):
         self.backend = backend
         self._on_exit = birth.on_exit
         self._on_finished = birth.on_finished
-        self.popen: Any = None  # no process of ours
         self.sock: Any = None  # no descriptor: the asyncio path runs calls on a thread
         self.returncode: int | None = None  # Ray reports none; a signal when the log says it
         self.memory: WorkerMemory | None = None  # (Ray counts an actor's memory itself)

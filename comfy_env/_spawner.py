@@ -18,7 +18,8 @@ Data flow of an end (on the reactor, or first on the caller a crash failed)::
     output drained -> on_finished -> report_death: ``WorkerRetired`` once, then the
                       crash-loop breaker counts it (``_policies.record_death``)
 
-Writes of ``slot.process`` and ``entry.generation`` happen here and nowhere else
+Writes of ``slot.process`` (with ``slot.ending``, the core's record of that generation's end),
+``entry.generation`` and ``GenerationEnd.death_reported`` happen here and nowhere else
 (``tests/test_structure.py``). Ctrl-C is held back from ``SpawnBegan`` to the start's outcome
 (``_interrupts``): it interrupts only the waits for the activation and the handshake, and the
 clean-up that records ``StartFailed`` runs whole, so no interrupt leaves a slot starting with
@@ -41,7 +42,7 @@ from . import _policies
 from ._errors import PoolClosedError, WorkerStartError, describe_exit, signal_name
 from ._events import ShmSwept, WorkerReady, WorkerRetired, WorkerSpawned
 from ._failures import abandoned_error
-from ._generation import Birth
+from ._generation import Birth, GenerationEnd
 from ._identity import HOST_ID_VAR, host_id
 from ._interrupts import Deferred
 from ._process import RuntimeDir, base_environment
@@ -115,7 +116,7 @@ class Spawner:
             process, generation = self._begin(entry, slot, reactor, runtime_dir)
             activation = self._activate(entry, slot, generation, held)
             started = time.monotonic()
-            self._launch(entry, slot, process, activation)
+            launched = self._launch(entry, slot, process, activation)
             try:
                 with held.allowing():  # (a slow import: the user may give up)
                     process.handshake(started + self.pool.settings.start_timeout)
@@ -127,7 +128,7 @@ class Spawner:
                 if self.pool.closed and isinstance(exc, WorkerStartError):
                     raise PoolClosedError("the pool was closed while the worker started") from exc
                 raise
-            self._ready(entry, slot, process)
+            self._ready(entry, slot, process, launched)
             return process
 
     def _services(self, entry: EnvEntry) -> tuple[Reactor, RuntimeDir]:
@@ -184,10 +185,11 @@ class Spawner:
                 reactor,
                 runtime_dir,
                 lambda p: self.on_exit(entry, slot, p),
-                lambda p: self.on_finished(entry, p),
+                lambda p: self.on_finished(entry, p, ending),
             )
+            ending = GenerationEnd(generation)
             process: WorkerGeneration = pool.backend.new_generation(birth)
-            slot.process = process
+            slot.process, slot.ending = process, ending
         if old is not None:
             old.dispose()
         return process, generation
@@ -217,14 +219,15 @@ class Spawner:
         slot: Slot,
         process: WorkerGeneration,
         activation: Activation | None,
-    ) -> None:
+    ) -> int | None:
         """Fork the worker (on the reactor); a start that fails is recorded (``StartFailed``)
-        and, since no exit will be reported for it, counted as a death now."""
+        and, since no exit will be reported for it, counted as a death now. Returns the pid
+        launched (``WorkerSpawned`` tells it now), None where no process was (an actor)."""
         generation = process.generation
         try:
             # Not interruptible: the fork runs on the reactor, and a caller that left its
             # wait would leave the forked process's descriptors to nobody.
-            process.launch(
+            launched = process.launch(
                 before_launch=self.refuse_if_closed, after_launch=self.track, activation=activation
             )
         except BaseException as exc:
@@ -242,11 +245,15 @@ class Spawner:
                 # launched", a reactor already stopped): the pool's closing, not the env's.
                 raise PoolClosedError("the pool was closed while the worker started") from exc
             raise
-        if process.popen is not None:
-            self.pool.events.emit(WorkerSpawned(entry.spec.key, generation, process.popen.pid))
+        if launched is not None:
+            self.pool.events.emit(WorkerSpawned(entry.spec.key, generation, launched))
+        return launched
 
-    def _ready(self, entry: EnvEntry, slot: Slot, process: WorkerGeneration) -> None:
-        """``HandshakeOk`` through the gate, then the events and the status file."""
+    def _ready(
+        self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, launched: int | None
+    ) -> None:
+        """``HandshakeOk`` through the gate, then the events and the status file
+        (``launched``: the pid ``launch`` returned, None where it launched no process)."""
         pool, generation = self.pool, process.generation
         if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, pool.clock())):
             # Retired while starting (the pool is closing, or it died right after the canary).
@@ -280,8 +287,8 @@ class Spawner:
             process.pid,
             process.startup_seconds * 1000,
         )
-        if process.popen is None and process.pid is not None:
-            # No process of ours was launched (a Ray actor): its pid is known from its hello.
+        if launched is None and process.pid is not None:
+            # No process of ours was launched (an actor): its pid is known from its hello.
             pool.events.emit(WorkerSpawned(entry.spec.key, generation, process.pid))
         pool.events.emit(
             WorkerReady(entry.spec.key, generation, process.pid or 0, process.startup_seconds)
@@ -387,12 +394,19 @@ class Spawner:
         entry.apply(slot, lc.Exited(process.generation, process.returncode))
         self.pool.status_changed()
 
-    def on_finished(self, entry: EnvEntry, process: WorkerGeneration) -> None:
+    def on_finished(
+        self, entry: EnvEntry, process: WorkerGeneration, ending: GenerationEnd
+    ) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
-        self.report_death(entry, process, process.returncode, process.log.tail())
+        self.report_death(entry, process, ending, process.returncode, process.log.tail())
 
     def report_death(
-        self, entry: EnvEntry, process: WorkerGeneration, returncode: int | None, tail: str
+        self,
+        entry: EnvEntry,
+        process: WorkerGeneration,
+        ending: GenerationEnd,
+        returncode: int | None,
+        tail: str,
     ) -> None:
         """Report a generation's end once: subscribers get ``WorkerRetired``, then the
         crash-loop breaker counts it (deaths only, and nothing while the pool closes;
@@ -401,10 +415,10 @@ class Spawner:
         calls again at once meets the breaker's verdict and events keep their order; else the
         reactor does when the exit is reported."""
         with entry.lock:
-            if process.death_reported:
+            if ending.death_reported:
                 return
-            process.death_reported = True
-        reason = process.retire_reason or lc.RetireReason.CRASHED
+            ending.death_reported = True
+            reason = ending.retire_reason or lc.RetireReason.CRASHED
         events = self.pool.events
         # Causal order for subscribers: the retirement first, then the breaker's verdict on
         # it (``record_death`` emits ``EnvAbandoned`` when this death trips the breaker).

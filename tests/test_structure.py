@@ -275,6 +275,64 @@ def test_a_slots_process_and_an_envs_generation_are_written_only_by_the_spawner(
     ]
 
 
+def test_a_generations_end_is_the_cores_written_by_the_gate_and_the_spawner() -> None:
+    # Why a generation was retired and how a cancel killed it (the gate), whether its death
+    # was reported (the spawner): the core's ``GenerationEnd``, never the backend's object.
+    # The slot's record is written beside its process, by the spawner only.
+    writes = _attribute_writes({"retire_reason", "cancel_kill", "death_reported"})
+    assert sorted({(w[0], w[1], w[3]) for w in writes}) == [
+        ("_entry.py", "EnvEntry.apply_locked", "cancel_kill"),
+        ("_entry.py", "EnvEntry.apply_locked", "retire_reason"),
+        ("_generation.py", "GenerationEnd.__init__", "cancel_kill"),
+        ("_generation.py", "GenerationEnd.__init__", "death_reported"),
+        ("_generation.py", "GenerationEnd.__init__", "retire_reason"),
+        ("_spawner.py", "Spawner.report_death", "death_reported"),
+    ]
+    ending = [
+        w
+        for w in _attribute_writes({"ending"})
+        if w[2] == "slot" or (w[2] == "self" and w[1].startswith("Slot."))
+    ]
+    assert sorted({(w[0], w[1]) for w in ending}) == [
+        ("_entry.py", "Slot.__init__"),
+        ("_spawner.py", "Spawner._begin"),
+    ]
+
+
+NEUTRAL = ["_acall", "_callsite", "_entry", "_exchange", "_failures", "_lease", "_policies"]
+NEUTRAL += ["_pool", "_shutdown", "_spawner"]
+
+
+@pytest.mark.parametrize("module", NEUTRAL)
+def test_backend_neutral_code_never_reads_a_process_handle(module: str) -> None:
+    # A backend is told apart by what its generation offers (``launched_pid``, ``channel``),
+    # never by whether it launched a ``subprocess.Popen`` (a Ray actor has none).
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+    reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "popen"]
+    assert reads == [], reads
+
+
+def _seam_members() -> set[str]:
+    """The names ``_backend.WorkerGeneration`` declares: its fields, properties and methods."""
+    tree = ast.parse((PACKAGE / "_backend.py").read_text(encoding="utf-8"))
+    (seam,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "WorkerGeneration"]
+    members = set()
+    for node in seam.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            members.add(node.target.id)
+        elif isinstance(node, ast.FunctionDef):
+            members.add(node.name)
+    return members
+
+
+def test_the_seam_carries_no_lifecycle_fact_and_no_process_handle() -> None:
+    # The gate's and the spawner's facts about a generation are the core's (above); what a
+    # backend must offer is in ``_backend.WorkerGeneration``.
+    members = _seam_members()
+    assert "read_frame" in members and "generation" in members  # (the reader reads it)
+    assert not members & {"popen", "retire_reason", "cancel_kill", "death_reported"}, members
+
+
 @pytest.mark.parametrize("part", ["_lease", "_exchange"])
 def test_leasing_never_imports_the_pool_the_spawner_or_the_mechanism(part: str) -> None:
     imports = _graph()[f"{NAME}.{part}"]
