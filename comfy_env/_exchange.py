@@ -298,8 +298,6 @@ class Exchange(Ticket):
         self.process = process
         return True
 
-    # ---- the call once it holds its slot ----
-
     def run(self) -> Any:
         """The rest of a call once it holds its slot: sent to the leased slot's worker
         (starting one if needed) until a worker has it, its reply read and opened (private
@@ -546,21 +544,18 @@ class Exchange(Ticket):
         # The common crash: the kernel holds the exit status already and what it wrote is in
         # the pipes; both are read before the gate's kill, which then has nothing to signal.
         rc = process.status_at_eof()
-        # Still running although its channel closed (it closed or replaced the descriptors):
-        # the gate's SIGKILL is then the host's, and the story must not blame "a kill -9 from
-        # outside" for it.
+        # Still running though its channel closed (it closed or replaced its descriptors):
+        # the gate's SIGKILL is then the host's, not "a kill -9 from outside".
         alive_at_eof = rc is None and not process.exited.is_set()
         entry.apply(slot, lc.ChannelClosed(process.generation))
         reason = retire_reason(slot, process.generation)
         if reason is lc.RetireReason.CLOSED or self.site.closed:
             return pool_closed(label)
-        # The slot's record of this generation's end: the lease keeps the slot from beginning
-        # the next generation, so it is this process's (written with it by the spawner).
-        ending = slot.ending
+        ending = slot.ending  # this generation's: the lease keeps the slot from the next one
         assert ending is not None
         if reason is lc.RetireReason.CANCELLED:
-            how = ending.cancel_kill
-            return cancelled_error(entry.spec.key, label, process, how, entry.settings.cancel_grace)
+            grace = entry.settings.cancel_grace
+            return cancelled_error(entry.spec.key, label, process, ending.cancel_kill, grace)
         rc, still_running = await_exit(process, rc)  # reaped and drained, or waited for
         tail = process.log.tail()
         self.site.deaths.report_death(entry, process, ending, rc, tail)

@@ -94,8 +94,7 @@ class Spawner:
     spawn change under it together, so a close never misses a reactor or a fork."""
 
     def __init__(self, pool: SpawnSite, lock: threading.Lock, entries: dict[str, EnvEntry]) -> None:
-        self.pool = pool
-        self.lock = lock
+        self.pool, self.lock = pool, lock
         self._entries = entries  # the pool's, by env key (read lock-free: ``_release_dropped``)
         self.reactor: Reactor | None = None
         self.runtime_dir: RuntimeDir | None = None
@@ -148,12 +147,11 @@ class Spawner:
                     # Named here; the first spawn makes and fills it while its worker starts.
                     self.runtime_dir = RuntimeDir()
             except OSError as exc:  # out of descriptors or disk in the host: typed, nothing kept
-                error = WorkerStartError(
+                raise WorkerStartError(
                     f"cannot prepare to start a worker for env {entry.spec.key}: {exc} (is the "
                     "host out of file descriptors or disk space?)",
                     env=entry.spec.key,
-                )
-                raise error from exc
+                ) from exc
             return self.reactor, self.runtime_dir
 
     def _begin(
@@ -178,6 +176,7 @@ class Spawner:
             old = slot.process
             if old is not None:
                 entry.log_lines_dropped += old.log.dropped
+            ending = GenerationEnd(generation)  # the core's record of this generation's end
             birth = Birth(
                 entry.spec,
                 generation,
@@ -187,7 +186,6 @@ class Spawner:
                 lambda p: self.on_exit(entry, slot, p),
                 lambda p: self.on_finished(entry, p, ending),
             )
-            ending = GenerationEnd(generation)
             process: WorkerGeneration = pool.backend.new_generation(birth)
             slot.process, slot.ending = process, ending
         if old is not None:
@@ -252,8 +250,7 @@ class Spawner:
     def _ready(
         self, entry: EnvEntry, slot: Slot, process: WorkerGeneration, launched: int | None
     ) -> None:
-        """``HandshakeOk`` through the gate, then the events and the status file
-        (``launched``: the pid ``launch`` returned, None where it launched no process)."""
+        """``HandshakeOk`` through the gate, then the events and the status file."""
         pool, generation = self.pool, process.generation
         if not entry.apply(slot, lc.HandshakeOk(generation, process.pid or 0, pool.clock())):
             # Retired while starting (the pool is closing, or it died right after the canary).
@@ -394,11 +391,9 @@ class Spawner:
         entry.apply(slot, lc.Exited(process.generation, process.returncode))
         self.pool.status_changed()
 
-    def on_finished(
-        self, entry: EnvEntry, process: WorkerGeneration, ending: GenerationEnd
-    ) -> None:
+    def on_finished(self, entry: EnvEntry, process: WorkerGeneration, end: GenerationEnd) -> None:
         """Reactor thread: reaped and output drained; exit code and last lines are final."""
-        self.report_death(entry, process, ending, process.returncode, process.log.tail())
+        self.report_death(entry, process, end, process.returncode, process.log.tail())
 
     def report_death(
         self,
