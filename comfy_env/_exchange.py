@@ -30,7 +30,7 @@ A crash, from EOF to ``WorkerCrashed`` (the sync path; nothing calls back into t
     -> Exchange.read_failed -> Exchange.crashed
        status_at_eof, await_exit     _process (facade) -> _exitwatch, _outputpipes
        entry.apply(ChannelClosed)    _entry -> _lifecycle (Retired; the kill is an effect)
-       site.deaths.report_death      _spawner -> _policies (the breaker), _events
+       site.report_death      _spawner -> _policies (the breaker), _events
        crash_story                   _failures (the words; _errors, _memlimit's verdict)
     -> run settles (_lease) and raises
 
@@ -93,6 +93,10 @@ if TYPE_CHECKING:
     from ._entry import EnvEntry, Slot
     from ._generation import GenerationEnd
 
+    # Where a call reports the death it met (``Spawner.report_death``: the breaker and
+    # ``WorkerRetired``), with the generation's end record, exit status and output tail.
+    ReportDeath = Callable[[EnvEntry, WorkerGeneration, GenerationEnd, int | None, str], None]
+
 # A frame as read: (type, flags, call id, payload).
 Frame = tuple[int, int, int, Payload]
 # A reply once opened: its type, body and out-of-band buffers (None: none).
@@ -104,26 +108,11 @@ _EVENT = int(FrameType.EVENT)
 _NO_BUFFERS: list[memoryview] = []  # a call without out-of-band buffers (never appended to)
 
 
-class Deaths(Protocol):
-    """Where a call reports the death it met (``_spawner.Spawner``)."""
-
-    def report_death(
-        self,
-        entry: EnvEntry,
-        process: WorkerGeneration,
-        ending: GenerationEnd,
-        returncode: int | None,
-        tail: str,
-    ) -> None:
-        """Record a worker's death (exit status, output tail): the breaker, ``WorkerRetired``."""
-        ...
-
-
 class ExchangeSite(CallSite, Protocol):
     """What the exchange asks of its pool beyond ``CallSite`` (implemented by ``_pool.Pool``)."""
 
     oob_threshold: int  # bytes from which a buffer goes out of band (``_codec.oob_threshold``)
-    deaths: Deaths  # the pool's spawner: a crash is reported there, not through the pool
+    report_death: ReportDeath  # the spawner's own method: a crash reported with no hop
 
     @property
     def call_ids(self) -> Iterator[int]:
@@ -558,7 +547,7 @@ class Exchange(Ticket):
             return cancelled_error(entry.spec.key, label, process, ending.cancel_kill, grace)
         rc, still_running = await_exit(process, rc)  # reaped and drained, or waited for
         tail = process.log.tail()
-        self.site.deaths.report_death(entry, process, ending, rc, tail)
+        self.site.report_death(entry, process, ending, rc, tail)
         death = Death(rc, tail, still_running, alive_at_eof)
         return crash_story(entry.spec.key, process, self.call_id, label, death)
 

@@ -88,7 +88,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from . import _lease, _policies, _shutdown
 from . import _lifecycle as lc
@@ -107,7 +107,7 @@ from ._events import (
     EnvReset,
     Event,
 )
-from ._exchange import Deaths, Exchange
+from ._exchange import Exchange
 from ._failures import completed_timeout
 from ._inflight import CALLS_IN_FLIGHT
 from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, in_storm
@@ -127,6 +127,7 @@ if TYPE_CHECKING:
 
     from ._callsite import PendingCall
     from ._config import PoolConfig
+    from ._exchange import ReportDeath
     from ._recipe import Recipe
     from ._sweep import SweepReport
 
@@ -175,7 +176,7 @@ class Pool:
         self._close_done = threading.Event()
         # Starts generations and reports their ends; holds the reactor and the runtime dir.
         self._spawner = Spawner(self, self._lock, self._entries)
-        self.deaths: Deaths = self._spawner  # (ExchangeSite: a crash reported with no hop)
+        self.report_death: ReportDeath = self._spawner.report_death  # (ExchangeSite: no hop)
         self.dispose_later = self._spawner.dispose_later  # (CallSite: one call, no hop)
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
@@ -409,7 +410,7 @@ class Pool:
     def call(self, prepared: PendingCall) -> Any:
         """A prepared call (``exchange(entry).prepare(...)``) to its end: leased (waiting in
         the queue), run (``Exchange.run``), settled once."""
-        call = cast(Exchange, prepared)
+        call: Exchange = prepared  # type: ignore[assignment]  # (what ``exchange`` makes)
         # Counted while it runs: a reader polls for its reply only while this process makes
         # one call at a time (see _inflight).
         CALLS_IN_FLIGHT.add(call)
