@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -56,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -564,7 +565,7 @@ def build_env(
             # there (the record goes in before the rename), so it is a leftover; move it away.
             shutil.rmtree(final, ignore_errors=True)
         try:
-            _build(recipe, python, info, key, base, envs, final)
+            _build(recipe, python, info, base, final)
         except EnvBuildError as exc:
             _record_failure(base, key, exc)
             raise
@@ -603,19 +604,15 @@ def record_use(root: Path, key: str) -> None:
         os.utime(path)
 
 
-def _build(
-    recipe: Recipe,
-    python: str,
-    info: dict[str, str],
-    key: str,
-    base: Path,
-    envs: Path,
-    final: Path,
-) -> None:
+def _build(recipe: Recipe, python: str, info: dict[str, str], base: Path, final: Path) -> None:
+    """Build ``recipe``'s env with the interpreter ``python`` (``info``: its facts) into a
+    temporary directory beside ``final`` (``<base>/envs/<key>``) and rename it into place;
+    its log under ``<base>/logs``. Fails with ``EnvBuildError`` naming the stage, leaving
+    nothing behind."""
     started = time.monotonic()
-    tmp = envs / f"{key}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    key = final.name
+    tmp = final.parent / f"{key}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     log_path = _subdir(base, "logs") / f"{key}.log"
-    environ = _uv_environ(base)
     label = recipe.describe()
     log.info(
         "comfy-env: building env %s (%s) with Python %s at %s", key, label, info["version"], final
@@ -640,83 +637,20 @@ def _build(
     try:
         with open(log_path, "w", encoding="utf-8") as logfile:
             logfile.write(f"comfy-env build of {key} ({label}) at {time.ctime()}\n")
+            run = functools.partial(_run_uv, environ=_uv_environ(base), logfile=logfile)
             try:
-                _run_uv(
-                    ["venv", "--relocatable", "--no-project", "--python", python, str(tmp)],
-                    environ,
-                    logfile,
-                )
-                lock = tmp / LOCK_NAME
-                target = str(tmp / "bin" / "python")
+                run(["venv", "--relocatable", "--no-project", "--python", python, str(tmp)])
                 stage = "resolve"
                 route = write_route_index(recipe, tmp / ".comfy-env-build")
-                if recipe.lock is not None:
-                    shutil.copyfile(recipe.lock, lock)
-                    log.info("comfy-env: installing the shipped lock %s as is", recipe.lock)
-                else:
-                    source = tmp / "comfy-env-requirements.in"
-                    source.write_text("\n".join(recipe.requirements) + "\n")
-                    # Quiet (the lock is written to the file, not echoed line by line into
-                    # the log) and run in the temporary directory, so that the lock's
-                    # "# via -r" notes name the input file, not a path that is gone.
-                    _run_uv(
-                        [
-                            "pip",
-                            "compile",
-                            "--quiet",
-                            "--generate-hashes",
-                            "--no-header",
-                            "--python",
-                            target,
-                            *_index_args(recipe, route),
-                            source.name,
-                            "-o",
-                            LOCK_NAME,
-                        ],
-                        environ,
-                        logfile,
-                        cwd=tmp,
-                    )
-                    source.unlink()
-                    pins = lock.read_text(errors="replace").count("==")
-                    log.info(
-                        "comfy-env: env %s: resolved %d packages, locked with hashes", key, pins
-                    )
+                lock = _lock(recipe, tmp, route, run, key)
                 stage = "install"
-                hashed = "--hash=" in lock.read_text(errors="replace")
-                _run_uv(
-                    [
-                        "pip",
-                        "sync",
-                        "--python",
-                        target,
-                        *_index_args(recipe, route),
-                        *(["--require-hashes"] if hashed else []),
-                        str(lock),
-                    ],
-                    environ,
-                    logfile,
-                )
+                _sync(recipe, tmp, route, lock, run)
                 shutil.rmtree(tmp / ".comfy-env-build", ignore_errors=True)
             except _UvFailed as exc:
                 what = _sync_stage(_uv_error(exc.output)) if stage == "install" else stage
                 raise fail(exc.output, what) from None
-            record = {
-                "key": key,
-                "recipe": recipe.as_json(),
-                "interpreter": info,
-                "base_python": python,
-                "created": time.time(),
-                "build_seconds": round(time.monotonic() - started, 3),
-                "comfy_env_version": _version(),
-            }
-            record_path = tmp / RECORD_NAME
-            with open(record_path, "w", encoding="utf-8") as fh:
-                json.dump(record, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.rename(tmp, final)
-            _fsync_dir(envs)
+            seconds = time.monotonic() - started
+            _commit(tmp, final, _record(recipe, key, info, python, seconds))
     except EnvBuildError as exc:  # (the route index's): tell where and which env
         shutil.rmtree(tmp, ignore_errors=True)
         exc.key = exc.key or key
@@ -743,6 +677,88 @@ def _build(
         time.monotonic() - started,
         dir_size(final) / 2**20,
     )
+
+
+def _lock(
+    recipe: Recipe, tmp: Path, route: Path | None, run: Callable[..., list[str]], key: str
+) -> Path:
+    """The env's lock in ``tmp``: the one the recipe ships, copied as is, or the recipe
+    resolved by ``uv pip compile`` with hashes (``run``: ``_run_uv`` bound to the build)."""
+    lock = tmp / LOCK_NAME
+    if recipe.lock is not None:
+        shutil.copyfile(recipe.lock, lock)
+        log.info("comfy-env: installing the shipped lock %s as is", recipe.lock)
+        return lock
+    source = tmp / "comfy-env-requirements.in"
+    source.write_text("\n".join(recipe.requirements) + "\n")
+    # Quiet (the lock is written to the file, not echoed line by line into the log) and run
+    # in the temporary directory, so that the lock's "# via -r" notes name the input file,
+    # not a path that is gone.
+    run(
+        [
+            "pip",
+            "compile",
+            "--quiet",
+            "--generate-hashes",
+            "--no-header",
+            "--python",
+            str(tmp / "bin" / "python"),
+            *_index_args(recipe, route),
+            source.name,
+            "-o",
+            LOCK_NAME,
+        ],
+        cwd=tmp,
+    )
+    source.unlink()
+    pins = lock.read_text(errors="replace").count("==")
+    log.info("comfy-env: env %s: resolved %d packages, locked with hashes", key, pins)
+    return lock
+
+
+def _sync(
+    recipe: Recipe, tmp: Path, route: Path | None, lock: Path, run: Callable[..., list[str]]
+) -> None:
+    """Install exactly the lock into ``tmp`` (``uv pip sync``), its hashes required when it
+    has them (a shipped lock may not)."""
+    hashed = "--hash=" in lock.read_text(errors="replace")
+    run(
+        [
+            "pip",
+            "sync",
+            "--python",
+            str(tmp / "bin" / "python"),
+            *_index_args(recipe, route),
+            *(["--require-hashes"] if hashed else []),
+            str(lock),
+        ]
+    )
+
+
+def _record(
+    recipe: Recipe, key: str, info: dict[str, str], python: str, seconds: float
+) -> dict[str, Any]:
+    """What ``read_record`` gives back of a built env (``RECORD_NAME``)."""
+    return {
+        "key": key,
+        "recipe": recipe.as_json(),
+        "interpreter": info,
+        "base_python": python,
+        "created": time.time(),
+        "build_seconds": round(seconds, 3),
+        "comfy_env_version": _version(),
+    }
+
+
+def _commit(tmp: Path, final: Path, record: dict[str, Any]) -> None:
+    """Write the env's record, synced to disk, then rename the finished env into place (and
+    sync its directory): no one ever sees a half-built env under ``final``."""
+    with open(tmp / RECORD_NAME, "w", encoding="utf-8") as fh:
+        json.dump(record, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def _verify(final: Path, key: str, label: str, log_path: Path) -> None:
