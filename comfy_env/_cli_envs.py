@@ -98,103 +98,131 @@ def _when(seconds: float | None) -> str:
 
 def env_command(args: argparse.Namespace, print_json: Any, error_record: Any) -> int:
     """Run ``comfy-env env <subcommand>``; returns the exit code."""
-    import logging
-
-    from . import _envstore
-    from ._build import build_env, env_root
-
     as_json = bool(getattr(args, "json", False))
     if args.env_command == "build":
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        build_log = logging.getLogger("comfy_env.build")
-        build_log.addHandler(handler)
-        previous = build_log.level
-        build_log.setLevel(logging.INFO)
-        started = time.monotonic()
-        try:
-            path = build_env(recipe_from_words(args.what, args.python), retry_now=True)
-        except EnvBuildError as exc:
-            print(f"comfy-env env build: {exc}", file=sys.stderr)
-            if as_json:
-                record = error_record(exc)
-                record.update(
-                    stage=exc.stage,
-                    requirements=list(exc.requirements),
-                    uv_message=exc.uv_message,
-                    log_path=exc.log_path,
-                    key=exc.key,
-                )
-                print_json({"ok": False, "error": record})
-            return 1
-        finally:
-            build_log.removeHandler(handler)
-            build_log.setLevel(previous)
-        if as_json:
-            print_json(
-                {
-                    "ok": True,
-                    "key": path.name,
-                    "path": str(path),
-                    "seconds": round(time.monotonic() - started, 3),
-                }
-            )
-        else:
-            print(path)
-        return 0
+        return _env_build(args.what, args.python, as_json, print_json, error_record)
     if args.env_command == "list":
-        envs = _envstore.list_envs()
-        if as_json:
-            print_json({"root": str(env_root()), "envs": [e.as_json() for e in envs]})
-            return 0
-        if not envs:
-            print(f"no built envs under {env_root()}")
-            return 0
-        for e in envs:
-            users = ", ".join(map(str, e.in_use_by)) or "-"
-            print(
-                f"{e.key}  {e.name or '-'}  Python {e.python or '?'}  {_mib(e.size_bytes)}  "
-                f"last used {_when(e.last_used)}  in use by {users}"
-            )
-        return 0
+        return _env_list(as_json, print_json)
     if args.env_command == "gc":
-        if not args.older_than >= 0:
-            print("comfy-env env gc: --older-than must be 0 or more days", file=sys.stderr)
-            return 2
-        report = _envstore.gc(args.older_than, dry_run=args.dry_run)
-        if as_json:
-            print_json(
-                {
-                    "dry_run": args.dry_run,
-                    "removed": list(report.removed),
-                    "kept_in_use": list(report.kept_in_use),
-                    "stale_builds": list(report.stale_builds),
-                    "freed_bytes": report.freed_bytes,
-                }
-            )
-            return 0
-        verb = "would remove" if args.dry_run else "removed"
-        print(f"{verb} {len(report.removed)} envs ({_mib(report.freed_bytes)})")
-        for key in report.removed:
-            print(f"  {key}")
-        for key in report.kept_in_use:
-            print(f"kept {key}: in use by a live host")
-        for name in report.stale_builds:
-            print(f"{verb} a dead builder's directory {name}")
-        return 0
+        return _env_gc(args.older_than, args.dry_run, as_json, print_json)
     if args.env_command == "rm":
-        from ._errors import EnvError
-
-        try:
-            removed = _envstore.remove_env(args.key)
-        except EnvError as exc:
-            print(f"comfy-env env rm: {exc}", file=sys.stderr)
-            if as_json:
-                print_json({"ok": False, "error": error_record(exc)})
-            return 1
-        if as_json:
-            print_json({"ok": True, "removed": removed.as_json()})
-        else:
-            print(f"removed {removed.key} ({_mib(removed.size_bytes)})")
-        return 0
+        return _env_rm(args.key, as_json, print_json, error_record)
     return 2  # pragma: no cover - argparse requires a subcommand
+
+
+def _env_build(
+    words: list[str], python: str | None, as_json: bool, print_json: Any, error_record: Any
+) -> int:
+    """``env build``: build the recipe the words mean, with uv's lines on stderr."""
+    import logging
+
+    from ._build import build_env
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    build_log = logging.getLogger("comfy_env.build")
+    build_log.addHandler(handler)
+    previous = build_log.level
+    build_log.setLevel(logging.INFO)
+    started = time.monotonic()
+    try:
+        path = build_env(recipe_from_words(words, python), retry_now=True)
+    except EnvBuildError as exc:
+        print(f"comfy-env env build: {exc}", file=sys.stderr)
+        if as_json:
+            record = error_record(exc)
+            record.update(
+                stage=exc.stage,
+                requirements=list(exc.requirements),
+                uv_message=exc.uv_message,
+                log_path=exc.log_path,
+                key=exc.key,
+            )
+            print_json({"ok": False, "error": record})
+        return 1
+    finally:
+        build_log.removeHandler(handler)
+        build_log.setLevel(previous)
+    if as_json:
+        print_json(
+            {
+                "ok": True,
+                "key": path.name,
+                "path": str(path),
+                "seconds": round(time.monotonic() - started, 3),
+            }
+        )
+    else:
+        print(path)
+    return 0
+
+
+def _env_list(as_json: bool, print_json: Any) -> int:
+    """``env list``: one line (or JSON record) per built env."""
+    from . import _envstore
+    from ._build import env_root
+
+    envs = _envstore.list_envs()
+    if as_json:
+        print_json({"root": str(env_root()), "envs": [e.as_json() for e in envs]})
+        return 0
+    if not envs:
+        print(f"no built envs under {env_root()}")
+        return 0
+    for e in envs:
+        users = ", ".join(map(str, e.in_use_by)) or "-"
+        print(
+            f"{e.key}  {e.name or '-'}  Python {e.python or '?'}  {_mib(e.size_bytes)}  "
+            f"last used {_when(e.last_used)}  in use by {users}"
+        )
+    return 0
+
+
+def _env_gc(older_than: float, dry_run: bool, as_json: bool, print_json: Any) -> int:
+    """``env gc``: remove envs unused for ``older_than`` days; 2 for a negative (or NaN) age."""
+    from . import _envstore
+
+    if not older_than >= 0:
+        print("comfy-env env gc: --older-than must be 0 or more days", file=sys.stderr)
+        return 2
+    report = _envstore.gc(older_than, dry_run=dry_run)
+    if as_json:
+        print_json(
+            {
+                "dry_run": dry_run,
+                "removed": list(report.removed),
+                "kept_in_use": list(report.kept_in_use),
+                "stale_builds": list(report.stale_builds),
+                "freed_bytes": report.freed_bytes,
+            }
+        )
+        return 0
+    verb = "would remove" if dry_run else "removed"
+    print(f"{verb} {len(report.removed)} envs ({_mib(report.freed_bytes)})")
+    for key in report.removed:
+        print(f"  {key}")
+    for key in report.kept_in_use:
+        print(f"kept {key}: in use by a live host")
+    for name in report.stale_builds:
+        print(f"{verb} a dead builder's directory {name}")
+    return 0
+
+
+def _env_rm(key: str, as_json: bool, print_json: Any, error_record: Any) -> int:
+    """``env rm``: remove one env; 1 (with the error) when there is none by that key or a live
+    host uses it."""
+    from . import _envstore
+    from ._errors import EnvError
+
+    try:
+        removed = _envstore.remove_env(key)
+    except EnvError as exc:
+        print(f"comfy-env env rm: {exc}", file=sys.stderr)
+        if as_json:
+            print_json({"ok": False, "error": error_record(exc)})
+        return 1
+    if as_json:
+        print_json({"ok": True, "removed": removed.as_json()})
+    else:
+        print(f"removed {removed.key} ({_mib(removed.size_bytes)})")
+    return 0
