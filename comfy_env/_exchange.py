@@ -177,14 +177,14 @@ def await_exit(process: WorkerGeneration, rc: int | None) -> tuple[int | None, b
 class Exchange(Ticket):
     """One call: its ticket (queue place, lease, cancel flag) and its exchange with a worker.
 
-    Fields are class-level defaults, as ``Ticket``'s: one allocation per call, and only the
-    fields a call sets are written."""
+    One allocation per call. Fields are class-level defaults, as ``Ticket``'s, so that only the
+    fields a call sets are written, except those every call reads (``__init__`` says why)."""
 
     target: str | Callable[..., Any] = ""
     body = b""
-    buffers: list[memoryview] = _NO_BUFFERS
+    buffers: list[memoryview]
     by_value = False
-    deadline: float | None = None  # time.monotonic(); None: no deadline
+    deadline: float | None  # time.monotonic(); None: no deadline
     process: WorkerGeneration | None = None  # the worker it started on (CallStarted applied)
     block: Block | None = None  # the request's shared-memory block, freed with the reply
     replied_at: float | None = None  # when the whole reply arrived (``Replied``)
