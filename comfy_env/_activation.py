@@ -294,19 +294,51 @@ def _shell() -> str | None:
     return shutil.which("bash") or shutil.which("sh")
 
 
+@value
+class _ShellRun:
+    """What the scripts' shell left: the environment dumped after each script, its stderr
+    read into markers (``_parse_markers``), and how it ended."""
+
+    shell: str
+    dumps: dict[int, dict[str, str]]
+    stderr: str
+    begun: int | None  # the last script begun
+    statuses: dict[int, int]  # each finished script's status
+    texts: dict[int, str]  # what each script wrote on stderr
+    returncode: int
+    timed_out: bool
+
+
 def _run_scripts(
     prefix: str, scripts: list[str], start: dict[str, str], timeout: float
 ) -> tuple[dict[str, str], list[str]]:
     """Source ``scripts`` in order in one shell started with ``start``; return the environment
     after the last script that ran to its end, and one warning per failing script."""
-    import shlex
-    import tempfile
-
     shell = _shell()
-    if shell is None:
-        why = "no POSIX shell (bash or sh) on PATH, so its activate.d scripts were not run"
-        _log.warning("comfy-env: env %s: %s", prefix, why)
-        return start, [why]
+    run = (
+        "no POSIX shell (bash or sh) on PATH, so its activate.d scripts were not run"
+        if shell is None
+        else _run_shell(shell, scripts, start, timeout)
+    )
+    if isinstance(run, str):  # no shell ran: nothing of the scripts is set
+        _log.warning("comfy-env: env %s: %s", prefix, run)
+        return start, [run]
+    failures = _script_failures(prefix, scripts, run, timeout)
+    if not failures:
+        unread = _unread_environment(prefix, run)
+        if unread is not None:
+            failures.append(unread)
+    for message in failures:
+        _log.warning("comfy-env: %s", message)
+    last = max(run.dumps) if run.dumps else None
+    return (run.dumps[last] if last is not None else start), failures
+
+
+def _shell_program(scripts: list[str]) -> str:
+    """The shell's program: each script sourced between markers on stderr, then a dump of
+    the environment it left on stdout."""
+    import shlex
+
     lines = []
     for index, script in enumerate(scripts):
         # The script's stdout joins its stderr: stdout carries only the dumps. ``$?`` is the
@@ -315,12 +347,22 @@ def _run_scripts(
         lines.append(f". {shlex.quote(script)} >&2")
         lines.append(f"printf '\\n{_DUMP_MARK}end {index} %d\\n' \"$?\" >&2")
         lines.append(f"printf '{_DUMP_MARK}{index}\\0'; env -0")
+    return "\n".join(lines)
+
+
+def _run_shell(
+    shell: str, scripts: list[str], start: dict[str, str], timeout: float
+) -> _ShellRun | str:
+    """Run ``scripts`` in ``shell`` with ``start`` as its environment, killed (with all it
+    started) past ``timeout``; what it left, or why it could not be started."""
+    import tempfile
+
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         timed_out = False
         try:
             # Own session: a timed-out script is killed with everything it started.
             proc = subprocess.Popen(
-                [shell, "-c", "\n".join(lines)],
+                [shell, "-c", _shell_program(scripts)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
@@ -329,9 +371,7 @@ def _run_scripts(
                 close_fds=True,
             )
         except OSError as exc:
-            why = f"cannot run {shell} for its activate.d scripts: {exc}"
-            _log.warning("comfy-env: env %s: %s", prefix, why)
-            return start, [why]
+            return f"cannot run {shell} for its activate.d scripts: {exc}"
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -346,45 +386,52 @@ def _run_scripts(
         err.seek(0)
         stderr = err.read().decode("utf-8", "replace")
     begun, statuses, texts = _parse_markers(stderr)
+    return _ShellRun(shell, dumps, stderr, begun, statuses, texts, proc.returncode, timed_out)
+
+
+def _script_failures(prefix: str, scripts: list[str], run: _ShellRun, timeout: float) -> list[str]:
+    """One message per failing script, in order: its status, its end of the shell or its
+    timeout, and the end of what it wrote on stderr."""
     failures = []
     for index, script in enumerate(scripts):
-        status = statuses.get(index)
+        status = run.statuses.get(index)
         if status is not None and status == 0:
             continue
         if status is not None:
             why = f"returned status {status}; its exports are kept"
-        elif index == begun and timed_out:
+        elif index == run.begun and run.timed_out:
             why = (
                 f"did not finish within {timeout:g}s (PoolConfig.start_timeout) and was "
                 "killed; its exports and those of the scripts after it are not set"
             )
-        elif index == begun:
+        elif index == run.begun:
             why = (
-                f"ended the shell (exit status {proc.returncode}); its exports and those of "
+                f"ended the shell (exit status {run.returncode}); its exports and those of "
                 "the scripts after it are not set"
             )
         else:
             continue  # never begun: an earlier script ended the shell
-        tail = _tail(texts.get(index, ""))
-        message = f"activation script {script} of env {prefix} {why}" + (
-            f"; its stderr ends with:\n{tail}" if tail else " (no output on stderr)"
+        tail = _tail(run.texts.get(index, ""))
+        failures.append(
+            f"activation script {script} of env {prefix} {why}"
+            + (f"; its stderr ends with:\n{tail}" if tail else " (no output on stderr)")
         )
-        _log.warning("comfy-env: %s", message)
-        failures.append(message)
-    finished = max(statuses) if statuses else None
-    if not failures and (finished is None or finished not in dumps):
-        # No script failed, yet the shell's environment after them is missing: the shell
-        # did not start the scripts, or ``env -0`` did not work (a minimal ``env``).
-        tail = _tail(stderr.replace(_DUMP_MARK, ""))
-        why = (
-            f"the activate.d scripts of env {prefix} ran in {shell}, but the environment "
-            f"they left could not be read (exit status {proc.returncode}); their exports "
-            "are not set" + (f"; stderr ends with:\n{tail}" if tail else "")
-        )
-        _log.warning("comfy-env: %s", why)
-        failures.append(why)
-    last = max(dumps) if dumps else None
-    return (dumps[last] if last is not None else start), failures
+    return failures
+
+
+def _unread_environment(prefix: str, run: _ShellRun) -> str | None:
+    """The message for a run where no script failed, yet the shell's environment after them
+    is missing: the shell did not start the scripts, or ``env -0`` did not work (a minimal
+    ``env``). None when it is there."""
+    finished = max(run.statuses) if run.statuses else None
+    if finished is not None and finished in run.dumps:
+        return None
+    tail = _tail(run.stderr.replace(_DUMP_MARK, ""))
+    return (
+        f"the activate.d scripts of env {prefix} ran in {run.shell}, but the environment "
+        f"they left could not be read (exit status {run.returncode}); their exports "
+        "are not set" + (f"; stderr ends with:\n{tail}" if tail else "")
+    )
 
 
 def _parse_dumps(raw: bytes) -> dict[int, dict[str, str]]:
