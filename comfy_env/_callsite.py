@@ -4,29 +4,30 @@ Data flow (who holds what; arrows are calls)::
 
     Worker (_worker) ----------.            RemoteRef (_refs)
       call/run/submit/call_ref  |             call_method/release
-      (call/run: call_plain     |               -> site.call(site.exchange(entry)
-       first, else call)        |                  .prepare(..., bound=...))
+      (call/run: the common     |               -> site.call(site.exchange(entry)
+       call first, in           |                  .prepare(..., bound=...))
+       _exchange.run_plain;     |
+       else site.call)          |
       acall/arun -> _acall.arun |
                                 v
     CallSite (this Protocol; implemented by _pool.Pool)
-      call_plain                                         the common call in one line
       exchange                                           a new call (``_exchange.Exchange``)
       call                                               a prepared call leased, run, settled
       dispose_later, status_changed                      what leasing (_lease) asks for
-      settings, clock, closed, closed_error              what those read
+      settings, clock, closed, closed_error, call_ids    what those read
                                 |
                                 v
     the core (_entry): EnvEntry, Slot, Ticket and the gate
 
 The handles hold a ``CallSite`` and an ``EnvEntry``; they never import ``_pool``, so the pool
-can import them without a circle, and a handle depends only on what is written here. A call
-through a handle costs what it cost before: the site *is* the pool object (a Protocol is a
-type, not a wrapper), so ``worker.call`` is still one method call on the pool.
+can import them without a circle, and a handle depends only on what is written here (and, for
+the common call, on ``_exchange.ExchangeSite``, which extends it). The site *is* the pool
+object (a Protocol is a type, not a wrapper), so asking it costs one method call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
     from ._errors import PoolClosedError
     from ._settings import Settings
 
-# ``call_plain``'s answer when the call must go the general way (``exchange``): never a call's
-# result, since nothing unpickled is this object.
+# ``_exchange.run_plain``'s answer when the call must go the general way (``exchange``):
+# never a call's result, since nothing unpickled is this object.
 GENERAL_PATH: Any = object()
 
 
@@ -51,6 +52,11 @@ class CallSite(Protocol):
     @property
     def closed(self) -> bool: ...
 
+    @property
+    def call_ids(self) -> Iterator[int]:
+        """This pool's call ids (1 is the canary's)."""
+        ...
+
     def closed_error(self) -> PoolClosedError: ...
 
     def exchange(self, entry: EnvEntry) -> PendingCall:
@@ -60,13 +66,6 @@ class CallSite(Protocol):
 
     def call(self, prepared: PendingCall) -> Any:
         """A prepared call to its end: leased (waiting in the queue), run, settled."""
-        ...
-
-    def call_plain(
-        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The common call in one straight line, or ``GENERAL_PATH`` with nothing counted,
-        leased or sent."""
         ...
 
     def dispose_later(self, process: WorkerGeneration) -> None:

@@ -235,22 +235,20 @@ class EnvEntry:
         self, ticket: Ticket, slot: Slot, idle: lc.Idle, call_id: int, at: float
     ) -> None:
         """Start the plain call (lock held): ``CallStarted`` on ``slot``, free, whose state is
-        ``idle`` (read under this lock); ``_lease.lease_plain_locked`` leases and counts it in
+        ``idle`` (read under this lock); ``_lease.lease_plain`` leases and counts it in
         the same lock section."""
+        # Never None: the per-call pair, an Idle of its own generation (no assert on this path).
         started = lc.call_started(idle, idle.generation, call_id, at)
-        assert started is not None  # (the per-call pair: an Idle of its own generation)
-        self._store(slot, started)
+        self._store(slot, started)  # type: ignore[arg-type]
         ticket.ran_on = slot
         ticket.generation = idle.generation
         ticket.call_id = call_id
 
-    def settle_ok_locked(self, ticket: Ticket, at: float) -> bool:
+    def settle_ok_locked(self, ticket: Ticket, slot: Slot, at: float) -> bool:
         """``Replied`` at ``at`` for a call that holds its slot and replied ok (lock held), as
         ``replied_locked``; ``_lease.settle_ok`` releases and counts in the same lock section.
         True if the worker is idle again; False if the gate dropped the late reply (it was
-        retired meanwhile)."""
-        slot = ticket.slot
-        assert slot is not None
+        retired meanwhile). ``slot`` is the one the call holds."""
         idle = lc.call_replied(slot.state, ticket.generation, ticket.call_id, at)
         if idle is not None:
             self._store(slot, idle)

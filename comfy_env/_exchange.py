@@ -6,10 +6,10 @@ out-of-band buffers, deadline) and where it runs (entry, slot, process, request 
 every step reads its own fields::
 
     a handle: site.exchange(entry).prepare(...)   encode, size, deadline, RemoteRef binding
-      Pool.call(call)   lease (``_lease.acquire``; an idle worker may start in the lease's
+      run_prepared      lease (``_lease.acquire``; an idle worker may start in the lease's
                         lock section: ``start_idle_locked``), then ``run``
-    Pool.call_plain / _acall   start_plain: the common call prepared, leased and started
-                        in one lock section (``_lease.plain_slot_locked``), then ``run``
+    run_plain / _acall   start_plain: the common call prepared, leased and started in
+                        one lock section (``_lease.lease_plain``), then ``run``
     run       the loop until the call ran on a worker, decode, settle once (``_lease``)
       start     a live worker (the site spawns), checks, CallStarted through the gate (begin)
       send      the CALL frame; EPIPE before a byte went out: loop (it died idle: send_failed)
@@ -43,7 +43,7 @@ pool, the spawner or the process mechanism (``tests/test_structure.py``): it see
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from comfy_env_worker.protocol import (
@@ -58,7 +58,7 @@ from comfy_env_worker.shm import SCALARS
 from . import _lease, _policies
 from . import _lifecycle as lc
 from ._call import event_handler
-from ._callsite import CallSite
+from ._callsite import GENERAL_PATH, CallSite, PendingCall
 from ._codec import decode_reply, encode_call, target_label, use_shm
 from ._entry import Ticket
 from ._errors import (
@@ -82,7 +82,8 @@ from ._failures import (
     python_mismatch,
     retire_reason,
 )
-from ._interrupts import allowing
+from ._inflight import CALLS_IN_FLIGHT
+from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm
 from ._refs import bound_by_refs, check_bound
 from ._settings import Settings, check_timeout
 
@@ -113,11 +114,6 @@ class ExchangeSite(CallSite, Protocol):
 
     oob_threshold: int  # bytes from which a buffer goes out of band (``_codec.oob_threshold``)
     report_death: ReportDeath  # the spawner's own method: a crash reported with no hop
-
-    @property
-    def call_ids(self) -> Iterator[int]:
-        """This pool's call ids (1 is the canary's)."""
-        ...
 
     def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if it is empty or retired."""
@@ -248,21 +244,17 @@ class Exchange(Ticket):
         ``CallStarted`` applied, nothing sent; False, having counted, leased and sent nothing,
         when the call or the env asks for more (the general path decides and explains)."""
         site, entry = self.site, self.entry
-        if site.closed or not all_scalars(args, kwargs):
+        if not all_scalars(args, kwargs):
             return False
         body, _, _ = encode_call(target, args, kwargs, site.oob_threshold, True)
         if len(body) + HEADER_SIZE > site.settings.max_frame_bytes:
             return False  # (``prepare`` says why)
         timeout = entry.settings.call_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        with entry.lock:
-            now = _lease.lease_plain_locked(site, entry, self, deadline)
-            if now is None:
-                return False
-            slot = self.slot
-            state: lc.Idle = slot.state  # type: ignore[union-attr,assignment]  # (Idle: leased so)
-            entry.start_plain_locked(self, slot, state, next(site.call_ids), now)  # type: ignore[arg-type]
-        self.process, self.target, self.body = slot.process, target, body  # type: ignore[union-attr]
+        process = _lease.lease_plain(site, entry, self, deadline)
+        if process is None:
+            return False
+        self.process, self.target, self.body = process, target, body
         if deadline is not None:
             self.deadline, self.timeout = deadline, timeout
         return True
@@ -293,80 +285,80 @@ class Exchange(Ticket):
         copies: the worker may reuse its blocks) and decoded; settled and counted once."""
         outcome: _lease.Outcome = "failed"
         try:
-            while True:
-                process = self.process
-                if process is None:
-                    process = self.start()
-                    if process is None:
-                        continue  # the worker was replaced meanwhile: a fresh one takes it
-                if self.on_event is not None:
-                    self.sink = event_handler(self.on_event, self.call_id, self.generation)
-                try:
-                    # Not opened to Ctrl-C when held: it does the request's shm bookkeeping.
-                    self.block = process.send_request(
-                        self.call_id, self.body, self.buffers, self.deadline
-                    )
-                except BaseException as exc:  # noqa: BLE001 - answered in one place
-                    self.send_failed(exc, process)  # the call's error, or it never went out
-                    continue
-                try:
-                    held = self.held
-                    if held is None:
-                        frame = process.reader.read(self.deadline)  # type: ignore[union-attr]
-                    else:
-                        with held.allowing():
-                            frame = process.reader.read(self.deadline)  # type: ignore[union-attr]
-                    ftype = frame[0]
-                    if ftype == _LOG or ftype == _EVENT:
-                        frame = self.side_frames(process, frame)
-                        ftype = frame[0]
-                except BaseException as exc:  # noqa: BLE001 - answered in one place
-                    frame = self.read_failed(exc)
-                    if frame is None:
-                        self.process = None  # died with the request unread: it never ran
-                        continue
-                    ftype = frame[0]
-                if (ftype != _REPLY_OK and ftype != _REPLY_ERR) or frame[2] != self.call_id:
-                    why = not_the_reply(ftype, frame[2], self.call_id, frame[3])
-                    raise self.protocol_broken(why)
-                break
-            if frame[1] or self.block is not None:
-                ftype, reply, reply_buffers = self.open(frame)
-            else:  # the small call: nothing out of band (``open`` without its branches)
-                self.replied_at = self.site.clock()
-                reply, reply_buffers = frame[3], None
-            if self.interrupted:
-                raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
-            outcome = "raised"
             try:
-                result = decode_reply(ftype, reply, self.target, reply_buffers)
-            except FrameError as exc:  # an error record that is not the runtime's
-                outcome = "failed"
-                raise chained(self.protocol_broken(str(exc)), None)  # noqa: B904
-            outcome = "ok"
-            return result
-        except CallTimeout as exc:
-            outcome = "timed_out"
-            completed_timeout(exc, self.timeout, self.call_id, target_label(self.target))
+                while True:
+                    process = self.process
+                    if process is None:
+                        process = self.start()
+                        if process is None:
+                            continue  # the worker was replaced meanwhile: a fresh one takes it
+                    if self.on_event is not None:
+                        self.sink = event_handler(self.on_event, self.call_id, self.generation)
+                    try:
+                        # Not opened to Ctrl-C when held: it does the request's shm bookkeeping.
+                        self.block = process.send_request(
+                            self.call_id, self.body, self.buffers, self.deadline
+                        )
+                    except BaseException as exc:  # noqa: BLE001 - answered in one place
+                        self.send_failed(exc, process)  # the call's error, or it never went out
+                        continue
+                    try:
+                        held = self.held
+                        if held is None:
+                            frame = process.reader.read(self.deadline)  # type: ignore[union-attr]
+                        else:
+                            with held.allowing():
+                                frame = process.reader.read(self.deadline)  # type: ignore[union-attr]
+                        if frame[0] != _REPLY_OK:  # (one compare on the common call's path)
+                            ftype = frame[0]
+                            if ftype == _LOG or ftype == _EVENT:
+                                frame = self.side_frames(process, frame)
+                    except BaseException as exc:  # noqa: BLE001 - answered in one place
+                        frame = self.read_failed(exc)
+                        if frame is None:
+                            self.process = None  # died with the request unread: it never ran
+                            continue
+                    ftype = frame[0]
+                    if (ftype != _REPLY_OK and ftype != _REPLY_ERR) or frame[2] != self.call_id:
+                        why = not_the_reply(ftype, frame[2], self.call_id, frame[3])
+                        raise self.protocol_broken(why)
+                    break
+                if frame[1] or self.block is not None:
+                    ftype, reply, reply_buffers = self.open(frame)
+                else:  # the small call: nothing out of band (``open`` without its branches)
+                    self.replied_at = self.site.clock()
+                    reply, reply_buffers = frame[3], None
+                if self.interrupted:
+                    raise KeyboardInterrupt  # Ctrl-C: the worker stopped the call in time
+                outcome = "raised"
+                try:
+                    result = decode_reply(ftype, reply, self.target, reply_buffers)
+                except FrameError as exc:  # an error record that is not the runtime's
+                    outcome = "failed"
+                    raise chained(self.protocol_broken(str(exc)), None)  # noqa: B904
+            except CallTimeout as exc:
+                outcome = "timed_out"
+                completed_timeout(exc, self.timeout, self.call_id, target_label(self.target))
+                raise
+            except CallCancelled as exc:
+                outcome = "cancelled"
+                if exc.env is None:  # stopped by the worker itself: it lives on
+                    exc.env = self.entry.spec.key
+                    exc.generation = self.generation
+                    exc.pid = pid_of(self.slot, self.generation)
+                raise
+            except KeyboardInterrupt:
+                outcome = "cancelled"
+                raise
+            except WorkerCrashed:
+                outcome = "crashed"
+                raise
+        except BaseException:
+            _lease.settle(self.site, self.entry, self, outcome, self.replied_at)
             raise
-        except CallCancelled as exc:
-            outcome = "cancelled"
-            if exc.env is None:  # stopped by the worker itself: it lives on
-                exc.env = self.entry.spec.key
-                exc.generation = self.generation
-                exc.pid = pid_of(self.slot, self.generation)
-            raise
-        except KeyboardInterrupt:
-            outcome = "cancelled"
-            raise
-        except WorkerCrashed:
-            outcome = "crashed"
-            raise
-        finally:
-            if outcome == "ok":
-                _lease.settle_ok(self.site, self.entry, self, self.replied_at)  # type: ignore[arg-type]
-            else:
-                _lease.settle(self.site, self.entry, self, outcome, self.replied_at)
+        # (Settled outside the ``try``: the common call's path keeps no outcome of its own.)
+        _lease.settle_ok(self.site, self.entry, self, self.replied_at)  # type: ignore[arg-type]
+        return result
 
     def start(self) -> WorkerGeneration | None:
         """The general start on the leased slot: a live worker (spawned if needed), checked
@@ -572,3 +564,60 @@ class Exchange(Ticket):
         assert process is not None and self.slot is not None
         self.entry.apply(self.slot, lc.ProtocolViolated(process.generation))
         return protocol_error(self.entry.spec.key, process, detail)
+
+
+def run_prepared(site: ExchangeSite, prepared: PendingCall) -> Any:
+    """A prepared call (``site.exchange(entry).prepare(...)``) to its end: leased (waiting in
+    the queue), run (``Exchange.run``), settled once (``Pool.call``)."""
+    call: Exchange = prepared  # type: ignore[assignment]  # (what ``site.exchange`` makes)
+    # Counted while it runs: a reader polls for its reply only while this process makes one
+    # call at a time (see _inflight).
+    CALLS_IN_FLIGHT.add(call)
+    try:
+        if in_storm():
+            # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones; its
+            # waits (the queue, the reply) take one each (``held``).
+            with Deferred() as held:
+                call.held = held
+                return _leased_run(site, call)
+        return _leased_run(site, call)
+    except BaseException as exc:
+        _lease.settle_interrupted(site, call.entry, call, exc)
+        raise
+    finally:
+        CALLS_IN_FLIGHT.discard(call)  # (gone already in a child forked during the call)
+
+
+def _leased_run(site: ExchangeSite, call: Exchange) -> Any:
+    entry = call.entry
+    try:
+        _lease.acquire(site, entry, call, call.deadline, not call.by_value)
+    except BaseException as exc:
+        _lease.settle(site, entry, call, _lease.outcome_of(exc), None)
+        if isinstance(exc, CallTimeout):
+            completed_timeout(exc, call.timeout, call.call_id, target_label(call.target))
+        raise
+    return call.run()
+
+
+def run_plain(
+    site: ExchangeSite, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The common call in one straight line: prepared, leased and started in one step
+    (``Exchange.start_plain``), then run as any call (``Exchange.run``: whatever it meets is
+    answered by the same rules). ``GENERAL_PATH``, having counted, leased and sent nothing,
+    when the call or the env asks for more. ``Worker.call`` and ``run`` enter here first."""
+    if LAST_INTERRUPT[0] > NEVER and in_storm():  # (one compare until a first Ctrl-C)
+        return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``run_prepared``)
+    call = Exchange(site, entry)
+    CALLS_IN_FLIGHT.add(call)  # as in ``run_prepared``
+    try:
+        # Leased inside the ``try``: an interrupt right after the lease is settled below.
+        if not call.start_plain(target, args, kwargs):
+            return GENERAL_PATH
+        return call.run()
+    except BaseException as exc:
+        _lease.settle_interrupted(site, entry, call, exc)
+        raise
+    finally:
+        CALLS_IN_FLIGHT.discard(call)

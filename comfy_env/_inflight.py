@@ -1,7 +1,7 @@
 """The calls this process is making right now: ``CALLS_IN_FLIGHT``, a set of the calls.
 
 Each call is in the set for the whole of its run, added and discarded by the call itself
-(``_exchange.Exchange.call`` / ``call_plain``, ``_acall``), so the set's size is the count,
+(``_exchange.run_prepared`` / ``run_plain``, ``_acall``), so the set's size is the count,
 whatever order calls end in. Every channel's reader is handed the set at the handshake
 (``_handshake`` -> ``comfy_env_worker.protocol.FrameReader.spin_wait``) and polls for a frame
 only while at most one call is in flight; the worker's package never imports this module (it

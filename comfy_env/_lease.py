@@ -150,40 +150,53 @@ def leave_queue(entry: EnvEntry, ticket: Ticket) -> None:
         entry.refs_dropped()  # the slot may be free now: release what waited for it
 
 
-def lease_plain_locked(
+def lease_plain(
     site: CallSite, entry: EnvEntry, ticket: Ticket, deadline: float | None
-) -> float | None:
-    """Lease the common call a slot in one step (lock held): an idle worker's that no caller
-    holds and that can take the call as it is (``ready_locked``), with nobody waiting before
-    the call, no dropped refs to release first, the pool open and the env not abandoned by
-    its breaker. Counted submitted and in flight, as ``lease_now`` counts; the caller starts
-    it through the gate (``EnvEntry.start_plain_locked``) in the same lock section. Returns
-    the time read for the ping check (``CallStarted``'s too), or None having leased and
-    counted nothing: the general path leases, and explains, instead."""
-    if (
-        site.closed
-        or entry.waiters
-        or entry.dropped_refs
-        or (isinstance(entry.env_state, lc.EnvAbandoned) and entry.abandoned_locked(site.clock()))
-    ):
-        return None
-    for slot in entry.slots:  # ``free_slot``'s first choice
-        state = slot.state
-        if type(state) is lc.Idle and not slot.leased:
-            break
-    else:
-        return None
-    process = slot.process
-    if process is None:
-        return None
-    now = ready_locked(site, state, process, deadline)
-    if now is not None:
+) -> WorkerGeneration | None:
+    """Lease and start the common call in one lock section: an idle worker's slot that no
+    caller holds, whose worker can take the call as it is (the checks of ``ready_locked``),
+    with nobody waiting before the call, no dropped refs to release first, the pool open and
+    the env not abandoned by its breaker. Counted submitted and in flight, as ``lease_now``
+    counts, and ``CallStarted`` applied through the gate (``EnvEntry.start_plain_locked``).
+    Returns the worker it started on, or None having leased, counted and started nothing:
+    the general path leases, and explains, instead."""
+    with entry.lock:
+        if (
+            site.closed
+            or entry.waiters
+            or entry.dropped_refs
+            or (
+                isinstance(entry.env_state, lc.EnvAbandoned)
+                and entry.abandoned_locked(site.clock())
+            )
+        ):
+            return None
+        for slot in entry.slots:  # ``free_slot``'s first choice
+            state = slot.state
+            if type(state) is lc.Idle and not slot.leased:
+                break
+        else:
+            return None
+        # ``ready_locked``, inline: this runs on every small call, where a Python call costs
+        # about 0.2 us on one CPU (benchmarks/HISTORY.md).
+        process = slot.process
+        if process is None or process.generation != state.generation:
+            return None
+        now = site.clock()
+        ping_after = site.settings.ping_after_idle
+        if ping_after is not None and lc.needs_ping(state, now, ping_after):
+            return None
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        if process.idle_channel_state() != "quiet":
+            return None
         slot.leased = True
         ticket.slot = slot
         ticket.stage = "in_flight"
         entry.submitted += 1
         entry.in_flight += 1
-    return now
+        entry.start_plain_locked(ticket, slot, state, next(site.call_ids), now)
+    return process
 
 
 def ready_locked(
@@ -192,7 +205,8 @@ def ready_locked(
     """Whether ``process``, idle in ``state``, can take a call as it is (the entry's lock
     held): verified in that generation, no ping due, the deadline not passed, its channel
     quiet. The time read for the ping check (``CallStarted`` uses it too), or None: the
-    call's general start (``Exchange.start``) then decides and explains."""
+    call's general start (``Exchange.start``) then decides and explains. (``lease_plain``
+    makes the same checks inline.)"""
     if process.generation != state.generation:
         return None
     now = site.clock()
@@ -273,9 +287,10 @@ def settle_ok(site: CallSite, entry: EnvEntry, ticket: Ticket, replied_at: float
     """``settle(site, entry, ticket, "ok", replied_at)`` for a call that holds its slot and
     replied ok (the plain call, a warm ``acall``), with one step of the gate."""
     with entry.lock:
-        slot = ticket.slot
-        assert slot is not None and ticket.stage == "in_flight"
-        idle = entry.settle_ok_locked(ticket, replied_at)
+        # (No assert: this runs on every small call. Only the call's own ``run`` settles it,
+        # once, while it holds its slot in flight.)
+        slot: Slot = ticket.slot  # type: ignore[assignment]
+        idle = entry.settle_ok_locked(ticket, slot, replied_at)
         ticket.slot = None
         ticket.stage = "done"
         entry.in_flight -= 1

@@ -1,6 +1,7 @@
 """The pool: the public API (``Pool``) and the call path; it holds the env entries.
 
-Data flow of one call (``Pool.call`` running its ``_exchange.Exchange``)::
+Data flow of one call (``Pool.call`` -> ``_exchange.run_prepared``, running its
+``_exchange.Exchange``)::
 
     caller thread                                   reactor thread (one per pool)
     ------------------------------------------      ------------------------------
@@ -16,7 +17,7 @@ Data flow of one call (``Pool.call`` running its ``_exchange.Exchange``)::
 The caller writes its request and reads its reply itself: no thread hand-off on the hot path.
 
 The common call (a target string, scalar arguments, an idle worker ready, nobody waiting)
-takes the same steps in a straight line (``Worker.call`` -> ``call_plain``):
+takes the same steps in a straight line (``Worker.call`` -> ``_exchange.run_plain``):
 ``Exchange.start_plain`` encodes, leases and applies ``CallStarted`` in one lock section, then
 the call runs as any other (``Exchange.run``), so whatever it meets is answered by the general
 path's rules in the same object. It declines before anything is counted when the call needs
@@ -30,8 +31,8 @@ Where the rest lives (each module's docstring draws its part)::
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
     _exchange   Exchange, one call's own object: prepare, start (checks, CallStarted),
                 send, receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
-                settle; the errors of a broken exchange. ``Pool.call`` leases it (``_lease``)
-                and runs it; ``Pool.call_plain`` does the common call in one line
+                settle; the errors of a broken exchange; its two ways in (``run_prepared``,
+                ``Pool.call``'s; ``run_plain``, the common call, entered by the handles)
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
                 the breaker); the reaper's timer; the lock-free wake-up of the release of
@@ -90,15 +91,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _lease, _policies, _shutdown
 from . import _lifecycle as lc
+from . import _policies, _shutdown
 from ._backend import Backend, WorkerGeneration, backend_for
-from ._callsite import GENERAL_PATH
-from ._codec import oob_threshold, target_label
+from ._codec import oob_threshold
 from ._entry import EnvEntry, Slot
 from ._envs import EnvSpec, resolve_env, same_interpreter
 from ._errors import (
-    CallTimeout,
     EnvError,
     PoolClosedError,
 )
@@ -107,10 +106,7 @@ from ._events import (
     EnvReset,
     Event,
 )
-from ._exchange import Exchange
-from ._failures import completed_timeout
-from ._inflight import CALLS_IN_FLIGHT
-from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, in_storm
+from ._exchange import Exchange, run_prepared
 from ._reactor import Reactor
 from ._settings import Settings, environment_overrides, warn_unknown_variables
 from ._spawner import Spawner
@@ -401,7 +397,7 @@ class Pool:
         if reactor is not None and reactor.running:
             reactor.call_later(delay, fn)
 
-    # ---- the call (each call is its own ``_exchange.Exchange``) ----
+    # ---- the call: its own object and module (``_exchange``) ----
 
     def exchange(self, entry: EnvEntry) -> Exchange:
         """A new call of ``entry``, nothing prepared yet (a handle keeps it as its ticket)."""
@@ -409,57 +405,8 @@ class Pool:
 
     def call(self, prepared: PendingCall) -> Any:
         """A prepared call (``exchange(entry).prepare(...)``) to its end: leased (waiting in
-        the queue), run (``Exchange.run``), settled once."""
-        call: Exchange = prepared  # type: ignore[assignment]  # (what ``exchange`` makes)
-        # Counted while it runs: a reader polls for its reply only while this process makes
-        # one call at a time (see _inflight).
-        CALLS_IN_FLIGHT.add(call)
-        try:
-            if in_storm():
-                # Ctrl-C was pressed lately: hold the call's bookkeeping against the next ones;
-                # its waits (the queue, the reply) take one each (``held``).
-                with Deferred() as held:
-                    call.held = held
-                    return self._leased_run(call)
-            return self._leased_run(call)
-        except BaseException as exc:
-            _lease.settle_interrupted(self, call.entry, call, exc)
-            raise
-        finally:
-            CALLS_IN_FLIGHT.discard(call)  # (gone already in a child forked during the call)
-
-    def _leased_run(self, call: Exchange) -> Any:
-        entry = call.entry
-        try:
-            _lease.acquire(self, entry, call, call.deadline, not call.by_value)
-        except BaseException as exc:
-            _lease.settle(self, entry, call, _lease.outcome_of(exc), None)
-            if isinstance(exc, CallTimeout):
-                completed_timeout(exc, call.timeout, call.call_id, target_label(call.target))
-            raise
-        return call.run()
-
-    def call_plain(
-        self, entry: EnvEntry, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The common call in one straight line: prepared, leased and started in one step
-        (``Exchange.start_plain``), then run as any call (``Exchange.run``: whatever it meets
-        is answered by the same rules). ``GENERAL_PATH``, having counted, leased and sent
-        nothing, when the call or the env asks for more."""
-        if LAST_INTERRUPT[0] > NEVER and in_storm():  # (one compare until a first Ctrl-C)
-            return GENERAL_PATH  # Ctrl-C was pressed lately: the held path (``call``)
-        call = Exchange(self, entry)
-        CALLS_IN_FLIGHT.add(call)  # as in ``call``
-        try:
-            # Leased inside the ``try``: an interrupt right after the lease is settled below.
-            if not call.start_plain(target, args, kwargs):
-                return GENERAL_PATH
-            return call.run()
-        except BaseException as exc:
-            _lease.settle_interrupted(self, entry, call, exc)
-            raise
-        finally:
-            CALLS_IN_FLIGHT.discard(call)
+        the queue), run, settled once (``_exchange.run_prepared``)."""
+        return run_prepared(self, prepared)
 
     def live_process(self, entry: EnvEntry, slot: Slot) -> WorkerGeneration:
         """The slot's verified process, spawning generation g+1 if the slot is empty or retired."""

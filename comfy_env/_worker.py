@@ -5,11 +5,12 @@ so a handle never points at a dead worker: after a crash the next call simply la
 fresh generation. ``generation`` is the latest generation spawned for the env and ``pid`` the
 env's first slot's, as of now.
 
-Data flow: ``Worker`` holds a ``CallSite`` (the pool, typed by ``_callsite``) and the env's
-``EnvEntry`` (``_entry``); every method is one call into the site (``call``/``run``: the sync
-path; ``submit``: the call's ``Exchange`` prepared now, run on the ``Call``'s thread; ``call_ref``/
-``arun_ref``: ``_refs.call_ref``; ``acall``/``arun``: ``_acall.arun``). It never imports
-``_pool``.
+Data flow: ``Worker`` holds the pool (typed as the ``ExchangeSite`` its calls need, a
+``_callsite.CallSite``) and the env's ``EnvEntry`` (``_entry``); every method is one call:
+``call``/``run`` try the common call first (``_exchange.run_plain``, no frame of the pool's),
+else the site's sync path (``site.call(site.exchange(entry).prepare(...))``); ``submit``: the
+call's ``Exchange`` prepared now, run on the ``Call``'s thread; ``call_ref``/``arun_ref``:
+``_refs.call_ref``; ``acall``/``arun``: ``_acall.arun``. It never imports ``_pool``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import _lifecycle as lc
 from ._callsite import GENERAL_PATH
 from ._codec import check_target
 from ._errors import ArgumentError, CallCancelled
+from ._exchange import run_plain
 from ._refs import call_ref
 
 if TYPE_CHECKING:
@@ -30,8 +32,8 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from ._call import Call, CallEvent
-    from ._callsite import CallSite
     from ._entry import EnvEntry
+    from ._exchange import ExchangeSite
     from ._refs import RemoteRef
     from ._stats import EnvStats
 
@@ -123,7 +125,7 @@ class Worker:
 
     __slots__ = ("_entry", "_pool")
 
-    def __init__(self, pool: CallSite, entry: EnvEntry) -> None:
+    def __init__(self, pool: ExchangeSite, entry: EnvEntry) -> None:
         self._pool = pool
         self._entry = entry
 
@@ -162,7 +164,7 @@ class Worker:
         same Python major.minor in the env). Uses ``PoolConfig.call_timeout``.
         """
         if type(target) is str:  # the common call first, in a straight line
-            result = self._pool.call_plain(self._entry, target, args, kwargs)
+            result = run_plain(self._pool, self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
                 return result
         pool = self._pool
@@ -188,7 +190,7 @@ class Worker:
         if on_event is not None:
             check_on_event(on_event)
         if timeout is None and on_event is None and type(target) is str:
-            result = self._pool.call_plain(self._entry, target, args, kwargs)
+            result = run_plain(self._pool, self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
                 return result
         call = self._pool.exchange(self._entry).prepare(target, args, kwargs, timeout)
