@@ -100,7 +100,7 @@ class PendingCall(Protocol):
         target: str | Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: Any = None,
+        timeout: float | None = None,  # seconds, already checked (``_settings.check_timeout``)
         bound: tuple[Slot, int] | None = None,
     ) -> PendingCall: ...
 

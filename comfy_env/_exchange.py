@@ -85,7 +85,7 @@ from ._failures import (
 from ._inflight import CALLS_IN_FLIGHT
 from ._interrupts import LAST_INTERRUPT, NEVER, Deferred, allowing, in_storm
 from ._refs import bound_by_refs, check_bound
-from ._settings import Settings, check_timeout
+from ._settings import Settings
 
 if TYPE_CHECKING:
     from comfy_env_worker.shm import Block
@@ -205,7 +205,7 @@ class Exchange(Ticket):
         target: str | Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        timeout: Any = None,  # float | None, checked here (a compiled build would coerce it)
+        timeout: float | None = None,  # checked by the handle (``_settings.check_timeout``)
         bound: tuple[Slot, int] | None = None,
     ) -> Exchange:
         """Everything a call checks before it queues: pickle it (bad input raises here),
@@ -222,8 +222,6 @@ class Exchange(Ticket):
             bound = bound_by_refs(entry, args, kwargs)
         body, buffers, by_value = encode_call(target, args, kwargs, site.oob_threshold, plain)
         check_size(site.settings, target, body, buffers)
-        if timeout is not None:
-            timeout = check_timeout(timeout)
         if timeout is None:
             timeout = entry.settings.call_timeout
         if timeout is not None:

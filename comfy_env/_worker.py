@@ -26,6 +26,7 @@ from ._codec import check_target
 from ._errors import ArgumentError, CallCancelled
 from ._exchange import run_plain
 from ._refs import call_ref
+from ._settings import check_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -187,6 +188,8 @@ class Worker:
         the call (killed after ``PoolConfig.cancel_grace``), then raises ``KeyboardInterrupt``.
         """
         args, kwargs = call_arguments(args, kwargs)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         if on_event is not None:
             check_on_event(on_event)
         if timeout is None and on_event is None and type(target) is str:
@@ -214,6 +217,8 @@ class Worker:
 
         pool, entry = self._pool, self._entry
         args, kwargs = call_arguments(args, kwargs)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         check_on_event(on_event)
         exchange = pool.exchange(entry).prepare(target, args, kwargs, timeout)  # bad input raises
         exchange.on_event = on_event
@@ -265,6 +270,8 @@ class Worker:
         # Checked here, before the thread starts, so bad input raises in the awaiting task.
         args, kwargs = call_arguments(args, kwargs)
         check_target(target)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         check_on_event(on_event)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
@@ -334,6 +341,8 @@ class Worker:
         is a strict deadline (the worker is stopped at once). ``on_event`` must be a plain
         callable (an ``async def`` raises ``ArgumentError``)."""
         args, kwargs = call_arguments(args, kwargs)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         if on_event is not None:
             check_on_event(on_event)
         acall = _acall or _load_acall()

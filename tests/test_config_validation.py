@@ -7,11 +7,13 @@ permission (``EnvError``).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -79,16 +81,35 @@ def test_the_numeric_config_fields_are_the_ones_expected() -> None:
     assert len(_numeric_fields()) == 19  # the list above is not empty by accident
 
 
+def _with_timeout(worker: comfy_env.Worker, how: str, timeout: object) -> object:
+    """``tasks.remote:add(1, 2)`` through the handle ``how`` with ``timeout``, to its result."""
+    kw: Any = {"timeout": timeout}
+    if how == "run":
+        return worker.run("tasks.remote:add", (1, 2), **kw)
+    if how == "submit":
+        return worker.submit("tasks.remote:add", (1, 2), **kw).result()
+    if how == "arun":
+        return asyncio.run(worker.arun("tasks.remote:add", (1, 2), **kw))
+    ref = asyncio.run(worker.arun_ref("tasks.remote:add", (1, 2), **kw))
+    try:
+        return ref.call_method("__int__")
+    finally:
+        ref.release()
+
+
+@pytest.mark.parametrize("how", ["run", "submit", "arun", "arun_ref"])
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e300, -1.0, 0, True, "5"])
 def test_per_call_timeouts_the_clock_cannot_take_are_argument_errors(
-    pool: comfy_env.Pool, value: object
+    pool: comfy_env.Pool, value: object, how: str
 ) -> None:
+    # Every handle that takes a timeout checks it itself, before the call is prepared (the
+    # call's object, compiled in ``dev.py compile``'s build, takes only float or None).
     worker = pool.get_worker()
     with pytest.raises(comfy_env.ArgumentError, match="timeout"):
-        worker.run("tasks.remote:add", (1, 2), timeout=value)  # type: ignore[arg-type]
+        _with_timeout(worker, how, value)
     stats = worker.stats()
     assert stats.spawns == 0 and stats.crashed == 0  # refused before anything ran
-    assert worker.run("tasks.remote:add", (1, 2), timeout=30) == 3
+    assert _with_timeout(worker, how, 30) == 3
 
 
 @pytest.mark.parametrize(
