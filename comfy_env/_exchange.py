@@ -31,7 +31,8 @@ A crash, from EOF to ``WorkerCrashed`` (the sync path; nothing calls back into t
        status_at_eof, await_exit     _process (facade) -> _exitwatch, _outputpipes
        entry.apply(ChannelClosed)    _entry -> _lifecycle (Retired; the kill is an effect)
        site.report_death      _spawner -> _policies (the breaker), _events
-       crash_story                   _failures (the words; _errors, _memlimit's verdict)
+       memory.verdict                _memlimit (out of memory? a fact, read here)
+       crash_story                   _failures (the words; _errors)
     -> run settles (_lease) and raises
 
 The lifecycle table is written only through ``entry.apply`` / the entry's ``*_locked``
@@ -538,7 +539,8 @@ class Exchange(Ticket):
         rc, still_running = await_exit(process, rc)  # reaped and drained, or waited for
         tail = process.log.tail()
         self.site.report_death(entry, process, ending, rc, tail)
-        death = Death(rc, tail, still_running, alive_at_eof)
+        memory = process.memory.verdict(rc, tail) if process.memory is not None else None
+        death = Death(rc, tail, still_running, alive_at_eof, memory)
         return crash_story(entry.spec.key, process, self.call_id, label, death)
 
     def deadline_hit(self) -> CallTimeout | None:

@@ -50,6 +50,7 @@ from ._errors import (
 if TYPE_CHECKING:
     from ._backend import WorkerGeneration
     from ._entry import Slot
+    from ._memlimit import MemoryVerdict
 
 
 def retire_reason(slot: Slot, generation: int) -> lc.RetireReason | None:
@@ -63,12 +64,14 @@ def retire_reason(slot: Slot, generation: int) -> lc.RetireReason | None:
 class Death(NamedTuple):
     """What the caller learnt of a worker's death (``Exchange.crashed`` gathers it): the exit
     status (None: unknown), the last output, whether the host had to kill it because it still
-    ran after its channel broke, and whether it still ran when the channel broke."""
+    ran after its channel broke, whether it still ran when the channel broke, and whether it
+    ran out of memory (its memory limit's verdict, read by the exchange)."""
 
     rc: int | None
     tail: str
     still_running: bool
     alive_at_eof: bool
+    memory: MemoryVerdict | None = None
 
 
 def crash_story(
@@ -101,9 +104,9 @@ def crash_story(
         what = process.death_detail
     else:
         what = describe_exit(rc)
-    verdict = process.memory.verdict(rc, tail) if process.memory is not None else None
+    verdict = death.memory
     if verdict is not None:
-        what = verdict.text()
+        what = out_of_memory(verdict)
     message = (
         f"worker for env {env} (pid {process.pid}, generation "
         f"{process.generation}) {what} during call {call_id} to {label or '?'}; "
@@ -125,6 +128,36 @@ def crash_story(
     if isinstance(error, WorkerOutOfMemory) and verdict is not None:
         error.limit, error.peak, error.how = verdict.limit, verdict.peak, verdict.how
     return error
+
+
+def out_of_memory(verdict: MemoryVerdict) -> str:
+    """What happened to a worker that ran out of memory, for the error's message ("... during
+    call 3 to f")."""
+    if verdict.how == "OOM killer":
+        return (
+            "was killed by SIGKILL while the kernel's OOM killer ran: likely out of "
+            "memory (no limit of comfy-env's was reached; the machine, or a cgroup above "
+            "the host, ran out)"
+        )
+    peak = f", peak {_size(verdict.peak)}" if verdict.peak else ""
+    if verdict.how == "RLIMIT_DATA":
+        return (
+            f"ran out of memory: an allocation failed at its memory limit of "
+            f"{_size(verdict.limit)}{peak} (RLIMIT_DATA; no memory cgroup could be used)"
+        )
+    return (
+        f"was killed by the kernel at its memory limit of {_size(verdict.limit)}{peak} "
+        f"({verdict.how})"
+    )
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "?"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
 
 
 def cancelled_text(

@@ -332,31 +332,3 @@ class MemoryVerdict:
     limit: int | None
     peak: int | None
     how: str
-
-    def text(self) -> str:
-        """What happened, for the error's message ("... during call 3 to f")."""
-        if self.how == "OOM killer":
-            return (
-                "was killed by SIGKILL while the kernel's OOM killer ran: likely out of "
-                "memory (no limit of comfy-env's was reached; the machine, or a cgroup above "
-                "the host, ran out)"
-            )
-        peak = f", peak {_size(self.peak)}" if self.peak else ""
-        if self.how == "RLIMIT_DATA":
-            return (
-                f"ran out of memory: an allocation failed at its memory limit of "
-                f"{_size(self.limit)}{peak} (RLIMIT_DATA; no memory cgroup could be used)"
-            )
-        return (
-            f"was killed by the kernel at its memory limit of {_size(self.limit)}{peak} "
-            f"({self.how})"
-        )
-
-
-def _size(count: int | None) -> str:
-    if count is None:
-        return "?"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} bytes"
