@@ -177,7 +177,8 @@ class Pool:
         self.call_ids = itertools.count(2)  # call id 1 is the canary's
         self._owner_pid = os.getpid()
         # Keeps this host's status file current (throttled); on every call's end.
-        self.status_changed = StatusThrottle(live_pool_snapshots, self._status_timer).changed
+        throttle = StatusThrottle(live_pool_snapshots, self._spawner.status_timer)
+        self.status_changed = throttle.changed
         self._registration = _shutdown.register(self)
         _shutdown.install_process_hooks()
 
@@ -425,12 +426,6 @@ class Pool:
         ``ArgumentError`` (NaN compared as "idle long enough" for every worker)."""
         at = _policies.reap_time(now, self.clock)
         return _policies.reap_idle(self.entries(), at, self.settings, self._reap_hooks)
-
-    def _status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:
-        """Where the status throttle queues its writes: the reactor's timer, while the pool is
-        open and has one (``StatusThrottle``)."""
-        reactor = self._spawner.reactor
-        return None if reactor is None or self.closed else reactor.call_later
 
     # ---- shutdown ----
 

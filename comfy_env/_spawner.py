@@ -472,6 +472,13 @@ class Spawner:
             if entry.dropped_refs:
                 _policies.release_idle(entry)
 
+    def status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:
+        """Where the status throttle queues its writes (``_status.StatusThrottle``): the
+        reactor's timer while the pool is open and has one, else None. Here, with the reactor,
+        so that a call's end never calls back into the pool."""
+        reactor = self.reactor
+        return None if reactor is None or self.pool.closed else reactor.call_later
+
     def dispose_later(self, process: WorkerGeneration) -> None:
         """Release a retired worker's sockets and shared memory on the reactor thread, off the
         caller's path (a crash report should not wait for unlinking blocks), and a moment
