@@ -43,7 +43,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._descendants import kill_marked
 from ._outputpipes import OutputPipes
@@ -65,6 +65,10 @@ _EXIT_REPORT_DELAY = 0.002
 _MARKED_SCAN_DELAY = 0.005
 _due_scans: set[ExitWatch] = set()
 _due_scans_lock = threading.Lock()
+
+# How far an exit's report got (``ExitWatch._report``), and the pidfd's watch on the reactor.
+ExitReport = Literal["pending", "reaped", "reported", "finished"]
+PidfdWatch = Literal["watched", "paused", "fired"]
 
 
 def _peek_exit(popen: subprocess.Popen[bytes]) -> int | None:
@@ -170,16 +174,18 @@ class ExitWatch:
         self.exited = threading.Event()
         # The exit is reported once (``_reaped``, then ``maybe_finished``) by whichever thread
         # gets there first: the reactor (its pidfd) or the caller whose read saw the EOF
-        # (``collect_exit``). ``_exit_reported``: the owner's ``on_exit`` ran.
+        # (``collect_exit``). How far the report got, under ``_exit_lock``: "reaped" (the
+        # return code is set, ``on_exit`` runs), "reported" (it ran), "finished"
+        # (``on_finished`` ran too, the output having ended).
         self._exit_lock = threading.Lock()
-        self._exit_reported = False
-        self._finished = False
+        self._report: ExitReport = "pending"
         self.dying = False  # its exit status was read before the reaping (status_at_eof)
         self.kill_requested = False
         self.owner_pid = os.getpid()  # a forked copy of this object must never signal
         self._pidfd: int | None = None
-        self._pidfd_fired = False  # (``_on_pidfd``): the reaping is scheduled
-        self._exit_watch_paused = False  # the notice took the pidfd off the reactor a moment
+        # The pidfd's watch on the reactor (reactor thread only): "paused" while a noticed
+        # death keeps it off for a moment, "fired" once its exit is seen (the reaping is due).
+        self._pidfd_watch: PidfdWatch = "watched"
         # The exit status read when a named thread's end, with the process exiting, shut the
         # channel down (the kernel's final word: the caller need not read it); None until then.
         self.noticed_status: int | None = None
@@ -260,10 +266,10 @@ class ExitWatch:
         self._reaped(popen.returncode)  # drains the output too (``OutputPipes.end``)
 
     def _on_pidfd(self) -> None:
-        if self._exit_watch_paused or self._pidfd is None:
+        if self._pidfd_watch != "watched" or self._pidfd is None:
             return  # unwatched by a callback of the same wake-up (``_notice_exit``)
         assert self.popen is not None
-        self._pidfd_fired = True
+        self._pidfd_watch = "fired"
         self.reactor.remove_reader(self._pidfd)
         # Reaped and reported a moment later: a caller whose read saw the EOF writes its
         # crash report first, on its own thread (status_at_eof), instead of trading the GIL
@@ -290,15 +296,15 @@ class ExitWatch:
 
     def pause(self) -> None:
         """Reactor thread, the death noticed: stop watching the pidfd until ``resume``."""
-        if self._pidfd is not None and not self._pidfd_fired:
+        if self._pidfd is not None and self._pidfd_watch == "watched":
             self.reactor.remove_reader(self._pidfd)
-            self._exit_watch_paused = True
+            self._pidfd_watch = "paused"
 
     def resume(self) -> None:
         """Reactor thread, a moment after the notice: watch the exit again (already there,
         usually: it is reaped at once)."""
-        if self._exit_watch_paused:
-            self._exit_watch_paused = False
+        if self._pidfd_watch == "paused":
+            self._pidfd_watch = "watched"
             if self._pidfd is not None:  # (None: ``force_close`` reaped it meanwhile)
                 self.reactor.add_reader(self._pidfd, self._on_pidfd)
 
@@ -323,9 +329,10 @@ class ExitWatch:
 
     def _reaped(self, returncode: int) -> None:
         with self._exit_lock:
-            if self.returncode is not None:
+            if self._report != "pending":
                 return  # reported already (collect_exit on the caller, or the reactor)
             self.returncode = returncode
+            self._report = "reaped"
         if self._escalation is not None:
             self._escalation.cancel()
         self.channel.worker_blocks_orphaned(exited=True)
@@ -338,7 +345,7 @@ class ExitWatch:
         # bookkeeping (gate, breaker) already up to date.
         self._on_exit()
         with self._exit_lock:
-            self._exit_reported = True
+            self._report = "reported"
         self.pipes.end()
         self.exited.set()
         # Descendants that left the group (setsid) carry the generation's mark. Found by a
@@ -367,9 +374,9 @@ class ExitWatch:
         """Once the process is reaped (and reported) *and* its output drained, report it
         (exit code and last output lines are final then); once, on either thread."""
         with self._exit_lock:
-            if self._finished or not self._exit_reported or not self.pipes.closed:
+            if self._report != "reported" or not self.pipes.closed:
                 return
-            self._finished = True
+            self._report = "finished"
         self._on_finished()
 
     # ---- stopping ----
