@@ -406,7 +406,7 @@ class Spawner:
         """Report a generation's end once: subscribers get ``WorkerRetired``, then the
         crash-loop breaker counts it (deaths only, and nothing while the pool closes;
         ``EnvAbandoned`` if it trips, after the retirement that caused it). The caller whose
-        call the death failed reports before it raises (``crash_error``), so a caller that
+        call the death failed reports before it raises (``Exchange.crashed``), so a caller that
         calls again at once meets the breaker's verdict and events keep their order; else the
         reactor does when the exit is reported."""
         with entry.lock:
@@ -432,15 +432,10 @@ class Spawner:
             self._record_death(entry, process.generation, reason, returncode, tail)
 
     def _record_death(
-        self,
-        entry: EnvEntry,
-        generation: int,
-        reason: lc.RetireReason,
-        returncode: int | None,
-        stderr_tail: str,
+        self, entry: EnvEntry, generation: int, reason: lc.RetireReason, rc: int | None, tail: str
     ) -> None:
         pool = self.pool
-        death = _policies.death_of(generation, reason, returncode, stderr_tail, pool.clock())
+        death = _policies.death_of(generation, reason, rc, tail, pool.clock())
         _policies.record_death(entry, death, pool.settings, pool.events)
 
     # ---- dropped refs ----
@@ -473,9 +468,7 @@ class Spawner:
                 _policies.release_idle(entry)
 
     def status_timer(self) -> Callable[[float, Callable[[], None]], object] | None:
-        """Where the status throttle queues its writes (``_status.StatusThrottle``): the
-        reactor's timer while the pool is open and has one, else None. Here, with the reactor,
-        so that a call's end never calls back into the pool."""
+        """The status throttle's timer (``_status``): the reactor's, while the pool is open."""
         reactor = self.reactor
         return None if reactor is None or self.pool.closed else reactor.call_later
 

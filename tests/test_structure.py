@@ -15,6 +15,8 @@
   (``tests/test_lifecycle.py``): a call's stage and the call counters in ``_lease``, the
   breaker's state in ``EnvEntry.set_env_state``, a slot's process and an env's generation in
   ``_spawner``.
+* Sizes a reader can hold: no class over 400 lines, no function over 80, at most five
+  parameters (besides ``self``) but for the public constructors and options named below.
 
 Pure AST reads of the source: no import runs, no process starts.
 """
@@ -347,3 +349,62 @@ def test_the_asyncio_path_never_imports_the_process_mechanism() -> None:
 
 def test_the_spawner_never_imports_the_pool() -> None:
     assert f"{NAME}._pool" not in _graph()[f"{NAME}._spawner"]
+
+
+# The public constructors and options that take more than five parameters: the exceptions'
+# fields, a recipe's fields, ``comfyui.isolate``'s options and its pack's record.
+MANY_PARAMETERS = {
+    ("comfy_env._errors", "__init__"),
+    ("comfy_env._recipe", "__init__"),
+    ("comfy_env.comfyui", "isolate"),
+    ("comfy_env.comfyui", "__init__"),
+}
+# Functions over 80 lines, each named: ``comfyui.isolate`` (its options' checks, one by one).
+LONG_FUNCTIONS = {("comfy_env.comfyui", "isolate")}
+
+
+def _definitions() -> list[tuple[str, ast.AST]]:
+    return [
+        (module, node)
+        for module, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+
+
+def _lines(node: ast.AST) -> int:
+    return int(node.end_lineno or 0) - int(getattr(node, "lineno", 0)) + 1
+
+
+def test_no_class_is_over_400_lines() -> None:
+    big = [
+        (module, node.name, _lines(node))
+        for module, node in _definitions()
+        if isinstance(node, ast.ClassDef) and _lines(node) > 400
+    ]
+    assert not big, big
+
+
+def test_no_function_is_over_80_lines_but_those_named() -> None:
+    long = [
+        (module, node.name, _lines(node))
+        for module, node in _definitions()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and _lines(node) > 80
+        and (module, node.name) not in LONG_FUNCTIONS
+    ]
+    assert not long, long
+
+
+def test_no_function_takes_more_than_five_parameters_but_those_named() -> None:
+    many = []
+    for module, node in _definitions():
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = node.args
+        names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+        if names and names[0] in ("self", "cls"):
+            names = names[1:]
+        if len(names) > 5 and (module, node.name) not in MANY_PARAMETERS:
+            many.append((module, node.name, len(names)))
+    assert not many, many
