@@ -28,12 +28,16 @@ A crash, from EOF to ``WorkerCrashed`` (the sync path; nothing calls back into t
 
     protocol.FrameReader.read raises ChannelClosed
     -> Exchange.read_failed -> Exchange.crashed
-       status_at_eof, await_exit     _process (facade) -> _exitwatch, _outputpipes
-       entry.apply(ChannelClosed)    _entry -> _lifecycle (Retired; the kill is an effect)
-       site.report_death      _spawner -> _policies (the breaker), _events
+       status_at_eof, await_exit     _exitwatch (bound on the facade) -> _outputpipes, _logs
+       entry.apply(ChannelClosed)    _entry -> _lifecycle (Retired; the kill is an effect,
+                                     ``_process``)
+       site.report_death             _spawner -> _policies (the breaker), _events
        memory.verdict                _memlimit (out of memory? a fact, read here)
        crash_story                   _failures (the words; _errors)
     -> run settles (_lease) and raises
+
+Nothing below this object calls back up into it, and the words gather no facts
+(``tests/test_call_paths.py`` traces a real crash).
 
 The lifecycle table is written only through ``entry.apply`` / the entry's ``*_locked``
 writers (``EnvEntry._store``), effects outside the entry's lock. This module never imports the
