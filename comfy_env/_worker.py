@@ -6,11 +6,11 @@ fresh generation. ``generation`` is the latest generation spawned for the env an
 env's first slot's, as of now.
 
 Data flow: ``Worker`` holds the pool (typed as the ``ExchangeSite`` its calls need, a
-``_callsite.CallSite``) and the env's ``EnvEntry`` (``_entry``); every method is one call:
-``call``/``run`` try the common call first (``_exchange.run_plain``, no frame of the pool's),
-else the site's sync path (``site.call(site.exchange(entry).prepare(...))``); ``submit``: the
-call's ``Exchange`` prepared now, run on the ``Call``'s thread; ``call_ref``/``arun_ref``:
-``_refs.call_ref``; ``acall``/``arun``: ``_acall.arun``. It never imports ``_pool``.
+``_callsite.CallSite``) and the env's ``EnvEntry`` (``_entry``). Each call is its own object
+(``_exchange.Exchange``), run by the call's module with no frame of the pool's: ``call``/``run`` try the common call first (``_exchange.run_plain``),
+else prepare the call and run it (``run_prepared``); ``submit``: the call prepared now, run on
+the ``Call``'s thread; ``call_ref``/``arun_ref``: ``_refs.call_ref``; ``acall``/``arun``:
+``_acall.arun``. It never imports ``_pool``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from . import _lifecycle as lc
 from ._callsite import GENERAL_PATH
 from ._codec import check_target
 from ._errors import ArgumentError, CallCancelled
-from ._exchange import run_plain
+from ._exchange import Exchange, run_plain, run_prepared
 from ._refs import call_ref
 from ._settings import check_timeout
 
@@ -169,7 +169,7 @@ class Worker:
             if result is not GENERAL_PATH:
                 return result
         pool = self._pool
-        return pool.call(pool.exchange(self._entry).prepare(target, args, kwargs))
+        return run_prepared(pool, Exchange(pool, self._entry).prepare(target, args, kwargs))
 
     def run(
         self,
@@ -196,9 +196,9 @@ class Worker:
             result = run_plain(self._pool, self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
                 return result
-        call = self._pool.exchange(self._entry).prepare(target, args, kwargs, timeout)
+        call = Exchange(self._pool, self._entry).prepare(target, args, kwargs, timeout)
         call.on_event = on_event
-        return self._pool.call(call)
+        return run_prepared(self._pool, call)
 
     def submit(
         self,
@@ -220,10 +220,10 @@ class Worker:
         if timeout is not None:
             timeout = check_timeout(timeout)
         check_on_event(on_event)
-        exchange = pool.exchange(entry).prepare(target, args, kwargs, timeout)  # bad input raises
+        exchange = Exchange(pool, entry).prepare(target, args, kwargs, timeout)  # bad input raises
         exchange.on_event = on_event
         call = Call(entry.spec.key, exchange, exchange.cancel)
-        call._start(lambda: pool.call(exchange))
+        call._start(lambda: run_prepared(pool, exchange))
         return call
 
     def start(
@@ -247,7 +247,7 @@ class Worker:
         a ``RemoteRef`` to it. Pass the ref as an argument to later calls (it resolves to the
         live object there) or use ``ref.call_method``; ``ref.release()`` frees it. Once the
         worker's generation is gone, using the ref raises ``StaleGenerationError``."""
-        return call_ref(self._pool.exchange(self._entry), target, args, kwargs)
+        return call_ref(Exchange(self._pool, self._entry), target, args, kwargs)
 
     async def arun_ref(
         self,
@@ -275,7 +275,7 @@ class Worker:
         check_on_event(on_event)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
-        ticket = pool.exchange(entry)  # kept here to cancel it
+        ticket = Exchange(pool, entry)  # kept here to cancel it
         ticket.on_event = on_event
 
         def settle(outcome: Any, failed: bool) -> None:
@@ -320,7 +320,7 @@ class Worker:
     async def acall(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``call`` for asyncio; see ``arun``."""
         acall = _acall or _load_acall()
-        return await acall.arun(self._pool.exchange(self._entry), target, args, kwargs, None)
+        return await acall.arun(Exchange(self._pool, self._entry), target, args, kwargs, None)
 
     async def arun(
         self,
@@ -346,7 +346,7 @@ class Worker:
         if on_event is not None:
             check_on_event(on_event)
         acall = _acall or _load_acall()
-        call = self._pool.exchange(self._entry)
+        call = Exchange(self._pool, self._entry)
         call.on_event = on_event
         return await acall.arun(call, target, args, kwargs, timeout)
 

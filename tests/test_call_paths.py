@@ -6,7 +6,8 @@ caller's module to the callee's. The structure tests (``test_structure.py``) hol
 
 * the common call (``Worker.call`` of a target string with scalar arguments, a warm worker)
   goes down the floors and never back up, and never enters the pool: handle -> call object ->
-  leasing, codec, status -> gate, channel -> lifecycle table, frames;
+  leasing, codec, status -> gate, channel -> lifecycle table, frames; no call through a
+  handle (``call``, ``run``, ``submit``, ``acall``, ``arun``) enters the pool;
 * a crash, from the reply read's EOF to ``WorkerCrashed``, never calls into the pool, and the
   words of the error (``_failures``) call nothing but the exit-status words and the error
   classes (``_errors``) and the lifecycle's names: they read facts, they do not gather them.
@@ -14,6 +15,7 @@ caller's module to the callee's. The structure tests (``test_structure.py``) hol
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 import time
@@ -116,6 +118,34 @@ def test_the_common_call_goes_down_the_floors_and_never_enters_the_pool(
             break
     else:
         pytest.fail("no traced call opened a status window")
+
+
+@pytest.mark.parametrize(
+    "how", ["call", "run_with_timeout", "submit", "acall", "arun_with_timeout"]
+)
+def test_no_call_through_a_handle_enters_the_pool(
+    pool: comfy_env.Pool,
+    traced: Callable[[Callable[[], object]], list[tuple[str, str, str]]],
+    how: str,
+) -> None:
+    # Each call is its own object, run by the call's module: the pool only wires the parts. (A
+    # RemoteRef's calls go through the pool's ``CallSite.call``: ``_refs`` sits below the call's
+    # module, which imports it.)
+    worker = pool.get_worker()
+    calls: dict[str, Callable[[], object]] = {
+        "call": lambda: worker.call("tasks.remote:add", 1, 2),
+        "run_with_timeout": lambda: worker.run("tasks.remote:add", (1, 2), timeout=30),
+        "submit": lambda: worker.submit("tasks.remote:add", (1, 2)).result(),
+        "acall": lambda: asyncio.run(worker.acall("tasks.remote:add", 1, 2)),
+        "arun_with_timeout": lambda: asyncio.run(
+            worker.arun("tasks.remote:add", (1, 2), timeout=30)
+        ),
+    }
+    for _ in range(5):
+        calls[how]()  # warm, and the asyncio module loaded
+    edges = traced(calls[how])
+    assert any(callee == "comfy_env._exchange" for _, callee, _ in edges)
+    assert "comfy_env._pool" not in {callee for _, callee, _ in edges}, edges
 
 
 def test_a_crash_never_calls_into_the_pool_and_its_words_gather_no_facts(
