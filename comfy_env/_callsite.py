@@ -2,14 +2,12 @@
 
 Data flow (who holds what; arrows are calls)::
 
-    Worker (_worker) ----------.            RemoteRef (_refs)
-      call/run/submit/call_ref  |             call_method/release
-      (call/run: the common     |               -> site.call(site.exchange(entry)
-       call first, in           |                  .prepare(..., bound=...))
-       _exchange.run_plain;     |
-       else site.call)          |
-      acall/arun -> _acall.arun |
-                                v
+    Worker (_worker)                        RemoteRef (_refs)
+      each call its own Exchange, run by      call_method/release
+      _exchange (run_plain, run_prepared)       -> site.call(site.exchange(entry)
+      or _acall.arun: no frame of the pool's       .prepare(..., bound=...))
+      (it reads the site: settings, clock)  |
+                                            v
     CallSite (this Protocol; implemented by _pool.Pool)
       exchange                                           a new call (``_exchange.Exchange``)
       call                                               a prepared call leased, run, settled
@@ -21,7 +19,7 @@ Data flow (who holds what; arrows are calls)::
 
 The handles hold a ``CallSite`` and an ``EnvEntry``; they never import ``_pool``, so the pool
 can import them without a circle, and a handle depends only on what is written here (and, for
-the common call, on ``_exchange.ExchangeSite``, which extends it). The site *is* the pool
+``Worker``'s calls, on ``_exchange.ExchangeSite``, which extends it). The site *is* the pool
 object (a Protocol is a type, not a wrapper), so asking it costs one method call.
 """
 
