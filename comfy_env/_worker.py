@@ -7,10 +7,11 @@ env's first slot's, as of now.
 
 Data flow: ``Worker`` holds the pool (typed as the ``ExchangeSite`` its calls need, a
 ``_callsite.CallSite``) and the env's ``EnvEntry`` (``_entry``). Each call is its own object
-(``_exchange.Exchange``), run by the call's module with no frame of the pool's: ``call``/``run`` try the common call first (``_exchange.run_plain``),
-else prepare the call and run it (``run_prepared``); ``submit``: the call prepared now, run on
-the ``Call``'s thread; ``call_ref``/``arun_ref``: ``_refs.call_ref``; ``acall``/``arun``:
-``_acall.arun``. It never imports ``_pool``.
+(``_exchange.Exchange``), run by the call's module with no frame of the pool's: ``call``/``run``
+try the common call first (``_exchange.run_plain``), else prepare the call and run it
+(``run_prepared``); ``submit``: the call prepared now, run on the ``Call``'s thread;
+``call_ref``/``arun_ref``: ``_refs.call_ref``; ``acall``/``arun``: ``_acall.arun``. It never
+imports ``_pool``.
 """
 
 from __future__ import annotations
