@@ -1,7 +1,7 @@
 """The pool: the public API (``Pool``) and the call path; it holds the env entries.
 
-Data flow of one call (``Pool.call`` -> ``_exchange.run_prepared``, running its
-``_exchange.Exchange``)::
+Data flow of one call (its own ``_exchange.Exchange``, run by ``_exchange``: a ``Worker``
+enters it directly, a ``RemoteRef`` through ``Pool.call``; the pool holds what it uses)::
 
     caller thread                                   reactor thread (one per pool)
     ------------------------------------------      ------------------------------
@@ -31,8 +31,8 @@ Where the rest lives (each module's docstring draws its part)::
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
     _exchange   Exchange, one call's own object: prepare, start (checks, CallStarted),
                 send, receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
-                settle; the errors of a broken exchange; its two ways in (``run_prepared``,
-                ``Pool.call``'s; ``run_plain``, the common call, entered by the handles)
+                settle; the errors of a broken exchange; its two ways in (``run_plain``,
+                the common call; ``run_prepared``, any prepared call, also ``Pool.call``'s)
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,
                 activation, launch, handshake) and the report of its end (WorkerRetired,
                 the breaker); the reaper's timer; the lock-free wake-up of the release of
