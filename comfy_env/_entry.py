@@ -104,6 +104,7 @@ class Ticket:
     bound_generation = 0  # ... and the generation that must still occupy it
     ran_on: Slot | None = None  # the slot the call was sent to
     held: Deferred | None = None  # the call holds Ctrl-C back outside its waits (_interrupts)
+    replied_at: float | None = None  # when the whole reply arrived (``Replied`` at settling)
     stage: Stage = "new"  # "queued" -> "in_flight" -> "done"
     generation = 0
     call_id = 0

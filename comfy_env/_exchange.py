@@ -188,7 +188,6 @@ class Exchange(Ticket):
     deadline: float | None  # time.monotonic(); None: no deadline
     process: WorkerGeneration | None = None  # the worker it started on (CallStarted applied)
     block: Block | None = None  # the request's shared-memory block, freed with the reply
-    replied_at: float | None = None  # when the whole reply arrived (``Replied``)
 
     def __init__(self, site: ExchangeSite, entry: EnvEntry) -> None:
         self.site, self.entry = site, entry

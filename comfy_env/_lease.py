@@ -311,8 +311,9 @@ def settle_interrupted(site: CallSite, entry: EnvEntry, ticket: Ticket, exc: Bas
     """The safety net of a sync call that ends with ``exc``: settle it, held against Ctrl-C
     (``_interrupts``), if an interrupt cut short the settling its own path does (between the
     lease and the ``try`` that settles, or inside that settling). ``settle`` is idempotent: a
-    call already settled is left as it is. A call whose worker may still run it is stopped
-    (``settle``), as for any interrupted call."""
+    call already settled is left as it is. A call whose reply was read whole (``replied_at``)
+    leaves its worker idle: ``Replied``, as its own settling would have applied. A call whose
+    worker may still run it is stopped (``settle``), as for any interrupted call."""
     if isinstance(exc, KeyboardInterrupt):
         note_interrupt()
     if ticket.stage == "done" and ticket.slot is None:
@@ -326,7 +327,7 @@ def settle_interrupted(site: CallSite, entry: EnvEntry, ticket: Ticket, exc: Bas
                     entry.waiters.remove(ticket)
                 except ValueError:
                     pass
-        settle(site, entry, ticket, outcome_of(exc), None)
+        settle(site, entry, ticket, outcome_of(exc), ticket.replied_at)
 
 
 def cancel(site: CallSite, entry: EnvEntry, ticket: Ticket, force: bool = False) -> bool:

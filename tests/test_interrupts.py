@@ -13,6 +13,7 @@ import time
 import pytest
 
 import comfy_env
+from comfy_env import _exchange, _lease
 from comfy_env import _lifecycle as lc
 from comfy_env._cli import main
 from comfy_env._interrupts import Deferred
@@ -165,3 +166,39 @@ def test_the_reaper_recovers_a_slot_stuck_starting(config: comfy_env.PoolConfig)
         pool._spawner.reap_tick()
         assert worker.stats().workers[0].stuck is False
         assert worker.run("tasks.remote:add", (2, 2), timeout=30) == 4
+
+
+@pytest.mark.skipif(
+    not str(_exchange.__file__).endswith(".py"),
+    reason="the per-call modules are compiled (dev.py compile): the settling cannot be patched",
+)
+@pytest.mark.parametrize("how", ["call", "run_with_timeout"])
+def test_a_ctrl_c_after_the_whole_reply_leaves_the_worker_idle(
+    pool: comfy_env.Pool, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # A Ctrl-C between the reply read whole and the call's own settling (here: as the settling
+    # starts, before it takes the env's lock) leaves the settling to the call's safety net. The
+    # worker replied and is idle: it is not stopped, and the next call runs on it.
+    worker = pool.get_worker()
+    assert worker.call("tasks.remote:add", 1, 2) == 3
+    pid, generation = worker.pid, worker.generation
+    real = _lease.settle_ok
+    hits: list[int] = []
+
+    def interrupted(*args: object) -> None:
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_lease, "settle_ok", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if how == "call":
+            worker.call("tasks.remote:add", 1, 2)
+        else:
+            worker.run("tasks.remote:add", (1, 2), timeout=30)
+    assert hits
+    stats = worker.stats()
+    assert (stats.cancelled, stats.in_flight, stats.crashed) == (1, 0, 0)
+    assert worker.call("tasks.remote:add", 2, 2) == 4
+    assert (worker.pid, worker.generation) == (pid, generation)
