@@ -71,7 +71,7 @@ class Death(NamedTuple):
     tail: str
     still_running: bool
     alive_at_eof: bool
-    memory: MemoryVerdict | None = None
+    memory: MemoryVerdict | None
 
 
 def crash_story(

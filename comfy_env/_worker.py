@@ -53,9 +53,13 @@ def _load_acall() -> ModuleType:
     return module
 
 
-def call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``run``'s (``submit``'s, ``arun``'s, ``arun_ref``'s) ``args`` and ``kwargs`` as the
-    tuple and the (copied) dict a call sends, or ``ArgumentError`` naming what is wrong.
+def call_arguments(
+    args: Any, kwargs: Any, timeout: Any = None, on_event: object = None
+) -> tuple[tuple[Any, ...], dict[str, Any], float | None]:
+    """``run``'s (``submit``'s, ``arun``'s, ``arun_ref``'s) inputs checked before anything
+    runs: ``args`` and ``kwargs`` as the tuple and the (copied) dict a call sends, and the
+    ``timeout`` in seconds (``_settings.check_timeout``; the call's object takes it checked),
+    or ``ArgumentError`` naming what is wrong (``on_event`` too: ``check_on_event``).
 
     ``args`` is any iterable of positional arguments (a tuple, a list) except a string, bytes
     or a mapping: ``run(f, "abc")`` would send three characters and ``run(f, {"a": 1})`` its
@@ -77,19 +81,25 @@ def call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, A
             ) from None
         args = tuple(items)
     if kwargs is None:
-        return args, {}
-    if not isinstance(kwargs, Mapping):
+        kwargs = {}
+    elif not isinstance(kwargs, Mapping):
         raise ArgumentError(
             f"kwargs must be a mapping of argument names to values (a dict) or None, "
             f"not {type(kwargs).__name__}"
         )
-    kwargs = dict(kwargs)
-    for name in kwargs:
-        if type(name) is not str:
-            raise ArgumentError(
-                f"kwargs keys must be argument names (strings), not {type(name).__name__} {name!r}"
-            )
-    return args, kwargs
+    else:
+        kwargs = dict(kwargs)
+        for name in kwargs:
+            if type(name) is not str:
+                raise ArgumentError(
+                    f"kwargs keys must be argument names (strings), not "
+                    f"{type(name).__name__} {name!r}"
+                )
+    if timeout is not None:
+        timeout = check_timeout(timeout)
+    if on_event is not None:
+        check_on_event(on_event)
+    return args, kwargs, timeout
 
 
 def check_on_event(on_event: object) -> None:
@@ -188,11 +198,7 @@ class Worker:
         raises ``ArgumentError``). Ctrl-C while waiting asks the worker to stop
         the call (killed after ``PoolConfig.cancel_grace``), then raises ``KeyboardInterrupt``.
         """
-        args, kwargs = call_arguments(args, kwargs)
-        if timeout is not None:
-            timeout = check_timeout(timeout)
-        if on_event is not None:
-            check_on_event(on_event)
+        args, kwargs, timeout = call_arguments(args, kwargs, timeout, on_event)
         if timeout is None and on_event is None and type(target) is str:
             result = run_plain(self._pool, self._entry, target, args, kwargs)
             if result is not GENERAL_PATH:
@@ -217,10 +223,7 @@ class Worker:
         from ._call import Call
 
         pool, entry = self._pool, self._entry
-        args, kwargs = call_arguments(args, kwargs)
-        if timeout is not None:
-            timeout = check_timeout(timeout)
-        check_on_event(on_event)
+        args, kwargs, timeout = call_arguments(args, kwargs, timeout, on_event)
         exchange = Exchange(pool, entry).prepare(target, args, kwargs, timeout)  # bad input raises
         exchange.on_event = on_event
         call = Call(entry.spec.key, exchange, exchange.cancel)
@@ -269,11 +272,8 @@ class Worker:
 
         pool, entry = self._pool, self._entry
         # Checked here, before the thread starts, so bad input raises in the awaiting task.
-        args, kwargs = call_arguments(args, kwargs)
+        args, kwargs, timeout = call_arguments(args, kwargs, timeout, on_event)
         check_target(target)
-        if timeout is not None:
-            timeout = check_timeout(timeout)
-        check_on_event(on_event)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RemoteRef] = loop.create_future()
         ticket = Exchange(pool, entry)  # kept here to cancel it
@@ -341,11 +341,7 @@ class Worker:
         ``asyncio.timeout`` around it can overrun by up to ``cancel_grace``, while ``timeout``
         is a strict deadline (the worker is stopped at once). ``on_event`` must be a plain
         callable (an ``async def`` raises ``ArgumentError``)."""
-        args, kwargs = call_arguments(args, kwargs)
-        if timeout is not None:
-            timeout = check_timeout(timeout)
-        if on_event is not None:
-            check_on_event(on_event)
+        args, kwargs, timeout = call_arguments(args, kwargs, timeout, on_event)
         acall = _acall or _load_acall()
         call = Exchange(self._pool, self._entry)
         call.on_event = on_event
