@@ -24,20 +24,24 @@ The asyncio path (``_acall``) keeps only its waiting (spin, the loop's reader, t
 thread) and asks this object for every decision (``begin``, ``open``, ``decode``,
 ``deadline_hit``, ``crashed``, ``protocol_broken``).
 
-A crash, from EOF to ``WorkerCrashed`` (the sync path; nothing calls back into the pool)::
+A crash, from EOF to ``WorkerCrashed`` (the sync path; nothing calls back into the pool),
+on seven floors::
 
-    protocol.FrameReader.read raises ChannelClosed
-    -> Exchange.read_failed -> Exchange.crashed
-       status_at_eof, await_exit     _exitwatch (bound on the facade) -> _outputpipes, _logs
-       entry.apply(ChannelClosed)    _entry -> _lifecycle (Retired; the kill is an effect,
-                                     ``_process``)
-       site.report_death             _spawner -> _policies (the breaker), _events
-       memory.verdict                _memlimit (out of memory? a fact, read here)
-       crash_story                   _failures (the words; _errors)
-    -> run settles (_lease) and raises
+    frames      protocol.FrameReader.read raises ChannelClosed
+    call        Exchange.read_failed, then Exchange.crashed; they ask the floors below:
+    channel       request_unread: was our request read? (no: loop, to a fresh worker)
+    exit watch    status_at_eof, await_exit, log.tail, memory.verdict: how the generation
+                  ended (``_exitwatch`` bound on the ``_process`` facade, ``_outputpipes``,
+                  ``_logs``, the memory leaf ``_memlimit``)
+    gate          entry.apply(ChannelClosed): ``_entry`` -> ``_lifecycle`` (Retired; its
+                  kill effect goes to the facade)
+    report        site.report_death: ``_spawner`` -> ``_policies`` (the breaker), ``_events``
+    words         crash_story: ``_failures`` (with ``_errors``' exit-status words and classes,
+                  the target's name from ``_codec``)
+    -> run settles (``_lease``) and raises
 
 Nothing below this object calls back up into it, and the words gather no facts
-(``tests/test_call_paths.py`` traces a real crash).
+(``tests/test_call_paths.py`` traces a real crash and holds the seven floors).
 
 The lifecycle table is written only through ``entry.apply`` / the entry's ``*_locked``
 writers (``EnvEntry._store``), effects outside the entry's lock. This module never imports the

@@ -8,9 +8,14 @@ caller's module to the callee's. The structure tests (``test_structure.py``) hol
   goes down the floors and never back up, and never enters the pool: handle -> call object ->
   leasing, codec, status -> gate, channel -> lifecycle table, frames; no call through a
   handle (``call``, ``run``, ``submit``, ``acall``, ``arun``) enters the pool;
-* a crash, from the reply read's EOF to ``WorkerCrashed``, never calls into the pool, and the
-  words of the error (``_failures``) call nothing but the exit-status words and the error
-  classes (``_errors``) and the lifecycle's names: they read facts, they do not gather them.
+* the common call enters few modules again: each of its two descents from the call object
+  (the start, then the settle) and its exchange of frames goes down once, so a module is
+  entered again only by the next descent (``COMMON_CALL_REENTRIES`` at most);
+* a crash, from the reply read's EOF to ``WorkerCrashed``, never calls into the pool, stays on
+  seven floors (``CRASH_FLOORS``: the frames, the channel, the call, the generation's exit
+  watch, the gate, the spawner's report, the words), and the words of the error
+  (``_failures``) call nothing but the exit-status words and the error classes (``_errors``)
+  and the lifecycle's names: they read facts, they do not gather them.
 """
 
 from __future__ import annotations
@@ -55,6 +60,38 @@ COMMON_CALL_FLOORS = {
 }
 
 
+# The most times the common call enters a module it entered before. Each descent from the call
+# object enters its modules once: the start (``_lease`` -> ``_lifecycle``, ``_channel`` ->
+# frames, ``_entry`` -> ``_lifecycle``), the exchange of frames (``_channel`` -> frames), the
+# decode (``_codec``) and the settle (``_lease`` -> ``_entry`` -> ``_lifecycle``, ``_status``).
+# The start asks the table once more (is a ping due?) before the gate applies ``CallStarted``.
+COMMON_CALL_REENTRIES = 8
+
+# The floors a crash passes from the reply read's EOF to ``WorkerCrashed``, and the modules of
+# each: the frames, the channel (was our request read?), the call's object, the generation's
+# exit watch (the facade whose kill is the gate's effect, the exit status, the output and its
+# log lines, the memory leaf's verdict: facts about how it ended), the gate, the spawner's
+# report of the death (the breaker, ``WorkerRetired``), and the words.
+CRASH_FLOORS = {
+    "comfy_env_worker.protocol": "frames",
+    "comfy_env._channel": "channel",
+    "comfy_env._exchange": "call",
+    "comfy_env._process": "exit watch",
+    "comfy_env._exitwatch": "exit watch",
+    "comfy_env._outputpipes": "exit watch",
+    "comfy_env._logs": "exit watch",
+    "comfy_env._memlimit": "exit watch",
+    "comfy_env._entry": "gate",
+    "comfy_env._lifecycle": "gate",
+    "comfy_env._spawner": "report",
+    "comfy_env._policies": "report",
+    "comfy_env._events": "report",
+    "comfy_env._failures": "words",
+    "comfy_env._errors": "words",
+    "comfy_env._codec": "words",  # the target's name in the error (``target_label``)
+}
+
+
 def _ours(module: str) -> bool:
     return module.startswith(("comfy_env.", "comfy_env_worker."))
 
@@ -68,6 +105,12 @@ def traced() -> Iterator[Callable[[Callable[[], object]], list[tuple[str, str, s
         edges: list[tuple[str, str, str]] = []
 
         def profile(frame: FrameType, event: str, arg: Any) -> None:
+            # Marks for a crash's slice: where the call object hears of the EOF, and the end
+            # of its story (calls within one module leave no edge).
+            if event == "call" and frame.f_code.co_name == "read_failed":
+                edges.append(("", "comfy_env._exchange", "read_failed"))
+            if event == "return" and frame.f_code.co_name == "crash_story":
+                edges.append(("", "comfy_env._failures", "crash_story returned"))
             if event != "call":
                 return
             callee = frame.f_globals.get("__name__", "")
@@ -100,6 +143,13 @@ def _check_floors(edges: list[tuple[str, str, str]]) -> set[str]:
         if caller not in COMMON_CALL_FLOORS:
             continue  # the test's own frame calling the handle
         assert COMMON_CALL_FLOORS[caller] < COMMON_CALL_FLOORS[callee], (caller, callee, function)
+    entered_before: set[str] = set()
+    reentries = []
+    for caller, callee, function in edges:
+        if caller in COMMON_CALL_FLOORS and callee in entered_before:
+            reentries.append((caller, callee, function))
+        entered_before.add(callee)
+    assert len(reentries) <= COMMON_CALL_REENTRIES, reentries
     return {function for _, _, function in edges}
 
 
@@ -164,3 +214,14 @@ def test_a_crash_never_calls_into_the_pool_and_its_words_gather_no_facts(
     # Nothing below the call object calls back up into it (its facts come back as values).
     up = [e for e in edges if e[1] == "comfy_env._exchange" and _ours(e[0])]
     assert all(caller == "comfy_env._worker" for caller, _, _ in up), up
+    # From the EOF (the read that raised ``ChannelClosed``: the frames' floor) to the error.
+    functions = [function for _, _, function in edges]
+    start = functions.index("read_failed")
+    end = functions.index("crash_story returned")
+    crash = edges[start:end]
+    assert all(callee in CRASH_FLOORS for _, callee, _ in crash), [
+        e for e in crash if e[1] not in CRASH_FLOORS
+    ]
+    floors = {CRASH_FLOORS[callee] for _, callee, _ in crash} | {"frames"}
+    assert floors == set(CRASH_FLOORS.values()), floors  # all seven: the whole story
+    assert len(floors) == 7
