@@ -233,10 +233,11 @@ def bench_comfyui(argv: list[str]) -> int:
 # ---- the opt-in compiled hot path (mypyc) ---------------------------------------------------
 
 # The modules that carry every call: the call itself (``_exchange``), leasing, the gate and its
-# table, the codec. Not ``_pool``: a call passes through it in one short frame
-# (``Pool.call_plain``) and reads its ``closed`` property, which compiled saved about 2,300 of
-# the host's ~50,000 instructions a call (callgrind, ``benchmarks/count_instructions.py``), not
-# worth a native ``Pool`` (signatures widened against mypyc's coercion, no weak references).
+# table, the codec. Not ``_pool``: a ``Worker``'s calls enter ``_exchange`` with no frame of
+# the pool's (when one short frame of it was still on the path, compiling it saved about 2,300
+# of the host's ~50,000 instructions a call, measured with callgrind,
+# ``benchmarks/count_instructions.py``: not worth a native ``Pool``, whose signatures mypyc's
+# coercion widened and which could not be weakly referenced).
 # The worker runtime is never compiled: it must run under any env's Python (3.8 and up) with
 # nothing but the stdlib.
 HOT_MODULES = ("_lifecycle", "_entry", "_lease", "_exchange", "_codec")

@@ -637,7 +637,7 @@ class _BigReply:
                     # grace kills a worker that does not end it); a second cancel kills now.
                     self.dropped = True
                     call = self.call
-                    _lease.cancel(call.site, call.entry, call, force=cancels.add(exc))
+                    call.cancel(force=cancels.add(exc))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -977,7 +977,7 @@ async def _await_on_loop(
                 if reader.outcome is not None:
                     break  # it ended as the cancel came: the reply is dropped by the caller
                 reader.done = loop.create_future()
-                _lease.cancel(call.site, call.entry, call, force=force)
+                call.cancel(force=force)
     finally:
         loop.remove_reader(fd)
         if timer is not None:
@@ -1076,7 +1076,7 @@ async def _on_thread(call: Exchange) -> Any:
         except asyncio.CancelledError as exc:
             if timer is not None:
                 timer.cancel()  # cancelled: wait for the call's end (the thread's deadline holds)
-            _lease.cancel(call.site, call.entry, call, force=cancels.add(exc))
+            call.cancel(force=cancels.add(exc))
     if timer is not None:
         timer.cancel()
     if cancels:

@@ -466,7 +466,7 @@ class Exchange(Ticket):
         stopped (or the reader state was lost to the interrupt: then it is stopped now)."""
         process, entry, slot = self.process, self.entry, self.slot
         assert process is not None and slot is not None
-        _lease.cancel(self.site, entry, self)
+        self.cancel()
         try:
             with allowing(self.held):  # a second Ctrl-C stops the worker at once
                 frame = process.read_frame(None, None, self.sink)
@@ -575,7 +575,8 @@ class Exchange(Ticket):
 
 def run_prepared(site: ExchangeSite, prepared: PendingCall) -> Any:
     """A prepared call (``site.exchange(entry).prepare(...)``) to its end: leased (waiting in
-    the queue), run (``Exchange.run``), settled once (``Pool.call``)."""
+    the queue), run (``Exchange.run``), settled once. A ``Worker``'s calls enter here when
+    ``run_plain`` declines; a ``RemoteRef``'s through ``Pool.call``."""
     call: Exchange = prepared  # type: ignore[assignment]  # (what ``site.exchange`` makes)
     # Counted while it runs: a reader polls for its reply only while this process makes one
     # call at a time (see _inflight).

@@ -1,4 +1,4 @@
-"""The pool: the public API (``Pool``) and the call path; it holds the env entries.
+"""The pool: the public API (``Pool``); it holds the env entries and wires the call's parts.
 
 Data flow of one call (its own ``_exchange.Exchange``, run by ``_exchange``: a ``Worker``
 enters it directly, a ``RemoteRef`` through ``Pool.call``; the pool holds what it uses)::
@@ -11,8 +11,8 @@ enters it directly, a ``RemoteRef`` through ``Pool.call``; the pool holds what i
         backend.new_generation -> launch ->          pidfd readable: reap, gate(Exited)
         handshake + canary (caller reads)            pipes readable: output tail + logging
     gate(CallStarted) -> send CALL frame
-    read REPLY frame (deadline) -> gate(Replied)
-    settle: release the slot (hand it to the next waiter) -> decode -> return or raise
+    read REPLY frame (deadline) -> open it -> decode
+    settle: gate(Replied), release the slot (hand it to the next waiter) -> return or raise
 
 The caller writes its request and reads its reply itself: no thread hand-off on the hot path.
 
@@ -30,7 +30,7 @@ Where the rest lives (each module's docstring draws its part)::
     _lease      FIFO leasing and the call counters: lease_now/acquire, leave_queue,
                 settle/settle_ok, cancel (the only writer of a call's stage and counters)
     _exchange   Exchange, one call's own object: prepare, start (checks, CallStarted),
-                send, receive (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
+                send, read (LOG/EVENT frames, the Ctrl-C drain), open the reply, decode,
                 settle; the errors of a broken exchange; its two ways in (``run_plain``,
                 the common call; ``run_prepared``, any prepared call, also ``Pool.call``'s)
     _spawner    Spawner: a generation's birth (reactor and runtime dir on first use,

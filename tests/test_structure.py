@@ -307,8 +307,8 @@ NEUTRAL += ["_pool", "_shutdown", "_spawner"]
 
 @pytest.mark.parametrize("module", NEUTRAL)
 def test_backend_neutral_code_never_reads_a_process_handle(module: str) -> None:
-    # A backend is told apart by what its generation offers (``launched_pid``, ``channel``),
-    # never by whether it launched a ``subprocess.Popen`` (a Ray actor has none).
+    # A backend is told apart by what its generation offers (the pid ``launch`` returns, its
+    # ``channel``), never by whether it launched a ``subprocess.Popen`` (a Ray actor has none).
     tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
     reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "popen"]
     assert reads == [], reads
